@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up first.
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint typecheck unit integration bench clean
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(BIN)/coordinator launch
+
+test: setup lint typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint:
+	$(BIN)/ruff check coordinator worker tests benchmarks
+
+typecheck:
+	$(BIN)/mypy --strict coordinator worker
+
+unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+integration: setup
+	$(BIN)/python -m pytest -q tests/integration
+
+bench: setup
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/bench_preflight.py
+	$(BIN)/python benchmarks/bench_hash.py
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

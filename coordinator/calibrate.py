@@ -1,0 +1,380 @@
+"""Calibrate the fleet: run `worker.bench` on every node in parallel and cache the curves here, coordinator side.
+
+The I/O shell around `coordinator.plan`. Per connected node: ship the worker package, run
+`env [NODE_ENV...] PYTHONPATH=<worker dir> <python> -m worker.bench ...` over the node's own connection, stream
+its stderr for progress, parse the one JSON object it prints, and store it under `cache_dir` keyed by
+`compute_cache_key` (node, hardware fingerprint, mlx version, model digest and every bench parameter that changes
+the curve). A cached curve is reused unless `recalibrate`; a node whose hardware is unknown is never cached (two
+different machines could then share a key).
+
+Failure semantics: one node's failure (ship failed, bench error JSON, no JSON, non-zero exit, timeout after
+`time_budget + TIMEOUT_SLACK_S`) is that node's result: a `CoordinatorError` value in the returned dict, never an
+exception that stops the other nodes. The bench bounds its own run with a watchdog, so a remote bench does not
+outlive its budget even when the SSH channel is dropped on our timeout. A cache file that cannot be read is a
+miss; one that cannot be written is reported through `progress` and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import CoordinatorError
+from coordinator.facts.model import NodeFacts
+from coordinator.models import Node
+from coordinator.plan import CurvePoint, NodeCalibration, Plan, PlanError
+from coordinator.ship import ship_worker
+from coordinator.transport import Fleet, Transport, python_argv
+
+CACHE_SCHEMA = 1
+# Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
+TIMEOUT_SLACK_S = 30.0
+STDERR_TAIL_LINES = 20
+
+Progress = Callable[[str, str], None]  # (node name, progress line without its newline)
+
+
+class CalibrationError(CoordinatorError):
+    """The bench on one node failed or printed something that is not a calibration. `evidence` is the tail of
+    its stderr (or the offending output)."""
+
+    def __init__(self, node: str, message: str, *, evidence: str = "") -> None:
+        self.node = node
+        self.evidence = evidence
+        super().__init__(f"{node}: {message}")
+
+
+@dataclass(frozen=True)
+class NodeFingerprint:
+    """What makes one node's curve valid: the hardware and software it was measured on."""
+
+    chip: str | None
+    model_id: str | None
+    memory_bytes: int | None
+    cpu_count: int | None
+    gpu_cores: int | None
+    os_version: str | None
+    mlx_version: str | None
+
+    @property
+    def known(self) -> bool:
+        """Enough to tell a different machine apart: a chip or model id, and the memory size."""
+        return bool((self.chip or self.model_id) and self.memory_bytes)
+
+
+def fingerprint_from_facts(facts: NodeFacts) -> NodeFingerprint:
+    """The fingerprint of a node from its gathered facts (missing sections leave None fields)."""
+    hw, os_info, sw = facts.hardware, facts.os, facts.software
+    os_version = None
+    if os_info is not None:
+        os_version = f"{os_info.name} {os_info.version}" + (f" ({os_info.build})" if os_info.build else "")
+    return NodeFingerprint(
+        chip=hw.chip if hw else None,
+        model_id=hw.model_id if hw else None,
+        memory_bytes=(hw.memory_bytes if hw else None) or (facts.memory.total_bytes if facts.memory else None),
+        cpu_count=hw.cpu_total if hw else None,
+        gpu_cores=hw.gpu_cores if hw else None,
+        os_version=os_version,
+        mlx_version=sw.mlx_version if sw else None,
+    )
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What to measure (from the playbook: `model`, `train.max_seq_length`, `train.method`, `train.num_layers`,
+    `train.grad_checkpoint`). `model` is the model directory as the nodes see it."""
+
+    model: str
+    seq_len: int
+    method: str
+    num_layers: int = 16
+    grad_checkpoint: bool = False
+    max_batch: int = 64
+    memory_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.method not in ("lora", "dora", "full"):
+            raise ValueError(f"unknown training method {self.method!r}: lora, dora or full")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure parts.
+
+
+def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str) -> str:
+    """Digest of everything that changes a node's curve. The time budget is left out on purpose: it only decides
+    how far a sweep got, not what its points mean (`--recalibrate` measures again)."""
+    inputs = {
+        "schema": CACHE_SCHEMA,
+        "node": node,
+        "fingerprint": asdict(fingerprint),
+        "model_digest": model_digest,
+        "seq_len": spec.seq_len,
+        "method": spec.method,
+        "num_layers": spec.num_layers,
+        "grad_checkpoint": spec.grad_checkpoint,
+        "max_batch": spec.max_batch,
+        "memory_fraction": spec.memory_fraction,
+    }
+    canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float) -> list[str]:
+    """The remote command. The node's inventory env is exported too, so the bench runs as training will."""
+    env = [f"{k}={v}" for k, v in node.env if k != "PYTHONPATH"]
+    return [
+        "env", *env, f"PYTHONPATH={worker_dir}",
+        *python_argv(
+            node.python, "-m", "worker.bench",
+            "--model", spec.model,
+            "--seq-len", str(spec.seq_len),
+            "--method", spec.method,
+            "--num-layers", str(spec.num_layers),
+            *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
+            "--time-budget", f"{time_budget:g}",
+            "--max-batch", str(spec.max_batch),
+            "--memory-fraction", f"{spec.memory_fraction:g}",
+        ),
+    ]
+
+
+def parse_bench_stdout(node: str, stdout: str) -> dict[str, Any]:
+    """The bench's JSON object: the last stdout line that is a JSON object (the bench keeps its stdout clean, but a
+    site's shell profile may print). Raises CalibrationError when there is none."""
+    for line in reversed(stdout.splitlines()):
+        text = line.strip()
+        if not text.startswith("{"):
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    raise CalibrationError(node, "the bench printed no JSON result", evidence=stdout[-2000:])
+
+
+def _number(node: str, obj: Mapping[str, Any], key: str, *, optional: bool = False) -> float | None:
+    value = obj.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CalibrationError(node, f"bench result field {key!r} is not a number: {value!r}")
+    return float(value)
+
+
+def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = False) -> NodeCalibration:
+    """A `NodeCalibration` from the bench's JSON object. Raises CalibrationError on `{"error": ...}` or on any
+    missing or malformed field (with the field named)."""
+    if "error" in obj:
+        raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
+    raw_curve = obj.get("curve")
+    if not isinstance(raw_curve, list) or not raw_curve:
+        raise CalibrationError(node, f"bench result has no curve: {str(raw_curve)[:200]}")
+    points = []
+    for raw in raw_curve:
+        if not isinstance(raw, dict):
+            raise CalibrationError(node, f"bench curve point is not an object: {raw!r}")
+        batch, rate, peak = (_number(node, raw, k) for k in ("batch", "tokens_per_s", "peak_memory"))
+        assert batch is not None and rate is not None and peak is not None
+        points.append(CurvePoint(batch=int(batch), tokens_per_s=rate, peak_memory=int(peak)))
+    device = obj.get("device")
+    seq_len = _number(node, obj, "seq_len", optional=True)
+    seconds = _number(node, obj, "seconds", optional=True)
+    limit = _number(node, obj, "memory_limit", optional=True)
+    matmul = _number(node, obj, "matmul_gflops", optional=True)
+    try:
+        return NodeCalibration(
+            node=node,
+            curve=tuple(sorted(points, key=lambda p: p.batch)),
+            matmul_gflops=matmul or 0.0,
+            memory_limit=int(limit) if limit else None,
+            seq_len=int(seq_len) if seq_len else None,
+            method=str(obj["method"]) if obj.get("method") is not None else None,
+            stopped_because=str(obj["stopped_because"]) if obj.get("stopped_because") is not None else None,
+            seconds=seconds,
+            device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
+            cached=cached,
+        )
+    except PlanError as exc:
+        raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
+
+
+def calibration_to_json(
+    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
+) -> dict[str, Any]:
+    """`{"nodes": [{"name", "tokens_per_s", "batch_size", "share", "curve": [...]}], "split": {node: share}}` in the
+    plan's (rank) order. `tokens_per_s` is the node's predicted rate at its planned batch (what its share is
+    proportional to); `curve` is what was measured. Raises PlanError when a planned node has no calibration."""
+    by_name = dict(calibrations) if isinstance(calibrations, Mapping) else {c.node: c for c in calibrations}
+    missing = [n for n in plan.batch if n not in by_name]
+    if missing:
+        raise PlanError(f"no calibration for planned node(s): {', '.join(missing)}")
+    nodes = []
+    for name, batch in plan.batch.items():
+        nodes.append({
+            "name": name,
+            "tokens_per_s": round(plan.node_tokens_per_s(name) or 0.0, 3),
+            "batch_size": batch,
+            "share": plan.split[name],
+            "curve": [
+                {"batch": p.batch, "tokens_per_s": p.tokens_per_s, "peak_memory": p.peak_memory}
+                for p in by_name[name].curve
+            ],
+        })
+    return {"nodes": nodes, "split": dict(plan.split)}
+
+
+def build_cache_record(key: str, node: str, bench: Mapping[str, Any]) -> dict[str, Any]:
+    return {"schema": CACHE_SCHEMA, "key": key, "node": node, "saved_at": time.time(), "bench": dict(bench)}
+
+
+def parse_cache_record(node: str, key: str, text: str) -> NodeCalibration | None:
+    """A cached calibration, or None when the record is unreadable, from another schema or key (a miss)."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("schema") != CACHE_SCHEMA or record.get("key") != key:
+        return None
+    bench = record.get("bench")
+    if not isinstance(bench, dict):
+        return None
+    try:
+        return calibration_from_bench(node, bench, cached=True)
+    except CalibrationError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# I/O.
+
+
+def _cache_path(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"calibration-{key}.json"
+
+
+def _read_cache(cache_dir: Path, node: str, key: str) -> NodeCalibration | None:
+    try:
+        text = _cache_path(cache_dir, key).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return parse_cache_record(node, key, text)
+
+
+def _write_cache(cache_dir: Path, key: str, node: str, bench: Mapping[str, Any]) -> None:
+    """Atomic (temp file + rename): a crash never leaves half a record for the next run to trust."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = _cache_path(cache_dir, key)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(build_cache_record(key, node, bench), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+async def run_bench(
+    transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`).
+
+    Raises TransportError (ship failed, timeout) or CalibrationError (no JSON, or a non-zero exit without an
+    error JSON explaining it)."""
+    worker_dir = await ship_worker(transport, node)
+    argv = build_bench_argv(node, worker_dir, spec, time_budget)
+    stdout: list[str] = []
+    stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+    status = None
+    async for kind, line in transport.stream(argv, timeout=time_budget + TIMEOUT_SLACK_S):
+        if kind == "stdout":
+            stdout.append(line)
+        elif kind == "stderr":
+            text = line.rstrip("\r\n")
+            stderr_tail.append(text)
+            # Only the bench's own progress lines: library warnings stay in the evidence tail.
+            if progress is not None and text.startswith("bench "):
+                progress(node.name, text)
+        elif kind == "exit":
+            status = line
+    evidence = "\n".join(stderr_tail)
+    try:
+        obj = parse_bench_stdout(node.name, "".join(stdout))
+    except CalibrationError as exc:
+        raise CalibrationError(node.name, f"the bench exited with status {status} and printed no JSON result",
+                               evidence=evidence or exc.evidence) from exc
+    if status != "0" and "error" not in obj:
+        raise CalibrationError(node.name, f"the bench exited with status {status}", evidence=evidence)
+    if "error" in obj:
+        raise CalibrationError(node.name, f"bench failed: {obj['error']}", evidence=evidence)
+    return obj
+
+
+async def calibrate(
+    fleet: Fleet,
+    spec: BenchSpec,
+    *,
+    fingerprints: Mapping[str, NodeFingerprint],
+    model_digest: str,
+    recalibrate: bool,
+    cache_dir: Path,
+    time_budget: float = 60.0,
+    progress: Progress | None = None,
+) -> dict[str, NodeCalibration | CoordinatorError]:
+    """Calibrate every connected node of `fleet` in parallel (nodes that failed to connect keep their
+    TransportError). Returns one entry per node, in fleet order: its `NodeCalibration` (`cached=True` when read
+    from `cache_dir`) or the `CoordinatorError` that stopped it.
+
+    `fingerprints[node]` is the hardware/software fingerprint the caller gathered (see `fingerprint_from_facts`);
+    a node without one, or with an unknown one, is measured and not cached. `model_digest` identifies the model's
+    weights. Raises ValueError only for a non-positive `time_budget`.
+    """
+    if not (time_budget > 0 and math.isfinite(time_budget)):
+        raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
+
+    def say(node: str, message: str) -> None:
+        if progress is not None:
+            progress(node, message)
+
+    async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
+        fingerprint = fingerprints.get(node.name)
+        key = (compute_cache_key(node.name, fingerprint, spec, model_digest)
+               if fingerprint is not None and fingerprint.known else None)
+        if key is not None and not recalibrate:
+            cached = _read_cache(cache_dir, node.name, key)
+            if cached is not None:
+                say(node.name, f"calibration cached ({key[:12]})")
+                return cached
+        say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, budget {time_budget:g}s)")
+        try:
+            obj = await run_bench(transport, node, spec, time_budget=time_budget, progress=progress)
+            calibration = calibration_from_bench(node.name, obj)
+        except CoordinatorError as exc:
+            say(node.name, f"calibration failed: {exc}")
+            return exc
+        if key is None:
+            say(node.name, "not cached: the node's hardware fingerprint is unknown")
+        else:
+            try:
+                _write_cache(cache_dir, key, node.name, obj)
+            except OSError as exc:
+                say(node.name, f"could not cache the calibration in {cache_dir}: {exc}")
+        return calibration
+
+    results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one))
+    ordered: dict[str, NodeCalibration | CoordinatorError] = {}
+    for node in fleet.nodes:
+        if node.name in results:
+            ordered[node.name] = results[node.name]
+        elif node.name in fleet.failed:
+            ordered[node.name] = fleet.failed[node.name]
+    return ordered
+

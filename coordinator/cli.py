@@ -1,0 +1,393 @@
+"""The `coordinator` command line. The ONLY place that prints errors for users and chooses exit codes.
+
+Exit codes: 0 ok, 1 a check failed / the job failed, 2 usage or configuration error, 130 interrupted.
+Each verb is a thin wrapper: find the behaviour behind it one hop away (preflight.py, gather.py, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from coordinator import control
+from coordinator.calibrate import calibration_to_json
+from coordinator.chaos import parse_chaos
+from coordinator.errors import ConfigError, CoordinatorError
+from coordinator.gather import record_facts
+from coordinator.inventory import load_inventory
+from coordinator.job import JobOptions, JobUI, PreflightFailed, calibrate_fleet, hostfile_for, run_job
+from coordinator.launch import RunSummary
+from coordinator.liveview import RichUI
+from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer, MetricsUI
+from coordinator.models import Inventory
+from coordinator.plan import format_split
+from coordinator.playbook import Playbook, load_playbook
+from coordinator.preflight import collect, evaluate
+from coordinator.quarantine import QuarantineStore
+from coordinator.render import dumps, facts_to_json, render_facts, render_preflight
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_INVENTORY = "inventory/local.yaml"
+DEFAULT_PLAYBOOK = "playbooks/smoke.yaml"
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"coordinator: error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn our errors into a one-line message and an exit code; never a traceback for expected failures."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as exc:
+            _fail(exc.location_message(), 2)
+        except CoordinatorError as exc:
+            _fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inventory, Playbook | None]:
+    inv = load_inventory(inventory)
+    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
+    inv = inv.limit(names)
+    pb = load_playbook(playbook) if playbook else None
+    return inv, pb
+
+
+class _HashProgress:
+    """Shows hashing progress for large models (the probe reports it on stderr)."""
+
+    def __init__(self, console: Console, enabled: bool) -> None:
+        self.enabled = enabled and console.is_terminal
+        self.progress = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), console=console, transient=True)
+        self.tasks: dict[str, Any] = {}
+
+    def __call__(self, node: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if node not in self.tasks:
+            self.tasks[node] = self.progress.add_task(node, total=total)
+        self.progress.update(self.tasks[node], completed=done, total=total)
+
+    def __enter__(self) -> _HashProgress:
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+common_options = [
+    click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True,
+                 help="Inventory: our YAML, an MLX hostfile (JSON) or an Ansible inventory (YAML/INI)."),
+    click.option("--limit", help="Comma-separated node names to act on."),
+    click.option("--accept-new-host-keys", is_flag=True,
+                 help="Record unknown host keys in known_hosts (a CHANGED key always fails)."),
+    click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300),
+                 help="Seconds to wait for each node's SSH handshake."),
+    click.option("--probe-timeout", default=600.0, show_default=True, type=click.FloatRange(1, 86400),
+                 help="Seconds the probe (incl. first hashing of the model) may take per node."),
+]
+
+
+def with_common(fn: F) -> F:
+    for option in reversed(common_options):
+        fn = option(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mlx-coordinator")
+def main() -> None:
+    """Cluster coordinator for distributed MLX training on Apple Silicon Macs."""
+
+
+@main.command()
+@with_common
+@click.option("-p", "--playbook", help="Also hash the playbook's model/data dirs and read the model config.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--raw", is_flag=True, help="Include every command's raw output in the JSON.")
+@click.option("--record", type=click.Path(file_okay=False, path_type=Path),
+              help="Save each node's raw command outputs under DIR/<node>/ (replayable test fixtures).")
+@handle_errors
+def facts(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+          probe_timeout: float, playbook: str | None, as_json: bool, raw: bool, record: Path | None) -> None:
+    """Gather and print every node's facts."""
+    inv, pb = _load(inventory, playbook, limit)
+    console = Console(stderr=as_json)
+    with _HashProgress(console, not as_json) as progress:
+        result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
+    out: list[dict[str, Any]] = []
+    for node in inv.nodes:
+        f = result.facts.get(node.name)
+        if f is not None and record is not None:
+            record_facts(f, record)
+        if as_json:
+            error = result.connect.get(node.name) if f is None else None
+            error = error if isinstance(error, CoordinatorError) else result.probe_errors.get(node.name)
+            out.append(facts_to_json(f, raw=raw) if f else {"node": node.name, "unreachable": str(error)})
+        elif f is not None:
+            render_facts(f, console)
+        else:
+            err = result.probe_errors.get(node.name) or result.connect.get(node.name)
+            console.print(f"[bold red]{node.name}: {err}[/bold red]")
+    if as_json:
+        click.echo(dumps({"nodes": out}))
+    if record is not None:
+        console.print(f"recorded raw outputs under {record}/<node>/")
+    if len(result.facts) < len(inv.nodes):
+        sys.exit(1)
+
+
+@main.command()
+@with_common
+@click.option("-p", "--playbook", default=DEFAULT_PLAYBOOK, show_default=True, help="The job to check against.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--strict", is_flag=True, help="Warnings fail too.")
+@handle_errors
+def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+              probe_timeout: float, playbook: str, as_json: bool, strict: bool) -> None:
+    """Check that every node is ready for the playbook: ssh, os, rdma, thunderbolt, software, model, env,
+    resources; plus a lint of the playbook."""
+    inv, pb = _load(inventory, playbook, limit)
+    console = Console(stderr=as_json)
+    with _HashProgress(console, not as_json) as progress:
+        result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
+    report = evaluate(inv, pb, result)
+    if as_json:
+        click.echo(dumps(report.to_json(strict=strict)))
+    else:
+        render_preflight(report, console, strict=strict)
+    sys.exit(0 if report.ok(strict=strict) else 1)
+
+
+def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
+                 connect_timeout: float, accept_new_host_keys: bool) -> JobOptions:
+    return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
+                      connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys)
+
+
+@main.command()
+@click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True, help="The fleet.")
+@click.argument("playbook", default=DEFAULT_PLAYBOOK, required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print summary.json at the end (progress goes to stderr).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True,
+              help="Where runs/<run-id>/ is written.")
+@click.option("--skip-preflight", is_flag=True, help="Launch even if preflight fails (findings are still shown).")
+@click.option("--recalibrate", is_flag=True, help="Measure every node again instead of using cached curves.")
+@click.option("--resume", metavar="RUN_ID", help="Continue RUN_ID from its newest checkpoint that is consistent.")
+@click.option("--limit", help="Comma-separated node names to run on.")
+@click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
+@click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve the run's Prometheus metrics on this port (0: any free port).")
+@click.option("--metrics-host", default=DEFAULT_METRICS_HOST, show_default=True,
+              help="Address the metrics endpoint binds (0.0.0.0 exposes it to the network).")
+@click.option("--chaos", "chaos_specs", multiple=True, metavar="SPEC",
+              help="Inject a fault for drills/tests, e.g. kill:rank=1,step=20 (docs/faults.md). Repeatable.")
+@handle_errors
+def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
+           resume: str | None, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+           metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...]) -> None:
+    """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
+    hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished."""
+    inv, pb = _load(inventory, playbook, limit)
+    assert pb is not None
+    console = Console(stderr=as_json)
+    ui = RichUI(console)
+    opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys)
+    chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
+    server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
+    job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
+    try:
+        summary = asyncio.run(run_job(inv, pb, opts, job_ui, chaos=chaos))
+    except PreflightFailed as exc:
+        ui.close()
+        render_preflight(exc.report, console)
+        raise
+    finally:
+        ui.close()
+        if server is not None:
+            server.close()
+    if as_json:
+        click.echo(dumps(summary.to_json()))
+    else:
+        style = "green" if summary.state == "succeeded" else "red"
+        console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps} steps, "
+                      f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json")
+        _print_incidents(console, summary)
+    sys.exit(0 if summary.state == "succeeded" else 1)
+
+
+def _print_incidents(console: Console, summary: RunSummary) -> None:
+    for inc in summary.incidents:
+        after = "" if inc.detected_after_s is None else f" (detected after {inc.detected_after_s:.1f}s)"
+        console.print(f"  [red]{inc.kind}[/red] node {inc.node} rank {inc.rank} step {inc.step}{after}: "
+                      f"{inc.action}; {str(inc.evidence)[:300]}")
+    for rec in summary.recoveries:
+        console.print(f"  relaunch {rec['attempt']}: without {', '.join(rec['culprits']) or 'nobody'} on "
+                      f"{', '.join(rec['nodes'])}; first step after {rec.get('first_step_after_s')}s")
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("-i", "--inventory", help="Default: the inventory the run was launched with.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool) -> None:
+    """Resume monitoring RUN_ID (after the coordinator that launched it died) until it ends."""
+    console = Console(stderr=as_json)
+    ui = RichUI(console)
+    try:
+        summary = asyncio.run(control.attach(run_dir / run_id, inventory=inventory, view=ui.progress))
+    finally:
+        ui.close()
+    if as_json:
+        click.echo(dumps(summary.to_json()))
+    else:
+        console.print(f"{summary.state} run {summary.run_id}: {summary.steps} steps")
+        _print_incidents(console, summary)
+    sys.exit(0 if summary.state == "succeeded" else 1)
+
+
+@main.command()
+@click.argument("run_id")
+@click.option("-i", "--inventory", help="Default: the inventory the run was launched with.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True)
+@handle_errors
+def stop(run_id: str, inventory: str | None, run_dir: Path) -> None:
+    """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`."""
+    summary = asyncio.run(control.stop(run_dir / run_id, inventory=inventory))
+    click.echo(f"stopped run {summary.run_id} at step {summary.steps}")
+
+
+@main.group()
+def quarantine() -> None:
+    """Nodes left out of launches after a fault (persisted)."""
+
+
+@quarantine.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def quarantine_list(as_json: bool) -> None:
+    """Show quarantined nodes and why."""
+    entries = QuarantineStore().load()
+    if as_json:
+        click.echo(dumps({n: {"reason": e.reason, "run_id": e.run_id, "t": e.t} for n, e in entries.items()}))
+        return
+    if not entries:
+        click.echo("no node is quarantined")
+    for e in entries.values():
+        click.echo(f"{e.node}\t{e.reason}\trun {e.run_id}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.t))}")
+
+
+@quarantine.command("clear")
+@click.argument("node")
+@handle_errors
+def quarantine_clear(node: str) -> None:
+    """Let NODE take part in launches again."""
+    if not QuarantineStore().clear(node):
+        raise ConfigError(f"{node} is not quarantined (`coordinator quarantine list`)")
+    click.echo(f"cleared {node}")
+
+
+@main.command()
+@with_common
+@click.option("-p", "--playbook", default=DEFAULT_PLAYBOOK, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--recalibrate", is_flag=True, help="Measure again instead of using cached curves.")
+@handle_errors
+def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+              probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
+    """Measure each node's training throughput and split the playbook's global batch by speed."""
+    inv, pb = _load(inventory, playbook, limit)
+    assert pb is not None
+    console = Console(stderr=as_json)
+    opts = _job_options(Path("runs"), False, recalibrate, None, connect_timeout, accept_new_host_keys)
+    if pb.split != "calibrated":
+        pb = pb.model_copy(update={"split": "calibrated"})  # `calibrate` always measures and shows the calibrated split
+    plan, cals = asyncio.run(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
+    result = calibration_to_json(plan, [cals[n.name] for n in inv.nodes])
+    if as_json:
+        click.echo(dumps(result))
+        return
+    table = Table(title=f"calibration: {pb.model} at seq {pb.train.max_seq_length}, global batch {plan.global_batch}")
+    for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
+        table.add_column(col)
+    for node in inv.nodes:
+        cal = cals[node.name]
+        table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
+                      f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
+                      "yes" if cal.cached else "no")
+    console.print(table)
+    console.print(f"split: [bold]{format_split(plan)}[/bold]")
+
+
+@main.command()
+@with_common
+@click.option("-p", "--playbook", default=DEFAULT_PLAYBOOK, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Write here (default stdout).")
+@handle_errors
+def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+             probe_timeout: float, playbook: str, output: Path | None) -> None:
+    """Write MLX's JSON hostfile for the playbook's backend (jaccl's rdma matrix from the Thunderbolt facts)."""
+    inv, pb = _load(inventory, playbook, limit)
+    assert pb is not None
+    needs_facts = pb.backend in ("jaccl", "jaccl-ring", "auto")
+    facts = {}
+    if needs_facts:
+        result = asyncio.run(collect(inv, None, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                                     accept_new_host_keys=accept_new_host_keys))
+        missing = [n.name for n in inv.nodes if n.name not in result.facts]
+        if missing:
+            raise CoordinatorError(f"no facts from {', '.join(missing)}: the {pb.backend} hostfile needs each "
+                                   "node's Thunderbolt topology (run `coordinator preflight`)")
+        facts = result.facts
+    text = dumps(hostfile_for(inv, pb, facts).to_json()) + "\n"
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text, encoding="utf-8")
+        click.echo(f"wrote {output}", err=True)
+
+
+def _register_verbs() -> None:
+    """Operator verbs live in coordinator/verbs/<name>.py, each with a `register(main)`."""
+    import importlib
+    import pkgutil
+
+    from coordinator import verbs
+
+    for info in sorted(pkgutil.iter_modules(verbs.__path__), key=lambda m: m.name):
+        importlib.import_module(f"coordinator.verbs.{info.name}").register(main)
+
+
+_register_verbs()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Pure parsers for the outputs of the Linux commands the node probe runs.
+
+Same contract as `coordinator.facts.macos`: text in, typed value out, `ParseError` for anything that is not
+what the command prints, empty results only for valid empty answers. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from coordinator.facts.common import excerpt, parse_df, parse_uname, require_text
+from coordinator.facts.model import Gpu, Memory, NetInterface, ParseError
+
+__all__ = [
+    "parse_df",
+    "parse_infiniband",
+    "parse_ip_addr",
+    "parse_loadavg",
+    "parse_meminfo",
+    "parse_nproc",
+    "parse_nvidia_smi",
+    "parse_os_release",
+    "parse_uname",
+]
+
+_OS_RELEASE_LINE = re.compile(r"^(?P<key>[A-Z][A-Z0-9_]*)=(?P<value>.*)$")
+
+
+def parse_os_release(text: str) -> tuple[str, str]:
+    """/etc/os-release -> (PRETTY_NAME or NAME, VERSION_ID).
+
+    Lines are `KEY=value` with shell-style quoting (os-release(5)); comments and blank lines are allowed.
+    Rolling distributions have no VERSION_ID: BUILD_ID ("rolling") is used, else "". Raises `ParseError` on a
+    line that is not an assignment or when neither PRETTY_NAME nor NAME is set.
+    """
+    fields: dict[str, str] = {}
+    for line in require_text(text, "os-release").splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _OS_RELEASE_LINE.match(line.strip())
+        if match is None:
+            raise ParseError(f"os-release: expected KEY=value lines, got {excerpt(line)}")
+        try:
+            words = shlex.split(match["value"])
+        except ValueError as exc:
+            raise ParseError(f"os-release: bad quoting in {excerpt(line)} ({exc})") from None
+        fields[match["key"]] = " ".join(words)
+    name = fields.get("PRETTY_NAME") or fields.get("NAME")
+    if not name:
+        raise ParseError(f"os-release: neither PRETTY_NAME nor NAME in {excerpt(text)}")
+    return name, fields.get("VERSION_ID") or fields.get("BUILD_ID") or ""
+
+
+_MEMINFO_LINE = re.compile(r"^(?P<key>[A-Za-z0-9_()]+):\s+(?P<value>\d+)(?:\s+(?P<unit>kB))?\s*$")
+
+
+def parse_meminfo(text: str) -> Memory:
+    """/proc/meminfo -> `Memory` (MemTotal and MemAvailable, kB -> bytes; free_percent = available/total).
+
+    MemAvailable is missing on kernels before 3.14: available and free_percent are then None. Raises
+    `ParseError` on a line that is not `Key: N [kB]` or when MemTotal is missing or zero.
+    """
+    values: dict[str, int] = {}
+    for line in require_text(text, "meminfo").splitlines():
+        if not line.strip():
+            continue
+        match = _MEMINFO_LINE.match(line.strip())
+        if match is None:
+            raise ParseError(f"meminfo: expected 'Key: N kB' lines, got {excerpt(line)}")
+        values[match["key"]] = int(match["value"]) * (1024 if match["unit"] else 1)
+    total = values.get("MemTotal")
+    if not total:
+        raise ParseError("meminfo: no MemTotal")
+    available = values.get("MemAvailable")
+    return Memory(
+        total_bytes=total,
+        available_bytes=available,
+        free_percent=None if available is None else round(100.0 * available / total, 2),
+    )
+
+
+def parse_nproc(text: str) -> int:
+    """`nproc` -> the number of processing units available (a positive integer on one line)."""
+    body = require_text(text, "nproc")
+    if not body.isdigit() or int(body) <= 0:
+        raise ParseError(f"nproc: expected a positive integer, got {excerpt(body)}")
+    return int(body)
+
+
+# `ip -o -4 addr show`: "3: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0\       valid_lft ..."
+_IP_LINE = re.compile(r"^\d+:\s+(?P<name>[^\s:]+)\s+inet\s+(?P<addr>\d{1,3}(?:\.\d{1,3}){3})/\d{1,2}\b")
+
+
+def parse_ip_addr(text: str) -> tuple[NetInterface, ...]:
+    """`ip -o -4 addr show` -> one `NetInterface` per interface (several addresses grouped), in listed order.
+
+    The command lists only addresses of configured interfaces, so `up` is True; `active` (a macOS notion) is
+    None. Empty output is valid (no IPv4 address anywhere). Raises `ParseError` on a line that is not an
+    `N: IFACE inet A.B.C.D/LEN ...` record.
+    """
+    order: list[str] = []
+    addrs: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _IP_LINE.match(line.strip())
+        if match is None:
+            raise ParseError(f"ip -o -4 addr show: unexpected line {excerpt(line)}")
+        if match["name"] not in addrs:
+            order.append(match["name"])
+            addrs[match["name"]] = []
+        addrs[match["name"]].append(match["addr"])
+    return tuple(NetInterface(name=n, ipv4=tuple(addrs[n]), up=True) for n in order)
+
+
+_IB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def parse_infiniband(text: str) -> tuple[str, ...]:
+    """`ls -1 /sys/class/infiniband` -> RDMA device names (e.g. mlx5_0); empty output is no device.
+
+    Names are split on any whitespace, so `ls` in column mode parses too. Raises `ParseError` on a token that
+    cannot be a device name (for example `ls`'s own "cannot access" error).
+    """
+    names = tuple(text.split())
+    bad = [n for n in names if not _IB_NAME.match(n)]
+    if bad:
+        raise ParseError(f"/sys/class/infiniband listing: not device names: {excerpt(text)}")
+    return names
+
+
+_NA = frozenset({"[N/A]", "[Not Supported]", "N/A"})
+
+
+def _smi_number(field: str, what: str, row: str) -> float | None:
+    if field in _NA:
+        return None  # nvidia-smi prints these for fields the GPU does not report
+    try:
+        return float(field)
+    except ValueError:
+        raise ParseError(f"nvidia-smi: {what} {field!r} is not a number in row {excerpt(row)}") from None
+
+
+def parse_nvidia_smi(text: str) -> Gpu:
+    """`nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader,nounits` -> `Gpu`.
+
+    One row per GPU, exactly three comma-separated fields (memory in MiB). With several GPUs the utilisation
+    is the busiest GPU's (any busy GPU means the node is in use), memory is the sum, and the name is the
+    common name prefixed with the count ("2 x NVIDIA A100") or the names joined with " + ". `[N/A]` and
+    `[Not Supported]` give None. Raises `ParseError` on no row (e.g. "No devices were found") or a row of
+    another shape (the output of a different query).
+    """
+    rows = [r for r in require_text(text, "nvidia-smi").splitlines() if r.strip()]
+    names: list[str] = []
+    utils: list[float] = []
+    memory: list[float] = []
+    for row in rows:
+        fields = [f.strip() for f in row.split(",")]
+        if len(fields) != 3 or not fields[0]:
+            raise ParseError(f"nvidia-smi: expected 'name, utilization, memory.used' rows, got {excerpt(row)}")
+        names.append(fields[0])
+        util = _smi_number(fields[1], "utilization.gpu", row)
+        used = _smi_number(fields[2], "memory.used", row)
+        if util is not None:
+            utils.append(util)
+        if used is not None:
+            memory.append(used)
+    if len(set(names)) == 1:
+        name = names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+    else:
+        name = " + ".join(names)
+    return Gpu(
+        utilization_pct=max(utils) if utils else None,
+        in_use_memory_bytes=int(sum(memory) * 1024 * 1024) if memory else None,
+        name=name,
+    )
+
+
+_LOADAVG = re.compile(r"^(\d+\.\d+) (\d+\.\d+) (\d+\.\d+) \d+/\d+ \d+$")
+
+
+def parse_loadavg(text: str) -> tuple[float, float, float]:
+    """/proc/loadavg -> the 1, 5 and 15 minute load averages. Raises `ParseError` on any other shape."""
+    match = _LOADAVG.match(require_text(text, "loadavg"))
+    if match is None:
+        raise ParseError(f"/proc/loadavg: expected 'L1 L5 L15 R/T PID', got {excerpt(text)}")
+    return float(match[1]), float(match[2]), float(match[3])

@@ -1,0 +1,98 @@
+"""Fan-out: run the probe on every connected node and build its facts (the I/O half of `facts`/`preflight`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import TransportError
+from coordinator.facts.build import build_node_facts
+from coordinator.facts.model import NodeFacts
+from coordinator.models import Node
+from coordinator.playbook import Playbook
+from coordinator.probe import build_probe, parse_probe_output, worker_source
+from coordinator.transport import Fleet, Transport
+
+DEFAULT_PROBE_TIMEOUT = 600.0  # first hash of a large model; re-verification takes well under a second
+
+ProgressFn = Callable[[str, int, int], None]  # (node, done_bytes, total_bytes)
+
+
+def worker_args(node: Node, nodes: Sequence[Node], playbook: Playbook | None) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "peers": [{"name": p.name, "ip": p.data_ip, "port": p.port or 22} for p in nodes if p.name != node.name],
+        "progress": True,
+    }
+    if playbook is not None:
+        args["hash_dirs"] = [playbook.model] + ([playbook.data] if playbook.data else [])
+        args["model_dir"] = playbook.model
+    return args
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    facts: NodeFacts
+    elapsed_s: float
+
+
+async def probe_node(
+    node: Node,
+    transport: Transport,
+    nodes: Sequence[Node],
+    playbook: Playbook | None,
+    *,
+    timeout: float = DEFAULT_PROBE_TIMEOUT,
+    progress: ProgressFn | None = None,
+    source: str | None = None,
+) -> NodeFacts:
+    probe = build_probe(python=node.python, workdir=node.workdir, worker_args=worker_args(node, nodes, playbook),
+                        source=source)
+    out: list[str] = []
+    err: list[str] = []
+    status = "?"
+    async for kind, line in transport.stream(probe.argv, stdin=probe.stdin, timeout=timeout):
+        if kind == "stdout":
+            out.append(line)
+        elif kind == "stderr":
+            parts = line.split()
+            if progress is not None and len(parts) == 3 and parts[0] == "progress" and parts[1].isdigit():
+                progress(node.name, int(parts[1]), int(parts[2]))
+            else:
+                err.append(line)
+        else:
+            status = line
+    sections = parse_probe_output("".join(out), probe.nonce)
+    if not sections:
+        raise TransportError(node.name, f"probe produced no output (exit {status}): {''.join(err)[-500:].strip()}")
+    return build_node_facts(node.name, sections, workdir=node.workdir)
+
+
+async def gather_facts(
+    fleet: Fleet,
+    playbook: Playbook | None,
+    *,
+    timeout: float = DEFAULT_PROBE_TIMEOUT,
+    progress: ProgressFn | None = None,
+) -> dict[str, NodeFacts | TransportError]:
+    """Probe every connected node concurrently; a node that fails mid-probe comes back as its error."""
+    source = worker_source()
+
+    async def one(node: Node, transport: Transport) -> NodeFacts:
+        return await probe_node(node, transport, fleet.nodes, playbook, timeout=timeout, progress=progress,
+                                source=source)
+
+    return await fleet.map(one)
+
+
+def record_facts(facts: NodeFacts, directory: Path) -> Path:
+    """Save every raw section as `<dir>/<node>/<section>.out` (+ `.rc` when non-zero): a replayable profile."""
+    target = directory / facts.node
+    target.mkdir(parents=True, exist_ok=True)
+    for name, text in facts.raw.items():
+        (target / f"{name}.out").write_text(text, encoding="utf-8")
+        rc = facts.raw_rc.get(name, 0)
+        if rc:
+            (target / f"{name}.rc").write_text(f"{rc}\n", encoding="utf-8")
+    return target

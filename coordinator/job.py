@@ -1,0 +1,379 @@
+"""The main job, end to end: what `coordinator launch` (and `calibrate`/`hostfile`) run.
+
+    connect -> provision assets -> probe (facts) -> preflight (fails stop the launch) -> calibration (cached)
+    -> plan -> hostfile -> Launch (mlx.launch + monitor) -> teardown -> summary.json
+
+The steps report to a `JobUI` (the CLI's live view, or nothing in tests); decisions stay in the pure modules
+(checks, plan, hostfile, monitor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from coordinator.assets import provision
+from coordinator.calibrate import BenchSpec, calibrate, calibration_to_json, fingerprint_from_facts
+from coordinator.chaos import Chaos
+from coordinator.checks import evaluate_preflight
+from coordinator.checks.context import CheckContext
+from coordinator.checks.model import manifest_digest, node_manifest
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.facts.model import NodeFacts
+from coordinator.gather import gather_facts
+from coordinator.hostfile import Hostfile, build_hostfile
+from coordinator.launch import (
+    Launch,
+    LaunchError,
+    RankPlan,
+    RunSummary,
+    new_run_id,
+    set_aside_checkpoints_after,
+    summarize,
+    write_summary,
+)
+from coordinator.lint import lint_playbook
+from coordinator.logs import collect_secrets, configure_logging, is_secret_name
+from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.monitor import Monitor, RunState
+from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan
+from coordinator.playbook import Playbook
+from coordinator.preflight import load_manifest, model_config
+from coordinator.quarantine import QuarantineStore
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
+
+
+def default_cache_dir() -> Path:
+    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "mlx-coordinator" / "calibration"
+
+
+
+class JobUI(Protocol):
+    def message(self, text: str) -> None: ...
+    def preflight(self, report: PreflightReport) -> None: ...
+    def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None: ...
+    def progress(self, monitor: Monitor, now: float) -> None: ...
+
+
+class QuietUI:
+    def message(self, text: str) -> None:
+        return None
+
+    def preflight(self, report: PreflightReport) -> None:
+        return None
+
+    def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        return None
+
+    def progress(self, monitor: Monitor, now: float) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    run_root: Path = Path("runs")
+    skip_preflight: bool = False
+    recalibrate: bool = False
+    resume: str | None = None  # run id to continue from its newest consistent checkpoint
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    accept_new_host_keys: bool = False
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+
+class PreflightFailed(CoordinatorError):
+    def __init__(self, report: PreflightReport) -> None:
+        self.report = report
+        failing = sorted({name for name, checks in report.nodes for c in checks if c.status in ("fail", "error")})
+        super().__init__(f"preflight failed on {', '.join(failing) or 'the playbook lint'}: fix the findings above "
+                         "(or --skip-preflight)")
+
+
+@dataclass
+class FleetState:
+    facts: dict[str, NodeFacts]
+    report: PreflightReport
+
+
+async def probe_and_check(fleet: Fleet, inv: Inventory, pb: Playbook) -> FleetState:
+    gathered = await gather_facts(fleet, pb)
+    facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+    probe_errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
+    ctx = CheckContext.build(inv.nodes, dict(fleet.failed) | {n: i for n, i in fleet.connected.items()}, facts, pb,
+                             load_manifest(pb), probe_errors)
+    report = evaluate_preflight(ctx, tuple(lint_playbook(pb, model_config(facts))))
+    return FleetState(facts, report)
+
+
+def model_digest(facts: Mapping[str, NodeFacts]) -> str:
+    """The model dir's manifest digest (identical on every node once preflight passed)."""
+    for f in facts.values():
+        manifest, problems, _ = node_manifest(f, ("model",))
+        if manifest and not problems:
+            return manifest_digest(manifest)
+    return "unknown"
+
+
+def bench_spec(pb: Playbook) -> BenchSpec:
+    t = pb.train
+    return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.method,
+                     num_layers=t.num_layers if t.num_layers is not None else -1,
+                     grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
+                     memory_fraction=pb.calibration.memory_fraction)
+
+
+async def calibrate_and_plan(
+    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI
+) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """Measure (or read cached) curves and split the global batch by them. A fixed split (`equal`, explicit
+    fractions) needs no measurement: it returns a plan without curves at once."""
+    if pb.split != "calibrated":
+        plan = fixed_plan([n.name for n in inv.nodes], pb.train.batch_size, pb.split, seq_len=pb.train.max_seq_length)
+        ui.calibration(plan, {})
+        return plan, {}
+    results = await calibrate(
+        fleet, bench_spec(pb), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        model_digest=model_digest(facts), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
+        time_budget=pb.calibration.time_budget, progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+    errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
+    if errors:
+        raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+    cals = {n: r for n, r in results.items() if isinstance(r, NodeCalibration)}
+    ordered = [cals[n.name] for n in inv.nodes]
+    plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
+    ui.calibration(plan, cals)
+    return plan, cals
+
+
+async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
+                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
+    async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
+                     accept_new_host_keys=opts.accept_new_host_keys) as fleet:
+        await fleet.connect_all()
+        if fleet.failed:
+            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+        await _provision(fleet, pb, ui)
+        gathered = await gather_facts(fleet, pb)
+        facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+        return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
+
+
+async def _provision(fleet: Fleet, pb: Playbook, ui: JobUI) -> None:
+    if pb.assets.tiny_model is None and pb.assets.data_from is None:
+        return
+    ui.message("provisioning assets where missing")
+    for name, res in (await provision(fleet, pb)).items():
+        if isinstance(res, TransportError):
+            raise LaunchError(str(res))
+        ui.message(f"{name}: " + ", ".join(f"{k} {v}" for k, v in res.items()))
+
+
+def hostfile_for(inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -> Hostfile:
+    """The hostfile with the job's NON-secret env (secret values reach ranks only through the rank script)."""
+    env = {k: v for k, v in pb.job_env().items() if not is_secret_name(k) and k not in pb.secret_env}
+    return build_hostfile(inv.nodes, pb.backend, facts, envs=[f"{k}={v}" for k, v in sorted(env.items())])
+
+
+@dataclass
+class Attempt:
+    """One mlx.launch of the run (the first, or a relaunch after a fault)."""
+
+    number: int
+    nodes: list[str]
+    monitor: Monitor
+    launch: Launch
+    plan: Plan
+
+
+async def run_job(
+    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = ()
+) -> RunSummary:
+    """Run the playbook until it succeeds, fails for good or is interrupted; always tears down.
+
+    On a fault the attempt is stopped, the culprit node quarantined (persisted), and the run relaunched on the
+    remaining nodes from their newest consistent checkpoint with a recomputed plan and hostfile, within
+    `faults.max_restarts` and down to `faults.min_nodes` nodes.
+    """
+    ui = ui or QuietUI()
+    if pb.kind != "train":
+        raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
+    store = QuarantineStore()
+    quarantined = store.load()
+    if quarantined:
+        ui.message("quarantined, left out: " + ", ".join(f"{n} ({e.reason})" for n, e in quarantined.items()
+                                                         if n in inv.names()))
+    inv = Inventory(tuple(n for n in inv.nodes if n.name not in quarantined), inv.path)
+    if len(inv.nodes) < max(1, pb.faults.min_nodes):
+        raise LaunchError(f"{len(inv.nodes)} usable node(s) (after quarantine) < faults.min_nodes "
+                          f"{pb.faults.min_nodes}: `coordinator quarantine list` / `clear NODE`")
+    run_id = opts.resume or new_run_id(pb.name)
+    run_dir = opts.run_root / run_id
+    if opts.resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume {opts.resume}: no run directory {run_dir}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
+               *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
+    logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    structlog.contextvars.bind_contextvars(run_id=run_id)
+    try:
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir)
+    finally:
+        structlog.contextvars.unbind_contextvars("run_id")
+        logs.close()
+
+
+async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
+                   store: QuarantineStore, run_id: str, run_dir: Path) -> RunSummary:
+    log = structlog.get_logger("coordinator.job")
+    attempts: list[Attempt] = []
+    recoveries: list[dict[str, Any]] = []
+    message = ""
+    async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
+                     accept_new_host_keys=opts.accept_new_host_keys) as fleet:
+        ui.message(f"connecting to {len(inv.nodes)} node(s)")
+        await fleet.connect_all()
+        if fleet.failed and opts.skip_preflight:
+            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+        await _provision(fleet, pb, ui)
+        ui.message("probing nodes and running preflight")
+        state = await probe_and_check(fleet, inv, pb)
+        ui.preflight(state.report)
+        if not state.report.ok() and not opts.skip_preflight:
+            raise PreflightFailed(state.report)
+        ui.message("calibrating (cached per node, model and sequence length)")
+        plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
+        nodes = list(inv.nodes)
+        resume = opts.resume is not None
+        while True:
+            number = len(attempts)
+            if number:
+                sub = Inventory(tuple(nodes), inv.path)
+                plan, cals = await calibrate_and_plan(fleet, sub, pb, state.facts, opts, ui)
+            attempt = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, number,
+                                         resume=resume, chaos=chaos if number == 0 else (), ui=ui,
+                                         inventory_path=str(Path(inv.path).resolve()) if inv.path else None)
+            attempts.append(attempt)
+            mon = attempt.monitor
+            log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
+                     step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
+            if recoveries and recoveries[-1].get("first_step_at") is None:
+                recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
+            if mon.stopped:
+                message = "interrupted"
+                break
+            if mon.outcome() is RunState.SUCCEEDED:
+                break
+            culprits = mon.culprits()
+            for name in culprits:
+                inc = next(i for i in mon.incidents if i.node == name and i.action == "quarantine")
+                store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
+                log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
+                ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
+            survivors = [n for n in nodes if n.name not in culprits]
+            lost = await _unreachable(fleet, survivors)
+            for name, why in lost.items():
+                store.add(name, f"unreachable before relaunch: {why}", run_id=run_id, incident={"reason": why})
+                ui.message(f"quarantined {name}: unreachable before relaunch ({why})")
+                culprits.append(name)
+            survivors = [n for n in survivors if n.name not in lost]
+            if number >= pb.faults.max_restarts:
+                message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+                break
+            if len(survivors) < max(1, pb.faults.min_nodes):
+                message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
+                break
+            if not any(v.checkpoint_step for v in mon.ranks.values()) and not resume and mon.step() == 0:
+                pass  # nothing checkpointed yet: the relaunch starts from step 0
+            consistent = mon.last_consistent_step
+            if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
+                # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
+                limit = consistent or 0
+                await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
+                ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
+            failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
+            recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
+                               "detected_at": failed_at, "first_step_at": None,
+                               "nodes": [n.name for n in survivors]})
+            ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
+                       f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
+            nodes = survivors
+            resume = True
+    final = attempts[-1]
+    summary = summarize(final.launch, final.monitor, final.plan.split, message)
+    summary.incidents = [i for a in attempts for i in a.monitor.incidents]
+    summary.attempts = len(attempts)
+    summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
+    summary.quarantined = sorted({n for a in attempts for n in a.monitor.culprits()}
+                                 | {n for r in recoveries for n in r["culprits"]})
+    write_summary(run_dir, summary)
+    return summary
+
+
+async def _unreachable(fleet: Fleet, nodes: Sequence[Node]) -> dict[str, str]:
+    """Survivors whose connection died with the fault get one reconnect; those that still fail are out."""
+    async def one(node: Node) -> str | None:
+        try:
+            await fleet.transports[node.name].run(["true"], timeout=5)
+            return None
+        except TransportError:
+            pass
+        try:
+            await fleet.reconnect(node.name)
+        except TransportError as exc:
+            return str(exc)
+        return None
+
+    results = await asyncio.gather(*(one(n) for n in nodes))
+    return {n.name: r for n, r in zip(nodes, results, strict=True) if r is not None}
+
+
+def _first_step_after(attempt: Attempt, recovery: dict[str, Any]) -> float | None:
+    """Seconds from the fault's detection to the relaunched attempt's first completed step."""
+    firsts = [t for t in attempt.monitor.first_step_at.values() if t is not None]
+    return round(min(firsts) - recovery["detected_at"], 3) if firsts else None
+
+
+async def _run_attempt(
+    fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
+    facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
+    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
+) -> Attempt:
+    sub = Inventory(tuple(nodes))
+    ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
+    hostfile = hostfile_for(sub, pb, facts)
+    launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=run_id, run_dir=run_dir, resume=resume,
+                    view=ui.progress, chaos=chaos, attempt=number)
+    launch.inventory_path = inventory_path
+    curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
+    plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
+                                 "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,
+                                 "backend": hostfile.backend, "attempt": number}
+    local_hostfile = launch.write_local_files(plan_json)
+    monitor: Monitor | None = None
+    try:
+        ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
+        await launch.prepare()
+        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
+        launch.start_launcher(local_hostfile)
+        monitor = await launch.monitor()
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        monitor = launch.current_monitor
+        if monitor is None:
+            monitor = launch.new_monitor()
+        monitor.stopped = True
+    finally:
+        await launch.teardown(monitor or launch.current_monitor)
+    assert monitor is not None
+    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+
+
+__all__ = ["JobOptions", "PreflightFailed", "QuietUI", "RunState", "run_job"]

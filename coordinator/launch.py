@@ -1,0 +1,601 @@
+"""`coordinator launch`: preflight -> calibration -> plan -> hostfile -> mlx.launch -> monitor -> teardown.
+
+mlx.launch exits 0 whatever its ranks did and never times out, so the coordinator decides the outcome itself
+from each node's event stream (read over that node's own SSH connection by `worker.follow`) and always tears
+down in `finally`: the launcher's process group, every rank PID on every node, and our temp files there.
+
+Pure builders (`build_*`) make every file and argv; the `Launch` class does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.chaos import Chaos
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.facts.model import NodeFacts
+from coordinator.hostfile import Hostfile, build_hostfile
+from coordinator.logs import current_redactor
+from coordinator.models import Connection, Inventory, Node
+from coordinator.monitor import FaultPolicy, Incident, Monitor, Observation, RunState
+from coordinator.playbook import Playbook
+from coordinator.probe import shell_path
+from coordinator.ship import ship_worker
+from coordinator.transport import Fleet, Transport, python_argv
+
+MLX_LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+TICK_S = 0.5
+FINISH_GRACE_S = 5.0  # after the launcher exits, how long late events may still arrive
+
+
+class LaunchError(CoordinatorError):
+    """The job could not be started (preflight failed, nothing to run, a node could not be prepared)."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    node: Node
+    batch_size: int
+    calibrated_tokens_per_s: float | None = None
+
+
+def new_run_id(name: str, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def node_run_dir(node: Node, run_id: str) -> str:
+    """The node's own dir for a run. The node name is part of it so that nodes sharing a filesystem (local
+    nodes, an NFS home) never write into each other's checkpoints."""
+    return f"{node.workdir.rstrip('/')}/runs/{run_id}/{node.name}"
+
+
+def remote_tmp_dir(run_id: str) -> str:
+    """Same path on every node: mlx.launch has ONE --cwd and ONE command for all ranks."""
+    return f"/tmp/mlxc-{run_id}"
+
+
+# --- pure builders -------------------------------------------------------------------------------------------
+
+
+def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
+                     chaos: Sequence[Chaos] = ()) -> dict[str, Any]:
+    """The worker's run.json (identical on every node; each rank finds its node's run dir by its rank)."""
+    t = pb.train
+    return {
+        "run_id": run_id,
+        "model": pb.model,
+        "data": pb.data,
+        "method": t.method,
+        "iters": t.iters,
+        "learning_rate": t.learning_rate,
+        "optimizer": t.optimizer,
+        "max_seq_length": t.max_seq_length,
+        "grad_accumulation": t.grad_accumulation,
+        "grad_checkpoint": t.grad_checkpoint,
+        "num_layers": t.num_layers,
+        "save_every": t.save_every,
+        "steps_per_eval": t.steps_per_eval,
+        "val_batches": t.val_batches,
+        "seed": t.seed,
+        "keep_checkpoints": t.keep_checkpoints,
+        "lora": {"rank": t.lora.rank, "scale": t.lora.scale, "dropout": t.lora.dropout},
+        "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
+        "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
+        "resume": resume,
+        "heartbeat_s": 1.0,
+        "consistency_every": pb.faults.consistency_every,
+        "chaos": [c.to_json() for c in chaos],
+    }
+
+
+def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
+                      env: Mapping[int, Mapping[str, str]] | None = None) -> str:
+    """/tmp/mlxc-<run>/rank: (rank, node run dir, python, worker dir) for every rank, plus each rank's node
+    `env` from the inventory (mlx.launch's --env is global). mlx.launch runs `sh rank` for every rank with
+    MLX_RANK set; the script picks that rank's python, dir and environment."""
+    lines = [
+        "#!/bin/sh",
+        f"# mlx-coordinator run {run_id}: started by mlx.launch as `sh rank` on every rank",
+        # mlx.launch leaves temp files on every host: its pidfile (holding this shell's PID: bash exec'ed us)
+        # and the MLX_HOSTFILE / MLX_IBV_DEVICES files. Delete the first, move the others into the run dir.
+        'for f in "${TMPDIR:-/tmp}"/tmp.*; do [ -f "$f" ] && [ "$(cat "$f" 2>/dev/null)" = "$$" ] && rm -f "$f"; done',
+        'case "$MLX_RANK" in',
+    ]
+    for rank, run_dir, python, worker_dir in entries:
+        lines += [
+            f"{rank})",
+            f"  cd {shell_path(run_dir)} || exit 97",
+            # A one-host ring gets an EMPTY hostfile from mlx.launch, which mx.distributed.init cannot parse:
+            # unset it (a world of one needs none).
+            '  for v in MLX_HOSTFILE MLX_IBV_DEVICES; do eval "f=\\${$v:-}"; '
+            'if [ -n "$f" ] && [ -f "$f" ]; then if grep -q "[^[:space:]]" "$f"; then '
+            'mv "$f" "./$v.rank$MLX_RANK" && export "$v=$PWD/$v.rank$MLX_RANK"; else rm -f "$f"; unset "$v"; fi; fi; done',
+            *(f"  {k}={shlex.quote(v)}; export {k}" for k, v in sorted((env or {}).get(rank, {}).items())),
+            f"  PYTHONPATH={shell_path(worker_dir)}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH",
+            f"  exec {shell_path(python)} -m worker.train --config {shell_path(run_dir)}/run.json",
+            "  ;;",
+        ]
+    lines += ['*) echo "mlx-coordinator: unexpected MLX_RANK=$MLX_RANK" >&2; exit 98 ;;', "esac", ""]
+    return "\n".join(lines)
+
+
+def build_ssh_config(nodes: Sequence[Node], *, connect_timeout: float = 5.0) -> str:
+    """An ssh_config making the plain `ssh` that mlx.launch runs use the inventory's credentials and the same
+    host-key policy as the control plane (strict: never prompt, never accept a changed key)."""
+    out = ["# written by mlx-coordinator for mlx.launch", ""]
+    for node in nodes:
+        if node.connection is Connection.LOCAL:
+            continue
+        out.append(f"Host {node.name}")
+        out.append(f"  HostName {node.host}")
+        if node.user:
+            out.append(f"  User {node.user}")
+        if node.port:
+            out.append(f"  Port {node.port}")
+        if node.identity:
+            out.append(f"  IdentityFile {os.path.expanduser(node.identity)}")
+            out.append("  IdentitiesOnly yes")
+        out.append(f"  UserKnownHostsFile {os.path.expanduser(node.known_hosts or '~/.ssh/known_hosts')}")
+        out += ["  StrictHostKeyChecking yes", "  BatchMode yes", f"  ConnectTimeout {max(1, int(connect_timeout))}",
+                "  ServerAliveInterval 2", "  ServerAliveCountMax 3", ""]
+    # `ssh -F` skips the user's own config: include it after ours (the first value ssh obtains wins, so the
+    # inventory's settings above take precedence; aliases, ProxyJump and agents from ~/.ssh/config still apply).
+    user_config = os.path.expanduser("~/.ssh/config")
+    if os.path.exists(user_config):
+        out += ["Host *", f"  Include {user_config}", ""]
+    return "\n".join(out)
+
+
+def build_ssh_wrapper(ssh_config: Path, real_ssh: str) -> str:
+    return f"#!/bin/sh\nexec {shlex.quote(real_ssh)} -F {shlex.quote(str(ssh_config))} \"$@\"\n"
+
+
+def build_launcher_argv(hostfile: Path, backend: str, cwd: str, port: int, env: Mapping[str, str]) -> list[str]:
+    argv = [sys.executable, "-c", MLX_LAUNCH, "--hostfile", str(hostfile), "--backend", backend,
+            "--cwd", cwd, "--starting-port", str(port), "--python", "/bin/sh"]
+    for key, value in sorted(env.items()):
+        argv += ["--env", f"{key}={value}"]
+    return [*argv, "rank"]
+
+
+def pick_port(count: int, *, lo: int = 20000, hi: int = 60000, tries: int = 50) -> int:
+    """A random base port whose `count` successors are free here (concurrent jobs need distinct ports)."""
+    import random
+
+    for _ in range(tries):
+        base = random.randrange(lo, hi - count)
+        if all(_port_free(base + i) for i in range(count)):
+            return base
+    raise LaunchError(f"no free run of {count} ports in {lo}..{hi}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# --- the summary -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    state: RunState
+    steps: int
+    nodes: list[dict[str, Any]]
+    split: dict[str, float]
+    incidents: list[Incident] = field(default_factory=list)
+    checkpoint: str | None = None
+    tokens_per_s: float | None = None
+    run_dir: str = ""
+    message: str = ""
+    attempts: int = 1
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "nodes": self.nodes,
+                "split": self.split, "incidents": [i.to_json() for i in self.incidents],
+                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s, "run_dir": self.run_dir,
+                "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
+                "quarantined": self.quarantined}
+
+
+# --- the I/O shell ---------------------------------------------------------------------------------------------
+
+_WRITE_FILES = (
+    "import json, os, sys\n"
+    "spec = json.load(sys.stdin)\n"
+    "for path, (content, mode) in spec.items():\n"
+    "    path = os.path.expanduser(path)\n"
+    "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+    "    tmp = '%s.tmp-%d-%s' % (path, os.getpid(), os.urandom(4).hex())  # writers may share a filesystem\n"
+    "    with open(tmp, 'w') as fh:\n"
+    "        fh.write(content)\n"
+    "    os.chmod(tmp, int(mode, 8))\n"
+    "    os.replace(tmp, path)\n"
+    "print(json.dumps({p: os.path.realpath(os.path.expanduser(p)) for p in spec}))\n"
+)
+
+
+async def write_remote_files(transport: Transport, node: Node, files: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """Write {path: (content, octal mode)} on the node atomically; returns the resolved absolute paths."""
+    result = await transport.run(python_argv(node.python, "-c", _WRITE_FILES), stdin=json.dumps(files), timeout=30)
+    if not result.ok:
+        raise TransportError(node.name, f"could not write run files: {result.stderr.strip()[-400:]}")
+    resolved: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])
+    return resolved
+
+
+ViewFn = Callable[[Monitor, float], None]
+
+
+class Launch:
+    """One run of mlx.launch under the coordinator's supervision."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        playbook: Playbook,
+        ranks: Sequence[RankPlan],
+        hostfile: Hostfile,
+        facts: Mapping[str, NodeFacts],
+        *,
+        run_id: str,
+        run_dir: Path,
+        resume: bool = False,
+        view: ViewFn | None = None,
+        chaos: Sequence[Chaos] = (),
+        attempt: int = 0,
+    ) -> None:
+        self.fleet = fleet
+        self.pb = playbook
+        self.ranks = list(ranks)
+        self.hostfile = hostfile
+        self.facts = facts
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.resume = resume
+        self.view = view
+        self.chaos = list(chaos)
+        self.attempt = attempt
+        self.inventory_path: str | None = None
+        self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
+        self.current_monitor: Monitor | None = None
+        f = playbook.faults
+        self.policy = FaultPolicy(heartbeat_timeout=playbook.heartbeat_timeout, straggler_fraction=f.straggler_fraction,
+                                  straggler_window=f.straggler_window, outlier_steps=f.outlier_steps)
+        self.nodes = list(dict.fromkeys(r.node.name for r in ranks))
+        self.node_by_name = {r.node.name: r.node for r in ranks}
+        self.remote_run_dirs: dict[str, str] = {}
+        self.launcher: subprocess.Popen[bytes] | None = None
+        self.queue: asyncio.Queue[Observation] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.events_file = run_dir / "events.jsonl"
+
+    def split(self) -> dict[str, float]:
+        """Each node's share of the global batch in this attempt."""
+        total = sum(r.batch_size for r in self.ranks)
+        return {r.node.name: r.batch_size / total for r in self.ranks}
+
+    # preparation ----------------------------------------------------------------------------------------------
+
+    def _python_for(self, node: Node) -> str:
+        f = self.facts.get(node.name)
+        exe = f.software.python if f is not None and f.software is not None else None
+        return exe if exe and exe.startswith("/") else node.python
+
+    async def prepare(self) -> None:
+        """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
+        node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
+        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos)
+        entries: list[tuple[int, str, str, str]] = []
+
+        async def one(name: str) -> list[tuple[int, str, str, str]]:
+            node = self.node_by_name[name]
+            transport = self.fleet.transports[name]
+            worker_dir = await ship_worker(transport, node)
+            run_dir = node_run_dir(node, self.run_id)
+            if self.resume:
+                # The follower reads rank files from the start: archive the previous attempt's events so its
+                # `finished` lines are not mistaken for this attempt's.
+                rotate = (f"cd {shell_path(run_dir)}/events 2>/dev/null || exit 0; s=$(date +%s); "
+                          'for f in rank*.jsonl; do [ -f "$f" ] && mv "$f" "$f.$s"; done; exit 0')
+                await transport.run(["sh", "-c", rotate], timeout=30)
+            written = await write_remote_files(transport, node, {
+                f"{run_dir}/run.json": (json.dumps({**config, "run_dir": run_dir}, indent=2), "644"),
+                f"{run_dir}/events/.keep": ("", "644"),
+            })
+            resolved = os.path.dirname(written[f"{run_dir}/run.json"])
+            self.remote_run_dirs[name] = resolved
+            return [(r.rank, resolved, self._python_for(node), worker_dir) for r in self.ranks if r.node.name == name]
+
+        results = await asyncio.gather(*(one(n) for n in self.nodes), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise LaunchError("could not prepare nodes: " + "; ".join(str(e) for e in errors))
+        for r in results:
+            assert not isinstance(r, BaseException)
+            entries += r
+        # The job env travels only in this script (never mlx.launch's argv, which `ps` shows, nor the hostfile):
+        # it may hold secrets. The script is 0700 and deleted at teardown.
+        job_env = self.pb.job_env()
+        script = build_rank_script(self.run_id, sorted(entries),
+                                   {r.rank: {**job_env, **r.node.env_dict} for r in self.ranks})
+        tmp = remote_tmp_dir(self.run_id)
+        results2 = await asyncio.gather(
+            *(write_remote_files(self.fleet.transports[n], self.node_by_name[n], {f"{tmp}/rank": (script, "700")})
+              for n in self.nodes), return_exceptions=True)
+        errors = [r for r in results2 if isinstance(r, BaseException)]
+        if errors:
+            raise LaunchError("could not write rank scripts: " + "; ".join(str(e) for e in errors))
+
+    def write_local_files(self, plan_json: Mapping[str, Any]) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.pb.path:
+            text = current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8"))
+            (self.run_dir / "playbook.yaml").write_text(str(text), encoding="utf-8")
+        (self.run_dir / "plan.json").write_text(json.dumps(plan_json, indent=2) + "\n", encoding="utf-8")
+        hostfile = self.run_dir / "hostfile.json"
+        hostfile.write_text(json.dumps(self.hostfile.to_json(), indent=2) + "\n", encoding="utf-8")
+        ssh_config = self.run_dir / "ssh_config"
+        ssh_config.write_text(build_ssh_config([r.node for r in self.ranks]), encoding="utf-8")
+        bindir = self.run_dir / "bin"
+        bindir.mkdir(exist_ok=True)
+        real_ssh = _which("ssh") or "/usr/bin/ssh"
+        wrapper = bindir / "ssh"
+        wrapper.write_text(build_ssh_wrapper(ssh_config.resolve(), real_ssh), encoding="utf-8")
+        wrapper.chmod(0o755)
+        return hostfile
+
+    # running ------------------------------------------------------------------------------------------------
+
+    def start_launcher(self, hostfile: Path) -> None:
+        env = dict(os.environ)
+        env["PATH"] = f"{(self.run_dir / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}"
+        argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, remote_tmp_dir(self.run_id),
+                                   pick_port(len(self.ranks) * 2), {})
+        (self.run_dir / "launcher.argv").write_text(shlex.join(argv) + "\n", encoding="utf-8")
+        log = (self.run_dir / "launcher.log").open("ab")
+        # Its own session: Ctrl-C on the coordinator does not reach it directly, and if the coordinator dies
+        # the job keeps running (`coordinator attach` picks it up).
+        self.launcher = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        log.close()
+        self.write_meta()
+
+    def write_meta(self) -> None:
+        """runs/<id>/meta.json: what `coordinator attach|stop RUN_ID` needs to find this attempt again."""
+        meta = {
+            "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory_path, "nodes": self.nodes,
+            "playbook": str(Path(self.pb.path).resolve()) if self.pb.path else None,
+            "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size,
+                       "calibrated_tokens_per_s": r.calibrated_tokens_per_s} for r in self.ranks],
+            "remote_run_dirs": self.remote_run_dirs, "launcher_pid": self.launcher.pid if self.launcher else None,
+            "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
+        }
+        tmp = self.run_dir / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(self.run_dir / "meta.json")
+
+    async def _follow(self, name: str) -> None:
+        node = self.node_by_name[name]
+        transport = self.fleet.transports[name]
+        ranks = ",".join(str(r.rank) for r in self.ranks if r.node.name == name)
+        worker_dir = await ship_worker(transport, node)
+        argv = ["env", f"PYTHONPATH={worker_dir}",
+                *python_argv(node.python, "-m", "worker.follow", "--run-dir", self.remote_run_dirs[name],
+                             "--ranks", ranks, "--interval", str(TICK_S))]
+        reason = "channel closed"
+        try:
+            async for kind, line in transport.stream(argv, timeout=365 * 86400):
+                if kind != "stdout":
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                now = time.monotonic()
+                src = msg.get("src")
+                if src == "event":
+                    await self.queue.put(Observation("event", name, now, msg.get("rank"), msg.get("event") or {}))
+                elif src == "proc":
+                    await self.queue.put(Observation("proc", name, now, msg.get("rank"), msg))
+                elif src == "tick":
+                    await self.queue.put(Observation("tick", name, now))
+        except TransportError as exc:
+            reason = str(exc)
+        await self.queue.put(Observation("lost", name, time.monotonic(), data={"reason": reason}))
+
+    def new_monitor(self) -> Monitor:
+        plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
+                              max_seq_length=self.pb.train.max_seq_length)
+
+    async def monitor(self) -> Monitor:
+        """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
+        mon = self.current_monitor = self.new_monitor()
+        self.tasks = [asyncio.create_task(self._follow(n)) for n in self.nodes]
+        launcher_done_at: float | None = None
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            while True:
+                try:
+                    obs = await asyncio.wait_for(self.queue.get(), timeout=TICK_S)
+                except TimeoutError:
+                    obs = None
+                now = time.monotonic()
+                if obs is not None:
+                    if obs.kind == "event":
+                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
+                        sink.write(json.dumps(record) + "\n")
+                        sink.flush()
+                    for incident in mon.observe(obs):
+                        self._record_incident(sink, incident)
+                for incident in mon.check(now):
+                    self._record_incident(sink, incident)
+                if launcher_done_at is None and self._launcher_exited():
+                    launcher_done_at = now
+                    rc = self.launcher.returncode if self.launcher is not None else None
+                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": rc}))
+                if self.view is not None:
+                    self.view(mon, now)
+                outcome = mon.outcome()
+                if outcome is RunState.SUCCEEDED or (outcome is not None and mon.settled(now)):
+                    return mon
+                if launcher_done_at is not None and now - launcher_done_at > FINISH_GRACE_S:
+                    # mlx.launch exited (it always exits 0) but not every rank finished: a failure.
+                    mon.incidents.append(Incident("launcher_exit", "coordinator", None, mon.step(), now - launcher_done_at,
+                                                  {"rc": self.launcher.returncode if self.launcher else None,
+                                                   "log_tail": _tail(self.run_dir / "launcher.log")},
+                                                  "stop", now))
+                    return mon
+
+    def _launcher_exited(self) -> bool:
+        if self.launcher is not None:
+            return self.launcher.poll() is not None
+        if self.launcher_pid is not None:
+            try:
+                os.kill(self.launcher_pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+        return False
+
+    def _record_incident(self, sink: Any, incident: Incident) -> None:
+        sink.write(json.dumps({"event": "incident", "attempt": self.attempt, **incident.to_json()}) + "\n")
+        sink.flush()
+
+    # teardown -------------------------------------------------------------------------------------------------
+
+    async def teardown(self, mon: Monitor | None) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.launcher is not None and self.launcher.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.launcher.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.launcher.wait, 3)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.launcher.pid, signal.SIGKILL)
+                await asyncio.to_thread(self.launcher.wait)
+        elif self.launcher is None and self.launcher_pid is not None:
+            # An adopted launcher (attach) is its own session leader: its pgid is its pid.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.launcher_pid, sig)
+                await asyncio.sleep(1)
+        pids: dict[str, list[int]] = {}
+        if mon is not None:
+            for view in mon.ranks.values():
+                if view.pid is not None:
+                    pids.setdefault(view.node, []).append(view.pid)
+
+        async def clean(name: str) -> None:
+            node = self.node_by_name[name]
+            transport = self.fleet.transports[name]
+            kill = " ".join(str(p) for p in pids.get(name, []))
+            # By PID (from `started`), and by the run.json path in the command line for ranks that never
+            # reported a PID. SIGCONT first: a stopped (SIGSTOP) rank ignores SIGTERM until continued.
+            # `run.jso[n]`: the regex still matches the ranks' `run.json`, but not this script's own command line.
+            run_dir = self.remote_run_dirs.get(name, node_run_dir(node, self.run_id))
+            config = shlex.quote(f"{run_dir}/run.jso[n]")
+            follower = shlex.quote(f"worker.follo[w] --run-dir {run_dir}( |$)")  # our channel is closed already
+            script = (f"for p in {kill}; do kill -CONT $p; kill -TERM $p; done 2>/dev/null; " if kill else "") + \
+                f"pkill -CONT -f {config}; pkill -TERM -f {config}; sleep 1; " + \
+                (f"for p in {kill}; do kill -KILL $p; done 2>/dev/null; " if kill else "") + \
+                f"pkill -KILL -f {config}; pkill -f {follower}; rm -rf {shlex.quote(remote_tmp_dir(self.run_id))}; exit 0"
+            with contextlib.suppress(TransportError):
+                await transport.run(["sh", "-c", script], timeout=15)
+            del node
+
+        await asyncio.gather(*(clean(n) for n in self.nodes if n in self.fleet.connected), return_exceptions=True)
+
+
+async def set_aside_checkpoints_after(fleet: Fleet, launch: Launch, nodes: Sequence[str], step: int) -> None:
+    """Rename checkpoints newer than `step` to `set-aside-step-N` on `nodes` (kept for inspection, never
+    deleted), so a relaunch resumes from the newest checkpoint all replicas agreed on."""
+    async def one(name: str) -> None:
+        root = f"{launch.remote_run_dirs.get(name) or node_run_dir(launch.node_by_name[name], launch.run_id)}/checkpoints"
+        script = (f"cd {shell_path(root)} 2>/dev/null || exit 0; for d in step-*; do [ -d \"$d\" ] || continue; "
+                  f'n=$(echo "${{d#step-}}" | sed "s/^0*//"); [ "${{n:-0}}" -gt {int(step)} ] && mv "$d" "set-aside-$d"; '
+                  "done; rm -f latest; exit 0")
+        with contextlib.suppress(TransportError):
+            await fleet.transports[name].run(["sh", "-c", script], timeout=30)
+
+    await asyncio.gather(*(one(n) for n in nodes if n in fleet.connected))
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "") -> RunSummary:
+    state = mon.outcome() or RunState.FAILED
+    nodes = []
+    tok = 0.0
+    for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
+        nodes.append({"name": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
+                      "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
+                      "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory": view.peak_memory,
+                      "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
+        tok += view.tokens_per_s or 0.0
+    ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
+    return RunSummary(run_id=launch.run_id, state=state, steps=mon.step(), nodes=nodes, split=dict(split),
+                      incidents=list(mon.incidents), checkpoint=ckpt, tokens_per_s=round(tok, 2) or None,
+                      run_dir=str(launch.run_dir), message=message)
+
+
+def write_summary(run_dir: Path, summary: RunSummary) -> Path:
+    path = run_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    # Evidence can quote a traceback or an env: the active redactor blanks every secret the run knows of.
+    tmp.write_text(json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def plan_ranks(inventory: Inventory, batches: Mapping[str, int], rates: Mapping[str, float] | None = None) -> list[RankPlan]:
+    """One rank per node, in inventory order (= hostfile order = rank order)."""
+    ranks = []
+    for i, node in enumerate(inventory.nodes):
+        if node.name not in batches:
+            raise ConfigError(f"the plan has no batch for node {node.name}")
+        ranks.append(RankPlan(i, node, batches[node.name], (rates or {}).get(node.name)))
+    return ranks
+
+
+__all__ = ["Launch", "LaunchError", "RankPlan", "RunSummary", "build_hostfile", "new_run_id", "plan_ranks",
+           "summarize", "write_summary"]

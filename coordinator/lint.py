@@ -1,0 +1,69 @@
+"""Lint of a playbook against known training traps. Pure: playbook (+ the model's config) in, findings out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.estimate import num_layers
+from coordinator.models import LintResult, Status
+from coordinator.playbook import Playbook
+
+MLX_LM_DEFAULT_LAYERS = 16
+
+
+def lint_playbook(pb: Playbook, model_config: Mapping[str, Any] | None) -> list[LintResult]:
+    if pb.kind != "train":
+        return []
+    t = pb.train
+    out: list[LintResult] = []
+    layers = num_layers(model_config) if model_config else None
+    requested = t.num_layers
+    if layers is None:
+        out.append(LintResult("num_layers", Status.SKIP, "model config.json not readable: layer count unknown"))
+    elif requested is None or requested < 0 or requested == layers:
+        note = " (mlx-lm alone would train only 16)" if t.method == "full" and layers > MLX_LM_DEFAULT_LAYERS else ""
+        out.append(LintResult("num_layers", Status.PASS, f"training all {layers} layers{note}"))
+    elif requested > layers:
+        out.append(LintResult("num_layers", Status.FAIL,
+                              f"num_layers {requested} but the model has {layers} layers: the run would fail",
+                              f"set `num_layers: {layers}` or fewer (or remove it: all layers)"))
+    elif t.method == "full":
+        out.append(LintResult("num_layers", Status.FAIL,
+                              f"full fine-tune with num_layers {requested} but the model has {layers} layers: only the "
+                              f"last {requested} would train",
+                              f"set `num_layers: {layers}` (or remove it: the coordinator trains all layers)"))
+    else:
+        out.append(LintResult("num_layers", Status.PASS, f"{t.method} on the last {requested} of {layers} layers"))
+    limit = max(1, min(1000, t.iters // 20))
+    if t.save_every > limit:
+        out.append(LintResult("save_every", Status.WARN,
+                              f"save_every {t.save_every} > min(1000, iters/20) = {limit}: a crash can lose up to "
+                              f"{t.save_every} steps",
+                              f"set `save_every: {limit}` or lower"))
+    else:
+        out.append(LintResult("save_every", Status.PASS, f"checkpoint every {t.save_every} steps"))
+    if t.grad_accumulation > 1:
+        eff = t.batch_size * t.grad_accumulation
+        out.append(LintResult("learning_rate", Status.PASS,
+                              f"effective batch {eff} ({t.batch_size} x {t.grad_accumulation} accumulation) at lr "
+                              f"{t.learning_rate:g}; if you changed grad_accumulation from a tuned recipe, scale the lr "
+                              "with the effective batch (linear for SGD, ~sqrt for Adam)"))
+    # The worker evaluates every steps_per_eval steps AND at the last step.
+    evals = t.iters // t.steps_per_eval + (1 if t.iters % t.steps_per_eval else 0) if t.steps_per_eval else 0
+    eval_batches = evals * t.val_batches
+    train_batches = t.iters * t.grad_accumulation
+    if t.steps_per_eval > t.iters:
+        out.append(LintResult("eval_cost", Status.WARN,
+                              f"steps_per_eval {t.steps_per_eval} > iters {t.iters}: no validation during training",
+                              f"set `steps_per_eval` <= {t.iters}"))
+    elif eval_batches > 0.2 * train_batches:
+        out.append(LintResult("eval_cost", Status.WARN,
+                              f"{evals} evals x {t.val_batches} val batches = {eval_batches} batches, "
+                              f"{100 * eval_batches / train_batches:.0f}% of training",
+                              "raise steps_per_eval or lower val_batches"))
+    else:
+        out.append(LintResult("eval_cost", Status.PASS,
+                              f"{evals} evals x {t.val_batches} batches ({100 * eval_batches / max(1, train_batches):.1f}%"
+                              " of training)"))
+    return out

@@ -1,0 +1,161 @@
+"""Typed values shared across the coordinator: nodes, check results, reports.
+
+Everything here is a frozen dataclass or a StrEnum; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Connection(StrEnum):
+    SSH = "ssh"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine of the fleet, with inventory defaults already merged in."""
+
+    name: str
+    host: str
+    connection: Connection = Connection.SSH
+    user: str | None = None
+    port: int | None = None
+    python: str = "python3"
+    workdir: str = "~/mlx-work"
+    identity: str | None = None
+    known_hosts: str | None = None
+    ips: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    source: str | None = None  # "file:line" the node was defined at, for messages
+
+    @property
+    def ssh_target(self) -> str:
+        """`user@host` as mlx.launch's hostfile wants it."""
+        return f"{self.user}@{self.host}" if self.user else self.host
+
+    @property
+    def data_ip(self) -> str:
+        """The address peers use for this node's data plane: its first `ips` entry, else its ssh host."""
+        return self.ips[0] if self.ips else self.host
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: tuple[Node, ...]
+    path: str | None = None
+
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def limit(self, names: list[str] | None) -> Inventory:
+        """Keep only `names` (in inventory order). Unknown names are a ConfigError."""
+        from coordinator.errors import ConfigError
+
+        if not names:
+            return self
+        known = set(self.names())
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ConfigError(f"--limit names unknown node(s): {', '.join(unknown)}; known: {', '.join(self.names())}")
+        wanted = set(names)
+        return Inventory(tuple(n for n in self.nodes if n.name in wanted), self.path)
+
+
+class Status(StrEnum):
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    ERROR = "error"
+    SKIP = "skip"
+
+
+# Order used to sort and to pick the "worst" of several findings.
+STATUS_SEVERITY: dict[Status, int] = {
+    Status.FAIL: 4,
+    Status.ERROR: 3,
+    Status.WARN: 2,
+    Status.PASS: 1,
+    Status.SKIP: 0,
+}
+
+
+def worst(statuses: list[Status]) -> Status:
+    if not statuses:
+        return Status.PASS
+    return max(statuses, key=lambda s: STATUS_SEVERITY[s])
+
+
+CHECK_IDS: tuple[str, ...] = ("ssh", "os", "rdma", "thunderbolt", "software", "model", "env", "resources")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict of one check on one node. `evidence` is JSON-serialisable."""
+
+    id: str
+    node: str
+    status: Status
+    summary: str
+    remedy: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": str(self.status),
+            "summary": self.summary,
+            "remedy": self.remedy,
+            "evidence": self.evidence,
+        }
+
+
+@dataclass(frozen=True)
+class LintResult:
+    id: str
+    status: Status
+    summary: str
+    remedy: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "status": str(self.status), "summary": self.summary, "remedy": self.remedy}
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    nodes: tuple[tuple[str, tuple[CheckResult, ...]], ...]
+    lint: tuple[LintResult, ...]
+
+    def all_statuses(self) -> list[Status]:
+        return [c.status for _, checks in self.nodes for c in checks] + [lint.status for lint in self.lint]
+
+    def counts(self) -> dict[str, int]:
+        counts = {str(s): 0 for s in (Status.PASS, Status.WARN, Status.FAIL, Status.ERROR, Status.SKIP)}
+        for status in self.all_statuses():
+            counts[str(status)] += 1
+        return counts
+
+    def ok(self, *, strict: bool = False) -> bool:
+        """No fail and no error; with `strict`, no warning either."""
+        bad = {Status.FAIL, Status.ERROR} | ({Status.WARN} if strict else set())
+        return not any(s in bad for s in self.all_statuses())
+
+    def to_json(self, *, strict: bool = False) -> dict[str, Any]:
+        return {
+            "ok": self.ok(strict=strict),
+            "summary": self.counts(),
+            "nodes": [{"name": name, "checks": [c.to_json() for c in checks]} for name, checks in self.nodes],
+            "lint": [lint.to_json() for lint in self.lint],
+        }

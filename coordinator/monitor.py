@@ -1,0 +1,514 @@
+"""The run monitor's state machine: observations in, incidents and an outcome out. No I/O.
+
+The launch loop feeds it what each node's own SSH channel reported (events from `worker.follow`, process
+states, ticks, a lost channel, the launcher's exit) and the current time; `check(now)` finds silent
+failures (no heartbeat, no channel). The origin of an observation is the channel it came on: a rank's
+events are only accepted from the node that rank was planned on.
+
+Worker states: PENDING -> RUNNING -> FINISHED, or -> FAILED from any state. A run SUCCEEDED when every rank
+FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class WorkerState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class RunState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Incident:
+    kind: str  # crash | error | hang | unreachable | straggler | spoofed | launcher_exit | ...
+    node: str
+    rank: int | None
+    step: int | None
+    detected_after_s: float | None  # from the fault's evidence (last sign of life) to its detection
+    evidence: dict[str, Any]
+    action: str  # stop | warn | quarantine
+    t: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "node": self.node, "rank": self.rank, "step": self.step,
+                "detected_after_s": None if self.detected_after_s is None else round(self.detected_after_s, 3),
+                "evidence": self.evidence, "action": self.action, "t": self.t}
+
+
+@dataclass
+class RankView:
+    rank: int
+    node: str
+    batch_size: int
+    calibrated_tokens_per_s: float | None = None
+    state: WorkerState = WorkerState.PENDING
+    pid: int | None = None
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory: int | None = None
+    grad_norm: float | None = None
+    val_loss: float | None = None
+    last_event_at: float | None = None  # coordinator clock
+    last_progress_at: float | None = None
+    checkpoint: str | None = None
+    checkpoint_step: int | None = None
+    started_at: float | None = None
+    resumed_from: int | None = None
+    error: str | None = None
+    max_tokens_per_step: int | None = None  # batch_size * max_seq_length: more is a lie
+    compute_tokens_per_s: float | None = None
+    slow_steps: int = 0
+    straggler_reported: bool = False
+    outlier_steps: int = 0
+    stopped_since: float | None = None  # first `proc` observation in state T (SIGSTOP)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a node's channel reported. kind: event | proc | tick | lost | launcher_exit."""
+
+    kind: str
+    node: str
+    at: float
+    rank: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """Thresholds (the playbook's `faults:` and `heartbeat_timeout`)."""
+
+    heartbeat_timeout: float = 10.0
+    straggler_fraction: float = 0.5
+    straggler_window: int = 5
+    outlier_steps: int = 3
+    outlier_mads: float = 8.0  # robust z-score (|x - median| / (1.4826 MAD)) above which a value is an outlier
+    outlier_rel: float = 0.5  # ... and at least this relative distance from the median (heterogeneous batches)
+    stopped_grace_s: float = 1.0  # a process seen in state T (SIGSTOP) this long is hung
+    ahead_steps: int = 2  # a synchronous rank cannot report more steps than its peers plus this
+
+
+# Incident kinds that name a culprit node (quarantined); other stop incidents only end the attempt.
+CULPRIT_KINDS = frozenset({"crash", "hang", "unreachable", "nan", "implausible_progress", "inconsistent",
+                           "checkpoint_mismatch", "error"})
+SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so the cause is told from its echoes
+
+
+@dataclass
+class Monitor:
+    ranks: dict[int, RankView]
+    iters: int
+    heartbeat_timeout: float = 10.0
+    started_at: float = 0.0
+    policy: FaultPolicy = field(default_factory=FaultPolicy)
+    step_locals: dict[int, dict[int, tuple[float | None, float | None, bool]]] = field(default_factory=dict)
+    step_rates: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> compute tok/s
+    digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
+    manifests: dict[int, dict[int, str]] = field(default_factory=dict)
+    last_consistent_step: int | None = None
+    first_step_at: dict[int, float] = field(default_factory=dict)  # rank -> time of its first step event
+    first_fatal_at: float | None = None
+    incidents: list[Incident] = field(default_factory=list)
+    node_seen_at: dict[str, float] = field(default_factory=dict)
+    stopped: bool = False
+    launcher_rc: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, plan: list[tuple[int, str, int, float | None]], iters: int, *, now: float,
+               heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
+               max_seq_length: int | None = None) -> Monitor:
+        ranks = {r: RankView(rank=r, node=n, batch_size=b, calibrated_tokens_per_s=c,
+                             max_tokens_per_step=b * max_seq_length if max_seq_length else None)
+                 for r, n, b, c in plan}
+        policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
+        mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
+                  policy=policy)
+        for view in ranks.values():
+            mon.node_seen_at[view.node] = now
+        return mon
+
+    # -- observations -----------------------------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> list[Incident]:
+        if obs.kind != "lost":
+            self.node_seen_at[obs.node] = obs.at
+        if obs.kind == "event":
+            return self._event(obs)
+        if obs.kind == "proc":
+            return self._proc(obs)
+        if obs.kind == "lost":
+            return self._lost(obs)
+        if obs.kind == "launcher_exit":
+            self.launcher_rc = int(obs.data.get("rc", -1))
+        return []
+
+    def _add(self, incident: Incident) -> list[Incident]:
+        if incident.action in ("stop", "quarantine") and self.first_fatal_at is None:
+            self.first_fatal_at = incident.t
+        self.incidents.append(incident)
+        return [incident]
+
+    def _event(self, obs: Observation) -> list[Incident]:
+        rank = obs.rank
+        event = obs.data
+        view = self.ranks.get(rank) if rank is not None else None
+        if view is None or view.node != obs.node:
+            # The channel's node does not own this rank: never trust what an event claims about its origin.
+            return self._add(Incident("spoofed", obs.node, rank, _int(event.get("step")), 0.0,
+                                      {"event": event, "reason": "rank not planned on this node"}, "warn", obs.at))
+        claimed = event.get("rank")
+        if claimed is not None and claimed != rank:
+            return self._add(Incident("spoofed", obs.node, rank, _int(event.get("step")), 0.0,
+                                      {"event": event, "reason": f"event claims rank {claimed}"}, "warn", obs.at))
+        self.events.append({"node": obs.node, **event})
+        view.last_event_at = obs.at
+        kind = event.get("event")
+        if kind == "started":
+            view.state = WorkerState.RUNNING
+            view.pid = _int(event.get("pid"))
+            view.started_at = obs.at
+            view.last_progress_at = obs.at
+            view.resumed_from = _int(event.get("resumed_from"))
+            if view.resumed_from is not None:
+                view.step = view.resumed_from
+        elif kind == "step":
+            return self._step(view, event, obs)
+        elif kind == "digest":
+            return self._digest(view, event, obs)
+        elif kind == "eval":
+            view.val_loss = _float(event.get("val_loss"))
+        elif kind == "checkpoint":
+            view.checkpoint = str(event.get("path"))
+            view.checkpoint_step = _int(event.get("step"))
+            return self._checkpoint(view, event, obs)
+        elif kind == "finished":
+            view.state = WorkerState.FINISHED
+            view.step = _int(event.get("step")) or view.step
+            if event.get("checkpoint"):
+                view.checkpoint = str(event.get("checkpoint"))
+        elif kind == "error":
+            view.state = WorkerState.FAILED
+            view.error = str(event.get("message"))
+            # An error after another fault, or about a lost peer, is an echo (peers lose the ring when a rank
+            # dies, and may say so before the death itself is seen): not a culprit. A process that died without
+            # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
+            echo = self.first_fatal_at is not None or is_echo(view.error)
+            return self._add(Incident("error", obs.node, rank, view.step, 0.0,
+                                      {"message": view.error, "traceback": str(event.get("traceback", ""))[-2000:],
+                                       "echo": echo},
+                                      "stop" if echo else "quarantine", obs.at))
+        return []
+
+    def _step(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
+        found: list[Incident] = []
+        step = _int(event.get("step")) or 0
+        tokens = _int(event.get("tokens"))
+        peers = [v.step for v in self.ranks.values() if v.rank != view.rank]
+        lies = []
+        if step > self.iters:
+            lies.append(f"step {step} > iters {self.iters}")
+        if peers and step > max(peers) + self.policy.ahead_steps and step > view.step + self.policy.ahead_steps:
+            lies.append(f"step {step} while its peers are at {max(peers)} (a synchronous job moves together)")
+        if tokens is not None and view.max_tokens_per_step is not None and tokens > view.max_tokens_per_step:
+            lies.append(f"{tokens} tokens in one step > batch {view.batch_size} x max_seq_length")
+        if lies:
+            if not any(i.kind == "implausible_progress" and i.rank == view.rank for i in self.incidents):
+                found += self._add(Incident("implausible_progress", obs.node, view.rank, view.step, 0.0,
+                                            {"claims": lies, "event": event}, "quarantine", obs.at))
+            return found  # a lying report is never applied to the view
+        if step > view.step:
+            view.last_progress_at = obs.at
+        self.first_step_at.setdefault(view.rank, obs.at)
+        view.step = max(view.step, step)
+        view.loss = _float(event.get("loss"))
+        view.tokens_per_s = _float(event.get("tok_s"))
+        view.peak_memory = _int(event.get("peak_memory"))
+        view.grad_norm = _float(event.get("grad_norm"))
+        view.compute_tokens_per_s = _float(event.get("compute_tok_s"))
+        local_loss = _float(event.get("local_loss"))
+        finite = event.get("local_loss_finite")
+        if finite is False:
+            found += self._add(Incident("nan", obs.node, view.rank, step, 0.0,
+                                        {"local_loss": event.get("local_loss"), "loss": event.get("loss")},
+                                        "quarantine", obs.at))
+        self.step_locals.setdefault(step, {})[view.rank] = (local_loss, _float(event.get("local_grad_norm")),
+                                                            finite is not False)
+        if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
+            self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
+        found += self._stragglers(step, obs)
+        found += self._outliers(step, obs)
+        return found
+
+    def _stragglers(self, step: int, obs: Observation) -> list[Incident]:
+        """A rank whose compute rate, relative to its calibrated rate, is below `straggler_fraction` of the
+        fleet's (the median of 3+ ranks, the fastest of 2) for `straggler_window` steps. Relative, because the
+        bench's absolute rate (padded random batches) is not the training data's; in a calibrated split every
+        rank should run at the same fraction of its calibrated rate."""
+        rates = self.step_rates.get(step, {})
+        if len(rates) < len(self.ranks) or len(self.ranks) < 2:
+            return []
+        rel = {r: rate / (self.ranks[r].calibrated_tokens_per_s or 1.0) for r, rate in rates.items()}
+        values = sorted(rel.values())
+        ref = _median(values) if len(values) >= 3 else values[-1]
+        found: list[Incident] = []
+        for rank, value in rel.items():
+            view = self.ranks[rank]
+            view.slow_steps = view.slow_steps + 1 if value < self.policy.straggler_fraction * ref else 0
+            if view.slow_steps >= self.policy.straggler_window and not view.straggler_reported:
+                view.straggler_reported = True
+                found += self._add(Incident(
+                    "straggler", view.node, rank, step, None,
+                    {"compute_tokens_per_s": round(rates[rank], 1), "calibrated_tokens_per_s": view.calibrated_tokens_per_s,
+                     "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps}, "warn", obs.at))
+        return found
+
+    def _outliers(self, step: int, obs: Observation) -> list[Incident]:
+        """Robust statistics over the ranks' LOCAL loss and grad norm at one step (median/MAD, needs 3+
+        ranks): a rank far from the others for `outlier_steps` consecutive steps is flagged (a warning: the
+        digests decide Byzantine replicas; honest heterogeneous batches stay within the relative floor)."""
+        values = self.step_locals.get(step, {})
+        if len(values) < len(self.ranks) or len(self.ranks) < 3:
+            return []
+        flagged: set[int] = set()
+        for idx in (0, 1):
+            series: dict[int, float] = {}
+            for r, v in values.items():
+                x = v[idx]
+                if isinstance(x, float):
+                    series[r] = x
+            flagged |= robust_outliers(series, self.policy.outlier_mads, self.policy.outlier_rel)
+        found: list[Incident] = []
+        for rank, view in self.ranks.items():
+            view.outlier_steps = view.outlier_steps + 1 if rank in flagged else 0
+            if view.outlier_steps == self.policy.outlier_steps:
+                found += self._add(Incident("outlier", view.node, rank, step, None,
+                                            {"local": {r: values[r][:2] for r in values}}, "warn", obs.at))
+        return found
+
+    def _digest(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
+        step = _int(event.get("step"))
+        if step is None:
+            return []
+        table = self.digests.setdefault(step, {})
+        table[view.rank] = (str(event.get("params_sha256")), str(event.get("optimizer_sha256")))
+        live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
+        if any(r not in table for r in live):
+            return []
+        return self._vote("inconsistent", step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
+
+    def _checkpoint(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
+        step, sha = _int(event.get("step")), event.get("sha256")
+        if step is None or not isinstance(sha, str):
+            return []
+        table = self.manifests.setdefault(step, {})
+        table[view.rank] = sha
+        live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
+        if any(r not in table for r in live):
+            return []
+        return self._vote("checkpoint_mismatch", step, {r: table[r] for r in live}, obs.at, "checkpoint manifest")
+
+    def _vote(self, kind: str, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
+        """Replicas must agree exactly. With a strict majority the odd ranks are culprits; without one (two
+        ranks that disagree) every rank is suspect and the attempt stops without naming a culprit."""
+        groups: dict[Any, list[int]] = {}
+        for rank, value in values.items():
+            groups.setdefault(value, []).append(rank)
+        if len(groups) == 1:
+            if kind == "inconsistent":
+                self.last_consistent_step = max(self.last_consistent_step or 0, step)
+            return []
+        ranked = sorted(groups.values(), key=len, reverse=True)
+        evidence = {"step": step, "values": {str(r): v for r, v in values.items()}, "what": what}
+        if len(ranked[0]) > len(ranked[1]):
+            found: list[Incident] = []
+            for group in ranked[1:]:
+                for rank in group:
+                    view = self.ranks[rank]
+                    found += self._add(Incident(kind, view.node, rank, step, 0.0,
+                                                {**evidence, "majority": ranked[0]}, "quarantine", at))
+            return found
+        suspects = sorted(self.ranks[r].node for r in values)
+        return self._add(Incident(kind, ",".join(suspects), None, step, 0.0,
+                                  {**evidence, "suspects": suspects, "note": "no majority: every replica is suspect"},
+                                  "stop", at))
+
+    def _proc(self, obs: Observation) -> list[Incident]:
+        view = self.ranks.get(obs.rank) if obs.rank is not None else None
+        if view is None or view.node != obs.node:
+            return []
+        if obs.data.get("state") == "T" and view.state is WorkerState.RUNNING:
+            # Stopped (SIGSTOP, a debugger, a frozen Mac's process): it cannot answer; its peers wait forever.
+            view.stopped_since = view.stopped_since or obs.at
+            if obs.at - view.stopped_since >= self.policy.stopped_grace_s:
+                view.state = WorkerState.FAILED
+                last = view.last_event_at or obs.at
+                return self._add(Incident("hang", obs.node, obs.rank, view.step, max(0.0, obs.at - last),
+                                          {"pid": obs.data.get("pid"), "state": "T (stopped)"}, "quarantine", obs.at))
+            return []
+        view.stopped_since = None
+        if not obs.data.get("alive", True) and view.state is WorkerState.RUNNING:
+            view.state = WorkerState.FAILED
+            last = view.last_event_at or obs.at
+            return self._add(Incident("crash", obs.node, obs.rank, view.step, max(0.0, obs.at - last),
+                                      {"pid": obs.data.get("pid"), "state": obs.data.get("state")},
+                                      "quarantine", obs.at))
+        return []
+
+    def _lost(self, obs: Observation) -> list[Incident]:
+        failed: list[Incident] = []
+        for view in self.ranks.values():
+            if view.node == obs.node and view.state in (WorkerState.PENDING, WorkerState.RUNNING):
+                view.state = WorkerState.FAILED
+        if any(i.kind == "unreachable" and i.node == obs.node for i in self.incidents):
+            return failed  # already reported (the channel may close after the silence was detected)
+        last = self.node_seen_at.get(obs.node, self.started_at)
+        failed += self._add(Incident("unreachable", obs.node, None, self.node_step(obs.node), obs.at - last,
+                                     {"reason": obs.data.get("reason", "channel lost")}, "quarantine", obs.at))
+        return failed
+
+    # -- time-based checks ------------------------------------------------------------------------------------
+
+    def check(self, now: float) -> list[Incident]:
+        """Silent failures. A node whose channel said nothing (not even a tick) for `heartbeat_timeout` is
+        unreachable; checked first, so its ranks' silence is attributed to the node, not to a hang. A running
+        rank on a live channel with no event (heartbeat or step) for `heartbeat_timeout` hangs."""
+        found: list[Incident] = []
+        for node in sorted({v.node for v in self.ranks.values() if v.state is WorkerState.RUNNING}):
+            silent = now - self.node_seen_at.get(node, self.started_at)
+            if silent > self.heartbeat_timeout:
+                found += self._lost(Observation("lost", node, now, data={
+                    "reason": f"no word from the node for {silent:.1f}s (asleep, link down or sshd gone)"}))
+        for view in self.ranks.values():
+            if view.state is not WorkerState.RUNNING:
+                continue
+            last = view.last_event_at or view.started_at or self.started_at
+            if now - last > self.heartbeat_timeout:
+                view.state = WorkerState.FAILED
+                found += self._add(Incident("hang", view.node, view.rank, view.step, now - last,
+                                            {"silent_for_s": round(now - last, 3),
+                                             "heartbeat_timeout": self.heartbeat_timeout}, "quarantine", now))
+        return found
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[str]:
+        return sorted({v.node for v in self.ranks.values()})
+
+    def node_step(self, node: str) -> int:
+        return max((v.step for v in self.ranks.values() if v.node == node), default=0)
+
+    def culprits(self) -> list[str]:
+        """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order."""
+        out: list[str] = []
+        for inc in self.incidents:
+            if inc.action == "quarantine" and inc.kind in CULPRIT_KINDS and inc.node not in out:
+                out.append(inc.node)
+        return out
+
+    def settled(self, now: float) -> bool:
+        """True once the verdict can stand: a culprit is named and SETTLE_S passed since the first fatal incident
+        (its echoes have arrived); or, with only echoes so far (a node that vanished says nothing), once the
+        heartbeat timeout has passed, so the silent node is found by `check`."""
+        if self.first_fatal_at is None:
+            return False
+        waited = now - self.first_fatal_at
+        if waited >= self.heartbeat_timeout + 1.0:
+            return True
+        blamed = set(self.culprits())
+        # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
+        # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
+        heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
+        return bool(blamed) and waited >= SETTLE_S and heard
+
+    def outcome(self) -> RunState | None:
+        if self.stopped:
+            return RunState.STOPPED
+        if any(i.action in ("stop", "quarantine") for i in self.incidents):
+            return RunState.FAILED
+        if any(v.state is WorkerState.FAILED for v in self.ranks.values()):
+            return RunState.FAILED
+        if all(v.state is WorkerState.FINISHED for v in self.ranks.values()):
+            return RunState.SUCCEEDED
+        return None
+
+    def step(self) -> int:
+        return min((v.step for v in self.ranks.values()), default=0)
+
+    def eta_s(self, now: float) -> float | None:
+        done = self.step()
+        running = [v for v in self.ranks.values() if v.started_at is not None]
+        if not running or done <= 0:
+            return None
+        start = min(v.started_at for v in running if v.started_at is not None)
+        base = min((v.resumed_from or 0) for v in running)
+        rate = (done - base) / max(1e-9, now - start)
+        return None if rate <= 0 else (self.iters - done) / rate
+
+
+# Errors a rank reports because of ANOTHER rank or of mlx.launch: the ring's lost-peer error, a reset socket,
+# and the signals mlx.launch sends (SIGTERM, or SIGHUP when it closes a rank's ssh pty) to the survivors once
+# one rank failed.
+ECHO_MARKERS = ("connection to a peer was lost", "peer", "connection reset", "broken pipe", "recv", "send",
+                "terminated by sighup", "terminated by sigterm", "terminated by sigpipe",
+                # A non-finite GLOBAL loss fails every rank; the culprit is the rank whose LOCAL loss was not
+                # finite (its `nan` incident), never the ranks that merely saw the sum.
+                "training diverged")
+
+
+def is_echo(message: str | None) -> bool:
+    return bool(message) and any(m in message.lower() for m in ECHO_MARKERS)  # type: ignore[union-attr]
+
+
+def robust_outliers(values: dict[int, float], mads: float, rel: float) -> set[int]:
+    """Keys whose value is more than `mads` robust standard deviations (1.4826 x MAD) AND `rel` (relative)
+    away from the median. Needs 3+ values; a zero MAD (most values equal) uses the relative test alone."""
+    if len(values) < 3:
+        return set()
+    xs = sorted(values.values())
+    median = _median(xs)
+    mad = _median(sorted(abs(x - median) for x in xs)) * 1.4826
+    out: set[int] = set()
+    for key, x in values.items():
+        dist = abs(x - median)
+        if dist > rel * max(abs(median), 1e-12) and (mad == 0 or dist > mads * mad):
+            out.add(key)
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return None
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None

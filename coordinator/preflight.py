@@ -1,0 +1,95 @@
+"""`coordinator preflight` and `coordinator facts`: connect, probe, evaluate. The CLI verbs land here."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.checks import evaluate_preflight
+from coordinator.checks.context import CheckContext
+from coordinator.errors import ConfigError, TransportError
+from coordinator.facts.model import NodeFacts
+from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, gather_facts
+from coordinator.lint import lint_playbook
+from coordinator.models import Inventory, PreflightReport
+from coordinator.playbook import Playbook
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, ConnectInfo, Fleet
+
+_MANIFEST_LINE = re.compile(r"^(?P<sha>[0-9a-fA-F]{64}) [ *](?P<path>.+)$")
+
+
+def parse_manifest(text: str, *, source: str = "manifest") -> dict[str, str]:
+    """`sha256sum`/`shasum -a 256` output (paths `model/...` or `data/...`) -> {path: sha256}."""
+    out: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _MANIFEST_LINE.match(line)
+        if m is None:
+            raise ConfigError("expected `<sha256>  <model|data>/<path>`", path=source, line=lineno)
+        path = m["path"].removeprefix("./")
+        if not path.startswith(("model/", "data/")):
+            raise ConfigError(f"path {path!r} must start with model/ or data/", path=source, line=lineno)
+        out[path] = m["sha"].lower()
+    return out
+
+
+def load_manifest(playbook: Playbook) -> dict[str, str] | None:
+    if not playbook.manifest:
+        return None
+    base = Path(playbook.path).parent if playbook.path else Path.cwd()
+    path = (base / playbook.manifest).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read manifest {path}: {exc.strerror}", path=playbook.path) from exc
+    return parse_manifest(text, source=str(path))
+
+
+@dataclass(frozen=True)
+class FleetFacts:
+    connect: dict[str, ConnectInfo | TransportError]
+    facts: dict[str, NodeFacts]
+    probe_errors: dict[str, TransportError]
+
+
+async def collect(
+    inventory: Inventory,
+    playbook: Playbook | None,
+    *,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
+    accept_new_host_keys: bool = False,
+    concurrency: int = 64,
+    progress: ProgressFn | None = None,
+    fleet_factory: Any = None,
+) -> FleetFacts:
+    factory = fleet_factory or Fleet
+    async with factory(inventory.nodes, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
+                       concurrency=concurrency) as fleet:
+        connect = await fleet.connect_all()
+        gathered = await gather_facts(fleet, playbook, timeout=probe_timeout, progress=progress)
+    facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+    errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
+    return FleetFacts(connect=connect, facts=facts, probe_errors=errors)
+
+
+def model_config(facts: Mapping[str, NodeFacts]) -> dict[str, Any] | None:
+    """The model config most nodes agree on (the lint needs one; the model check flags the odd node)."""
+    configs = [f.model_config for f in facts.values() if f.model_config is not None]
+    if not configs:
+        return None
+    keyed = Counter(repr(sorted(c.items())) for c in configs).most_common(1)[0][0]
+    return next(c for c in configs if repr(sorted(c.items())) == keyed)
+
+
+def evaluate(inventory: Inventory, playbook: Playbook | None, fleet_facts: FleetFacts) -> PreflightReport:
+    manifest = load_manifest(playbook) if playbook is not None else None
+    ctx = CheckContext.build(inventory.nodes, fleet_facts.connect, fleet_facts.facts, playbook, manifest,
+                             fleet_facts.probe_errors)
+    lint = tuple(lint_playbook(playbook, model_config(fleet_facts.facts))) if playbook is not None else ()
+    return evaluate_preflight(ctx, lint)

@@ -1,0 +1,145 @@
+"""The node probe: ONE round trip per node gathers every raw output the checks need.
+
+`build_probe` makes a POSIX shell script (run as `sh -c SCRIPT`) that runs the OS commands, each fenced by a
+random per-run nonce so that nothing a node prints can forge a section boundary, and finally runs the node's
+configured python on `worker/probe.py`, whose source travels on stdin (the node needs nothing of ours
+installed). `parse_probe_output` splits the answer back into sections. Both are pure.
+
+The command list is documented in docs/probe.md; macOS facts come only from these commands (never from
+Python's `platform`), so a recorded node profile (`coordinator facts --record`) can answer them again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shlex
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+# (section, argv) for every Mac; the section names are the file names of a recorded profile.
+MACOS_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sw_vers", ("sw_vers",)),
+    ("sysctl", ("sysctl", "hw", "machdep.cpu.brand_string", "kern.memorystatus_vm_pressure_level")),
+    (
+        "system_profiler",
+        ("system_profiler", "SPHardwareDataType", "SPDisplaysDataType", "SPThunderboltDataType", "-json"),
+    ),
+    ("networksetup", ("networksetup", "-listallhardwareports")),
+    ("ifconfig", ("ifconfig",)),
+    ("rdma_ctl", ("rdma_ctl", "status")),
+    ("ibv_devices", ("ibv_devices",)),
+    ("ibv_devinfo", ("ibv_devinfo",)),
+    ("vm_stat", ("vm_stat",)),
+    ("memory_pressure", ("memory_pressure",)),
+    ("pmset", ("pmset", "-g")),
+    ("pmset_batt", ("pmset", "-g", "batt")),
+    ("ioreg", ("ioreg", "-r", "-d", "1", "-w", "0", "-c", "IOAccelerator")),
+)
+
+LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("os_release", ("cat", "/etc/os-release")),
+    ("cpuinfo", ("grep", "-m1", "-i", "^model name", "/proc/cpuinfo")),
+    ("meminfo", ("cat", "/proc/meminfo")),
+    ("nproc", ("nproc",)),
+    ("loadavg", ("cat", "/proc/loadavg")),
+    ("ip_addr", ("ip", "-o", "-4", "addr", "show")),
+    ("infiniband", ("ls", "-1", "/sys/class/infiniband")),
+)
+
+NVIDIA_SMI = ("nvidia-smi", "--query-gpu=name,utilization.gpu,memory.used", "--format=csv,noheader,nounits")
+
+# Sections whose absence is normal on a node (a command that only exists on some machines).
+OPTIONAL_SECTIONS = frozenset({"nvidia_smi", "infiniband", "cpuinfo"})
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    text: str
+    rc: int
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A ready-to-run probe: `argv` to execute on the node with `stdin` as its standard input."""
+
+    argv: tuple[str, ...]
+    stdin: str
+    nonce: str
+
+
+def shell_path(path: str) -> str:
+    """Quote a node path for sh, keeping a leading `~/` meaning the node user's home."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def worker_source() -> str:
+    return resources.files("worker").joinpath("probe.py").read_text(encoding="utf-8")
+
+
+def _command(argv: tuple[str, ...]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def build_probe(
+    *,
+    python: str,
+    workdir: str,
+    worker_args: dict[str, Any],
+    nonce: str | None = None,
+    source: str | None = None,
+) -> Probe:
+    """The probe for one node. `worker_args` is passed to worker/probe.py as one JSON argument."""
+    n = nonce or secrets.token_hex(8)
+    lines = [
+        f"N={n}",
+        # Every command reads /dev/null: stdin carries the worker's source and must reach python intact.
+        'sec() { s=$1; shift; printf "%s BEGIN %s\\n" "$N" "$s"; "$@" </dev/null 2>&1; rc=$?; '
+        'printf "\\n%s END %s %s\\n" "$N" "$s" "$rc"; }',
+        "sec uname uname -srm",
+        'case "$(uname -s 2>/dev/null)" in',
+        "Darwin*)",  # a recorded profile may answer every uname call with its full line
+        *(f"  sec {name} {_command(argv)}" for name, argv in MACOS_COMMANDS),
+        "  ;;",
+        "*)",
+        *(f"  sec {name} {_command(argv)}" for name, argv in LINUX_COMMANDS),
+        f"  if command -v nvidia-smi >/dev/null 2>&1; then sec nvidia_smi {_command(NVIDIA_SMI)}; fi",
+        "  ;;",
+        "esac",
+        # df of the workdir, or of its nearest existing parent (the workdir may not exist yet).
+        f"d={shell_path(workdir)}",
+        'while [ ! -d "$d" ]; do d=$(dirname "$d"); done',
+        'sec df df -k "$d"',
+        "sec env env",
+        f"PY={shell_path(python)}",
+        'printf "%s BEGIN worker\\n" "$N"',
+        'if command -v "$PY" >/dev/null 2>&1; then "$PY" - '
+        + shlex.quote(json.dumps(worker_args, sort_keys=True))
+        + '; rc=$?; else echo "python interpreter not found: $PY"; rc=127; fi',
+        'printf "\\n%s END worker %s\\n" "$N" "$rc"',
+    ]
+    script = "\n".join(lines) + "\n"
+    return Probe(argv=("sh", "-c", script), stdin=source if source is not None else worker_source(), nonce=n)
+
+
+def parse_probe_output(stdout: str, nonce: str) -> dict[str, Section]:
+    """Split the probe's stdout into sections. Text outside any section is ignored (login banners)."""
+    pattern = re.compile(
+        rf"{re.escape(nonce)} BEGIN (?P<name>[a-z_]+)\n(?P<text>.*?)\n{re.escape(nonce)} END (?P=name) (?P<rc>\d+)\n",
+        re.DOTALL,
+    )
+    sections: dict[str, Section] = {}
+    for match in pattern.finditer(stdout):
+        sections[match["name"]] = Section(match["name"], match["text"], int(match["rc"]))
+    return sections

@@ -1,0 +1,496 @@
+"""The control plane: one connection per node, reused for every command.
+
+Two transports answer the same calls: `SshTransport` (asyncssh; host keys verified against known_hosts by
+default) and `LocalTransport` (a subprocess on this machine, for `connection: local` nodes). Every command is
+an argv list; the SSH transport quotes it with `shlex.join`, so no inventory or playbook value can inject shell.
+
+Failure semantics: `connect`/`run` raise `TransportError` (or its `HostKeyError`); `Fleet` turns those into
+per-node results so one dead node never aborts the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import asyncssh
+
+from coordinator.errors import HostKeyError, TransportError
+from coordinator.models import Connection, Node
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_COMMAND_TIMEOUT = 60.0
+DEFAULT_CONCURRENCY = 64
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    """What one command did on one node. `exit_status` is None when the process was killed by a signal."""
+
+    node: str
+    argv: tuple[str, ...]
+    exit_status: int | None
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+
+@dataclass(frozen=True)
+class ConnectInfo:
+    node: str
+    connect_s: float  # TCP + handshake + auth
+    rtt_ms: float  # one exec round trip over the established connection
+    host_key: str | None  # "ssh-ed25519 SHA256:..." fingerprint; None for local
+    host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it
+
+
+class Transport(Protocol):
+    node: Node
+
+    async def connect(self) -> ConnectInfo: ...
+
+    async def run(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> RemoteResult: ...
+
+    def stream(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> AsyncIterator[tuple[str, str]]: ...
+
+    async def close(self) -> None: ...
+
+
+def build_command(argv: Sequence[str]) -> str:
+    """The one place a remote command string is made: every argument is shell-quoted."""
+    if not argv:
+        raise ValueError("empty argv")
+    return shlex.join(argv)
+
+
+def python_argv(python: str, *args: str) -> list[str]:
+    """argv running the node's python. A `~/` path is expanded by the node's shell (quoting would keep it
+    literal), through `sh -c 'exec "$HOME"/... "$@"'` so the other arguments stay quoted."""
+    if python.startswith("~/"):
+        return ["sh", "-c", 'exec "$HOME"/' + shlex.quote(python[2:]) + ' "$@"', "sh", *args]
+    return [python, *args]
+
+
+def _expand(path: str | None) -> str | None:
+    return None if path is None else os.path.expanduser(path)
+
+
+def known_hosts_path(node: Node) -> str:
+    return _expand(node.known_hosts) or os.path.expanduser("~/.ssh/known_hosts")
+
+
+def _known_host_entry(host: str, port: int) -> str:
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+def is_host_known(path: str, host: str, port: int) -> bool:
+    """True when known_hosts has any key for host[:port] (so a verification failure means the key CHANGED)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        known = asyncssh.read_known_hosts(path)
+    except (OSError, ValueError, asyncssh.KeyImportError):
+        return False
+    # SSHKnownHosts.match(host, addr, port) -> (host_keys, ca_keys, revoked, ...).
+    matches = known.match(host, host, port if port != 22 else None)
+    return bool(matches[0] or matches[1])
+
+
+class SshTransport:
+    """asyncssh connection to one node. `~/.ssh/config` and the agent are honoured by asyncssh's defaults."""
+
+    def __init__(
+        self,
+        node: Node,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        accept_new_host_keys: bool = False,
+    ) -> None:
+        self.node = node
+        self.connect_timeout = connect_timeout
+        self.accept_new_host_keys = accept_new_host_keys
+        self._conn: asyncssh.SSHClientConnection | None = None
+
+    def _options(self) -> dict[str, object]:
+        node = self.node
+        opts: dict[str, object] = {
+            "connect_timeout": self.connect_timeout,
+            # A missing known_hosts file means "no host is known" (not an error): verification then fails
+            # as "unknown key" and --accept-new-host-keys can create the file.
+            "known_hosts": known_hosts_path(node) if os.path.exists(known_hosts_path(node)) else ([], [], []),
+            # Never block on an interactive prompt: the control plane is unattended.
+            "password": None,
+            "kbdint_auth": False,
+            "keepalive_interval": 5,
+            "keepalive_count_max": 3,
+        }
+        if node.user:
+            opts["username"] = node.user
+        if node.port:
+            opts["port"] = node.port
+        if node.identity:
+            opts["client_keys"] = [_expand(node.identity)]
+        return opts
+
+    async def _open(self) -> asyncssh.SSHClientConnection:
+        node = self.node
+        try:
+            return await asyncssh.connect(node.host, **self._options())
+        except asyncssh.HostKeyNotVerifiable as exc:
+            path = known_hosts_path(node)
+            port = node.port or 22
+            if is_host_known(path, node.host, port):
+                raise HostKeyError(
+                    node.name,
+                    f"host key for {node.host} does NOT match {path} (changed key: possible man-in-the-middle or a "
+                    f"reinstalled node): {exc.reason}",
+                ) from exc
+            if not self.accept_new_host_keys:
+                raise HostKeyError(
+                    node.name,
+                    f"host key for {node.host} is unknown (not in {path}); verify it and rerun with "
+                    "--accept-new-host-keys, or add it with ssh-keyscan",
+                ) from exc
+            raise _NeedsRecording() from exc
+        except asyncssh.PermissionDenied as exc:
+            raise TransportError(node.name, f"authentication failed for {node.ssh_target}: {exc.reason}", kind="auth") from exc
+        except asyncssh.DisconnectError as exc:
+            raise TransportError(node.name, f"ssh disconnected: {exc.reason}", kind="connect") from exc
+        except TimeoutError as exc:
+            raise TransportError(
+                node.name, f"no SSH answer from {node.host} within {self.connect_timeout:g}s", kind="timeout"
+            ) from exc
+        except (OSError, asyncssh.Error, ValueError) as exc:
+            raise TransportError(node.name, f"cannot connect to {node.host}: {exc}", kind="connect") from exc
+
+    async def _record_host_key(self) -> str:
+        node = self.node
+        port = node.port or 22
+        try:
+            key = await asyncio.wait_for(
+                asyncssh.get_server_host_key(node.host, port), timeout=self.connect_timeout
+            )
+        except (OSError, asyncssh.Error, TimeoutError) as exc:
+            raise TransportError(node.name, f"cannot fetch host key of {node.host}: {exc}", kind="connect") from exc
+        if key is None:
+            raise HostKeyError(node.name, f"{node.host} presented no host key")
+        path = Path(known_hosts_path(node))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = f"{_known_host_entry(node.host, port)} {key.export_public_key('openssh').decode().strip()}\n"
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(line)
+        return str(key.get_fingerprint())
+
+    async def connect(self) -> ConnectInfo:
+        if self._conn is not None:
+            raise RuntimeError(f"{self.node.name}: already connected")
+        started = time.perf_counter()
+        recorded = False
+        try:
+            self._conn = await self._open()
+        except _NeedsRecording:
+            await self._record_host_key()
+            recorded = True
+            self._conn = await self._open()
+        connect_s = time.perf_counter() - started
+        key = self._conn.get_server_host_key()
+        rtt_started = time.perf_counter()
+        probe = await self.run(["true"], timeout=self.connect_timeout)
+        rtt_ms = (time.perf_counter() - rtt_started) * 1000
+        if not probe.ok:
+            # Authenticated, but the account cannot run commands (a `nologin` shell, a forced command).
+            await self.close()
+            raise TransportError(self.node.name, f"logged in as {self.node.ssh_target} but `true` exited "
+                                 f"{probe.exit_status}: {probe.stderr.strip()[:200]} (nologin shell or forced "
+                                 "command?)", kind="auth")
+        return ConnectInfo(
+            node=self.node.name,
+            connect_s=connect_s,
+            rtt_ms=rtt_ms,
+            host_key=f"{key.get_algorithm()} {key.get_fingerprint()}" if key else None,
+            host_key_recorded=recorded,
+        )
+
+    def _require(self) -> asyncssh.SSHClientConnection:
+        if self._conn is None:
+            raise TransportError(self.node.name, "not connected")
+        return self._conn
+
+    async def run(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> RemoteResult:
+        conn = self._require()
+        started = time.perf_counter()
+        try:
+            process = await conn.create_process(build_command(argv))
+            # Always close stdin: a remote command that reads it must never wait for input we will not send.
+            if stdin:
+                process.stdin.write(stdin)
+            process.stdin.write_eof()
+            proc = await process.wait(check=False, timeout=timeout)
+        except asyncssh.TimeoutError as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` timed out after {timeout:g}s", kind="timeout") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` failed: {exc}") from exc
+        return RemoteResult(
+            node=self.node.name,
+            argv=tuple(argv),
+            exit_status=proc.exit_status if proc.exit_signal is None else None,
+            stdout=_text(proc.stdout),
+            stderr=_text(proc.stderr),
+            elapsed_s=time.perf_counter() - started,
+        )
+
+    async def stream(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> AsyncIterator[tuple[str, str]]:
+        """Yield ("stdout"|"stderr", raw line with its newline) as they arrive, then ("exit", status)."""
+        conn = self._require()
+        proc: asyncssh.SSHClientProcess[str] | None = None
+        try:
+            # Not `async with`: leaving that block waits for the channel to close, i.e. for a hung remote
+            # command to exit by itself. On timeout we signal it and close without waiting.
+            proc = await conn.create_process(build_command(argv))
+            if stdin:
+                proc.stdin.write(stdin)
+            proc.stdin.write_eof()
+            async for item in _merge_lines(proc.stdout, proc.stderr, timeout):
+                yield item
+            await asyncio.wait_for(proc.wait(), timeout=timeout)
+            yield ("exit", str(proc.exit_status))
+        except TimeoutError as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` timed out after {timeout:g}s", kind="timeout") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` failed: {exc}") from exc
+        finally:
+            if proc is not None and proc.exit_status is None and proc.exit_signal is None:
+                with contextlib.suppress(asyncssh.Error, OSError):
+                    proc.kill()
+                proc.close()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            with contextlib.suppress(asyncssh.Error, OSError):
+                await self._conn.wait_closed()
+            self._conn = None
+
+
+class _NeedsRecording(Exception):
+    """Internal: the host key is unknown and the caller asked to record new keys."""
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+async def _merge_lines(out: AsyncIterable[Any], err: AsyncIterable[Any], timeout: float) -> AsyncIterator[tuple[str, str]]:
+    """Interleave the lines of stdout and stderr (str from asyncssh, bytes from asyncio) as they arrive, until
+    both end; TimeoutError past `timeout` seconds in all."""
+    queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+
+    async def pump(name: str, reader: AsyncIterable[Any]) -> None:
+        async for line in reader:
+            await queue.put((name, _text(line)))
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump("stdout", out)), asyncio.create_task(pump("stderr", err))]
+    done = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while done < 2:
+            item = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+            if item is None:
+                done += 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class LocalTransport:
+    """Runs commands on this machine without SSH (`connection: local`)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def connect(self) -> ConnectInfo:
+        started = time.perf_counter()
+        await self.run(["true"], timeout=DEFAULT_CONNECT_TIMEOUT)
+        return ConnectInfo(node=self.node.name, connect_s=0.0, rtt_ms=(time.perf_counter() - started) * 1000, host_key=None)
+
+    async def _spawn(self, argv: Sequence[str], stdin: str | None) -> asyncio.subprocess.Process:
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group, so a timeout kills the whole tree
+            )
+        except OSError as exc:
+            raise TransportError(self.node.name, f"cannot run `{argv[0]}`: {exc}") from exc
+
+    async def run(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> RemoteResult:
+        started = time.perf_counter()
+        proc = await self._spawn(argv, stdin)
+        try:
+            out, err = await asyncio.wait_for(
+                proc.communicate(stdin.encode() if stdin is not None else None), timeout=timeout
+            )
+        except TimeoutError as exc:
+            _kill_group(proc)
+            await proc.wait()
+            raise TransportError(self.node.name, f"`{argv[0]}` timed out after {timeout:g}s", kind="timeout") from exc
+        rc = proc.returncode
+        return RemoteResult(
+            node=self.node.name,
+            argv=tuple(argv),
+            exit_status=rc if rc is not None and rc >= 0 else None,
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=err.decode("utf-8", errors="replace"),
+            elapsed_s=time.perf_counter() - started,
+        )
+
+    async def stream(
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+    ) -> AsyncIterator[tuple[str, str]]:
+        proc = await self._spawn(argv, stdin)
+        if stdin is not None and proc.stdin is not None:
+            proc.stdin.write(stdin.encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        assert proc.stdout is not None and proc.stderr is not None
+        deadline = time.monotonic() + timeout
+        try:
+            async for item in _merge_lines(proc.stdout, proc.stderr, timeout):
+                yield item
+            await asyncio.wait_for(proc.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            yield ("exit", str(proc.returncode))
+        except TimeoutError as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` timed out after {timeout:g}s", kind="timeout") from exc
+        finally:
+            if proc.returncode is None:
+                _kill_group(proc)
+                await proc.wait()
+
+    async def close(self) -> None:
+        return None
+
+
+def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def make_transport(
+    node: Node, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, accept_new_host_keys: bool = False
+) -> Transport:
+    if node.connection is Connection.LOCAL:
+        return LocalTransport(node)
+    return SshTransport(node, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys)
+
+
+T = TypeVar("T")
+
+
+class Fleet:
+    """Connections to many nodes with bounded concurrency. Per-node failures come back as values.
+
+    Use as `async with Fleet(nodes) as fleet:`; every connection is closed on exit, whatever happened.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        accept_new_host_keys: bool = False,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        transport_factory: Callable[[Node], Transport] | None = None,
+    ) -> None:
+        factory = transport_factory or (
+            lambda n: make_transport(n, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys)
+        )
+        self.nodes = list(nodes)
+        self._factory = factory
+        self.transports: dict[str, Transport] = {n.name: factory(n) for n in self.nodes}
+        self.connected: dict[str, ConnectInfo] = {}
+        self.failed: dict[str, TransportError] = {}
+        self._sem = asyncio.Semaphore(concurrency)
+
+    async def __aenter__(self) -> Fleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(t.close() for t in self.transports.values()), return_exceptions=True)
+
+    async def _bounded(self, coro: Awaitable[T]) -> T:
+        async with self._sem:
+            return await coro
+
+    async def connect_all(self) -> dict[str, ConnectInfo | TransportError]:
+        async def one(name: str) -> ConnectInfo | TransportError:
+            try:
+                info = await self._bounded(self.transports[name].connect())
+            except TransportError as exc:
+                self.failed[name] = exc
+                return exc
+            self.connected[name] = info
+            return info
+
+        results = await asyncio.gather(*(one(n.name) for n in self.nodes))
+        return {n.name: r for n, r in zip(self.nodes, results, strict=True)}
+
+    async def reconnect(self, name: str) -> ConnectInfo:
+        """Replace a node's (dead) connection with a fresh one. Raises TransportError."""
+        node = next(n for n in self.nodes if n.name == name)
+        old = self.transports[name]
+        await old.close()
+        fresh = self._factory(node)
+        info = await fresh.connect()
+        self.transports[name] = fresh
+        self.connected[name] = info
+        self.failed.pop(name, None)
+        return info
+
+    async def map(
+        self, fn: Callable[[Node, Transport], Awaitable[T]], *, names: Sequence[str] | None = None
+    ) -> dict[str, T | TransportError]:
+        """Run `fn(node, transport)` on every connected node (or `names`), concurrently and bounded."""
+        wanted = [n for n in self.nodes if (names is None or n.name in names) and n.name in self.connected]
+
+        async def one(node: Node) -> T | TransportError:
+            try:
+                return await self._bounded(fn(node, self.transports[node.name]))
+            except TransportError as exc:
+                return exc
+
+        results = await asyncio.gather(*(one(n) for n in wanted))
+        return {n.name: r for n, r in zip(wanted, results, strict=True)}

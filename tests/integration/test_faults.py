@@ -1,0 +1,326 @@
+"""Faults made from outside on network-namespace hosts with the real mlx.launch ring backend: each must be
+detected within its bound, attributed to the right node, and the run must finish on the survivors with the
+right number of steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import RunCli
+from tests.testbed import Host, TestBed
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "playbooks" / "data" / "smoke"
+HEARTBEAT_TIMEOUT = 6.0
+ITERS = 40
+
+
+def write_playbook(path: Path, *, iters: int = ITERS, **extra: object) -> Path:
+    doc = {
+        "name": "fault",
+        "kind": "train",
+        "model": "/srv/model",
+        "data": "/srv/data",
+        "assets": {"data_from": str(DATA), "tiny_model": {"layers": 2, "hidden": 32, "seed": 0}},
+        "train": {"method": "lora", "iters": iters, "batch_size": 6, "learning_rate": 1e-3, "max_seq_length": 64,
+                  "save_every": 2, "steps_per_eval": 100, "val_batches": 1},
+        "split": "equal",
+        "heartbeat_timeout": HEARTBEAT_TIMEOUT,
+        "faults": {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1},
+    }
+    doc.update(extra)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+class Job:
+    """`coordinator launch` running in the background; the test watches its events and injects faults."""
+
+    def __init__(self, tmp: Path, inv: Path, pb: Path, *extra: str) -> None:
+        self.tmp = tmp
+        self.runs = tmp / "runs"
+        self.env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state"),
+                    "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json", "--run-dir",
+             str(self.runs), *extra], cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+
+    def run_dir(self) -> Path:
+        found = sorted(self.runs.glob("fault-*")) if self.runs.exists() else []
+        return found[-1] if found else Path("/nonexistent")
+
+    def events(self) -> list[dict]:
+        path = self.run_dir() / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_for(self, pred: Callable[[list[dict]], object], timeout: float = 180.0) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = pred(self.events())
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                pytest.fail(f"launch ended early (rc {self.proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
+            time.sleep(0.1)
+        pytest.fail("timed out waiting for the job")
+
+    def rank_pid_at_step(self, rank: int, step: int) -> int:
+        def ready(evs: list[dict]) -> int | None:
+            pids = [e["pid"] for e in evs if e.get("event") == "started" and e.get("rank") == rank]
+            steps = [e["step"] for e in evs if e.get("event") == "step" and e.get("rank") == rank]
+            return pids[-1] if pids and steps and max(steps) >= step else None
+
+        return int(self.wait_for(ready))  # type: ignore[call-overload]
+
+    def finish(self, timeout: float = 300.0) -> tuple[int, dict]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, err = self.proc.communicate()
+            pytest.fail(f"launch did not finish:\n{err[-4000:]}")
+        try:
+            return self.proc.returncode, json.loads(out)
+        except ValueError:
+            pytest.fail(f"no JSON summary (rc {self.proc.returncode}):\n{out[-2000:]}\n{err[-5000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture()
+def jobs() -> list[Job]:
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill()
+
+
+def setup(testbed: TestBed, tmp: Path, n: int = 3) -> tuple[list[Host], Path]:
+    hosts = testbed.add_hosts(n)
+    return hosts, testbed.write_inventory(tmp / "inv.yaml", hosts)
+
+
+def culprit_incident(summary: dict, kind: str) -> dict:
+    found = [i for i in summary["incidents"] if i["kind"] == kind and i["action"] == "quarantine"]
+    assert found, f"no {kind} incident: {json.dumps(summary['incidents'], indent=1)[:3000]}"
+    return found[0]
+
+
+def assert_finished_on_survivors(summary: dict, culprit: str, iters: int = ITERS) -> None:
+    assert summary["state"] == "succeeded", json.dumps(summary, indent=1)[:4000]
+    assert summary["steps"] == iters
+    assert summary["attempts"] == 2
+    assert summary["quarantined"] == [culprit]
+    assert culprit not in {node["name"] for node in summary["nodes"]}
+    assert all(node["step"] == iters for node in summary["nodes"])
+    [recovery] = summary["recoveries"]
+    assert recovery["culprits"] == [culprit]
+    assert recovery["first_step_after_s"] is not None
+
+
+def no_rank_left(run_id: str) -> None:
+    ps = subprocess.run(["pgrep", "-af", f"runs/{run_id}/"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", f"processes of the run left: {ps.stdout}"
+
+
+def test_kill_9_of_a_rank_is_a_crash_and_the_run_finishes_on_the_survivors(testbed: TestBed, tmp_path: Path,
+                                                                           jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    jobs.append(job)
+    pid = job.rank_pid_at_step(1, 5)
+    os.kill(pid, signal.SIGKILL)
+    rc, summary = job.finish()
+    assert rc == 0
+    crash = culprit_incident(summary, "crash")
+    assert crash["node"] == hosts[1].name and crash["rank"] == 1
+    assert crash["detected_after_s"] <= 2.0
+    assert_finished_on_survivors(summary, hosts[1].name)
+    # The peers' "lost peer" errors are echoes, not culprits.
+    assert all(i["node"] == hosts[1].name for i in summary["incidents"] if i["action"] == "quarantine")
+    no_rank_left(summary["run_id"])
+    state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
+    assert list(state["nodes"]) == [hosts[1].name]
+
+
+def test_sigstop_is_a_hang_detected_within_the_heartbeat_timeout(testbed: TestBed, tmp_path: Path,
+                                                                jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    jobs.append(job)
+    pid = job.rank_pid_at_step(2, 5)
+    os.kill(pid, signal.SIGSTOP)
+    rc, summary = job.finish()
+    hang = culprit_incident(summary, "hang")
+    assert hang["node"] == hosts[2].name and hang["rank"] == 2
+    assert hang["detected_after_s"] <= HEARTBEAT_TIMEOUT + 1.0
+    assert_finished_on_survivors(summary, hosts[2].name)
+    assert rc == 0
+    no_rank_left(summary["run_id"])
+
+
+def test_link_down_is_an_unreachable_node(testbed: TestBed, tmp_path: Path, jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    jobs.append(job)
+    job.rank_pid_at_step(2, 5)
+    testbed.link_down(hosts[2])
+    rc, summary = job.finish()
+    gone = culprit_incident(summary, "unreachable")
+    assert gone["node"] == hosts[2].name
+    assert gone["detected_after_s"] <= HEARTBEAT_TIMEOUT + 1.0
+    assert_finished_on_survivors(summary, hosts[2].name)
+    assert rc == 0
+
+
+def test_sshd_killed_with_its_sessions_is_detected_and_survived(testbed: TestBed, tmp_path: Path,
+                                                               jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    jobs.append(job)
+    job.rank_pid_at_step(1, 5)
+    testbed.stop_sshd(hosts[1], sessions=True)  # the host "crashes": sshd and everything it started die
+    rc, summary = job.finish()
+    culprits = {i["node"] for i in summary["incidents"] if i["action"] == "quarantine"}
+    assert culprits == {hosts[1].name}
+    first = next(i for i in summary["incidents"] if i["action"] == "quarantine")
+    assert first["kind"] in ("unreachable", "crash") and first["detected_after_s"] <= HEARTBEAT_TIMEOUT + 1.0
+    assert_finished_on_survivors(summary, hosts[1].name)
+    assert rc == 0
+
+
+def test_changed_model_file_fails_preflight_for_the_odd_node(testbed: TestBed, run_cli: RunCli,
+                                                            tmp_path: Path) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    pb = write_playbook(tmp_path / "pb.yaml")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    # Assets are provisioned by launch: place them with a 1-step job first.
+    ok = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "one.yaml", iters=1)), "--json",
+                 "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    testbed.exec(hosts[2], ["sh", "-c", "printf x >> /srv/model/config.json"], check=True)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert proc.returncode == 1
+    assert "preflight failed" in proc.stderr and hosts[2].name in proc.stderr
+    report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
+    data = json.loads(report.stdout)
+    verdicts = {n["name"]: next(c for c in n["checks"] if c["id"] == "model") for n in data["nodes"]}
+    assert verdicts[hosts[2].name]["status"] == "fail" and "config.json" in verdicts[hosts[2].name]["summary"]
+    assert all(verdicts[h.name]["status"] == "pass" for h in hosts[:2])
+
+
+def test_truncated_checkpoint_is_skipped_and_the_resume_continues(testbed: TestBed, run_cli: RunCli,
+                                                                 tmp_path: Path) -> None:
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    first = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "pb.yaml", iters=6)), "--json",
+                    "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = json.loads(first.stdout)["run_id"]
+    ckpt = f"/srv/work/runs/{run_id}/{hosts[0].name}/checkpoints/step-000006/weights.safetensors"
+    testbed.exec(hosts[0], ["truncate", "-s", "100", ckpt], check=True)
+    resumed = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "pb.yaml", iters=10)), "--json",
+                      "--run-dir", str(tmp_path / "runs"), "--resume", run_id, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 10
+    evs = [json.loads(line) for line in (tmp_path / "runs" / run_id / "events.jsonl").read_text().splitlines()]
+    invalid = [e for e in evs if e.get("event") == "checkpoint_invalid"]
+    assert invalid and invalid[0]["node"] == hosts[0].name and invalid[0]["step"] == 6
+    starts = [e for e in evs if e.get("event") == "started"][-2:]
+    assert {e["resumed_from"] for e in starts} == {6}  # the intact copy on the other node wins
+    # Both nodes end with identical, valid final checkpoints.
+    manifests = {testbed.exec(h, ["cat", f"/srv/work/runs/{run_id}/{h.name}/checkpoints/step-000010/manifest.sha256"],
+                              check=True).stdout for h in hosts}
+    assert len(manifests) == 1
+
+
+def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run_cli: RunCli, tmp_path: Path,
+                                                          jobs: list[Job]) -> None:
+    _, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=60))
+    jobs.append(job)
+    job.rank_pid_at_step(0, 3)
+    run_id = job.run_dir().name
+    os.killpg(job.proc.pid, signal.SIGKILL)  # the coordinator (and only it: mlx.launch has its own session)
+    job.proc.wait()
+    steps_before = max(e["step"] for e in job.events() if e.get("event") == "step")
+    proc = run_cli("attach", run_id, "--run-dir", str(tmp_path / "runs"), "--json",
+                   env={"XDG_STATE_HOME": str(tmp_path / "state")}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 60
+    assert steps_before < 60
+    no_rank_left(run_id)
+
+
+def test_stop_ends_a_running_job_cleanly(testbed: TestBed, run_cli: RunCli, tmp_path: Path, jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400))
+    jobs.append(job)
+    job.rank_pid_at_step(0, 3)
+    run_id = job.run_dir().name
+    os.killpg(job.proc.pid, signal.SIGKILL)
+    job.proc.wait()
+    proc = run_cli("stop", run_id, "--run-dir", str(tmp_path / "runs"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())
+    assert summary["state"] == "stopped"
+    no_rank_left(run_id)
+    for h in hosts:
+        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id} 2>/dev/null || true"]).stdout.strip() == ""
+
+
+@pytest.mark.parametrize(("spec", "kind", "victim"), [
+    ("nan:rank=2,step=5", "nan", 2),
+    ("diverge:rank=2,step=5", "inconsistent", 2),
+    ("lie:rank=1,step=5", "implausible_progress", 1),
+])
+def test_chaos_byzantine_faults_are_attributed_and_survived(testbed: TestBed, run_cli: RunCli, tmp_path: Path,
+                                                            spec: str, kind: str, victim: int) -> None:
+    hosts, inv = setup(testbed, tmp_path)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    proc = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "pb.yaml")), "--json", "--run-dir",
+                   str(tmp_path / "runs"), "--chaos", spec, env=env, timeout=400)
+    summary = json.loads(proc.stdout)
+    incident = culprit_incident(summary, kind)
+    assert incident["node"] == hosts[victim].name and incident["rank"] == victim
+    assert_finished_on_survivors(summary, hosts[victim].name)
+    assert proc.returncode == 0
+    if kind == "inconsistent":
+        # Checkpoints after the last step every replica agreed on were set aside, not deleted.
+        run_id = summary["run_id"]
+        listing = testbed.exec(hosts[0], ["ls", f"/srv/work/runs/{run_id}/{hosts[0].name}/checkpoints"]).stdout
+        assert "set-aside-step-" in listing
+
+
+def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, run_cli: RunCli,
+                                                             tmp_path: Path) -> None:
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    pb = write_playbook(tmp_path / "pb.yaml", iters=30, split="calibrated",
+                        calibration={"time_budget": 30, "max_batch": 8})
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
+                   "--chaos", "slow:rank=1,step=1,factor=8", env=env, timeout=400)
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["state"] == "succeeded" and summary["attempts"] == 1 and summary["steps"] == 30
+    stragglers = [i for i in summary["incidents"] if i["kind"] == "straggler"]
+    assert [(i["node"], i["action"]) for i in stragglers] == [(hosts[1].name, "warn")]

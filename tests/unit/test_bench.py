@@ -1,0 +1,251 @@
+"""worker.bench: the sweep's decisions (pure, table-driven) and real runs on a tiny random llama model; plus
+coordinator.calibrate end to end over a LocalTransport (ship, run, parse, cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.calibrate import BenchSpec, NodeFingerprint, calibrate
+from coordinator.models import Connection, Node
+from coordinator.plan import NodeCalibration, compute_plan
+from coordinator.transport import Fleet
+from worker.bench import (
+    STOP_REASONS,
+    Point,
+    decide_stop,
+    next_batch,
+    predict_peak_memory,
+    predict_point_cost,
+    sweep,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SLACK_S = 2.0  # what the bench may report beyond its budget: writing the JSON after the watchdog fired
+KEYS = {"curve", "best_batch", "best_tokens_per_s", "matmul_gflops", "device", "memory_limit", "stopped_because",
+        "seconds"}
+POINT_KEYS = {"batch", "tokens_per_s", "peak_memory", "step_time_s"}
+
+
+def pt(batch: int, rate: float, peak: int = 0, step: float | None = None, warmup: float | None = None) -> Point:
+    step_time = step if step is not None else batch * 100 / rate
+    return Point(batch, rate, peak, step_time, 3, warmup if warmup is not None else step_time)
+
+
+# --- pure decisions ----------------------------------------------------------------------------------------------
+
+def test_next_batch_doubles_then_lands_on_max() -> None:
+    assert [next_batch(b, 48) for b in (1, 2, 16, 32)] == [2, 4, 32, 48]
+
+
+def test_predict_peak_memory() -> None:
+    assert predict_peak_memory([pt(1, 10, peak=100)], 4) == 400  # one point: proportional (over-estimates)
+    assert predict_peak_memory([pt(1, 10, peak=100), pt(2, 10, peak=150)], 4) == 250  # 100 + 50/row
+    assert predict_peak_memory([pt(1, 10, peak=100), pt(2, 10, peak=90)], 4) == 90  # noise: never shrinks
+
+
+def test_predict_point_cost() -> None:
+    # step 0.1 s at batch 2 -> 0.2 s at batch 4; compile overhead 0.5 s; warm-up + 3 timed steps.
+    assert predict_point_cost(pt(2, 10, step=0.1, warmup=0.6), 4) == pytest.approx(0.5 + 0.2 * 4)
+
+
+STOP_CASES: list[tuple[str, list[Point], dict[str, Any], str | None]] = [
+    ("keeps going", [pt(1, 100), pt(2, 180)], {}, None),
+    ("throughput fell past the knee", [pt(1, 100), pt(2, 180), pt(4, 170)], {}, "throughput_fell"),
+    ("within noise is not a fall", [pt(1, 100), pt(2, 180), pt(4, 176)], {}, None),
+    ("fall wins over max batch", [pt(1, 100), pt(2, 50)], {"max_batch": 2}, "throughput_fell"),
+    ("max batch measured", [pt(1, 100), pt(2, 180)], {"max_batch": 2}, "max_batch"),
+    ("next batch over memory", [pt(1, 100, peak=600), pt(2, 180, peak=800)], {"memory_limit": 1100},
+     "memory"),
+    ("next batch fits memory", [pt(1, 100, peak=600), pt(2, 180, peak=800)], {"memory_limit": 1300}, None),
+    ("next point too long", [pt(1, 100, step=1.0), pt(2, 180, step=1.1)], {"seconds_left": 5.0}, "time_budget"),
+    ("next point fits", [pt(1, 100, step=1.0), pt(2, 180, step=1.1)], {"seconds_left": 9.0}, None),
+    ("point cut short", [pt(1, 100)], {"truncated": True}, "time_budget"),
+]
+
+
+@pytest.mark.parametrize(("label", "curve", "overrides", "expected"), STOP_CASES, ids=[c[0] for c in STOP_CASES])
+def test_decide_stop(label: str, curve: list[Point], overrides: dict[str, Any], expected: str | None) -> None:
+    kwargs: dict[str, Any] = {"max_batch": 64, "memory_limit": 1e18, "seconds_left": 1e9, "truncated": False}
+    kwargs.update(overrides)
+    assert decide_stop(curve, **kwargs) == expected
+
+
+def fake_measure(rates: dict[int, float], clock: list[float], *, step_s: float = 0.5
+                 ) -> Callable[[int, float], tuple[Point | None, bool]]:
+    """Each point costs 4 steps of `step_s` x batch on the fake clock."""
+    def measure(batch: int, deadline: float) -> tuple[Point | None, bool]:
+        cost = 4 * step_s * batch
+        if clock[0] + cost > deadline:
+            return None, True
+        clock[0] += cost
+        return pt(batch, rates[batch], peak=batch * 10, step=step_s * batch), False
+    return measure
+
+
+@pytest.mark.parametrize(("label", "rates", "kwargs", "batches", "reason"), [
+    ("knee", {1: 100, 2: 190, 4: 300, 8: 280}, {}, [1, 2, 4, 8], "throughput_fell"),
+    ("max batch 6", {1: 100, 2: 190, 4: 300, 6: 350}, {"max_batch": 6}, [1, 2, 4, 6], "max_batch"),
+    ("memory", {1: 100, 2: 190, 4: 300}, {"memory_limit": 50}, [1, 2, 4], "memory"),
+    ("time", {1: 100, 2: 190, 4: 300, 8: 500, 16: 900}, {"deadline": 20.0}, [1, 2, 4], "time_budget"),
+    ("nothing fits", {1: 100}, {"deadline": 1.0}, [], "time_budget"),
+])
+def test_sweep(label: str, rates: dict[int, float], kwargs: dict[str, Any], batches: list[int], reason: str) -> None:
+    clock = [0.0]
+    args: dict[str, Any] = {"max_batch": 64, "memory_limit": 1e18, "deadline": 1e9}
+    args.update(kwargs)
+    curve, stopped = sweep(fake_measure(rates, clock), clock=lambda: clock[0], **args)
+    assert [p.batch for p in curve] == batches
+    assert stopped == reason
+
+
+# --- real runs on a tiny model -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer llama (config.json + model.safetensors, no tokenizer: the bench needs none)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config: dict[str, Any] = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
+        "tie_word_embeddings": True,
+    }
+    model = Model(ModelArgs(**config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_bench(*args: str, budget: float) -> tuple[int, dict[str, Any], str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.bench", *args, "--time-budget", str(budget)],
+        capture_output=True, text=True, env=env, cwd=REPO,
+        timeout=budget + 120,  # a hang guard only; the contract check is the bench's own `seconds`
+    )
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, f"stdout must be ONE JSON line, got {proc.stdout!r}; stderr: {proc.stderr[-2000:]}"
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def check_contract(result: dict[str, Any], *, max_batch: int, budget: float) -> None:
+    assert set(result) >= KEYS, result
+    curve = result["curve"]
+    assert curve and all(set(p) >= POINT_KEYS for p in curve)
+    batches = [p["batch"] for p in curve]
+    assert batches[0] == 1
+    assert batches == [min(2**i, max_batch) for i in range(len(batches))]  # 1, 2, 4, ... then max_batch
+    assert all(p["tokens_per_s"] > 0 and p["step_time_s"] > 0 and p["peak_memory"] > 0 for p in curve)
+    for p in curve:
+        assert p["tokens_per_s"] == pytest.approx(p["batch"] * result["seq_len"] / p["step_time_s"], rel=1e-3)
+    best = max(curve, key=lambda p: p["tokens_per_s"])
+    assert (result["best_batch"], result["best_tokens_per_s"]) == (best["batch"], best["tokens_per_s"])
+    assert result["stopped_because"] in STOP_REASONS
+    rates = [p["tokens_per_s"] for p in curve]
+    if result["stopped_because"] == "throughput_fell":
+        assert rates[-1] < 0.97 * max(rates)
+    else:
+        assert all(r >= 0.97 * max(rates[: i + 1]) for i, r in enumerate(rates))  # it would have stopped earlier
+    if result["stopped_because"] == "max_batch":
+        assert batches[-1] == max_batch
+    assert result["matmul_gflops"] > 0
+    assert result["memory_limit"] > 0 and result["device"]["backend"] in ("cpu", "gpu")
+    assert 0 < result["seconds"] <= budget + SLACK_S
+
+
+def test_bench_lora_sweep(tiny_model: Path) -> None:
+    code, result, stderr = run_bench("--model", str(tiny_model), "--seq-len", "32", "--method", "lora",
+                                     "--num-layers", "-1", "--max-batch", "8", budget=60)
+    # A generous budget: on a loaded 2-core CI box importing mlx-lm alone can take seconds.
+    assert code == 0, stderr
+    check_contract(result, max_batch=8, budget=60)
+    assert (result["seq_len"], result["method"], result["num_layers"]) == (32, "lora", -1)
+    assert "bench batch=1 tokens_per_s=" in stderr  # progress goes to stderr
+
+
+def test_bench_full_with_grad_checkpoint_stops_on_memory(tiny_model: Path) -> None:
+    # A memory budget of a few KiB: batch 1 already uses more, so the next batch is predicted over the limit.
+    code, result, stderr = run_bench("--model", str(tiny_model), "--seq-len", "16", "--method", "full",
+                                     "--num-layers", "1", "--grad-checkpoint", "--memory-fraction", "1e-7",
+                                     budget=60)
+    assert code == 0, stderr
+    check_contract(result, max_batch=64, budget=60)
+    assert result["stopped_because"] == "memory"
+    assert [p["batch"] for p in result["curve"]] == [1]
+
+
+def test_bench_budget_spent_before_any_point(tiny_model: Path) -> None:
+    # Importing mlx-lm and loading the model take longer than this: the watchdog answers, within the budget.
+    code, result, _ = run_bench("--model", str(tiny_model), "--seq-len", "32", "--method", "lora",
+                                "--num-layers", "-1", budget=0.3)
+    assert result["seconds"] <= 0.3 + SLACK_S
+    if code == 1:
+        assert "time budget of 0.3s spent while" in result["error"]
+    else:  # a machine fast enough to measure a point in 0.3 s still reports within its budget
+        assert result["stopped_because"] == "time_budget"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "/nonexistent/model", "--seq-len", "32", "--method", "lora"], "no model at /nonexistent/model"),
+    (["--model", "/x", "--seq-len", "32", "--method", "qlora"], "bad arguments"),
+    (["--model", "/x", "--seq-len", "32", "--method", "lora", "--memory-fraction", "2"], "--memory-fraction"),
+])
+def test_bench_errors_are_json(args: list[str], message: str) -> None:
+    code, result, _ = run_bench(*args, budget=10)
+    assert code == 1
+    assert message in result["error"]
+
+
+def test_bench_too_many_layers_is_an_error(tiny_model: Path) -> None:
+    code, result, _ = run_bench("--model", str(tiny_model), "--seq-len", "32", "--method", "lora", budget=10)
+    assert code == 1
+    assert result["error"] == "--num-layers 16 but the model only has 2 layers"
+
+
+# --- coordinator.calibrate over a real LocalTransport ------------------------------------------------------------
+
+def test_calibrate_runs_the_bench_and_caches(tiny_model: Path, tmp_path: Path) -> None:
+    node = Node(name="local", host="localhost", connection=Connection.LOCAL, python=sys.executable,
+                workdir=str(tmp_path / "work"))
+    ghost = Node(name="ghost", host="localhost", connection=Connection.LOCAL, python="/nonexistent/python",
+                 workdir=str(tmp_path / "work"))
+    spec = BenchSpec(model=str(tiny_model), seq_len=32, method="lora", num_layers=-1, max_batch=4)
+    fingerprint = NodeFingerprint(chip="test", model_id=None, memory_bytes=1, cpu_count=2, gpu_cores=None,
+                                  os_version="linux", mlx_version="0.32.4")
+    cache = tmp_path / "cache"
+    lines: list[tuple[str, str]] = []
+
+    async def go(nodes: list[Node], recalibrate: bool) -> dict[str, Any]:
+        async with Fleet(nodes) as fleet:
+            await fleet.connect_all()
+            return await calibrate(fleet, spec, fingerprints={"local": fingerprint, "ghost": fingerprint},
+                                   model_digest="tiny", recalibrate=recalibrate, cache_dir=cache, time_budget=60,
+                                   progress=lambda n, line: lines.append((n, line)))
+
+    first = asyncio.run(go([node, ghost], False))
+    assert list(first) == ["local", "ghost"]
+    calibration = first["local"]
+    assert isinstance(calibration, NodeCalibration), calibration
+    assert not calibration.cached and calibration.seq_len == 32
+    assert not isinstance(first["ghost"], NodeCalibration)  # its failure is its result
+    assert "ghost" in str(first["ghost"])
+    assert any(n == "local" and line.startswith("bench batch=1") for n, line in lines)
+    assert len(list(cache.glob("calibration-*.json"))) == 1
+
+    again = asyncio.run(go([node], False))["local"]
+    assert isinstance(again, NodeCalibration) and again.cached and again.curve == calibration.curve
+
+    plan = compute_plan([calibration], 4, seq_len=32)
+    assert plan.batch == {"local": 4}

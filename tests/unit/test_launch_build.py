@@ -1,0 +1,65 @@
+"""The pure builders behind `coordinator launch`: rank script, launcher argv, ssh config, run config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from coordinator.launch import build_launcher_argv, build_rank_script, build_ssh_config
+from coordinator.models import Connection, Node
+
+
+def run_script(script: str, rank: int, tmp: Path, env: dict[str, str] | None = None) -> str:
+    """Run the rank script with `exec python` replaced by printing the environment and cwd."""
+    path = tmp / "rank"
+    path.write_text(script.replace("exec ", "env; pwd; echo RAN ", 1).replace("exec ", "env; pwd; echo RAN "))
+    out = subprocess.run(["sh", str(path)], capture_output=True, text=True, cwd=tmp,
+                         env={"PATH": os.environ["PATH"], "MLX_RANK": str(rank), **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_rank_script_picks_each_rank_its_dir_python_and_env(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b space"
+    a.mkdir(), b.mkdir()
+    script = build_rank_script("r1", [(0, str(a), "/usr/bin/python3", "/w/a"), (1, str(b), "/opt/py", "/w/b")],
+                               {0: {"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": "s3cr$t 'x'"}, 1: {"X": "1"}})
+    out0 = run_script(script, 0, tmp_path)
+    assert "HF_TOKEN=s3cr$t 'x'" in out0 and "TOKENIZERS_PARALLELISM=false" in out0
+    assert f"\n{a}\n" in out0 and "PYTHONPATH=/w/a" in out0
+    out1 = run_script(script, 1, tmp_path)
+    assert "X=1" in out1 and "HF_TOKEN" not in out1 and f"\n{b}\n" in out1
+    bad = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env={"MLX_RANK": "7", "PATH": "/bin"})
+    assert bad.returncode == 98 and "unexpected MLX_RANK=7" in bad.stderr
+
+
+def test_rank_script_moves_the_hostfile_and_unsets_an_empty_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    hostfile = tmp_path / "tmp.hf"
+    hostfile.write_text('[["10.0.0.1:5000"],["10.0.0.2:5001"]]')
+    script = build_rank_script("r1", [(0, str(run), "/usr/bin/python3", "/w")])
+    out = run_script(script, 0, tmp_path, {"MLX_HOSTFILE": str(hostfile)})
+    assert f"MLX_HOSTFILE={run}/MLX_HOSTFILE.rank0" in out and not hostfile.exists()
+    empty = tmp_path / "tmp.empty"
+    empty.write_text("\n")  # what mlx.launch writes for a one-host ring
+    out = run_script(script, 0, tmp_path, {"MLX_HOSTFILE": str(empty)})
+    assert "MLX_HOSTFILE" not in out and not empty.exists()
+
+
+def test_launcher_argv_carries_no_env_values() -> None:
+    argv = build_launcher_argv(Path("/r/hostfile.json"), "ring", "/tmp/mlxc-r1", 40000, {})
+    assert "--env" not in argv and argv[-1] == "rank"
+    assert argv[argv.index("--python") + 1] == "/bin/sh" and argv[argv.index("--cwd") + 1] == "/tmp/mlxc-r1"
+
+
+def test_ssh_config_carries_the_inventory_credentials_and_strict_keys() -> None:
+    nodes = [Node(name="ultra", host="10.0.0.1", user="mlx", port=2222, identity="/k/id", known_hosts="/k/kh"),
+             Node(name="here", host="127.0.0.1", connection=Connection.LOCAL)]
+    text = build_ssh_config(nodes)
+    block = text.split("Host ultra", 1)[1]
+    for line in ("HostName 10.0.0.1", "User mlx", "Port 2222", "IdentityFile /k/id", "UserKnownHostsFile /k/kh",
+                 "StrictHostKeyChecking yes", "BatchMode yes"):
+        assert line in block
+    assert "Host here" not in text  # local nodes never go through ssh

@@ -1,0 +1,113 @@
+"""The monitor's transitions, scripted observation by observation (no I/O, no clocks)."""
+
+from __future__ import annotations
+
+from coordinator.monitor import Monitor, Observation, RunState, WorkerState
+
+PLAN = [(0, "a", 3, 300.0), (1, "b", 1, 100.0)]
+
+
+def ev(node: str, rank: int, at: float, **data) -> Observation:
+    return Observation("event", node, at, rank, {"rank": rank, **data})
+
+
+def started(mon: Monitor, at: float = 0.1) -> None:
+    mon.observe(ev("a", 0, at, event="started", pid=10))
+    mon.observe(ev("b", 1, at, event="started", pid=11))
+
+
+def test_success_when_every_rank_finishes() -> None:
+    mon = Monitor.create(PLAN, iters=2, now=0.0)
+    started(mon)
+    for t, step in ((1.0, 1), (2.0, 2)):
+        mon.observe(ev("a", 0, t, event="step", step=step, loss=2.0, tok_s=300.0))
+        mon.observe(ev("b", 1, t, event="step", step=step, loss=2.0, tok_s=100.0))
+    assert mon.outcome() is None
+    mon.observe(ev("a", 0, 3.0, event="finished", step=2))
+    assert mon.outcome() is None
+    mon.observe(ev("b", 1, 3.0, event="finished", step=2))
+    assert mon.outcome() is RunState.SUCCEEDED
+    assert mon.step() == 2 and not mon.incidents
+
+
+def test_error_event_fails_the_run_with_an_incident() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    [inc] = mon.observe(ev("b", 1, 1.0, event="error", message="boom", traceback="tb"))
+    assert (inc.kind, inc.node, inc.rank, inc.action) == ("error", "b", 1, "quarantine")
+    assert mon.culprits() == ["b"]
+    assert mon.outcome() is RunState.FAILED
+
+
+def test_dead_process_is_a_crash_attributed_to_its_node() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="heartbeat", step=0))
+    [inc] = mon.observe(Observation("proc", "a", 1.5, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert (inc.kind, inc.node, inc.rank) == ("crash", "a", 0)
+    assert inc.detected_after_s == 0.5
+
+
+def test_silent_rank_on_a_live_channel_is_a_hang() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    started(mon)
+    for t in range(1, 12):  # both channels tick; only rank 0 keeps sending heartbeats
+        mon.observe(Observation("tick", "a", float(t)))
+        mon.observe(Observation("tick", "b", float(t)))
+        mon.observe(ev("a", 0, float(t), event="heartbeat"))
+    assert mon.check(10.0) == []
+    [inc] = mon.check(10.2)
+    assert (inc.kind, inc.node, inc.rank) == ("hang", "b", 1)
+    assert inc.detected_after_s > 10.0
+
+
+def test_silent_node_is_unreachable_not_hang() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    started(mon)
+    for t in range(1, 12):
+        mon.observe(Observation("tick", "a", float(t)))
+        mon.observe(ev("a", 0, float(t), event="heartbeat"))
+    incidents = mon.check(11.0)
+    assert [(i.kind, i.node) for i in incidents] == [("unreachable", "b")]
+    assert mon.ranks[1].state is WorkerState.FAILED
+    # The channel closing afterwards does not report it twice.
+    assert mon.observe(Observation("lost", "b", 12.0, data={"reason": "closed"})) == []
+
+
+def test_event_for_a_rank_from_the_wrong_node_is_spoofed() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    [inc] = mon.observe(ev("a", 1, 1.0, event="step", step=99))
+    assert inc.kind == "spoofed" and inc.node == "a"
+    assert mon.ranks[1].step == 0  # the claim was not applied
+    [inc] = mon.observe(Observation("event", "b", 1.0, 1, {"rank": 0, "event": "step", "step": 5}))
+    assert inc.kind == "spoofed"
+
+
+def test_resumed_rank_starts_at_its_checkpoint_step() -> None:
+    mon = Monitor.create(PLAN, iters=30, now=0.0)
+    mon.observe(ev("a", 0, 0.1, event="started", pid=1, resumed_from=20))
+    assert mon.ranks[0].step == 20
+
+
+def test_verdict_waits_for_every_unblamed_node_to_speak_after_the_fault() -> None:
+    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
+    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
+    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert mon.culprits() == ["a"]
+    mon.observe(Observation("tick", "b", 1.5))
+    assert not mon.settled(3.5)  # c has not spoken since the crash: it may be the real culprit
+    mon.observe(Observation("tick", "c", 3.6))
+    assert mon.settled(3.7)
+
+
+def test_a_lying_rank_is_reported_once() -> None:
+    mon = Monitor.create(PLAN, iters=50, now=0.0)
+    started(mon)
+    for t in range(1, 6):
+        mon.observe(ev("a", 0, float(t), event="step", step=t))
+        mon.observe(ev("b", 1, float(t), event="step", step=t + 1000))
+    assert [(i.kind, i.node) for i in mon.incidents] == [("implausible_progress", "b")]
+    assert mon.ranks[1].step == 0

@@ -1,0 +1,348 @@
+"""worker.train internals in-process: loss convention, exact gradient combination, method setup, data order,
+config contract, event log, tiny model. Fast: no subprocesses, no distributed backend."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import types
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.nn.utils import value_and_grad
+
+from worker.data import build_batch, eval_batches, rank_slice, stream_rows
+from worker.events import EventKind, EventLog, Heartbeat
+from worker.runconfig import ConfigError, LoraSpec, parse_run_config
+from worker.tinymodel import build_tiny_model
+from worker.train import (
+    Contribution,
+    all_sum_arrays,
+    apply_method,
+    count_parameters,
+    finalize,
+    flatten,
+    main,
+    reduce_contribution,
+    scalar,
+    step_seed,
+    token_loss_sum,
+    trainable_text,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = REPO / "playbooks" / "data" / "smoke"
+
+EXAMPLE = {
+    "run_id": "r1", "model": "/srv/model", "data": "/srv/data", "method": "lora", "iters": 30,
+    "learning_rate": 1e-4, "optimizer": "adam", "max_seq_length": 128, "grad_accumulation": 1,
+    "grad_checkpoint": False, "num_layers": None, "lora": {"rank": 8, "scale": 20.0, "dropout": 0.0},
+    "save_every": 10, "steps_per_eval": 10, "val_batches": 2, "seed": 0, "keep_checkpoints": 2,
+    "ranks": [{"rank": 0, "node": "a", "batch_size": 3}, {"rank": 1, "node": "b", "batch_size": 1}],
+    "run_dir": "~/mlx-work/runs/r1", "resume": False, "heartbeat_s": 1.0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), SMOKE)
+
+
+def load_tiny(path: Path) -> tuple[Any, Any]:
+    from mlx_lm.utils import load
+
+    loaded = load(str(path))
+    return loaded[0], loaded[1]
+
+
+def rows_of(tokenizer: Any, n: int) -> list[tuple[list[int], int]]:
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    train, _, _ = load_local_dataset(SMOKE, tokenizer, types.SimpleNamespace(mask_prompt=False))
+    ds = CacheDataset(train)
+    return [ds[i] for i in range(n)]
+
+
+# --- tiny model -----------------------------------------------------------------------------------------------
+
+
+def test_tiny_model_is_byte_deterministic_and_loads_offline(tiny: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = build_tiny_model(tmp_path / "again", SMOKE)
+    names = sorted(p.name for p in tiny.iterdir())
+    assert names == ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                     "tokenizer_config.json"]
+    for name in names:
+        assert hashlib.sha256((tiny / name).read_bytes()).digest() == \
+            hashlib.sha256((again / name).read_bytes()).digest(), name
+    other_seed = build_tiny_model(tmp_path / "seed1", SMOKE, seed=1)
+    assert (other_seed / "model.safetensors").read_bytes() != (tiny / "model.safetensors").read_bytes()
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    ids = tok.encode("two plus three is five.")
+    assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "two plus three is five."
+    assert tok.unk_token_id not in tok.encode("Unseen WORDS still encode, as ASCII pieces!")
+    model, wrapper = load_tiny(tiny)
+    config = json.loads((tiny / "config.json").read_text())
+    assert config["model_type"] == "llama" and len(model.layers) == config["num_hidden_layers"] == 2
+    assert wrapper.eos_token_id == config["eos_token_id"]
+    chat = wrapper.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                       return_dict=False)
+    assert len(chat) > 4
+    assert model(mx.array([ids])).shape == (1, len(ids), config["vocab_size"])
+
+
+# --- loss and exact combination ----------------------------------------------------------------------------------
+
+
+def test_token_loss_sum_is_mlx_lm_default_loss_times_tokens(tiny: Path) -> None:
+    from mlx_lm.tuner.trainer import default_loss
+
+    model, tok = load_tiny(tiny)
+    batch, lengths = build_batch(rows_of(tok, 4), 64)
+    loss_sum, ntoks = token_loss_sum(model, batch, lengths)
+    mean, ntoks_ref = default_loss(model, batch, lengths)  # type: ignore[no-untyped-call]
+    assert int(scalar(ntoks)) == int(scalar(ntoks_ref)) > 0
+    assert math.isclose(scalar(loss_sum) / scalar(ntoks), scalar(mean), rel_tol=1e-6)
+
+
+def test_weighted_combination_equals_one_rank_with_the_global_batch(tiny: Path) -> None:
+    """The 3/1 split, combined as sum(tokens_i * meangrad_i) / sum(tokens_i), is the 4-row batch's gradient."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    model, tok = load_tiny(tiny)
+    apply_method(model, "full", None, LoraSpec())
+    rows = rows_of(tok, 4)
+    vg = value_and_grad(model, token_loss_sum)
+
+    def contribution(part: list[tuple[list[int], int]]) -> Contribution:
+        (loss_sum, ntoks), grads = vg(model, *build_batch(part, 64))
+        return Contribution.from_tree(grads, loss_sum, ntoks)
+
+    rank0, rank1 = contribution(rows[:3]), contribution(rows[3:])
+    assert int(scalar(rank0.tokens)) != 3 * int(scalar(rank1.tokens))  # unequal token counts: weighting matters
+    split = finalize(rank0.add(rank1))
+    whole = finalize(contribution(rows))
+    (ref_loss, _), ref_grads = value_and_grad(model, default_loss)(model, *build_batch(rows, 64))
+    ref = flatten(ref_grads)
+    assert int(scalar(split.tokens)) == int(scalar(whole.tokens))
+    assert math.isclose(scalar(split.loss), scalar(ref_loss), rel_tol=1e-5)
+    for name, g in ref.items():
+        assert mx.allclose(split.grads[name], g, atol=1e-6, rtol=1e-4), name
+        assert mx.allclose(whole.grads[name], g, atol=1e-6, rtol=1e-4), name
+    # negative control: the plain average of the two ranks' mean gradients (mlx-lm's average_gradients) is not it
+    naive = {k: (finalize(rank0).grads[k] + finalize(rank1).grads[k]) / 2 for k in ref}
+    assert any(not mx.allclose(naive[k], ref[k], atol=1e-6, rtol=1e-4) for k in ref)
+
+
+def test_all_sum_buckets_preserve_names_and_shapes() -> None:
+    arrays = {"a": mx.arange(6, dtype=mx.float32).reshape(2, 3), "b": mx.ones((5,)), "c": mx.array(7.0),
+              "d": mx.arange(4, dtype=mx.int32)}
+    calls: list[int] = []
+
+    def fake_all_sum(x: mx.array) -> mx.array:  # two identical ranks
+        calls.append(x.size)
+        return x * 2
+
+    out = all_sum_arrays(arrays, fake_all_sum, bucket_bytes=16)
+    assert len(calls) >= 3  # small buckets force several collectives
+    for name, arr in arrays.items():
+        assert out[name].shape == arr.shape and out[name].dtype == arr.dtype
+        assert mx.array_equal(out[name], arr * 2), name
+    local = Contribution({"w": mx.array([2.0, 4.0])}, mx.array(6.0), mx.array(3, mx.int32))
+    combined = finalize(reduce_contribution(local, fake_all_sum))
+    assert mx.allclose(combined.grads["w"], mx.array([2.0 / 3, 4.0 / 3]))
+    assert math.isclose(scalar(combined.loss), 2.0) and int(scalar(combined.tokens)) == 6
+
+
+def test_finalize_without_tokens_gives_zero_gradient_not_nan() -> None:
+    out = finalize(Contribution.zeros({"w": mx.ones((3,))}), {"w": mx.bfloat16})
+    assert out.grads["w"].dtype == mx.bfloat16 and scalar(out.grad_norm) == 0.0
+    assert scalar(out.loss) == 0.0
+
+
+# --- method setup ------------------------------------------------------------------------------------------------
+
+
+def test_num_layers_default_is_all_layers_and_share_is_reported(tiny: Path) -> None:
+    model, _ = load_tiny(tiny)
+    assert apply_method(model, "full", None, LoraSpec()) == 2
+    trainable, total = count_parameters(model)
+    assert trainable == total  # full + all layers: embeddings and final norm too, not mlx-lm's 16-layer default
+    assert trainable_text(trainable, total).startswith("trainable 100.00% (")
+
+    model, _ = load_tiny(tiny)
+    apply_method(model, "full", 1, LoraSpec())
+    names = flatten(model.trainable_parameters())
+    assert names and all(n.startswith("model.layers.1.") for n in names)
+
+    model, _ = load_tiny(tiny)
+    assert apply_method(model, "lora", None, LoraSpec(rank=4)) == 2
+    names = flatten(model.trainable_parameters())
+    assert {n.split(".")[2] for n in names} == {"0", "1"}  # both layers adapted
+    assert all(n.rsplit(".", 1)[1] in ("lora_a", "lora_b") for n in names)
+    trainable, total = count_parameters(model)
+    assert 0 < trainable < total
+    assert trainable_text(trainable, total) == f"trainable {100 * trainable / total:.2f}% ({trainable:,}/{total:,} parameters)"
+
+    model, _ = load_tiny(tiny)
+    apply_method(model, "dora", 1, LoraSpec(rank=4))
+    assert any(n.endswith(".m") for n in flatten(model.trainable_parameters()))
+
+    model, _ = load_tiny(tiny)
+    with pytest.raises(ValueError, match="has 2 layers"):
+        apply_method(model, "lora", 3, LoraSpec())
+
+
+# --- data order ------------------------------------------------------------------------------------------------
+
+
+def test_stream_order_is_per_epoch_permutation_and_plan_independent() -> None:
+    n, seed = 10, 7
+    epoch0 = stream_rows(0, n, n, seed)
+    assert sorted(epoch0) == list(range(n)) and epoch0 != list(range(n))
+    assert stream_rows(n, n, n, seed) != epoch0 and sorted(stream_rows(n, n, n, seed)) == list(range(n))
+    assert stream_rows(3, 9, n, seed) == (epoch0 + stream_rows(n, n, n, seed))[3:12]  # crosses the epoch edge
+    # a 3/1 split covers the global batch exactly, in order
+    global_rows = stream_rows(4, 4, n, seed)
+    assert rank_slice(global_rows, 0, 3) + rank_slice(global_rows, 3, 1) == global_rows
+    # resuming at position p with another global batch continues the same stream
+    assert stream_rows(0, 8, n, seed)[4:] == stream_rows(4, 2, n, seed) + stream_rows(6, 2, n, seed)
+
+
+def test_eval_batches_and_padding() -> None:
+    assert eval_batches(5, 4, 2) == [[0, 1, 2, 3], [4, 0, 1, 2]]  # cycles through a small set
+    assert eval_batches(5, 4, -1) == [[0, 1, 2, 3], [4]]  # every row once, short last batch
+    assert eval_batches(0, 4, 2) == [] and eval_batches(5, 4, 0) == []
+    batch, lengths = build_batch([([1, 2, 3], 0), ([4] * 40, 2)], 2048)
+    assert batch.shape == (2, 65)  # 1 + 32 * ceil(40 / 32), as mlx-lm
+    assert lengths.tolist() == [[0, 3], [2, 40]]
+    batch, lengths = build_batch([([5] * 100, 0)], 64)
+    assert batch.shape == (1, 64) and lengths.tolist() == [[0, 64]]  # truncated to max_seq_length
+
+
+def test_step_seed_is_stable_and_distinct() -> None:
+    assert step_seed(0, 1) == step_seed(0, 1)
+    assert len({step_seed(s, k) for s in range(3) for k in range(50)}) == 150
+    assert 0 <= step_seed(123, 456) < 2**63
+
+
+# --- config contract ---------------------------------------------------------------------------------------------
+
+
+def test_example_config_parses(tmp_path: Path) -> None:
+    cfg = parse_run_config(EXAMPLE)
+    assert cfg.world_size == 2 and cfg.global_batch == 4 and cfg.rows_per_step == 4
+    assert [cfg.rank_offset(r) for r in range(2)] == [0, 3]
+    assert cfg.num_layers is None and cfg.run_dir == Path("~/mlx-work/runs/r1").expanduser()
+    assert [cfg.checkpoint_writer(r) for r in range(2)] == [0, 1]
+    assert parse_run_config({**EXAMPLE, "num_layers": -1}).num_layers is None
+    same_node = parse_run_config({**EXAMPLE, "ranks": [{"rank": 1, "node": "a", "batch_size": 1},
+                                                       {"rank": 0, "node": "a", "batch_size": 3}]})
+    assert [cfg.rank for cfg in same_node.ranks] == [0, 1] and same_node.checkpoint_writer(1) == 0
+    # the plan and output paths are not part of the training math
+    assert same_node.digest() == cfg.digest() != parse_run_config({**EXAMPLE, "learning_rate": 2e-4}).digest()
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({**EXAMPLE, "run_dir": ""}))
+    from worker.runconfig import load_run_config
+
+    assert load_run_config(path).run_dir == tmp_path.resolve()
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"learning-rate": 1e-4}, "unknown config keys"),
+    ({"method": "qlora"}, "method must be one of"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"iters": 0}, "iters must be >= 1"),
+    ({"grad_checkpoint": "yes"}, "grad_checkpoint must be true or false"),
+    ({"lora": {"rank": 8, "alpha": 16, "dropout": 0.0}}, "not 'alpha'"),
+    ({"ranks": [{"rank": 0, "node": "a", "batch_size": 3}, {"rank": 2, "node": "b", "batch_size": 1}]},
+     "exactly once"),
+    ({"ranks": [{"rank": 0, "node": "a", "batch_size": 0}]}, "batch_size must be >= 1"),
+    ({"ranks": []}, "non-empty"),
+])
+def test_bad_configs_are_rejected(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config({**EXAMPLE, **patch})
+
+
+def test_bad_config_exits_1_with_an_error_event(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RANK", "1")
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({**EXAMPLE, "run_dir": str(tmp_path), "optimizer": "lion"}))
+    assert main(["--config", str(path)]) == 1
+    events = [json.loads(line) for line in (tmp_path / "events" / "rank1.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["error"]
+    assert "optimizer must be one of" in events[0]["message"] and events[0]["rank"] == 1
+
+
+# --- events ------------------------------------------------------------------------------------------------------
+
+
+def test_event_log_lines_are_json_with_the_common_fields(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events" / "rank3.jsonl", "run-x", 3)
+    log.emit(EventKind.STEP, step=1, loss=float("nan"), grad_norm=float("inf"), path=tmp_path)
+    hb = Heartbeat(log, interval=30.0)
+    assert hb.interval == Heartbeat.MAX_INTERVAL  # never rarer than every 2 s
+    hb.start()  # the first beat is immediate
+    hb.stop()
+    log.close()
+    log.emit(EventKind.STEP, step=2)  # after close: dropped, not an exception
+    lines = (tmp_path / "events" / "rank3.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["event"] for e in events] == ["step", "heartbeat"]
+    for e in events:
+        assert {"t", "run_id", "rank", "event"} <= set(e) and e["run_id"] == "run-x" and e["rank"] == 3
+    assert events[0]["loss"] is None and events[0]["grad_norm"] is None and events[0]["path"] == str(tmp_path)
+    assert events[1]["phase"] == "load" and isinstance(events[1]["pid"], int)
+
+
+# --- the step loop in-process (world of 1) ---------------------------------------------------------------------
+
+
+def run_in_process(tiny: Path, run_dir: Path, **overrides: Any) -> dict[str, mx.array]:
+    """One Trainer.run() in this process (mx.distributed.init() gives a singleton group); final weights."""
+    from worker.events import events_path
+    from worker.train import Trainer, load_arrays
+
+    raw = {**EXAMPLE, "model": str(tiny), "data": str(SMOKE), "run_dir": str(run_dir), "iters": 1,
+           "method": "full", "optimizer": "sgd", "learning_rate": 0.5, "max_seq_length": 64, "save_every": 0,
+           "steps_per_eval": 0, "ranks": [{"rank": 0, "node": "local", "batch_size": 4}], **overrides}
+    config = parse_run_config(raw)
+    log = EventLog(events_path(run_dir, 0), config.run_id, 0)
+    try:
+        Trainer(config, log, Heartbeat(log, 1.0), 0).run()
+    finally:
+        log.close()
+    return load_arrays(run_dir / "checkpoints" / f"step-{config.iters:06d}" / "weights.safetensors")
+
+
+def test_grad_accumulation_and_checkpointing_pool_tokens_like_one_big_batch(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models.llama import TransformerBlock
+
+    # grad_checkpoint patches the layer class for the process: undo it when the test ends
+    monkeypatch.setattr(TransformerBlock, "__call__", TransformerBlock.__call__)
+    one_batch = run_in_process(tiny, tmp_path / "b4")
+    accumulated = run_in_process(tiny, tmp_path / "b2x2", grad_accumulation=2,
+                                 ranks=[{"rank": 0, "node": "local", "batch_size": 2}])
+    checkpointed = run_in_process(tiny, tmp_path / "b2x2ck", grad_accumulation=2, grad_checkpoint=True,
+                                  ranks=[{"rank": 0, "node": "local", "batch_size": 2}])
+    for name, w in one_batch.items():
+        assert mx.allclose(accumulated[name], w, atol=1e-6), name
+        assert mx.allclose(checkpointed[name], w, atol=1e-6), name
+    steps = [json.loads(line) for line in (tmp_path / "b2x2" / "events" / "rank0.jsonl").read_text().splitlines()]
+    step = next(e for e in steps if e["event"] == "step")
+    assert step["data_position"] == 4 and step["tokens"] == step["total_tokens"]
+
+
+def test_a_world_smaller_than_the_plan_is_an_error(tiny: Path, tmp_path: Path) -> None:
+    """Without a launcher, init() silently gives a world of 1: a 2-rank plan must refuse to start."""
+    with pytest.raises(RuntimeError, match="gave a world of 1, the plan has 2 ranks"):
+        run_in_process(tiny, tmp_path, ranks=EXAMPLE["ranks"])

@@ -1,0 +1,149 @@
+"""SshTransport against a real in-process asyncssh server: host-key policy, auth, quoting, fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from coordinator.errors import HostKeyError, TransportError
+from coordinator.models import Node
+from coordinator.transport import Fleet, SshTransport
+from tests.sshserver import SshTestServer, run_for_real
+
+
+@pytest.fixture()
+def keys(tmp_path: Path) -> tuple[asyncssh.SSHKey, Path]:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    path = tmp_path / "id_ed25519"
+    key.write_private_key(str(path))
+    return key, path
+
+
+def node_for(server: SshTestServer, key_path: Path, known: Path, name: str = "n1") -> Node:
+    return Node(name=name, host="127.0.0.1", port=server.port, user="tester", identity=str(key_path),
+                known_hosts=str(known))
+
+
+def test_verified_host_runs_quoted_commands(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        t = SshTransport(node_for(server, keys[1], known))
+        try:
+            info = await t.connect()
+            assert info.host_key and info.host_key.startswith("ssh-ed25519")
+            res = await t.run(["printf", "%s", "$(id); `x` 'q'"])
+            assert res.stdout == "$(id); `x` 'q'"
+            res = await t.run(["sh", "-c", "cat; exit 3"], stdin="hello")
+            assert (res.stdout, res.exit_status) == ("hello", 3)
+        finally:
+            await t.close()
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_unknown_host_key_fails_unless_accept_new(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        try:
+            with pytest.raises(HostKeyError, match="unknown"):
+                await SshTransport(node_for(server, keys[1], known)).connect()
+            t = SshTransport(node_for(server, keys[1], known), accept_new_host_keys=True)
+            info = await t.connect()
+            assert info.host_key_recorded
+            await t.close()
+            assert f"[127.0.0.1]:{server.port}" in known.read_text()
+            t2 = SshTransport(node_for(server, keys[1], known))  # now known: plain verification passes
+            assert not (await t2.connect()).host_key_recorded
+            await t2.close()
+        finally:
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_changed_host_key_always_fails(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        other = asyncssh.generate_private_key("ssh-ed25519")
+        known.write_text(f"[127.0.0.1]:{server.port} {other.export_public_key().decode().strip()}\n")
+        try:
+            for accept in (False, True):
+                with pytest.raises(HostKeyError, match="does NOT match"):
+                    await SshTransport(node_for(server, keys[1], known), accept_new_host_keys=accept).connect()
+        finally:
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_wrong_client_key_is_an_auth_error(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        wrong = asyncssh.generate_private_key("ssh-ed25519")
+        wrong_path = tmp_path / "wrong"
+        wrong.write_private_key(str(wrong_path))
+        try:
+            with pytest.raises(TransportError) as err:
+                await SshTransport(node_for(server, wrong_path, known)).connect()
+            assert err.value.kind == "auth"
+        finally:
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_fleet_reports_dead_nodes_as_values(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        # A port nobody listens on: connection refused, reported per node, others unaffected.
+        with __import__("socket").socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]
+        good = node_for(server, keys[1], known, "good")
+        dead = Node(name="dead", host="127.0.0.1", port=dead_port, user="t", identity=str(keys[1]),
+                    known_hosts=str(known))
+        try:
+            async with Fleet([good, dead], connect_timeout=2) as fleet:
+                results = await fleet.connect_all()
+                assert isinstance(results["dead"], TransportError)
+                assert not isinstance(results["good"], TransportError)
+
+                async def echo(node: Node, t) -> str:
+                    return (await t.run(["echo", node.name])).stdout.strip()
+
+                out = await fleet.map(echo)
+                assert out == {"good": "good"}
+        finally:
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_stream_yields_lines_then_exit(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        t = SshTransport(node_for(server, keys[1], known))
+        try:
+            await t.connect()
+            items = [item async for item in t.stream(["sh", "-c", "echo a; echo b >&2; exit 4"])]
+            assert ("stdout", "a\n") in items and ("stderr", "b\n") in items
+            assert items[-1] == ("exit", "4")
+        finally:
+            await t.close()
+            await server.close()
+
+    asyncio.run(go())

@@ -1,0 +1,534 @@
+"""Measure this node's real training throughput as a function of the local batch size.
+
+Run by the coordinator on each node (the worker package is shipped alone: stdlib + mlx + mlx_lm only):
+    python -m worker.bench --model DIR --seq-len N --method lora|dora|full [--num-layers K] [--grad-checkpoint]
+                           [--time-budget 60] [--max-batch 64] [--memory-fraction 0.8]
+
+What is measured: real optimizer steps of the given model (loaded with `mlx_lm.utils.load_model`: no tokenizer is
+needed), LoRA/DoRA adapters from `mlx_lm.tuner.utils.linear_to_lora_layers` on the last K layers or full
+fine-tuning of them, on random token batches of `seq_len` tokens: forward, backward (value_and_grad of a summed
+token cross-entropy), Adam update, compiled as mlx-lm's trainer compiles it, and `mx.eval` of the new parameters
+and optimizer state. For batch 1, 2, 4, 8, ... (and finally --max-batch itself): one warm-up step (it also
+compiles for the new shape), then at least 3 timed steps (more while they are fast); tokens/s = batch * seq_len /
+median step time, peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()` around the point.
+
+The sweep stops at the first of: throughput below FALL_RATIO x the best so far (past the knee: `throughput_fell`);
+the next batch's peak memory, extrapolated linearly from the last two points, over `memory_fraction` of the
+device's memory (`memory`); --max-batch measured (`max_batch`); the next point's predicted cost over the time left
+(`time_budget`).
+
+Output: ONE JSON object on stdout (progress lines go to stderr):
+    {"curve": [{"batch", "tokens_per_s", "peak_memory", "step_time_s", "steps"}], "best_batch",
+     "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
+     "stopped_because": "throughput_fell|memory|max_batch|time_budget", "seconds", "seq_len", "method",
+     "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version"}
+`seconds` counts from the start of `main` (imports of mlx and the model load included).
+
+Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread bounds the
+whole run by --time-budget: if loading or one step overruns it, the watchdog prints the points measured so far
+(`stopped_because: time_budget`, exit 0) or an error when there are none (exit 1), and ends the process. So the
+bench never hangs and never outlives its budget by more than the output takes. A step that fails to allocate after
+at least one point was measured ends the sweep with `memory` instead of an error.
+
+Compatibility: Python 3.9+ (annotations only under `from __future__ import annotations`); mlx is imported lazily so
+the pure decision functions import without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
+MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
+MAX_STEPS = 20
+MATMUL_N = 1024
+LORA_PARAMETERS = {"rank": 8, "dropout": 0.0, "scale": 20.0}  # mlx-lm's defaults
+STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured batch size. `warmup_s` is the first (compiling) step, kept to predict the next point."""
+
+    batch: int
+    tokens_per_s: float
+    peak_memory: int
+    step_time_s: float
+    steps: int
+    warmup_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "peak_memory": self.peak_memory,
+            "step_time_s": round(self.step_time_s, 6),
+            "steps": self.steps,
+        }
+
+
+class BenchError(Exception):
+    """A failure the bench reports as `{"error": ...}` (bad arguments, unreadable model, ...)."""
+
+
+class _OutOfMemory(Exception):
+    """A step failed to allocate after at least one point was measured: the sweep ends there (`memory`)."""
+
+
+def looks_like_oom(exc: BaseException) -> bool:
+    """mlx reports allocation failures as RuntimeError with text like "[metal::malloc] Unable to allocate" or
+    "Insufficient Memory"; MemoryError is Python's own."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("memory", "allocate", "malloc", "oom"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure decisions (no mlx, no clock): what the sweep does next.
+
+
+def next_batch(batch: int, max_batch: int) -> int:
+    """Doubling, but the last point is max_batch itself so a non-power-of-two cap is measured too."""
+    return min(batch * 2, max_batch)
+
+
+def predict_peak_memory(curve: list[Point], batch: int) -> float:
+    """Peak memory at `batch`, extrapolated linearly from the last two points (weights and optimizer state are the
+    intercept, activations the slope). With one point: proportional to the batch, which over-estimates (safe)."""
+    last = curve[-1]
+    if len(curve) == 1:
+        return last.peak_memory * batch / last.batch
+    prev = curve[-2]
+    slope = max(0.0, (last.peak_memory - prev.peak_memory) / (last.batch - prev.batch))
+    return last.peak_memory + slope * (batch - last.batch)
+
+
+def predict_point_cost(last: Point, batch: int) -> float:
+    """Seconds the point at `batch` needs at least: warm-up (compile overhead + a step) and MIN_STEPS steps.
+    Step time scales with the rows (pessimistic before the knee, right after it)."""
+    step = last.step_time_s * batch / last.batch
+    compile_overhead = max(0.0, last.warmup_s - last.step_time_s)
+    return compile_overhead + step * (1 + MIN_STEPS)
+
+
+def decide_stop(
+    curve: list[Point], *, max_batch: int, memory_limit: float, seconds_left: float, truncated: bool = False
+) -> str | None:
+    """Why the sweep stops after the last point of `curve`, or None to measure `next_batch`.
+
+    `truncated`: the last point ran out of time before its planned steps (the budget is spent)."""
+    last = curve[-1]
+    best = max(p.tokens_per_s for p in curve)
+    if last.tokens_per_s < FALL_RATIO * best:
+        return "throughput_fell"
+    if truncated:
+        return "time_budget"
+    if last.batch >= max_batch:
+        return "max_batch"
+    upcoming = next_batch(last.batch, max_batch)
+    if predict_peak_memory(curve, upcoming) > memory_limit:
+        return "memory"
+    if predict_point_cost(last, upcoming) > seconds_left:
+        return "time_budget"
+    return None
+
+
+def sweep(
+    measure: Callable[[int, float], tuple[Point | None, bool]],
+    *,
+    max_batch: int,
+    memory_limit: float,
+    deadline: float,
+    clock: Callable[[], float],
+    on_point: Callable[[Point], None] = lambda p: None,
+) -> tuple[list[Point], str]:
+    """Measure batch 1, 2, 4, ... until `decide_stop` says why not. `measure(batch, deadline)` returns the point
+    (None when not even one timed step fitted before the deadline) and whether it was cut short by the deadline.
+    Returns the curve (possibly empty) and the stop reason."""
+    curve: list[Point] = []
+    batch = 1
+    while True:
+        point, truncated = measure(batch, deadline)
+        if point is None:
+            return curve, "time_budget"
+        curve.append(point)
+        on_point(point)
+        reason = decide_stop(
+            curve, max_batch=max_batch, memory_limit=memory_limit, seconds_left=deadline - clock(),
+            truncated=truncated,
+        )
+        if reason is not None:
+            return curve, reason
+        batch = next_batch(batch, max_batch)
+
+
+def build_result(
+    curve: list[Point], stopped_because: str, *, memory_limit: int, matmul: tuple[float, str] | None,
+    device: dict[str, Any], meta: dict[str, Any], seconds: float,
+) -> dict[str, Any]:
+    """The stdout JSON object (see the module docstring)."""
+    best = max(curve, key=lambda p: (p.tokens_per_s, -p.batch))
+    return {
+        "curve": [p.to_json() for p in curve],
+        "best_batch": best.batch,
+        "best_tokens_per_s": round(best.tokens_per_s, 3),
+        "matmul_gflops": round(matmul[0], 3) if matmul else None,
+        "matmul_dtype": matmul[1] if matmul else None,
+        "device": device,
+        "memory_limit": memory_limit,
+        "stopped_because": stopped_because,
+        "seconds": round(seconds, 3),
+        **meta,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# I/O: mlx, the clock, stdout.
+
+
+class _Output:
+    """Writes exactly one JSON object to the real stdout, whoever (main thread or watchdog) gets there first."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.done = False
+
+    def emit(self, obj: dict[str, Any]) -> bool:
+        with self.lock:
+            if self.done:
+                return False
+            self.stream.write(json.dumps(obj) + "\n")
+            self.stream.flush()
+            self.done = True
+            return True
+
+
+@dataclass
+class _State:
+    """What the watchdog reads if it has to answer for the main thread."""
+
+    started: float
+    curve: list[Point]
+    memory_limit: int = 0
+    matmul: tuple[float, str] | None = None
+    device: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+    phase: str = "starting"
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def _total_ram() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device(mx: Any) -> tuple[dict[str, Any], int]:
+    """A JSON subset of `mx.device_info()` and the device's memory in bytes (total RAM on the CPU backend,
+    which reports no memory size)."""
+    info = dict(mx.device_info())
+    keep = ("architecture", "device_name", "memory_size", "max_recommended_working_set_size",
+            "max_buffer_length", "total_memory")
+    device: dict[str, Any] = {k: info[k] for k in keep if k in info and isinstance(info[k], (int, float, str))}
+    device["backend"] = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    ram = _total_ram()
+    if ram is not None:
+        device["ram"] = ram
+    memory = info.get("memory_size") or info.get("total_memory") or ram
+    if not memory:
+        raise BenchError("cannot tell this device's memory size (mx.device_info() and sysconf both silent)")
+    return device, int(memory)
+
+
+def _matmul_gflops(mx: Any, gpu: bool) -> tuple[float, str]:
+    """GFLOP/s of an NxN matmul: bfloat16 on the GPU (what training runs in), float32 on the CPU backend (where
+    bfloat16 is emulated and says nothing about the machine)."""
+    dtype_name = "bfloat16" if gpu else "float32"
+    dtype = getattr(mx, dtype_name)
+    a = mx.random.normal((MATMUL_N, MATMUL_N)).astype(dtype)
+    b = mx.random.normal((MATMUL_N, MATMUL_N)).astype(dtype)
+    mx.eval(a, b)
+    mx.eval(a @ b)  # warm-up
+    reps = 0
+    started = time.perf_counter()
+    while True:
+        mx.eval(a @ b)
+        reps += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= 0.2 or reps >= 100:
+            break
+    return 2.0 * MATMUL_N**3 * reps / elapsed / 1e9, dtype_name
+
+
+def _vocab_size(config: dict[str, Any], model: Any) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    args = getattr(model, "args", None)
+    value = getattr(args, "vocab_size", None)
+    if isinstance(value, int) and value > 0:
+        return value
+    raise BenchError("cannot find vocab_size in the model's config.json")
+
+
+def model_path(model_dir: str) -> Path:
+    """The model directory, `~` expanded. No download here: fetching weights inside a timed benchmark would eat
+    the whole budget, so a missing model is an error (checked before mlx is even imported: fails fast)."""
+    path = Path(os.path.expanduser(model_dir))
+    if not (path / "config.json").is_file():
+        raise BenchError(f"no model at {path} (config.json missing); the model must already be on this node")
+    return path
+
+
+class _Trainer:
+    """The model set up for training as mlx-lm's trainer does it, and a compiled step on random tokens."""
+
+    def __init__(self, model_dir: str, *, method: str, num_layers: int, grad_checkpoint: bool, seq_len: int) -> None:
+        import mlx.core as mx
+        import mlx.nn as nn
+        import mlx.optimizers as optim
+        from mlx.nn.utils import value_and_grad
+        from mlx_lm.tuner import trainer as mlx_lm_trainer
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+        from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
+
+        model, config = load_model(model_path(model_dir))
+        layers = model.layers
+        if num_layers > len(layers):
+            raise BenchError(f"--num-layers {num_layers} but the model only has {len(layers)} layers")
+        model.freeze()
+        if method == "full":
+            for layer in layers[-max(num_layers, 0):]:  # -1 = all, as in mlx-lm
+                layer.unfreeze()
+        else:
+            linear_to_lora_layers(model, num_layers, dict(LORA_PARAMETERS), use_dora=(method == "dora"))
+        if grad_checkpoint:
+            # mlx-lm's own switch (it patches the layer class's __call__); untyped, hence the cast.
+            cast(Callable[[Any], None], mlx_lm_trainer.grad_checkpoint)(layers[0])
+        model.train()
+        # As mlx-lm's trainer does on Metal (no-op elsewhere): wire the recommended working set.
+        maybe_set_recommended_wired_limit()
+
+        self.mx = mx
+        self.vocab = _vocab_size(config, model)
+        self.seq_len = seq_len
+        optimizer = optim.Adam(learning_rate=1e-5)
+        # Create Adam's moments now: otherwise the first compiled call changes the state's structure and the
+        # second step compiles again, inside the timed steps.
+        optimizer.init(model.trainable_parameters())
+
+        def loss_fn(m: Any, tokens: Any) -> Any:
+            logits = m(tokens[:, :-1])
+            return nn.losses.cross_entropy(logits, tokens[:, 1:]).astype(mx.float32).sum()
+
+        loss_and_grad = value_and_grad(model, loss_fn)
+        self.state = [model.state, optimizer.state, mx.random.state]
+
+        def step(tokens: Any) -> Any:
+            loss, grads = loss_and_grad(model, tokens)
+            optimizer.update(model, grads)
+            return loss
+
+        # Compiled with the model and optimizer state as implicit inputs/outputs, like mlx-lm's trainer, so the
+        # rate is the one training will see.
+        self._step = mx.compile(step, inputs=self.state, outputs=self.state)
+
+    def batch(self, rows: int) -> Any:
+        tokens = self.mx.random.randint(0, self.vocab, (rows, self.seq_len + 1))
+        self.mx.eval(tokens)
+        return tokens
+
+    def step(self, tokens: Any) -> float:
+        """One full optimizer step, evaluated; returns its wall time."""
+        started = time.perf_counter()
+        loss = self._step(tokens)
+        self.mx.eval(self.state, loss)
+        return time.perf_counter() - started
+
+
+def _measure(trainer: _Trainer, batch: int, deadline: float, window: float) -> tuple[Point | None, bool]:
+    """Warm up once, then time steps: at least MIN_STEPS, more until `window` seconds of timed steps (or
+    MAX_STEPS). A step that would end past `deadline` is not started: the point is cut short (truncated)."""
+    mx = trainer.mx
+    tokens = trainer.batch(batch)
+    mx.reset_peak_memory()
+    warmup = trainer.step(tokens)
+    times: list[float] = []
+    truncated = False
+    while len(times) < MAX_STEPS and (len(times) < MIN_STEPS or sum(times) < window):
+        expected = statistics.median(times) if times else warmup
+        if time.monotonic() + expected > deadline:
+            truncated = True
+            break
+        times.append(trainer.step(tokens))
+    if not times:
+        return None, True
+    step_time = statistics.median(times)
+    point = Point(
+        batch=batch,
+        tokens_per_s=batch * trainer.seq_len / step_time,
+        peak_memory=int(mx.get_peak_memory()),
+        step_time_s=step_time,
+        steps=len(times),
+        warmup_s=warmup,
+    )
+    return point, truncated
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="worker.bench", description="Measure training tokens/s per batch size.")
+    parser.add_argument("--model", required=True, help="model directory on this node (config.json + safetensors)")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--method", choices=("lora", "dora", "full"), required=True)
+    parser.add_argument("--num-layers", type=int, default=16, help="layers to train, -1 = all (mlx-lm default 16)")
+    parser.add_argument("--grad-checkpoint", action="store_true")
+    parser.add_argument("--time-budget", type=float, default=60.0, help="seconds for the whole run")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--memory-fraction", type=float, default=0.8)
+    args = parser.parse_args(argv)
+    if args.seq_len < 2:
+        raise BenchError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.num_layers == 0 or args.num_layers < -1:
+        raise BenchError(f"--num-layers must be -1 (all) or positive, got {args.num_layers}")
+    if not (args.time_budget > 0 and math.isfinite(args.time_budget)):
+        raise BenchError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    if args.max_batch < 1:
+        raise BenchError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not 0 < args.memory_fraction <= 1:
+        raise BenchError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    return args
+
+
+def _watchdog(state: _State, out: _Output, budget: float) -> None:
+    """Runs when the budget is spent and the main thread is still busy (mlx releases the GIL while it
+    evaluates, so this thread does run): answer with what was measured and end the process."""
+    seconds = time.monotonic() - state.started
+    if state.curve and state.device is not None and state.meta is not None:
+        result = build_result(list(state.curve), "time_budget", memory_limit=state.memory_limit,
+                              matmul=state.matmul, device=state.device, meta=state.meta, seconds=seconds)
+        code = 0
+    else:
+        result = {"error": f"time budget of {budget:g}s spent while {state.phase}, before any point was measured",
+                  "seconds": round(seconds, 3)}
+        code = 1
+    if out.emit(result):
+        _log(f"bench watchdog: time budget {budget:g}s spent while {state.phase}")
+        # os._exit: the main thread is inside an mlx call that cannot be interrupted; nothing is left to flush.
+        os._exit(code)
+
+
+def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
+    budget = float(args.time_budget)
+    # Keep a little of the budget for the output; the deadline is what the sweep plans against.
+    deadline = state.started + budget - min(1.0, 0.05 * budget)
+    window = max(0.3, 0.03 * budget)  # timed seconds per point: enough for a stable median, small vs the budget
+
+    model_path(args.model)
+    state.phase = "importing mlx"
+    import mlx.core as mx
+    import mlx_lm
+
+    device, memory = _device(mx)
+    memory_limit = int(memory * args.memory_fraction)
+    state.device, state.memory_limit = device, memory_limit
+    state.meta = {
+        "seq_len": args.seq_len, "method": args.method, "num_layers": args.num_layers,
+        "grad_checkpoint": bool(args.grad_checkpoint), "mlx_version": getattr(mx, "__version__", None),
+        "mlx_lm_version": getattr(mlx_lm, "__version__", None),
+    }
+    state.phase = "measuring the matmul rate"
+    state.matmul = _matmul_gflops(mx, device["backend"] == "gpu")
+    _log(f"bench matmul_gflops={state.matmul[0]:.1f} dtype={state.matmul[1]}")
+
+    state.phase = "loading the model"
+    trainer = _Trainer(args.model, method=args.method, num_layers=args.num_layers,
+                       grad_checkpoint=args.grad_checkpoint, seq_len=args.seq_len)
+    _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s")
+
+    def on_point(p: Point) -> None:
+        state.curve.append(p)
+        _log(f"bench batch={p.batch} tokens_per_s={p.tokens_per_s:.1f} step_s={p.step_time_s:.4f} "
+             f"peak_memory={p.peak_memory} steps={p.steps}")
+
+    def measure(batch: int, until: float) -> tuple[Point | None, bool]:
+        state.phase = f"measuring batch {batch}"
+        try:
+            return _measure(trainer, batch, until, window)
+        except (RuntimeError, MemoryError) as exc:
+            # The memory prediction should have stopped us first; if it did not, what was measured still stands.
+            if state.curve and looks_like_oom(exc):
+                _log(f"bench batch={batch} failed to allocate: {exc}")
+                raise _OutOfMemory(str(exc)) from exc
+            raise
+
+    try:
+        curve, reason = sweep(measure, max_batch=args.max_batch, memory_limit=memory_limit, deadline=deadline,
+                              clock=time.monotonic, on_point=on_point)
+    except _OutOfMemory:
+        curve, reason = list(state.curve), "memory"
+    if not curve:
+        raise BenchError(f"time budget of {budget:g}s spent before one step of batch 1 could be timed")
+    _log(f"bench stopped_because={reason}")
+    return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
+                        meta=state.meta, seconds=time.monotonic() - state.started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; print one JSON object on stdout. Returns the exit status (0 ok, 1 error)."""
+    started = time.monotonic()
+    # Keep stdout for the one JSON object: anything else written to fd 1 (library prints, C++ warnings) goes to
+    # stderr instead, so the coordinator never has to fish the result out of noise.
+    sys.stdout.flush()
+    real_stdout = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    out = _Output(real_stdout)
+    state = _State(started=started, curve=[])
+    try:
+        args = _parse_args(argv)
+        timer = threading.Timer(max(0.0, started + args.time_budget - time.monotonic()), _watchdog,
+                                (state, out, args.time_budget))
+        timer.daemon = True
+        timer.start()
+        try:
+            result = _run(args, state)
+        finally:
+            timer.cancel()
+    except SystemExit as exc:  # argparse: its message (or --help) is already on stderr
+        if exc.code == 0:
+            return 0
+        out.emit({"error": f"bad arguments (exit {exc.code})", "seconds": round(time.monotonic() - started, 3)})
+        return 1
+    except BenchError as exc:
+        out.emit({"error": str(exc), "seconds": round(time.monotonic() - started, 3)})
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the contract is a JSON error for ANY failure (mlx raises plain
+        # RuntimeError/ValueError from C++), never a bare traceback the coordinator would have to parse.
+        _log(f"bench error: {type(exc).__name__}: {exc}")
+        out.emit({"error": f"{type(exc).__name__}: {exc}", "phase": state.phase,
+                  "seconds": round(time.monotonic() - started, 3)})
+        return 1
+    out.emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

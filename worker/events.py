@@ -1,0 +1,161 @@
+"""Per-rank JSONL event log and the heartbeat thread.
+
+Contract (read by the coordinator over SSH via `worker.follow`): `<run_dir>/events/rank<R>.jsonl`, one writer
+per file (this process), append-only, one JSON object per line, flushed after every line. Every event carries
+`{"t": unix_time, "run_id": str, "rank": int, "event": kind}` plus the fields listed in `EventKind`.
+Non-finite floats are written as null (JSON has no NaN). Stdlib only, Python 3.9+.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class _StrEnum(str, Enum):
+    """`enum.StrEnum` for Python 3.9: members are their values as strings (==, hash, json, str() and format)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
+
+
+class EventKind(_StrEnum):
+    """Event kinds and their fields (beyond t, run_id, rank, event)."""
+
+    STARTED = "started"  # world_size, node, batch_size, global_batch, method, num_layers (resolved count),
+    #                      trainable_params, total_params, trainable_pct (percent), trainable (text: "trainable
+    #                      0.54% (a/b parameters)"), resumed_from (step or null), data_position, iters, pid, host,
+    #                      checkpoint_writer (bool), checkpoint_dir, train_rows, valid_rows
+    STEP = "step"  # step, loss (global mean per token), tokens (this rank), total_tokens (all ranks), tok_s (this
+    #                rank, per second of step wall time), step_time_s, peak_memory (bytes), grad_norm, lr,
+    #                data_position (global rows consumed), epoch; and this rank's own values before the
+    #                all_sum: local_loss (its loss sum / its tokens; null when not finite), local_loss_finite
+    #                (bool), local_grad_norm (L2 norm of its gradient of the loss sum / its tokens), compute_s
+    #                (wall time from the step's start until it enters the gradient all_sum: forward/backward
+    #                of every micro-batch plus any chaos/debug slowdown, never time blocked in the collective),
+    #                compute_tok_s (tokens / compute_s). A `lie` chaos rank reports step+1000 and 10x tokens,
+    #                tok_s, compute_tok_s.
+    #                When the global loss is not finite every rank still emits its step event (so the
+    #                rank whose local_loss_finite is false can be named), then an error event.
+    DIGEST = "digest"  # step, params_sha256 (all parameters, frozen ones too), optimizer_sha256 (optimizer
+    #                    state); every `consistency_every` steps and at the last step, after the update.
+    #                    Identical on honest data-parallel replicas (see worker.chaos.arrays_sha256)
+    EVAL = "eval"  # step, val_loss, val_tokens, eval_time_s
+    CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256), writer (rank that wrote this node's copy)
+    CHECKPOINT_INVALID = "checkpoint_invalid"  # step, path, reason (skipped while looking for a resume point)
+    WARNING = "warning"  # code, message
+    HEARTBEAT = "heartbeat"  # step, phase, pid
+    FINISHED = "finished"  # step, checkpoint (path), loss
+    ERROR = "error"  # message, traceback, step, phase, exit_code
+
+
+class Phase(_StrEnum):
+    LOAD = "load"  # distributed init, model/data loading, resume
+    STEP = "step"  # forward/backward, gradient all_sum, optimizer update
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    DIGEST = "digest"  # hashing parameters and optimizer state for a digest event
+    IDLE = "idle"  # between phases, and after the end
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def events_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "events" / f"rank{rank}.jsonl"
+
+
+class EventLog:
+    """Thread-safe appender of one rank's events (the heartbeat thread and the main thread share it).
+
+    After `close()` further events are dropped silently: the process is ending and its last word (finished or
+    error) has been written."""
+
+    def __init__(self, path: Path, run_id: str, rank: int) -> None:
+        self.path = path
+        self.run_id = run_id
+        self.rank = rank
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Line-buffered text append: each write of a full line reaches the file at once (O_APPEND).
+        self._fh: TextIO | None = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def emit(self, event: EventKind | str, **fields: Any) -> dict[str, Any]:
+        record = {"t": time.time(), "run_id": self.run_id, "rank": self.rank, "event": str(event)}
+        record.update(_clean(fields))
+        line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line)
+                self._fh.flush()
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+                self._fh.close()
+                self._fh = None
+
+
+class Heartbeat:
+    """Background thread emitting `heartbeat` every `interval` seconds with the main thread's step and phase.
+
+    It never touches MLX (not thread-safe): it only reads two attributes the main thread sets. MLX releases the
+    GIL while it evaluates (including blocking collectives), so heartbeats keep coming during a long step or a
+    stalled all_sum; a missing heartbeat therefore means the process itself is stopped or gone."""
+
+    MAX_INTERVAL = 2.0
+
+    def __init__(self, log: EventLog, interval: float) -> None:
+        self.log = log
+        self.interval = min(max(interval, 0.05), self.MAX_INTERVAL)
+        self.step = 0
+        self.phase = Phase.LOAD
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def set(self, *, step: int | None = None, phase: Phase | None = None) -> None:
+        if step is not None:
+            self.step = step
+        if phase is not None:
+            self.phase = phase
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.interval + 1.0)
+
+    def _beat(self) -> None:
+        # A full disk must not kill the thread: the main thread hits the same error on its next event and
+        # fails loudly; until then keep trying.
+        with contextlib.suppress(OSError):
+            self.log.emit(EventKind.HEARTBEAT, step=self.step, phase=str(self.phase), pid=os.getpid())
+
+    def _run(self) -> None:
+        self._beat()
+        while not self._stop.wait(self.interval):
+            self._beat()

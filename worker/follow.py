@@ -1,0 +1,109 @@
+"""Follow a run's per-rank event files on THIS node and report rank process state.
+
+Started by the coordinator over the node's own SSH connection (so every line's origin is that channel):
+    python -m worker.follow --run-dir DIR --ranks 0,1 [--interval 0.5]
+Prints JSON lines on stdout, flushed:
+    {"src": "event", "rank": R, "event": {...}}            each new line of <run-dir>/events/rank<R>.jsonl
+    {"src": "proc", "rank": R, "pid": P, "alive": bool, "state": "R|S|T|Z|D|?"}   every interval, per known pid
+    {"src": "tick", "t": unix_time}                         every interval (the channel is alive)
+    {"src": "bad", "rank": R, "text": "..."}                an event line that is not JSON (reported, not dropped)
+It never exits on its own; the coordinator closes the channel. Stdlib only, Python 3.9+.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter process state (R running, S sleeping, T stopped, Z zombie, D disk), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            # The command name is in parentheses and may contain spaces: the state follows the last ')'.
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    try:  # macOS: no /proc
+        out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    text = out.stdout.strip()
+    return text[0] if text else None
+
+
+class Tail:
+    """Incremental reader of one append-only JSONL file; only complete lines are returned."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        return [line for line in lines if line.strip()]
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="worker.follow")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--ranks", required=True, help="comma-separated ranks that run on this node")
+    parser.add_argument("--interval", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    run_dir = os.path.expanduser(args.run_dir)
+    ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    tails = {r: Tail(os.path.join(run_dir, "events", f"rank{r}.jsonl")) for r in ranks}
+    pids: dict[int, int] = {}
+    def drain(rank: int) -> None:
+        for raw in tails[rank].read():
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                emit({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
+                continue
+            if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
+                pids[rank] = event["pid"]
+            emit({"src": "event", "rank": rank, "event": event})
+
+    while True:
+        for rank in tails:
+            drain(rank)
+        for rank, pid in list(pids.items()):
+            state = process_state(pid)
+            alive = state not in (None, "Z")
+            if not alive:
+                # A rank that wrote its last event (an error) and died between our read and this check: read
+                # again, so its last words always reach the coordinator before the news of its death.
+                drain(rank)
+            emit({"src": "proc", "rank": rank, "pid": pid, "alive": alive, "state": state or "gone"})
+        emit({"src": "tick", "t": time.time()})
+        sys.stdout.flush()
+        time.sleep(args.interval)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (BrokenPipeError, KeyboardInterrupt):
+        sys.exit(0)

@@ -1,0 +1,688 @@
+"""Node-side half of the preflight probe: python/package versions, file hashes, peer reachability, model facts.
+
+The coordinator runs this file on every node as `PYTHON - '<json-args>'` with THIS SOURCE on stdin, using the
+node's configured python (which has mlx and mlx-lm but none of our packages). Hence the module is
+self-contained and stdlib-only, runs on Python 3.9+ (annotations are never evaluated at runtime), and never
+imports mlx (importing it is slow; versions come from package metadata). It is also importable as
+`worker.probe` for tests.
+
+Input: at most one argv argument, a JSON object; every key is optional:
+    {"hash_dirs": ["/srv/model", "~/data"],       dirs whose regular files are hashed (`~` = node user's home)
+     "peers": [{"name": "h2", "ip": "10.1.2.3", "port": 22}],   TCP-reachability targets (port defaults to 22)
+     "cache": "~/.cache/mlx-coordinator/sha256.json",           hash cache file; null or "" disables it
+     "model_dir": "/srv/model",                   dir with config.json and *.safetensors
+     "jobs": 0,                                   hashing threads; 0 = min(8, cpu count)
+     "progress": true,                            `progress <done> <total>` lines on stderr for big jobs
+     "timeout": 2.0}                              per-peer TCP connect timeout, seconds
+
+Output: exactly one JSON object (ASCII) on stdout; diagnostics and progress go to stderr:
+    {"python": {"executable": str, "version": "3.11.7"},
+     "packages": {"mlx": str | null, "mlx_lm": str | null},      distribution versions, null when not installed
+     "errors": [str],                                             problems outside the sections below
+     "hashes": [{"path": str (as given), "exists": bool,
+                 "files": [{"path": "sub/f.json" (relative, "/"-separated, sorted), "size": int, "sha256": hex}],
+                 "error": str | null,                             unreadable files / unlistable dirs, by name
+                 "cached_files": int, "hashed_bytes": int}],      answered from the cache / bytes read now
+     "reach": [{"peer": str, "ip": str, "ok": bool, "rtt_ms": float | null, "error": str | null}],
+     "model": {"config": object | null, "params": int | null, "error": str | null}}
+`hashes` is one entry per `hash_dirs` item, in order; it is absent only if hashing failed in an unexpected
+way (the reason is in `errors`), so that a crash can never look like an empty, matching dir. Nothing raises
+out of `run`; the exit status is 0 unless the arguments are unusable (then 2, still with a JSON answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import selectors
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import IO, Any, NamedTuple
+
+DEFAULT_CACHE = "~/.cache/mlx-coordinator/sha256.json"
+DEFAULT_TIMEOUT = 2.0
+# Large reads amortise the per-call overhead (syscall, GIL hand-off) to nothing; hashlib releases the GIL
+# for updates this big, so several files hash truly in parallel. One buffer per thread, reused.
+CHUNK = 8 * 1024 * 1024
+MAX_JOBS = 8  # default cap: more threads than this only contend for the disk
+MAX_EXPLICIT_JOBS = 64  # cap on an explicit `jobs`, so a typo cannot start thousands of threads
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024  # below this a job finishes in well under a second: no progress lines
+PROGRESS_INTERVAL = 0.25  # seconds between progress lines (at most ~4 a second)
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit; a bigger length means "not safetensors"
+CACHE_VERSION = 1
+MAX_NAMED_ERRORS = 5  # a dir's `error` names this many problems, then counts the rest
+KNOWN_ARGS = frozenset({"hash_dirs", "peers", "cache", "model_dir", "jobs", "progress", "timeout"})
+
+
+class FileEntry(NamedTuple):
+    """A regular file found under a hashed dir; size/mtime/inode come from stat() following symlinks."""
+
+    rel: str  # relative to the dir, "/"-separated
+    path: str  # the path to open (through any symlinks)
+    real: str  # absolute real path: the cache key, and the identity used to hash a file only once
+    size: int
+    mtime_ns: int
+    ino: int
+
+
+class Scan(NamedTuple):
+    path: str  # as given
+    exists: bool
+    real: str | None  # real path of the dir, when it exists
+    files: list[FileEntry]
+    errors: list[str]
+
+
+class FileChanged(Exception):
+    """The file's size or mtime changed while it was being read: its digest describes no version of it."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# hashing
+
+
+_tls = threading.local()
+
+
+def _buffer() -> memoryview:
+    # Allocated once per thread: a fresh 8 MiB bytearray per file would cost more than hashing a small file.
+    buf: memoryview | None = getattr(_tls, "buf", None)
+    if buf is None:
+        buf = memoryview(bytearray(CHUNK))
+        _tls.buf = buf
+    return buf
+
+
+def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, os.stat_result]:
+    """SHA256 hex digest of `path`, streamed in CHUNK reads, and the fstat of the file that was read.
+
+    `on_bytes(n)` is called after each chunk. Raises OSError when the file cannot be read and FileChanged
+    when its size or mtime moved during the read.
+    """
+    buf = _buffer()
+    digest = hashlib.sha256()
+    # Unbuffered: readinto() goes straight from the kernel into our buffer, no intermediate copy.
+    with open(path, "rb", buffering=0) as fh:
+        before = os.fstat(fh.fileno())
+        advise = getattr(os, "posix_fadvise", None)  # Linux only; macOS reads ahead by default
+        if advise is not None:
+            with contextlib.suppress(OSError):
+                advise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        # Read exactly the size stat() saw: a file that keeps growing (a log) must not be read forever.
+        total = 0
+        while total < before.st_size:
+            n = fh.readinto(buf if before.st_size - total >= len(buf) else buf[: before.st_size - total])
+            if not n:
+                break  # shrank: caught below
+            digest.update(buf[:n])
+            total += n
+            if on_bytes is not None:
+                on_bytes(n)
+        after = os.fstat(fh.fileno())
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or total != before.st_size:
+        raise FileChanged(path)
+    return digest.hexdigest(), before
+
+
+def _skip(real: str, exclude: tuple[str, ...]) -> bool:
+    # The cache file (and its in-flight temp files) may live inside a hashed dir; hashing it would make the
+    # dir's manifest differ from node to node and change on every run.
+    return any(real == ex or (real.startswith(ex + ".") and real.endswith(".tmp")) for ex in exclude)
+
+
+def scan_dir(path: str, exclude: tuple[str, ...] = ()) -> Scan:
+    """Every regular file under `path`, sorted by relative path.
+
+    Symlinks are followed (to files and to dirs; a link back to an ancestor dir is skipped, not looped).
+    Hidden files are included. Files whose real path is in `exclude` (and `<exclude>.*.tmp`) are left out.
+    FIFOs, sockets and devices are ignored. Dangling symlinks and unlistable dirs are reported in `errors`.
+    """
+    top = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(top):
+        return Scan(path, False, None, [], [f"no such directory: {top}"])
+    if not os.path.isdir(top):
+        return Scan(path, True, None, [], [f"not a directory: {top}"])
+    try:
+        top_st = os.stat(top)
+    except OSError as exc:  # removed or made unreadable since the checks above
+        return Scan(path, False, None, [], [f"cannot stat {top}: {exc.strerror or exc}"])
+    real_top = os.path.realpath(top)
+    files: list[FileEntry] = []
+    errors: list[str] = []
+    # (relative dir, path to list, real path, (dev, ino) of every ancestor incl. itself)
+    stack: list[tuple[str, str, str, frozenset[tuple[int, int]]]] = [
+        ("", top, real_top, frozenset({(top_st.st_dev, top_st.st_ino)}))
+    ]
+    while stack:
+        rel_dir, dir_path, real_dir, ancestors = stack.pop()
+        try:
+            with os.scandir(dir_path) as it:
+                entries = list(it)
+        except OSError as exc:
+            errors.append(f"cannot list {rel_dir or '.'}: {exc.strerror or exc}")
+            continue
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            try:
+                is_link = entry.is_symlink()
+                st = entry.stat()  # follows symlinks
+            except FileNotFoundError:
+                if os.path.islink(entry.path):
+                    errors.append(f"dangling symlink {rel}")
+                continue  # else: deleted while we listed; not a file of this dir any more
+            except OSError as exc:
+                errors.append(f"cannot stat {rel}: {exc.strerror or exc}")
+                continue
+            # Only symlinks need the (costly) realpath walk; below a real dir a plain entry's real path is known.
+            real = os.path.realpath(entry.path) if is_link else os.path.join(real_dir, entry.name)
+            if stat.S_ISDIR(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    errors.append(f"symlink loop skipped: {rel}")
+                    continue
+                stack.append((rel, entry.path, real, ancestors | {key}))
+            elif stat.S_ISREG(st.st_mode) and not _skip(real, exclude):
+                files.append(FileEntry(rel, entry.path, real, st.st_size, st.st_mtime_ns, st.st_ino))
+    files.sort(key=lambda f: f.rel)
+    return Scan(path, True, real_top, files, errors)
+
+
+class HashCache:
+    """sha256 by absolute real path, valid while (size, mtime_ns, inode) are unchanged.
+
+    On disk: {"version": 1, "files": {real_path: [size, mtime_ns, inode, sha256]}}. An unreadable or corrupt
+    file is treated as empty (and rewritten by `save`); invalid entries are dropped one by one. The inode is
+    part of the key because `rsync -a` and `cp -p` keep size and mtime but write a new file.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = os.path.abspath(os.path.expanduser(path)) if path else None
+        self.entries: dict[str, tuple[int, int, int, str]] = {}
+        self.updated: dict[str, tuple[int, int, int, str]] = {}
+        self.dropped: set[str] = set()
+        self.dirty = False
+        self.note: str | None = None  # why the file on disk was not used, if it was not
+        if self.path is not None:
+            self.entries, self.note = self._read(self.path)
+            self.dirty = self.note is not None and os.path.exists(self.path)
+
+    @staticmethod
+    def _read(path: str) -> tuple[dict[str, tuple[int, int, int, str]], str | None]:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return {}, None
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or UTF-8; Recursion: deep nesting
+            return {}, f"hash cache {path} ignored: {exc}"
+        files = data.get("files") if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+        if not isinstance(files, dict):
+            return {}, f"hash cache {path} ignored: not a version {CACHE_VERSION} cache"
+        entries: dict[str, tuple[int, int, int, str]] = {}
+        bad = 0
+        for key, value in files.items():
+            if (
+                isinstance(value, list)
+                and len(value) == 4
+                and all(type(v) is int for v in value[:3])
+                and isinstance(value[3], str)
+                and len(value[3]) == 64
+            ):
+                entries[key] = (value[0], value[1], value[2], value[3])
+            else:
+                bad += 1
+        return entries, (f"hash cache {path}: {bad} invalid entries dropped" if bad else None)
+
+    def get(self, f: FileEntry) -> str | None:
+        hit = self.entries.get(f.real)
+        if hit is not None and hit[:3] == (f.size, f.mtime_ns, f.ino):
+            return hit[3]
+        return None
+
+    def put(self, real: str, st: os.stat_result, sha256: str) -> None:
+        value = (st.st_size, st.st_mtime_ns, st.st_ino, sha256)
+        if self.entries.get(real) != value:
+            self.entries[real] = self.updated[real] = value
+            self.dropped.discard(real)
+            self.dirty = True
+
+    def forget_missing(self, real_dir: str, seen: set[str]) -> None:
+        """Drop entries under `real_dir` for files that no longer exist (not merely unseen: maybe unlistable)."""
+        prefix = real_dir.rstrip("/") + "/"
+        for key in [k for k in self.entries if k.startswith(prefix) and k not in seen]:
+            if not os.path.isfile(key):
+                del self.entries[key]
+                self.updated.pop(key, None)
+                self.dropped.add(key)
+                self.dirty = True
+
+    def save(self) -> None:
+        """Write atomically (temp file in the same dir, fsync, rename) if anything changed.
+
+        Our changes are merged into the file as it is NOW, so two probes running at once (different dirs)
+        do not erase each other's work. Raises OSError when the file cannot be written.
+        """
+        if self.path is None or not self.dirty:
+            return
+        current, _ = self._read(self.path)
+        for key in self.dropped:
+            current.pop(key, None)
+        current.update(self.updated)
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(self.path) + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({"version": CACHE_VERSION, "files": {k: list(v) for k, v in current.items()}}, fh,
+                          separators=(",", ":"))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self.entries = current
+        self.updated.clear()
+        self.dropped.clear()
+        self.dirty = False
+
+
+class Progress:
+    """Thread-safe byte counter printing `progress <done> <total>` lines, at most one per PROGRESS_INTERVAL."""
+
+    def __init__(self, total: int, stream: IO[str] | None) -> None:
+        self.total = total
+        self.done = 0
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._last_time = 0.0
+        self._last_done = -1
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+    def report(self, final: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if self.done == self._last_done or (not final and now - self._last_time < PROGRESS_INTERVAL):
+            return
+        self._last_time, self._last_done = now, self.done
+        self.stream.write(f"progress {self.done} {self.total}\n")
+        self.stream.flush()
+
+
+def default_jobs() -> int:
+    return max(1, min(MAX_JOBS, os.cpu_count() or 1))
+
+
+def _name_errors(errors: list[str]) -> str | None:
+    if not errors:
+        return None
+    shown = "; ".join(errors[:MAX_NAMED_ERRORS])
+    return shown + (f" (+{len(errors) - MAX_NAMED_ERRORS} more)" if len(errors) > MAX_NAMED_ERRORS else "")
+
+
+def hash_dirs(
+    dirs: list[str],
+    cache_path: str | None = DEFAULT_CACHE,
+    jobs: int = 0,
+    progress: bool = False,
+    stderr: IO[str] | None = None,
+    errors: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The `hashes` section: one entry per dir, in order (see the module docstring for the shape).
+
+    Files the cache vouches for are not opened. The rest are hashed once each (a file reachable from two
+    dirs, or twice through symlinks, is read once) by `jobs` threads, largest first so that one big file does
+    not start last. Cache problems go to `errors` (if given) and never fail the hashing.
+    """
+    log = stderr if stderr is not None else sys.stderr
+    cache = HashCache(cache_path)
+    if cache.note:
+        log.write(cache.note + "\n")
+    exclude = (cache.path, os.path.realpath(cache.path)) if cache.path else ()
+    scans = [scan_dir(d, exclude) for d in dirs]
+
+    known: dict[str, str] = {}  # real path -> sha256, from the cache
+    todo: dict[str, FileEntry] = {}  # real path -> a file to read
+    for scan in scans:
+        for f in scan.files:
+            sha = cache.get(f)
+            if sha is not None:
+                known[f.real] = sha
+            else:
+                todo.setdefault(f.real, f)
+
+    total = sum(f.size for f in todo.values())
+    meter = Progress(total, log if progress and total > PROGRESS_MIN_BYTES else None)
+    hashed: dict[str, tuple[str, int]] = {}  # real path -> (sha256, size actually read)
+    failed: dict[str, str] = {}  # real path -> why not
+    if todo:
+        workers = min(min(jobs, MAX_EXPLICIT_JOBS) if jobs > 0 else default_jobs(), len(todo))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {
+                pool.submit(sha256_file, f.path, meter.add): real
+                for real, f in sorted(todo.items(), key=lambda item: -item[1].size)
+            }
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=PROGRESS_INTERVAL)
+                meter.report()
+        meter.report(final=True)
+        for fut, real in futures.items():
+            try:
+                sha, st = fut.result()
+            except FileChanged:
+                failed[real] = "changed while being read"
+            except OSError as exc:
+                failed[real] = exc.strerror or str(exc)
+            else:
+                hashed[real] = (sha, st.st_size)
+                cache.put(real, st, sha)
+
+    out: list[dict[str, Any]] = []
+    for scan in scans:
+        files: list[dict[str, Any]] = []
+        problems = list(scan.errors)
+        cached = hashed_bytes = 0
+        for f in scan.files:
+            if f.real in known:
+                files.append({"path": f.rel, "size": f.size, "sha256": known[f.real]})
+                cached += 1
+            elif f.real in hashed:
+                sha, size = hashed[f.real]
+                files.append({"path": f.rel, "size": size, "sha256": sha})
+                hashed_bytes += size
+            else:
+                problems.append(f"cannot read {f.rel}: {failed.get(f.real, 'not hashed')}")
+        if scan.real is not None:
+            cache.forget_missing(scan.real, {f.real for f in scan.files})
+        out.append({"path": scan.path, "exists": scan.exists, "files": files, "error": _name_errors(problems),
+                    "cached_files": cached, "hashed_bytes": hashed_bytes})
+    try:
+        cache.save()
+    except OSError as exc:
+        if errors is not None:
+            errors.append(f"cannot write hash cache {cache.path}: {exc.strerror or exc}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reachability
+
+
+def _connect(family: int, address: Any, timeout: float) -> int | None:
+    """errno of a non-blocking TCP connect (0 = connected), None when nothing came back within `timeout`.
+
+    Done by hand (not socket.create_connection) so that "refused" is an errno, not an exception whose type
+    differs between Python versions, and so a timeout is never confused with an error.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        rc = sock.connect_ex(address)
+        if rc in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY, errno.EINTR):
+            with selectors.DefaultSelector() as sel:
+                sel.register(sock, selectors.EVENT_WRITE)
+                if not sel.select(timeout):
+                    return None
+            rc = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        return rc
+    except OSError as exc:  # e.g. EHOSTUNREACH / ENETUNREACH raised at once by some kernels
+        return exc.errno if exc.errno is not None else errno.EIO
+    finally:
+        sock.close()
+
+
+def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """One `reach` entry: can THIS node open a TCP connection to the peer's ip:port?
+
+    Connected or refused both prove the address answers (refused is a RST from the peer's kernel): ok true
+    with the round-trip time. Timeout, no route, unreachable, bad address: ok false with the reason.
+    """
+    if not isinstance(peer, dict):
+        return {"peer": str(peer), "ip": "", "ok": False, "rtt_ms": None, "error": "bad peer spec (not an object)"}
+    name, ip, port = str(peer.get("name") or peer.get("ip") or "?"), str(peer.get("ip") or ""), peer.get("port", 22)
+    out: dict[str, Any] = {"peer": name, "ip": ip, "ok": False, "rtt_ms": None, "error": None}
+    if port is None:
+        port = 22
+    if not ip:
+        out["error"] = "no ip"
+        return out
+    if type(port) is not int or not 0 < port < 65536:
+        out["error"] = f"bad port {port!r}"
+        return out
+    try:
+        infos = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        out["error"] = f"cannot resolve {ip}: {exc}"
+        return out
+    if not infos:
+        out["error"] = f"cannot resolve {ip}"
+        return out
+    family, _, _, _, address = infos[0]
+    started = time.perf_counter()
+    rc = _connect(family, address, timeout)
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    if rc is None:
+        out["error"] = f"timed out after {timeout:g} s (no answer from {ip}:{port})"
+    elif rc in (0, errno.ECONNREFUSED):
+        out["ok"], out["rtt_ms"] = True, round(elapsed_ms, 3)
+    else:
+        out["error"] = f"{os.strerror(rc)} ({errno.errorcode.get(rc, rc)}) connecting to {ip}:{port}"
+    return out
+
+
+def reach_peers(peers: list[Any], timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+    """`reach` entries for `peers`, in order, probed in parallel (the slowest is one timeout)."""
+    if not peers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(peers))) as pool:
+        return list(pool.map(lambda p: reach_peer(p, timeout), peers))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model
+
+
+def safetensors_params(path: str) -> int:
+    """Sum of element counts of the tensors in a .safetensors file, read from its header only.
+
+    Layout: 8-byte little-endian header length, then that many bytes of JSON {name: {dtype, shape,
+    data_offsets}} plus an optional "__metadata__". For quantized weights the counts are of the packed
+    tensors (what is stored), not of the original parameters. Raises ValueError/OSError on a bad file.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError("too short to be a safetensors file")
+        length = int.from_bytes(head, "little")
+        size = os.fstat(fh.fileno()).st_size
+        if length > MAX_SAFETENSORS_HEADER or length > size - 8:
+            raise ValueError(f"header length {length} is impossible (not a safetensors file? a git-lfs pointer?)")
+        header = json.loads(fh.read(length).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    total = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r} has no valid shape")
+        count = 1
+        for d in shape:
+            count *= d
+        total += count
+    return total
+
+
+def model_info(model_dir: str) -> dict[str, Any]:
+    """The `model` section: config.json (a JSON object, else error) and the parameter count summed over
+    every *.safetensors file directly in the dir (sharded or not; the index file is not needed).
+    `params` is null when there are no weights or any of them cannot be read (the error says which)."""
+    out: dict[str, Any] = {"config": None, "params": None, "error": None}
+    problems: list[str] = []
+    top = os.path.abspath(os.path.expanduser(model_dir))
+    if not os.path.isdir(top):
+        out["error"] = f"no such directory: {top}"
+        return out
+    config_path = os.path.join(top, "config.json")
+    if os.path.exists(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as fh:
+                config = json.load(fh)
+            if isinstance(config, dict):
+                out["config"] = config
+            else:
+                problems.append("config.json is not a JSON object")
+        except (OSError, ValueError) as exc:
+            problems.append(f"cannot read config.json: {exc}")
+    else:
+        problems.append("no config.json")
+    try:
+        weights = sorted(n for n in os.listdir(top) if n.endswith(".safetensors"))
+    except OSError as exc:
+        problems.append(f"cannot list {top}: {exc.strerror or exc}")
+        weights = []
+    total = 0
+    bad = False
+    for name in weights:
+        try:
+            total += safetensors_params(os.path.join(top, name))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{name}: {exc}")
+            bad = True
+    if weights and not bad:
+        out["params"] = total
+    out["error"] = "; ".join(problems) or None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# versions and driver
+
+
+def python_info() -> dict[str, Any]:
+    return {"executable": sys.executable, "version": ".".join(str(v) for v in sys.version_info[:3])}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the mlx and mlx-lm distributions (null when absent), from metadata only."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    # Older importlib.metadata does not normalise "-" vs "_": try both spellings of the dist-info name.
+    for key, names in (("mlx", ("mlx",)), ("mlx_lm", ("mlx-lm", "mlx_lm"))):
+        out[key] = None
+        for name in names:
+            try:
+                out[key] = metadata.version(name)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _arg(args: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any, errors: list[str]) -> Any:
+    value = args.get(key, default)
+    # bool is an int subclass: `"jobs": true` is a mistake, not one job.
+    if value is default or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+        return value
+    errors.append(f"argument {key!r} must be {'/'.join(k.__name__ for k in kinds)}, not {type(value).__name__}")
+    return default
+
+
+def run(args: dict[str, Any], stderr: IO[str] | None = None) -> dict[str, Any]:
+    """The whole probe for parsed arguments; never raises. Peers are probed while files are hashed."""
+    errors: list[str] = []
+    out: dict[str, Any] = {"python": python_info(), "packages": {"mlx": None, "mlx_lm": None}, "errors": errors}
+    unknown = sorted(set(args) - KNOWN_ARGS)
+    if unknown:
+        errors.append(f"unknown arguments ignored: {', '.join(unknown)}")
+    dirs = _arg(args, "hash_dirs", (list,), [], errors)
+    peers = _arg(args, "peers", (list,), [], errors)
+    cache = _arg(args, "cache", (str, type(None)), DEFAULT_CACHE, errors)
+    model_dir = _arg(args, "model_dir", (str, type(None)), None, errors)
+    jobs = _arg(args, "jobs", (int,), 0, errors)
+    progress = _arg(args, "progress", (bool,), False, errors)
+    timeout = _arg(args, "timeout", (int, float), DEFAULT_TIMEOUT, errors)
+    if timeout <= 0:
+        errors.append(f"argument 'timeout' must be > 0, not {timeout}")
+        timeout = DEFAULT_TIMEOUT
+    if not all(isinstance(d, str) for d in dirs):
+        errors.append("argument 'hash_dirs' must be a list of strings")
+        dirs = [str(d) for d in dirs]
+
+    # Reachability waits on the network (up to `timeout`), hashing on the disk: overlap them.
+    reach_pool = ThreadPoolExecutor(max_workers=1)
+    reach_future = reach_pool.submit(reach_peers, peers, float(timeout))
+    try:
+        try:
+            out["packages"] = package_versions()
+        except Exception as exc:  # noqa: BLE001 - a broken metadata dir must not cost us the rest of the answer
+            errors.append(f"package versions: {type(exc).__name__}: {exc}")
+        try:
+            out["model"] = model_info(model_dir) if model_dir else {"config": None, "params": None, "error": None}
+        except Exception as exc:  # noqa: BLE001 - reported, the rest of the probe goes on
+            out["model"] = {"config": None, "params": None, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            out["hashes"] = hash_dirs(dirs, cache or None, jobs, progress, stderr, errors)
+        except Exception as exc:  # noqa: BLE001 - no `hashes` key: the coordinator must not see "no files"
+            errors.append(f"hashing failed: {type(exc).__name__}: {exc}")
+        try:
+            out["reach"] = reach_future.result()
+        except Exception as exc:  # noqa: BLE001 - reported, like every other failure
+            errors.append(f"reachability failed: {type(exc).__name__}: {exc}")
+            out["reach"] = []
+    finally:
+        reach_pool.shutdown(wait=False)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse the one JSON argument, print the answer as one JSON line on stdout."""
+    argv = sys.argv[1:] if argv is None else argv
+    args: Any = {}
+    problem = None
+    if len(argv) > 1:
+        problem = f"expected at most one argument (a JSON object), got {len(argv)}"
+    elif argv:
+        try:
+            args = json.loads(argv[0])
+        except ValueError as exc:
+            problem = f"argument is not JSON: {exc}"
+        else:
+            if not isinstance(args, dict):
+                problem = f"argument is not a JSON object but {type(args).__name__}"
+    if problem is not None:
+        sys.stderr.write(f"worker probe: {problem}\n")
+        answer: dict[str, Any] = {"python": python_info(), "packages": {"mlx": None, "mlx_lm": None},
+                                  "errors": [problem]}
+        code = 2
+    else:
+        code = 0
+        try:
+            answer = run(args)
+        except Exception as exc:  # noqa: BLE001 - `run` should not raise; if it does, still answer in JSON
+            answer = {"python": python_info(), "packages": {"mlx": None, "mlx_lm": None},
+                      "errors": [f"probe failed: {type(exc).__name__}: {exc}"]}
+    sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""The run config (`run.json`) that `python -m worker.train --config FILE` reads: parsing, validation, plan math.
+
+The same file is given to every rank (the coordinator only fills `run_dir` per node). Keys (defaults in
+parentheses; unknown keys are rejected so a typo cannot silently change a run):
+
+    run_id            str, required
+    model             str, required: a local model dir (`mlx_lm.utils.load`); nothing is downloaded
+    data              str, required: a local dir with train.jsonl [valid.jsonl] (mlx-lm text/chat/completions)
+    method            "lora" | "dora" | "full" ("lora")
+    iters             optimizer steps (1000)
+    learning_rate     (1e-5)       optimizer   "adam" | "adamw" | "sgd" ("adam")
+    max_seq_length    (2048)       grad_accumulation  micro-batches per optimizer step (1)
+    grad_checkpoint   (false)      mask_prompt        (false; chat/completions only, as in mlx-lm)
+    num_layers        null | -1 | N (null): the last N transformer layers are adapted (lora/dora) or trained
+                      (full); null and -1 mean ALL layers (mlx-lm's CLI silently defaults to 16: we do not)
+    lora              {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": null}
+    save_every        checkpoint every N steps, 0 = only at the end (100)
+    steps_per_eval    eval every N steps and at the end, 0 = never (200)
+    val_batches       global batches per eval, -1 = the whole validation set (25)
+    seed              (0)          keep_checkpoints   newest N kept per node (2)
+    ranks             required: [{"rank": 0, "node": "a", "batch_size": 3}, ...], ranks 0..N-1 exactly once
+    run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
+    resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
+    consistency_every replica-consistency digests every N steps and at the last step, 0 = off (50): every rank
+                      emits a `digest` event (SHA256 of all its parameters and of its optimizer state, see
+                      `worker.chaos.arrays_sha256`); honest data-parallel replicas give identical digests
+    chaos             deliberate faults for tests and drills ([]): a list of
+                      {"kind": K, "rank": R, "step": S (1), "factor": F (3.0)}, each acting on rank R only:
+                        kill     SIGKILL itself at the start of step S (an abrupt crash: no error event)
+                        hang     SIGSTOP itself at the start of step S (heartbeats stop, peers block)
+                        nan      its local loss sum and gradient become NaN at step S, before the all_sum
+                        diverge  its trainable weights get seeded noise right after step S's update
+                        lie      from step S on its `step` events claim step+1000 and 10x tokens/throughput
+                        slow     from step S on it sleeps (F-1) x its compute time before the all_sum
+                      rank must be a rank of the plan, step >= 1, factor >= 1 (used by slow only); the worker
+                      applies whatever the file holds (a relaunch after the fault must leave chaos out)
+    debug             test hooks, never set by the coordinator: {"crash_at_step": N} raises at the start of
+                      step N (an error event, exit 1); {"slow_step": N, "slow_rank": R, "slow_seconds": S}
+                      makes rank R (every rank when R is null) sleep S seconds in step N just before the
+                      gradient all_sum (its peers block inside the collective)
+
+Neither `consistency_every` nor `chaos`/`debug` is part of `RunConfig.digest()` (they do not change the math
+of an honest run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METHODS = ("lora", "dora", "full")
+CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+MAX_HEARTBEAT_S = 2.0
+
+
+class ConfigError(ValueError):
+    """The run config is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    node: str
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 8
+    scale: float = 20.0
+    dropout: float = 0.0
+    keys: tuple[str, ...] | None = None
+
+    def mlx_lm_parameters(self) -> dict[str, Any]:
+        """The `lora_parameters` dict mlx-lm's linear_to_lora_layers and adapter_config.json use."""
+        out: dict[str, Any] = {"rank": self.rank, "scale": self.scale, "dropout": self.dropout}
+        if self.keys is not None:
+            out["keys"] = list(self.keys)
+        return out
+
+
+@dataclass(frozen=True)
+class DebugSpec:
+    crash_at_step: int | None = None
+    slow_step: int | None = None
+    slow_rank: int | None = None
+    slow_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChaosSpec:
+    """One planned fault (see the module docstring); `worker.chaos` applies it."""
+
+    kind: str
+    rank: int
+    step: int = 1
+    factor: float = 3.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_id: str
+    model: str
+    data: str
+    ranks: tuple[RankSpec, ...]
+    run_dir: Path
+    method: str = "lora"
+    iters: int = 1000
+    learning_rate: float = 1e-5
+    optimizer: str = "adam"
+    max_seq_length: int = 2048
+    grad_accumulation: int = 1
+    grad_checkpoint: bool = False
+    mask_prompt: bool = False
+    num_layers: int | None = None
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    save_every: int = 100
+    steps_per_eval: int = 200
+    val_batches: int = 25
+    seed: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    heartbeat_s: float = 1.0
+    consistency_every: int = 50
+    chaos: tuple[ChaosSpec, ...] = ()
+    debug: DebugSpec = field(default_factory=DebugSpec)
+
+    # -- plan arithmetic ------------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_batch(self) -> int:
+        """Rows per micro-batch over all ranks (sum of batch sizes)."""
+        return sum(r.batch_size for r in self.ranks)
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.global_batch * self.grad_accumulation
+
+    def rank_spec(self, rank: int) -> RankSpec:
+        return self.ranks[rank]
+
+    def rank_offset(self, rank: int) -> int:
+        """First row of `rank` inside each global batch: the sum of the earlier ranks' batch sizes."""
+        return sum(r.batch_size for r in self.ranks[:rank])
+
+    def checkpoint_writer(self, rank: int) -> int:
+        """The rank that writes checkpoints on `rank`'s node: the lowest rank planned on the same node name.
+        Ranks on one node share its run dir, so exactly one of them writes there."""
+        node = self.ranks[rank].node
+        return min(r.rank for r in self.ranks if r.node == node)
+
+    def digest(self) -> str:
+        """SHA256 over the settings that define the training math (not the plan, paths of output, schedule of
+        saves/evals, iters, consistency digests, chaos or debug hooks): a resume under another digest continues
+        a different experiment."""
+        math = {
+            "model": self.model, "data": self.data, "method": self.method, "learning_rate": self.learning_rate,
+            "optimizer": self.optimizer, "max_seq_length": self.max_seq_length,
+            "grad_accumulation": self.grad_accumulation, "mask_prompt": self.mask_prompt,
+            "num_layers": self.num_layers, "lora": asdict(self.lora), "seed": self.seed,
+        }
+        return hashlib.sha256(json.dumps(math, sort_keys=True, default=list).encode()).hexdigest()
+
+    def plan_json(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.ranks]
+
+
+# --- parsing -----------------------------------------------------------------------------------------------------
+
+_TOP_KEYS = {
+    "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
+    "grad_accumulation", "grad_checkpoint", "mask_prompt", "num_layers", "lora", "save_every", "steps_per_eval",
+    "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume", "heartbeat_s", "consistency_every",
+    "chaos", "debug",
+}
+_CHAOS_KEYS = {"kind", "rank", "step", "factor"}
+
+
+def _int(d: Mapping[str, Any], key: str, default: int | None, *, minimum: int | None = None) -> int:
+    value = d.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(d: Mapping[str, Any], key: str, default: float | None, *, positive: bool = False) -> float:
+    value = d.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+    return float(value)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _str(d: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = d.get(key, default)
+    if not isinstance(value, str) or (default is None and not value):
+        raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(d: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
+    value = _str(d, key, default).lower()
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _parse_ranks(raw: Any) -> tuple[RankSpec, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("ranks must be a non-empty list of {rank, node, batch_size}")
+    specs = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ConfigError(f"ranks[{i}] must be an object")
+        unknown = set(item) - {"rank", "node", "batch_size"}
+        if unknown:
+            raise ConfigError(f"ranks[{i}]: unknown keys {sorted(unknown)}")
+        specs.append(RankSpec(rank=_int(item, "rank", None, minimum=0), node=_str(item, "node"),
+                              batch_size=_int(item, "batch_size", None, minimum=1)))
+    specs.sort(key=lambda r: r.rank)
+    if [r.rank for r in specs] != list(range(len(specs))):
+        raise ConfigError(f"ranks must number 0..{len(specs) - 1} exactly once, got {[r.rank for r in specs]}")
+    return tuple(specs)
+
+
+def _parse_lora(raw: Any) -> LoraSpec:
+    if raw is None:
+        return LoraSpec()
+    if not isinstance(raw, dict):
+        raise ConfigError("lora must be an object")
+    unknown = set(raw) - {"rank", "scale", "dropout", "keys"}
+    if unknown:
+        hint = " (mlx-lm uses 'scale', not 'alpha')" if "alpha" in unknown else ""
+        raise ConfigError(f"lora: unknown keys {sorted(unknown)}{hint}")
+    dropout = _float(raw, "dropout", 0.0)
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {dropout}")
+    keys = raw.get("keys")
+    if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
+        raise ConfigError("lora.keys must be null or a list of module paths")
+    return LoraSpec(rank=_int(raw, "rank", 8, minimum=1), scale=_float(raw, "scale", 20.0), dropout=dropout,
+                    keys=tuple(keys) if keys is not None else None)
+
+
+def _parse_debug(raw: Any) -> DebugSpec:
+    if raw is None:
+        return DebugSpec()
+    if not isinstance(raw, dict):
+        raise ConfigError("debug must be an object")
+    unknown = set(raw) - {"crash_at_step", "slow_step", "slow_rank", "slow_seconds"}
+    if unknown:
+        raise ConfigError(f"debug: unknown keys {sorted(unknown)}")
+    opt = {k: (_int(raw, k, None) if raw.get(k) is not None else None)
+           for k in ("crash_at_step", "slow_step", "slow_rank")}
+    return DebugSpec(crash_at_step=opt["crash_at_step"], slow_step=opt["slow_step"], slow_rank=opt["slow_rank"],
+                     slow_seconds=_float(raw, "slow_seconds", 0.0))
+
+
+def _parse_chaos(raw: Any, world_size: int) -> tuple[ChaosSpec, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError("chaos must be a list of {kind, rank, step, factor}")
+    specs = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ConfigError(f"chaos[{i}] must be an object")
+        unknown = set(item) - _CHAOS_KEYS
+        if unknown:
+            raise ConfigError(f"chaos[{i}]: unknown keys {sorted(unknown)}")
+        kind = item.get("kind")
+        if kind not in CHAOS_KINDS:
+            raise ConfigError(f"chaos[{i}].kind must be one of {', '.join(CHAOS_KINDS)}, got {kind!r}")
+        try:
+            rank = _int(item, "rank", None, minimum=0)
+            step = _int(item, "step", 1, minimum=1)
+            factor = _float(item, "factor", 3.0)
+        except ConfigError as exc:
+            raise ConfigError(f"chaos[{i}].{exc}") from None
+        if rank >= world_size:
+            raise ConfigError(f"chaos[{i}].rank {rank} is not a rank of the plan (0..{world_size - 1})")
+        if factor < 1.0:
+            raise ConfigError(f"chaos[{i}].factor must be >= 1, got {factor}")
+        specs.append(ChaosSpec(kind=kind, rank=rank, step=step, factor=factor))
+    return tuple(specs)
+
+
+def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
+    """Validate a decoded run.json into a RunConfig; raises ConfigError with the first problem found."""
+    if not isinstance(raw, dict):
+        raise ConfigError("the run config must be a JSON object")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    num_layers = raw.get("num_layers")
+    if num_layers is not None:
+        num_layers = _int(raw, "num_layers", None, minimum=-1)
+        if num_layers == 0:
+            raise ConfigError("num_layers must be null/-1 (all layers) or >= 1")
+        if num_layers == -1:
+            num_layers = None
+    val_batches = _int(raw, "val_batches", 25, minimum=-1)
+    run_dir_raw = raw.get("run_dir", "")
+    if not isinstance(run_dir_raw, str):
+        raise ConfigError("run_dir must be a string")
+    if run_dir_raw:
+        run_dir = Path(os.path.expanduser(run_dir_raw))
+    elif config_path is not None:
+        run_dir = config_path.resolve().parent
+    else:
+        raise ConfigError("run_dir is empty and there is no config file to take it from")
+    ranks = _parse_ranks(raw.get("ranks"))
+    return RunConfig(
+        run_id=_str(raw, "run_id"),
+        model=os.path.expanduser(_str(raw, "model")),
+        data=os.path.expanduser(_str(raw, "data")),
+        ranks=ranks,
+        run_dir=run_dir,
+        method=_choice(raw, "method", "lora", METHODS),
+        iters=_int(raw, "iters", 1000, minimum=1),
+        learning_rate=_float(raw, "learning_rate", 1e-5, positive=True),
+        optimizer=_choice(raw, "optimizer", "adam", OPTIMIZERS),
+        max_seq_length=_int(raw, "max_seq_length", 2048, minimum=2),
+        grad_accumulation=_int(raw, "grad_accumulation", 1, minimum=1),
+        grad_checkpoint=_bool(raw, "grad_checkpoint", False),
+        mask_prompt=_bool(raw, "mask_prompt", False),
+        num_layers=num_layers,
+        lora=_parse_lora(raw.get("lora")),
+        save_every=_int(raw, "save_every", 100, minimum=0),
+        steps_per_eval=_int(raw, "steps_per_eval", 200, minimum=0),
+        val_batches=val_batches,
+        seed=_int(raw, "seed", 0),
+        keep_checkpoints=_int(raw, "keep_checkpoints", 2, minimum=1),
+        resume=_bool(raw, "resume", False),
+        heartbeat_s=min(_float(raw, "heartbeat_s", 1.0, positive=True), MAX_HEARTBEAT_S),
+        consistency_every=_int(raw, "consistency_every", 50, minimum=0),
+        chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
+        debug=_parse_debug(raw.get("debug")),
+    )
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """Read and validate a run.json; OSError / ConfigError on failure."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    return parse_run_config(raw, path)

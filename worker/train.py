@@ -1,0 +1,867 @@
+"""Per-rank training driver: `python -m worker.train --config RUN_CONFIG.json`, started on every rank by mlx.launch.
+
+Contract
+--------
+* Config: see `worker.runconfig` (identical file on every rank; `run_dir` is this node's run dir).
+* World: `mx.distributed.init()` must give exactly `len(ranks)` processes, and `MLX_RANK` (when set) must equal
+  the group rank; anything else (init silently falling back to a singleton group included) is an error.
+* Model/data through mlx-lm: `mlx_lm.utils.load`, `linear_to_lora_layers` (lora/dora) on the last `num_layers`
+  layers (null/-1 = all), full = every parameter trainable (or only the last `num_layers` layers),
+  `mlx_lm.tuner.datasets` formats, mlx-lm's batch padding and loss mask. The step loop is ours.
+* Exact weighted gradients: every rank sums the per-token cross-entropy over ITS tokens and takes the gradient of
+  that sum; gradients, loss sums and token counts are `all_sum`med and the gradient divided by the total token
+  count, i.e. sum_i(tokens_i * meangrad_i) / sum_i(tokens_i). A 3/1 split therefore makes the same update as one
+  rank with the global batch of 4. `grad_accumulation` micro-batches are pooled the same way before the one
+  all_sum of the step. Reported loss = global loss sum / global tokens (the same on every rank).
+* RNG: `mx.random.seed(f(seed, step))` at the start of every step (and `seed` before the adapters are created),
+  so the random state at any step is a function of (seed, step): resume needs no opaque RNG blob (MLX cannot
+  set its key from Python anyway). The data order uses numpy Generators seeded by `seed + epoch` (stateless).
+* Events: `<run_dir>/events/rank<R>.jsonl` (see `worker.events.EventKind` for the fields). Step events carry
+  this rank's own pre-reduction values too (local_loss, local_loss_finite, local_grad_norm, compute_s,
+  compute_tok_s), so a NaN or an outlier can be attributed to the rank that produced it.
+* Consistency: every `consistency_every` steps and at the last step, after the update, every rank emits a
+  `digest` event (SHA256 of all parameters, frozen ones included, and of the optimizer state); data-parallel
+  replicas are bit-identical, so honest ranks report identical digests.
+* Chaos (tests and drills): the `chaos` faults planned for this rank are applied at fixed points of the step
+  (see `worker.chaos` for what each does and where).
+* Checkpoints: one copy per node in `<run_dir>/checkpoints/step-NNNNNN/` (layout in `worker.checkpoint`), written
+  by the node's checkpoint writer: the lowest rank planned on that node name (several ranks on one machine share
+  the run dir, so only one writes; every node still holds a full copy, so losing a node loses no state). All
+  ranks wait for all writers (a barrier) before reporting the `checkpoint` event.
+* Resume (`resume: true`): each rank finds its node's newest checkpoint that verifies (reporting every skipped
+  one as `checkpoint_invalid`); the ranks agree on the newest step any of them has; when every rank holds
+  byte-identical copies each loads its own, otherwise the lowest rank holding it broadcasts weights, optimizer
+  state and state.json to all. Training continues at step+1 at the saved global data position, whatever the new
+  world or split. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
+* Exit: 0 only after `finished`; any exception -> `error` event (message, traceback) and exit 1; SIGTERM/SIGINT/
+  SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.nn.losses import cross_entropy
+from mlx.nn.utils import value_and_grad as nn_value_and_grad
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+
+from worker.chaos import RankChaos, arrays_sha256, lie_about, perturb, poisoned, signal_self
+from worker.checkpoint import (
+    ADAPTER_CONFIG,
+    MANIFEST,
+    OPTIMIZER,
+    STATE,
+    WEIGHTS,
+    Checkpoint,
+    checkpoints_dir,
+    discard_newer,
+    find_valid_checkpoint,
+    list_checkpoints,
+    remove_stale_temporaries,
+    step_dir_name,
+    write_checkpoint,
+    writer_lock,
+)
+from worker.data import build_batch, eval_batches, load_datasets, rank_slice, stream_rows
+from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
+from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
+from worker.tensorfile import sha256_file, write_safetensors
+
+STATE_FORMAT = "mlx-coordinator-checkpoint/1"
+ALL_REDUCE_BYTES = 32 * 1024**2  # gradient buckets per all_sum call (as mlx's average_gradients)
+REPLICA_RTOL = 1e-5
+
+AllSum = Callable[[mx.array], mx.array]
+Batch = tuple[mx.array, mx.array]
+
+
+class TrainingError(RuntimeError):
+    """A condition that makes continuing pointless or wrong (bad world, diverged loss, replicas differ...)."""
+
+
+def flatten(tree: Any) -> dict[str, mx.array]:
+    """`tree_flatten` into a name -> array dict (dotted names, as safetensors files and mlx-lm use)."""
+    out: dict[str, mx.array] = {}
+    tree_flatten(tree, destination=out)
+    return out
+
+
+def scalar(x: mx.array) -> float:
+    """A real scalar array as a Python float (ints stay exact below 2**53)."""
+    value = x.item()
+    if isinstance(value, complex):
+        raise TypeError("complex scalar")
+    return float(value)
+
+
+def load_arrays(path: Path) -> dict[str, mx.array]:
+    loaded = mx.load(str(path))
+    if not isinstance(loaded, dict):
+        raise TypeError(f"{path} did not load as a dict of arrays")
+    return loaded
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The mx.random seed of `step`: a hash, so that neighbouring (seed, step) pairs give unrelated streams."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
+
+
+# --- loss and the exact combination of gradients (no I/O; unit-tested in-process) -----------------------------
+
+
+def token_loss_sum(model: Any, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """(sum of per-token cross-entropy, number of tokens) with mlx-lm's `default_loss` mask, which returns
+    their quotient instead. Targets at positions `offset <= j+1 <= length` count (mlx-lm's convention)."""
+    inputs = batch[:, :-1]
+    targets = batch[:, 1:]
+    logits = model(inputs)
+    steps = mx.arange(1, targets.shape[1] + 1)
+    mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+    ce = cross_entropy(logits, targets) * mask
+    return ce.astype(mx.float32).sum(), mask.sum().astype(mx.int32)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """Sums over some tokens: gradient of the loss SUM (float32, flat names), loss sum, token count."""
+
+    grads: dict[str, mx.array]
+    loss_sum: mx.array
+    tokens: mx.array
+
+    @classmethod
+    def zeros(cls, params: Mapping[str, mx.array]) -> Contribution:
+        return cls({k: mx.zeros(v.shape, mx.float32) for k, v in params.items()},
+                   mx.array(0.0, mx.float32), mx.array(0, mx.int32))
+
+    @classmethod
+    def from_tree(cls, grads: Any, loss_sum: mx.array, tokens: mx.array) -> Contribution:
+        return cls({k: v.astype(mx.float32) for k, v in flatten(grads).items()}, loss_sum.astype(mx.float32),
+                   tokens.astype(mx.int32))
+
+    def add(self, other: Contribution) -> Contribution:
+        if self.grads.keys() != other.grads.keys():
+            raise ValueError("contributions over different parameters")
+        return Contribution({k: v + other.grads[k] for k, v in self.grads.items()},
+                            self.loss_sum + other.loss_sum, self.tokens + other.tokens)
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.grads.values(), self.loss_sum, self.tokens]
+
+    def poisoned(self) -> Contribution:
+        """The same contribution with a NaN loss sum and NaN gradients (chaos `nan`); tokens unchanged."""
+        return Contribution({k: poisoned(v) for k, v in self.grads.items()}, poisoned(self.loss_sum), self.tokens)
+
+    def local_stats(self) -> tuple[mx.array, mx.array]:
+        """(loss sum / tokens, L2 norm of grads / tokens) of this contribution alone, i.e. what this rank would
+        have computed without its peers. No per-parameter temporaries are kept: sqrt(sum g^2) / tokens."""
+        denom = mx.maximum(self.tokens, 1).astype(mx.float32)
+        sq = sum((mx.sum(g * g) for g in self.grads.values()), mx.array(0.0, mx.float32))
+        return self.loss_sum / denom, mx.sqrt(sq) / denom
+
+
+def bucket_names(sizes: Mapping[str, int], bucket_bytes: int, itemsize: int = 4) -> list[list[str]]:
+    """Sorted names grouped into buckets of about `bucket_bytes` (a bucket closes once it reaches the size)."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    nbytes = 0
+    for name in sorted(sizes):
+        current.append(name)
+        nbytes += sizes[name] * itemsize
+        if nbytes >= bucket_bytes:
+            buckets.append(current)
+            current, nbytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
+                   bucket_bytes: int = ALL_REDUCE_BYTES) -> dict[str, mx.array]:
+    """`all_sum` every array, concatenating same-dtype arrays into buckets: few large collectives instead of
+    one per parameter. Shapes and names are preserved."""
+    out: dict[str, mx.array] = {}
+    by_dtype: dict[Any, dict[str, int]] = {}
+    for name, arr in arrays.items():
+        by_dtype.setdefault(arr.dtype, {})[name] = arr.size
+    # Every rank must issue the same collectives in the same order: iterate in a rank-independent order.
+    for _, sizes in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        for bucket in bucket_names(sizes, bucket_bytes):
+            flat = mx.concatenate([arrays[n].reshape(-1) for n in bucket]) if len(bucket) > 1 \
+                else arrays[bucket[0]].reshape(-1)
+            summed = all_sum(flat)
+            bounds = np.cumsum([arrays[n].size for n in bucket])[:-1].tolist()
+            parts = mx.split(summed, bounds) if bounds else [summed]
+            if len(parts) != len(bucket):  # zip(strict=True) is 3.10+: the worker runs on 3.9 too
+                raise AssertionError(f"split gave {len(parts)} parts for {len(bucket)} arrays")
+            for name, part in zip(bucket, parts):
+                out[name] = part.reshape(arrays[name].shape)
+    return out
+
+
+def reduce_contribution(local: Contribution, all_sum: AllSum) -> Contribution:
+    """The global sums: every rank's contribution added up (identical on all ranks)."""
+    grads = all_sum_arrays(local.grads, all_sum)
+    return Contribution(grads, all_sum(local.loss_sum), all_sum(local.tokens))
+
+
+@dataclass(frozen=True)
+class Combined:
+    grads: dict[str, mx.array]  # mean gradient per token, in each parameter's dtype
+    loss: mx.array  # mean loss per token (float32 scalar)
+    tokens: mx.array  # total tokens (int32 scalar)
+    grad_norm: mx.array  # L2 norm of the mean gradient (float32 scalar)
+
+
+def finalize(total: Contribution, dtypes: Mapping[str, Any] | None = None) -> Combined:
+    """Divide the global sums by the global token count: sum_i(tokens_i * meangrad_i) / sum_i(tokens_i).
+    With no tokens at all the gradient is zero (and the loss 0) rather than NaN."""
+    denom = mx.maximum(total.tokens, 1).astype(mx.float32)
+    grads = {k: v / denom for k, v in total.grads.items()}
+    norm = mx.sqrt(sum((mx.sum(g * g) for g in grads.values()), mx.array(0.0, mx.float32)))
+    if dtypes is not None:
+        grads = {k: v.astype(dtypes[k]) for k, v in grads.items()}
+    return Combined(grads, total.loss_sum / denom, total.tokens, norm)
+
+
+# --- model setup -------------------------------------------------------------------------------------------------
+
+
+def apply_method(model: Any, method: str, num_layers: int | None, lora: LoraSpec) -> int:
+    """Make the model trainable according to `method`; return the number of layers adapted/trained.
+
+    num_layers None = all layers (never mlx-lm's CLI default of 16). full + all layers = every parameter
+    (embeddings and final norm too); full + N = the last N transformer blocks. lora/dora: mlx-lm's
+    linear_to_lora_layers on the last N blocks (base weights frozen)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    total = len(model.layers)
+    count = total if num_layers is None else num_layers
+    if not 1 <= count <= total:
+        raise ValueError(f"num_layers={num_layers} but the model has {total} layers")
+    model.freeze()
+    if method == "full":
+        if count == total:
+            model.unfreeze()
+        else:
+            for layer in model.layers[total - count:]:
+                layer.unfreeze()
+    elif method in ("lora", "dora"):
+        linear_to_lora_layers(model, count, lora.mlx_lm_parameters(), use_dora=method == "dora")
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return count
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, total) parameter counts; total as mlx-lm counts it (quantized weights at full size)."""
+    from mlx_lm.utils import get_total_parameters
+
+    trainable = sum(int(v.size) for v in flatten(model.trainable_parameters()).values())
+    return int(trainable), int(get_total_parameters(model))  # type: ignore[no-untyped-call]
+
+
+def trainable_text(trainable: int, total: int) -> str:
+    return f"trainable {100.0 * trainable / max(total, 1):.2f}% ({trainable:,}/{total:,} parameters)"
+
+
+def make_optimizer(name: str, learning_rate: float) -> Any:
+    import mlx.optimizers as optim
+
+    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}
+    return classes[name](learning_rate=learning_rate)
+
+
+def adapter_config(config: RunConfig, num_layers: int) -> dict[str, Any]:
+    """mlx-lm's adapter_config.json, so a checkpoint dir works as `load(model, adapter_path=dir)`."""
+    out: dict[str, Any] = {"fine_tune_type": config.method, "num_layers": num_layers, "model": config.model}
+    if config.method != "full":
+        out["lora_parameters"] = config.lora.mlx_lm_parameters()
+    return out
+
+
+# --- collectives -------------------------------------------------------------------------------------------------
+
+
+class Comm:
+    """The group plus the few collectives we use. CPU stream: what mlx-lm uses for its collectives, and what
+    every backend (ring, jaccl) implements."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.size = int(group.size())
+        self.rank = int(group.rank())
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        if self.size == 1:
+            return x
+        return mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on all ranks), indexed by rank."""
+        local = mx.array(np.asarray(values, dtype=np.int64).astype(np.int32))
+        if self.size == 1:
+            return [list(values)]
+        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
+        return [[int(v) for v in row] for row in out.reshape(self.size, len(values))]
+
+    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        local = mx.array(np.asarray(values, dtype=np.float32))
+        if self.size == 1:
+            return [list(values)]
+        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
+        return [[float(v) for v in row] for row in out.reshape(self.size, len(values))]
+
+    def barrier(self) -> None:
+        mx.eval(self.all_sum(mx.array(1, mx.int32)))
+
+    def broadcast_arrays(self, arrays: Mapping[str, mx.array], source: int) -> dict[str, mx.array]:
+        """`source`'s arrays on every rank (others pass templates of the same names/shapes/dtypes): an all_sum
+        where everyone but the source contributes zeros, which is exact.
+
+        The source's arrays come from mx.load (lazy, other dict order) and the others' are zeros, so the graphs
+        differ between ranks; each bucket's collective is therefore evaluated on its own, in sorted order, so
+        that the ranks cannot pair different collectives."""
+        mine = self.rank == source
+        local = {k: v if mine else mx.zeros(v.shape, v.dtype) for k, v in arrays.items()}
+        mx.eval(list(local.values()))
+
+        def one_at_a_time(x: mx.array) -> mx.array:
+            out = self.all_sum(x)
+            mx.eval(out)
+            return out
+
+        return all_sum_arrays(local, one_at_a_time)
+
+    def broadcast_bytes(self, data: bytes | None, source: int) -> bytes:
+        mine = self.rank == source
+        length = int(scalar(self.all_sum(mx.array(len(data) if mine and data else 0, mx.int32))))
+        buf = np.frombuffer(data, dtype=np.uint8) if mine and data else np.zeros(length, np.uint8)
+        out = self.all_sum(mx.array(buf.astype(np.int32)))
+        return bytes(np.asarray(out).astype(np.uint8).tolist())
+
+
+# --- the driver --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResumeState:
+    step: int
+    data_position: int
+    checkpoint: Path
+    state: dict[str, Any]
+
+
+class Trainer:
+    """One rank's run. `run()` returns normally only after `finished` was emitted; everything else raises."""
+
+    def __init__(self, config: RunConfig, log: EventLog, heartbeat: Heartbeat, env_rank: int) -> None:
+        self.config = config
+        self.log = log
+        self.hb = heartbeat
+        self.env_rank = env_rank
+        self.root = checkpoints_dir(config.run_dir)
+        self.comm: Comm
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.train_set: Any = None
+        self.valid_set: Any = None
+        self.num_layers = 0
+        self.position = 0
+        self.last_loss: float | None = None
+        self.last_checkpoint: Path | None = None
+        self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
+
+    # -- setup ---------------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def is_writer(self) -> bool:
+        return self.config.checkpoint_writer(self.rank) == self.rank
+
+    def init_distributed(self) -> None:
+        group = mx.distributed.init()
+        self.comm = Comm(group)
+        want = self.config.world_size
+        if self.comm.size != want:
+            raise TrainingError(
+                f"mx.distributed.init() gave a world of {self.comm.size}, the plan has {want} ranks "
+                f"(MLX_RANK={os.environ.get('MLX_RANK')!r}, MLX_HOSTFILE={os.environ.get('MLX_HOSTFILE')!r}): "
+                "refusing to train a different world")
+        if "MLX_RANK" in os.environ and self.comm.rank != self.env_rank:
+            raise TrainingError(f"group rank {self.comm.rank} != MLX_RANK {self.env_rank}")
+        self.chaos = RankChaos.for_rank(self.config.chaos, self.comm.rank)
+
+    def load(self) -> None:
+        from mlx_lm.utils import load, maybe_set_recommended_wired_limit
+
+        cfg = self.config
+        if not Path(cfg.model).is_dir():
+            raise FileNotFoundError(f"model dir {cfg.model} does not exist (nothing is downloaded by workers)")
+        maybe_set_recommended_wired_limit()
+        loaded = load(cfg.model)
+        self.model, tokenizer = loaded[0], loaded[1]
+        # Adapters are initialised from mx.random: the same seed on every rank gives the same initial state.
+        mx.random.seed(cfg.seed)
+        self.num_layers = apply_method(self.model, cfg.method, cfg.num_layers, cfg.lora)
+        if cfg.grad_checkpoint:
+            from mlx_lm.tuner.trainer import grad_checkpoint
+
+            grad_checkpoint(self.model.layers[0])  # type: ignore[no-untyped-call]
+        self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
+        self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
+        self.optimizer.init(self.model.trainable_parameters())
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def trainable_flat(self) -> dict[str, mx.array]:
+        return flatten(self.model.trainable_parameters())
+
+    # -- resume ------------------------------------------------------------------------------------------------
+
+    def _on_invalid(self, step: int, path: Path, reason: str) -> None:
+        self.log.emit(EventKind.CHECKPOINT_INVALID, step=step, path=str(path), reason=reason)
+
+    def restore(self) -> ResumeState | None:
+        """Fresh start (None) or the agreed resume point, with model and optimizer restored."""
+        cfg = self.config
+        if not cfg.resume:
+            existing = [r for r, (n,) in enumerate(self.comm.gather_ints([len(list_checkpoints(self.root))])) if n]
+            if existing:
+                raise TrainingError(f"ranks {existing} already have checkpoints under their run dir "
+                                    f"({self.root} here): set resume, or use a new run id")
+            return None
+        local = find_valid_checkpoint(self.root, self._on_invalid)
+        steps = [s for (s,) in self.comm.gather_ints([local.step if local else -1])]
+        best = max(steps)
+        if best < 0:
+            self.log.emit(EventKind.WARNING, code="no_checkpoint",
+                          message="resume requested but no rank has a valid checkpoint: starting at step 0")
+            return None
+        digest = bytes.fromhex(local.manifest_sha256) if local and local.step == best else bytes(32)
+        digests = self.comm.gather_ints(list(digest))
+        holders = [r for r, s in enumerate(steps) if s == best]
+        source = holders[0]
+        everyone_same = len(holders) == self.comm.size and all(d == digests[source] for d in digests)
+        if self.is_writer and (dropped := discard_newer(self.root, best)):
+            self.log.emit(EventKind.WARNING, code="discarded_newer",
+                          message=f"removed checkpoints newer than the resume point: {[str(p) for p in dropped]}")
+        payload = self._read_checkpoint(local.path) if local is not None and local.step == best else None
+        if everyone_same:
+            if payload is None:  # everyone_same implies this rank verified the agreed checkpoint
+                raise TrainingError(f"internal: no local copy of step {best} although all ranks report one")
+            weights, opt_state, state = payload
+        else:
+            weights, opt_state, state = self._broadcast_checkpoint(payload, source)
+        self._apply_checkpoint(weights, opt_state)
+        if state.get("config_digest") != cfg.digest():
+            self.log.emit(EventKind.WARNING, code="config_changed",
+                          message="the checkpoint was written under other training settings (config digest "
+                                  "differs); continuing with the current ones")
+        path = self.root / step_dir_name(best)
+        return ResumeState(step=int(state["step"]), data_position=int(state["data_position"]),
+                           checkpoint=path, state=state)
+
+    def _read_checkpoint(self, path: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
+        weights = load_arrays(path / WEIGHTS)
+        opt_state = load_arrays(path / OPTIMIZER)
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        if state.get("format") != STATE_FORMAT:
+            raise TrainingError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+        return weights, opt_state, state
+
+    def _broadcast_checkpoint(
+        self, payload: tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]] | None, source: int
+    ) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
+        # Templates (names/shapes/dtypes) come from this rank's own model and freshly initialised optimizer; the
+        # source checks its checkpoint against the same templates first, and every rank learns the verdict
+        # before any large transfer (a mismatch must not leave peers waiting in a collective).
+        w_tmpl = self.trainable_flat()
+        o_tmpl = flatten(self.optimizer.state)
+        problem = ""
+        if self.rank == source:
+            problem = ("source has no checkpoint" if payload is None else
+                       _mismatch(payload[0], w_tmpl, "weights") or _mismatch(payload[1], o_tmpl, "optimizer state"))
+        verdicts = self.comm.gather_ints([1 if problem else 0])
+        if any(v for (v,) in verdicts):
+            raise TrainingError(f"checkpoint held by rank {source} does not fit this model"
+                                + (f": {problem}" if problem else ""))
+        mine = self.rank == source and payload is not None
+        weights = self.comm.broadcast_arrays(payload[0] if mine and payload else w_tmpl, source)
+        opt_state = self.comm.broadcast_arrays(payload[1] if mine and payload else o_tmpl, source)
+        raw = json.dumps(payload[2], sort_keys=True).encode() if mine and payload else None
+        state = json.loads(self.comm.broadcast_bytes(raw, source).decode())
+        return weights, opt_state, state
+
+    def _apply_checkpoint(self, weights: dict[str, mx.array], opt_state: dict[str, mx.array]) -> None:
+        w_tmpl = self.trainable_flat()
+        o_tmpl = flatten(self.optimizer.state)
+        problem = _mismatch(weights, w_tmpl, "weights") or _mismatch(opt_state, o_tmpl, "optimizer state")
+        if problem:
+            raise TrainingError(f"checkpoint does not fit this model: {problem}")
+        self.model.load_weights(list(weights.items()), strict=False)
+        self.optimizer.state = tree_map_with_path(lambda path, _: opt_state[path], self.optimizer.state)
+        # The config's learning rate wins over the saved one (a deliberate change on resume is honoured).
+        self.optimizer.learning_rate = self.config.learning_rate
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def check_replicas(self) -> None:
+        """All ranks must start from the same trainable state (same files, same seed): compare cheap
+        fingerprints (sum, sum of squares) so a divergent node fails now, not as a silently wrong model."""
+        flat = self.trainable_flat()
+        s = sum((mx.sum(v.astype(mx.float32)) for v in flat.values()), mx.array(0.0))
+        q = sum((mx.sum(mx.square(v.astype(mx.float32))) for v in flat.values()), mx.array(0.0))
+        prints = self.comm.gather_floats([scalar(s), scalar(q)])
+        for r, fp in enumerate(prints):
+            for a, b in zip(fp, prints[0]):  # both [sum, sum of squares]: gather_floats keeps lengths
+                if not math.isclose(a, b, rel_tol=REPLICA_RTOL, abs_tol=1e-6):
+                    raise TrainingError(f"rank {r} starts from other weights than rank 0 (fingerprint {fp} vs "
+                                        f"{prints[0]}): model files or code differ between nodes")
+
+    # -- steps -------------------------------------------------------------------------------------------------
+
+    def _my_rows(self, global_rows: Sequence[int]) -> list[int]:
+        spec = self.config.rank_spec(self.rank)
+        return rank_slice(global_rows, self.config.rank_offset(self.rank), spec.batch_size)
+
+    def _batch(self, dataset: Any, rows: Sequence[int]) -> Batch:
+        return build_batch([dataset[i] for i in rows], self.config.max_seq_length)
+
+    def train_step(self, step: int, value_and_grad: Any, dtypes: Mapping[str, Any]) -> dict[str, Any]:
+        """One optimizer step; returns the TRUE fields of its step event (a lying rank inflates them later).
+
+        Timeline: [chaos kill/hang] -> forward/backward of every micro-batch -> [chaos nan] -> local stats ->
+        [chaos slow / debug slow sleep] -> compute_s ends -> gradient all_sum -> update -> [chaos diverge]."""
+        cfg = self.config
+        if cfg.debug.crash_at_step == step:
+            raise RuntimeError(f"debug.crash_at_step={step}")
+        sig = self.chaos.signal_at(step)
+        if sig is not None:
+            signal_self(sig)  # kill: never returns; hang: returns only if someone sends SIGCONT
+        mx.random.seed(step_seed(cfg.seed, step))
+        tic = time.perf_counter()
+        local: Contribution | None = None
+        for _ in range(cfg.grad_accumulation):
+            rows = self._my_rows(stream_rows(self.position, cfg.global_batch, len(self.train_set), cfg.seed))
+            (loss_sum, tokens), grads = value_and_grad(self.model, *self._batch(self.train_set, rows))
+            part = Contribution.from_tree(grads, loss_sum, tokens)
+            local = part if local is None else local.add(part)
+            mx.eval(local.arrays())  # bound the graph: one micro-batch at a time
+            self.position += cfg.global_batch
+        assert local is not None
+        if self.chaos.poisons(step):
+            local = local.poisoned()
+        local_loss, local_norm = local.local_stats()
+        # Evaluated before the all_sum: these are this rank's own numbers, and the eval ends its compute.
+        mx.eval(local_loss, local_norm, local.arrays())
+        factor = self.chaos.slow_factor(step)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * (time.perf_counter() - tic))
+        if cfg.debug.slow_step == step and cfg.debug.slow_rank in (None, self.rank):
+            time.sleep(cfg.debug.slow_seconds)
+        # Everything so far was this rank alone (a slowdown included, as a slower machine would be); from here
+        # on the step waits for the slowest peer.
+        compute_s = time.perf_counter() - tic
+        combined = finalize(reduce_contribution(local, self.comm.all_sum), dtypes)
+        self.optimizer.update(self.model, tree_unflatten(list(combined.grads.items())))
+        mx.eval(self.model.parameters(), self.optimizer.state, combined.loss, combined.tokens, combined.grad_norm)
+        if self.chaos.diverges(step):
+            self.model.load_weights(list(perturb(self.trainable_flat()).items()), strict=False)
+            mx.eval(self.model.parameters())
+        elapsed = time.perf_counter() - tic
+        my_tokens = int(scalar(local.tokens))
+        loss = scalar(combined.loss)
+        self.last_loss = loss
+        local_loss_value = scalar(local_loss)
+        return {
+            "step": step, "loss": loss, "tokens": my_tokens, "total_tokens": int(scalar(combined.tokens)),
+            "tok_s": my_tokens / elapsed if elapsed > 0 else None, "step_time_s": elapsed,
+            "peak_memory": int(mx.get_peak_memory()), "grad_norm": scalar(combined.grad_norm),
+            "lr": scalar(mx.array(self.optimizer.learning_rate)), "data_position": self.position,
+            "epoch": self.position // len(self.train_set),
+            "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),
+            "local_grad_norm": scalar(local_norm), "compute_s": compute_s,
+            "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None,
+        }
+
+    def digests(self) -> dict[str, str]:
+        """The `digest` event's hashes: every parameter (trainable and frozen: a corrupted frozen weight must
+        show too) and the optimizer state, canonically encoded (`worker.chaos.arrays_sha256`)."""
+        return {"params_sha256": arrays_sha256(flatten(self.model.parameters())),
+                "optimizer_sha256": arrays_sha256(flatten(self.optimizer.state))}
+
+    def evaluate(self) -> tuple[float | None, int]:
+        """Validation loss over `val_batches` global batches, split like training and combined exactly."""
+        cfg = self.config
+        if self.valid_set is None:
+            return None, 0
+        self.model.eval()
+        loss_sum = mx.array(0.0, mx.float32)
+        tokens = mx.array(0, mx.int32)
+        for global_rows in eval_batches(len(self.valid_set), cfg.global_batch, cfg.val_batches):
+            rows = self._my_rows(global_rows)
+            if rows:  # a short last batch can leave this rank nothing; it still joins the all_sum below
+                ls, nt = token_loss_sum(self.model, *self._batch(self.valid_set, rows))
+                loss_sum, tokens = loss_sum + ls, tokens + nt
+                mx.eval(loss_sum, tokens)
+        total_loss = self.comm.all_sum(loss_sum)
+        total_tokens = self.comm.all_sum(tokens)
+        mx.eval(total_loss, total_tokens)
+        self.model.train()
+        n = int(scalar(total_tokens))
+        return (scalar(total_loss) / n if n else None), n
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def state_json(self, step: int) -> dict[str, Any]:
+        """Everything but tensors needed to continue. Identical on every rank (no rank, host or time in it), so
+        the copies on different nodes are byte-identical and resume can compare them by manifest hash."""
+        cfg = self.config
+        n = len(self.train_set)
+        return {
+            "format": STATE_FORMAT,
+            "run_id": cfg.run_id,
+            "step": step,
+            "data_position": self.position,
+            "epoch": self.position // n,
+            "train_rows": n,
+            "global_batch": cfg.global_batch,
+            "grad_accumulation": cfg.grad_accumulation,
+            "rng": {
+                "mlx": f"mx.random.seed(step_seed({cfg.seed}, step)) at the start of each step",
+                "mlx_key_next_step": [int(x) for x in np.asarray(mx.random.key(step_seed(cfg.seed, step + 1)))],
+                "data_order": f"numpy.random.default_rng({cfg.seed} + epoch).permutation({n})",
+                "python_random": None,
+            },
+            "seed": cfg.seed,
+            "config_digest": cfg.digest(),
+            "method": cfg.method,
+            "num_layers": self.num_layers,
+            "world": {"size": cfg.world_size, "ranks": cfg.plan_json()},
+            "last_loss": self.last_loss,
+        }
+
+    def save(self, step: int) -> Path:
+        self.hb.set(phase=Phase.CHECKPOINT)
+        path = self.root / step_dir_name(step)
+        if self.is_writer:
+            weights = self.trainable_flat()
+            opt_state = flatten(self.optimizer.state)
+            state = json.dumps(self.state_json(step), indent=2, sort_keys=True).encode() + b"\n"
+            adapter = json.dumps(adapter_config(self.config, self.num_layers), indent=2, sort_keys=True).encode()
+            files: dict[str, Callable[[Path], None]] = {
+                WEIGHTS: lambda p: write_safetensors(p, weights, {"format": "mlx"}),
+                OPTIMIZER: lambda p: write_safetensors(p, opt_state, {"format": "mlx"}),
+                STATE: lambda p: _write_bytes(p, state),
+                ADAPTER_CONFIG: lambda p: _write_bytes(p, adapter + b"\n"),
+            }
+            written: Checkpoint = write_checkpoint(self.root, step, files, keep=self.config.keep_checkpoints)
+            path = written.path
+        # Nobody reports (or moves on) before every node's copy is complete.
+        self.comm.barrier()
+        self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
+                      writer=self.config.checkpoint_writer(self.rank))
+        self.last_checkpoint = path
+        return path
+
+    # -- main ------------------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        cfg = self.config
+        self.hb.set(phase=Phase.LOAD)
+        self.init_distributed()
+        self.load()
+        lock: contextlib.AbstractContextManager[Any] = (
+            writer_lock(self.root) if self.is_writer else contextlib.nullcontext())
+        with lock:
+            if self.is_writer and (stale := remove_stale_temporaries(self.root)):
+                self.log.emit(EventKind.WARNING, code="stale_temporaries",
+                              message=f"removed unfinished checkpoint dirs: {[str(p) for p in stale]}")
+            resumed = self.restore()
+            start = 0
+            if resumed is not None:
+                start = resumed.step
+                self.position = resumed.data_position
+                self.last_checkpoint = resumed.checkpoint
+                self.last_loss = resumed.state.get("last_loss")
+            self.check_replicas()
+            self.hb.set(step=start)
+            self._started(resumed)
+            if cfg.steps_per_eval and self.valid_set is None:
+                self.log.emit(EventKind.WARNING, code="no_validation_set",
+                              message=f"{cfg.data}/valid.jsonl is missing or empty: no eval events")
+            self._loop(start)
+        self.hb.set(phase=Phase.IDLE)
+        self.log.emit(EventKind.FINISHED, step=max(start, cfg.iters), checkpoint=str(self.last_checkpoint),
+                      loss=self.last_loss)
+
+    def _started(self, resumed: ResumeState | None) -> None:
+        cfg = self.config
+        trainable, total = count_parameters(self.model)
+        spec = cfg.rank_spec(self.rank)
+        print(f"worker.train rank {self.rank}/{self.comm.size} on {spec.node}: {trainable_text(trainable, total)}, "
+              f"resumed from {resumed.step if resumed else None}", file=sys.stderr, flush=True)
+        self.log.emit(
+            EventKind.STARTED, world_size=self.comm.size, node=spec.node, batch_size=spec.batch_size,
+            global_batch=cfg.global_batch, method=cfg.method, num_layers=self.num_layers,
+            trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(total, 1),
+            trainable=trainable_text(trainable, total), resumed_from=resumed.step if resumed else None,
+            data_position=self.position, iters=cfg.iters, pid=os.getpid(), host=socket.gethostname(),
+            checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
+            valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
+        )
+
+    def _loop(self, start: int) -> None:
+        cfg = self.config
+        value_and_grad = nn_value_and_grad(self.model, token_loss_sum)
+        dtypes = {k: v.dtype for k, v in self.trainable_flat().items()}
+        self.model.train()
+        for step in range(start + 1, cfg.iters + 1):
+            self.hb.set(step=step, phase=Phase.STEP)
+            record = self.train_step(step, value_and_grad, dtypes)
+            # Emitted before the finiteness check: with a NaN loss every rank still reports its local values,
+            # which name the rank the NaN came from.
+            self.log.emit(EventKind.STEP, **(lie_about(record) if self.chaos.lies(step) else record))
+            if not math.isfinite(record["loss"]):
+                raise TrainingError(f"loss is {record['loss']} at step {step}: training diverged")
+            last = step == cfg.iters
+            if cfg.consistency_every and (step % cfg.consistency_every == 0 or last):
+                self.hb.set(phase=Phase.DIGEST)
+                self.log.emit(EventKind.DIGEST, step=step, **self.digests())
+            if cfg.steps_per_eval and (step % cfg.steps_per_eval == 0 or last):
+                self.hb.set(phase=Phase.EVAL)
+                tic = time.perf_counter()
+                val_loss, val_tokens = self.evaluate()
+                if val_tokens:
+                    self.log.emit(EventKind.EVAL, step=step, val_loss=val_loss, val_tokens=val_tokens,
+                                  eval_time_s=time.perf_counter() - tic)
+            if last or (cfg.save_every and step % cfg.save_every == 0):
+                self.save(step)
+            self.hb.set(phase=Phase.IDLE)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+
+
+def _mismatch(got: Mapping[str, mx.array], want: Mapping[str, mx.array], what: str) -> str:
+    """'' when `got` has exactly `want`'s names and shapes, else a short description of the difference."""
+    if missing := sorted(set(want) - set(got)):
+        return f"{what}: missing {missing[:5]}"
+    if extra := sorted(set(got) - set(want)):
+        return f"{what}: unexpected {extra[:5]}"
+    for name, arr in want.items():
+        if tuple(got[name].shape) != tuple(arr.shape):
+            return f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(arr.shape)}"
+    return ""
+
+
+# --- process shell: signals, exit codes --------------------------------------------------------------------------
+
+
+class _SignalExit:
+    """Turn SIGTERM/SIGINT/SIGHUP into an `error` event and exit 128+signal from a watcher thread.
+
+    Python runs signal handlers on the main thread only when it returns to the interpreter, which never happens
+    while it waits inside a collective whose peer is gone or stopped. The C-level handler still writes the
+    signal number to the wakeup fd, so a thread blocked on that fd reacts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, log: EventLog, heartbeat: Heartbeat, finished: threading.Event) -> None:
+        self.log = log
+        self.hb = heartbeat
+        self.finished = finished
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda _s, _f: None)  # handled by the watcher thread
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="signal-exit", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            select.select([self._read_fd], [], [])
+            data = os.read(self._read_fd, 64)
+            for signum in data:
+                if signum in {int(s) for s in self.SIGNALS}:
+                    self._exit(signum)
+
+    def _exit(self, signum: int) -> None:
+        code = 0 if self.finished.is_set() else 128 + signum
+        if not self.finished.is_set():
+            self.log.emit(EventKind.ERROR, message=f"terminated by {signal.Signals(signum).name}",
+                          traceback="", step=self.hb.step, phase=str(self.hb.phase), exit_code=code)
+        self.log.close()
+        os._exit(code)
+
+
+def _early_error(config_path: Path, message: str) -> None:
+    """A config that does not validate still gets an error event when its run_id/run_dir can be read."""
+    print(f"worker.train: {message}", file=sys.stderr)
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+        run_dir = Path(os.path.expanduser(raw.get("run_dir") or str(config_path.resolve().parent)))
+        rank = int(os.environ.get("MLX_RANK", "0"))
+        log = EventLog(events_path(run_dir, rank), str(raw.get("run_id", "")), rank)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return
+    log.emit(EventKind.ERROR, message=message, traceback="", step=0, phase=str(Phase.LOAD), exit_code=1)
+    log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="worker.train", description="per-rank MLX training driver")
+    parser.add_argument("--config", required=True, type=Path, help="run config JSON (see worker.runconfig)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_run_config(args.config)
+    except (OSError, ConfigError) as exc:
+        _early_error(args.config, f"bad config {args.config}: {exc}")
+        return 1
+    # Workers never download: a model/tokenizer that is not on disk must fail, not fetch from the Hub on N nodes.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env_rank = int(os.environ.get("MLX_RANK", "0"))
+    log = EventLog(events_path(config.run_dir, env_rank), config.run_id, env_rank)
+    heartbeat = Heartbeat(log, config.heartbeat_s)
+    finished = threading.Event()
+    _SignalExit(log, heartbeat, finished)
+    heartbeat.start()
+    try:
+        Trainer(config, log, heartbeat, env_rank).run()
+        finished.set()
+        return 0
+    except BaseException as exc:  # noqa: BLE001 -- the process boundary: every failure (a library's SystemExit
+        # included, which could carry code 0) becomes an error event and exit 1
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr)
+        log.emit(EventKind.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=tb, step=heartbeat.step,
+                 phase=str(heartbeat.phase), exit_code=1)
+        return 1
+    finally:
+        heartbeat.stop()
+        log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
