@@ -108,6 +108,8 @@ def ship_fix() -> None:
     import coordinator.ship as ship
 
     first, rest = ship._EXTRACT.split("\n", 1)
+    if rest.startswith("payload = sys.stdin.read()"):
+        return  # fixed in coordinator/ship.py: the script reads its stdin first
     if "sys" not in first or "sys.stdin.read()" not in rest:
         raise RuntimeError("bench_split: coordinator.ship._EXTRACT changed; review ship_fix() (or use --no-ship-fix)")
     ship._EXTRACT = first + "\n_payload = sys.stdin.read()\n" + rest.replace("sys.stdin.read()", "_payload")

@@ -42,7 +42,7 @@ from coordinator.launch import (
 from coordinator.lint import lint_playbook
 from coordinator.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.models import Inventory, Node, PreflightReport
-from coordinator.monitor import Monitor, RunState
+from coordinator.monitor import Incident, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
@@ -273,26 +273,28 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
             if mon.outcome() is RunState.SUCCEEDED:
                 break
             culprits = mon.culprits()
+            survivors = [n for n in nodes if n.name not in culprits]
+            for name, why in (await _unreachable(fleet, survivors)).items():
+                # Found by the connection check, not by the monitor: still an incident of this attempt.
+                incident = Incident("unreachable", name, None, mon.node_step(name), None,
+                                    {"reason": why, "found_by": "connection check before relaunch"},
+                                    "quarantine", time.monotonic())
+                mon.incidents.append(incident)
+                attempt.launch.record_incident(incident)
+                culprits.append(name)
             for name in culprits:
-                inc = next(i for i in mon.incidents if i.node == name and i.action == "quarantine")
+                inc = mon.culprit_incident(name)
+                assert inc is not None  # every culprit was named by one of its incidents
                 store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
                 log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
                 ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
-            survivors = [n for n in nodes if n.name not in culprits]
-            lost = await _unreachable(fleet, survivors)
-            for name, why in lost.items():
-                store.add(name, f"unreachable before relaunch: {why}", run_id=run_id, incident={"reason": why})
-                ui.message(f"quarantined {name}: unreachable before relaunch ({why})")
-                culprits.append(name)
-            survivors = [n for n in survivors if n.name not in lost]
+            survivors = [n for n in survivors if n.name not in culprits]
             if number >= pb.faults.max_restarts:
                 message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
                 break
             if len(survivors) < max(1, pb.faults.min_nodes):
                 message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
                 break
-            if not any(v.checkpoint_step for v in mon.ranks.values()) and not resume and mon.step() == 0:
-                pass  # nothing checkpointed yet: the relaunch starts from step 0
             consistent = mon.last_consistent_step
             if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
                 # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
@@ -313,7 +315,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     summary.attempts = len(attempts)
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
     summary.quarantined = sorted({n for a in attempts for n in a.monitor.culprits()}
-                                 | {n for r in recoveries for n in r["culprits"]})
+                                 | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
     write_summary(run_dir, summary)
     return summary
 

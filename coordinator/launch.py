@@ -461,14 +461,26 @@ class Launch:
                 if self.view is not None:
                     self.view(mon, now)
                 outcome = mon.outcome()
-                if outcome is RunState.SUCCEEDED or (outcome is not None and mon.settled(now)):
+                if outcome is RunState.SUCCEEDED:
                     return mon
-                if launcher_done_at is not None and now - launcher_done_at > FINISH_GRACE_S:
-                    # mlx.launch exited (it always exits 0) but not every rank finished: a failure.
-                    mon.incidents.append(Incident("launcher_exit", "coordinator", None, mon.step(), now - launcher_done_at,
-                                                  {"rc": self.launcher.returncode if self.launcher else None,
-                                                   "log_tail": _tail(self.run_dir / "launcher.log")},
-                                                  "stop", now))
+                if outcome is not None and mon.settled(now):
+                    for incident in mon.resolve():
+                        self._record_incident(sink, incident, revised=True)
+                    return mon
+                if launcher_done_at is None or now - launcher_done_at <= FINISH_GRACE_S:
+                    continue
+                if outcome is None:
+                    # mlx.launch exited (it always exits 0) but not every rank finished and nothing else explains
+                    # it: the exit itself is the failure.
+                    incident = Incident("launcher_exit", "coordinator", None, mon.step(), now - launcher_done_at,
+                                        {"rc": self.launcher.returncode if self.launcher else None,
+                                         "log_tail": _tail(self.run_dir / "launcher.log")}, "stop", now)
+                    mon.incidents.append(incident)
+                    self._record_incident(sink, incident)
+                    return mon
+                # A fault is known but not yet attributed (a node that vanished is found only by its silence):
+                # mlx.launch exiting after it is no news; `settled` is bounded by the heartbeat timeout.
+                if now - launcher_done_at > FINISH_GRACE_S + self.policy.heartbeat_timeout + 1.0:
                     return mon
 
     def _launcher_exited(self) -> bool:
@@ -483,9 +495,17 @@ class Launch:
                 return False
         return False
 
-    def _record_incident(self, sink: Any, incident: Incident) -> None:
-        sink.write(json.dumps({"event": "incident", "attempt": self.attempt, **incident.to_json()}) + "\n")
+    def _record_incident(self, sink: Any, incident: Incident, *, revised: bool = False) -> None:
+        record = {"event": "incident", "attempt": self.attempt, **incident.to_json()}
+        if revised:
+            record["revised"] = True  # supersedes the earlier line of the same kind/node/rank
+        sink.write(json.dumps(record) + "\n")
         sink.flush()
+
+    def record_incident(self, incident: Incident) -> None:
+        """An incident found outside the monitor loop (the connection check before a relaunch)."""
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            self._record_incident(sink, incident)
 
     # teardown -------------------------------------------------------------------------------------------------
 

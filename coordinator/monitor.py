@@ -12,7 +12,7 @@ FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -413,13 +413,41 @@ class Monitor:
     def node_step(self, node: str) -> int:
         return max((v.step for v in self.ranks.values() if v.node == node), default=0)
 
+    def _secondary(self, inc: Incident) -> bool:
+        """A crash first seen after another fatal incident: possibly collateral. When a node vanishes, mlx.launch
+        kills the ranks on the OTHER nodes (its remote `kill $pid`), and such a rank can die before its error
+        event is written; the dead process then looks like a crash of an innocent node."""
+        return inc.kind == "crash" and self.first_fatal_at is not None and self.first_fatal_at < inc.t
+
     def culprits(self) -> list[str]:
-        """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order."""
-        out: list[str] = []
+        """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order. Secondary
+        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first)."""
+        primary: list[str] = []
+        secondary: list[str] = []
         for inc in self.incidents:
-            if inc.action == "quarantine" and inc.kind in CULPRIT_KINDS and inc.node not in out:
-                out.append(inc.node)
-        return out
+            if inc.action == "quarantine" and inc.kind in CULPRIT_KINDS:
+                out = secondary if self._secondary(inc) else primary
+                if inc.node not in out:
+                    out.append(inc.node)
+        return primary or secondary
+
+    def resolve(self) -> list[Incident]:
+        """Once the verdict has settled: secondary crashes on nodes that are not culprits become echoes (action
+        `stop`, evidence says why). Returns the revised incidents (the caller records them)."""
+        blamed = set(self.culprits())
+        revised: list[Incident] = []
+        for idx, inc in enumerate(self.incidents):
+            if inc.action == "quarantine" and self._secondary(inc) and inc.node not in blamed:
+                new = replace(inc, action="stop", evidence={**inc.evidence, "collateral_of": sorted(blamed),
+                                                             "note": "died after the fault, without an error event"})
+                self.incidents[idx] = new
+                revised.append(new)
+        return revised
+
+    def culprit_incident(self, node: str) -> Incident | None:
+        """The first incident that made `node` a culprit."""
+        return next((i for i in self.incidents if i.node == node and i.action == "quarantine"
+                     and i.kind in CULPRIT_KINDS), None)
 
     def settled(self, now: float) -> bool:
         """True once the verdict can stand: a culprit is named and SETTLE_S passed since the first fatal incident

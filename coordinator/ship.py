@@ -20,13 +20,17 @@ from coordinator.errors import TransportError
 from coordinator.models import Node
 from coordinator.transport import Transport, python_argv
 
+# The bundle is read from stdin FIRST, even when the dir already exists: a script that exits without reading
+# closes the channel while the client may still be writing ("Channel not open for sending"), which a fast node
+# and a slow coordinator hit in practice.
 _EXTRACT = (
     "import base64, io, os, sys, tarfile\n"
+    "payload = sys.stdin.read()\n"
     "dest = os.path.expanduser(sys.argv[1])\n"
     "if not os.path.exists(os.path.join(dest, 'worker', '__init__.py')):\n"
     "    tmp = dest + '.tmp-%d' % os.getpid()\n"
     "    os.makedirs(tmp, exist_ok=True)\n"
-    "    tarfile.open(fileobj=io.BytesIO(base64.b64decode(sys.stdin.read()))).extractall(tmp)\n"
+    "    tarfile.open(fileobj=io.BytesIO(base64.b64decode(payload))).extractall(tmp)\n"
     "    try:\n"
     "        os.rename(tmp, dest)\n"
     "    except OSError:\n"

@@ -111,3 +111,42 @@ def test_a_lying_rank_is_reported_once() -> None:
         mon.observe(ev("b", 1, float(t), event="step", step=t + 1000))
     assert [(i.kind, i.node) for i in mon.incidents] == [("implausible_progress", "b")]
     assert mon.ranks[1].step == 0
+
+
+def test_a_crash_after_the_fault_is_collateral_when_a_node_vanished() -> None:
+    """A whole node dies: a peer reports the lost ring (echo), mlx.launch kills the rank on another node before it
+    writes its error event (looks like a crash), and the dead node is found only by its silence."""
+    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
+    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
+    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon.observe(ev("c", 2, 1.0, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
+    mon.observe(Observation("proc", "a", 1.4, 0, {"alive": False, "pid": 10, "state": "Z"}))
+    assert mon.culprits() == ["a"]  # nothing better yet
+    for t in (2.0, 4.0, 6.0):
+        mon.observe(Observation("tick", "a", t))
+        mon.observe(Observation("tick", "c", t))
+    assert not mon.settled(6.5)  # b has said nothing since the fault
+    [gone] = mon.check(7.2)
+    assert (gone.kind, gone.node) == ("unreachable", "b")
+    assert mon.culprits() == ["b"]
+    assert mon.settled(8.1)
+    [revised] = mon.resolve()
+    assert (revised.kind, revised.node, revised.action) == ("crash", "a", "stop")
+    assert {i.node for i in mon.incidents if i.action == "quarantine"} == {"b"}
+    assert mon.culprit_incident("b") is gone and mon.culprit_incident("a") is None
+
+
+def test_a_crash_seen_after_its_own_echoes_is_still_the_culprit() -> None:
+    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
+    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
+    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon.observe(ev("c", 2, 1.0, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
+    mon.observe(Observation("proc", "b", 1.2, 1, {"alive": False, "pid": 11, "state": "gone"}))
+    for t in (1.5, 2.0, 3.0):
+        mon.observe(Observation("tick", "a", t))
+        mon.observe(Observation("tick", "c", t))
+    assert mon.settled(3.3)
+    assert mon.resolve() == []
+    assert mon.culprits() == ["b"]
