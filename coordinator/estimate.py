@@ -113,7 +113,8 @@ def estimate_training_memory(
         grads=2 * trainable,
         optimizer=8 * trainable,
         activations=acts,
-        reference=2 * shape.params if with_reference and method == "full" else 0,
+        # DPO's frozen reference model is a second bf16 copy of the weights (LoRA included: the worker loads it).
+        reference=2 * shape.params if with_reference else 0,
     )
 
 

@@ -26,7 +26,7 @@ def worker_args(node: Node, nodes: Sequence[Node], playbook: Playbook | None) ->
         "progress": True,
     }
     if playbook is not None:
-        args["hash_dirs"] = [playbook.model] + ([playbook.data] if playbook.data else [])
+        args["hash_dirs"] = [path for _, path in playbook.hashed_dirs()]
         args["model_dir"] = playbook.model
     return args
 

@@ -43,7 +43,7 @@ from coordinator.lint import lint_playbook
 from coordinator.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.monitor import Incident, Monitor, RunState
-from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan
+from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
 from coordinator.quarantine import QuarantineStore
@@ -146,7 +146,8 @@ async def calibrate_and_plan(
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
-    cals = {n: r for n, r in results.items() if isinstance(r, NodeCalibration)}
+    cals = {n: per_example_calibration(r, pb.train.rows_per_example)
+            for n, r in results.items() if isinstance(r, NodeCalibration)}
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     ui.calibration(plan, cals)

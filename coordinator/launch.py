@@ -96,6 +96,8 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "seed": t.seed,
         "keep_checkpoints": t.keep_checkpoints,
         "lora": {"rank": t.lora.rank, "scale": t.lora.scale, "dropout": t.lora.dropout},
+        **({"dpo": {"beta": t.dpo.beta, "reference": t.dpo.reference, "fine_tune_type": t.dpo.fine_tune_type}}
+           if t.method == "dpo" else {}),
         "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
         "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
         "resume": resume,
@@ -431,7 +433,8 @@ class Launch:
     def new_monitor(self) -> Monitor:
         plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
-                              max_seq_length=self.pb.train.max_seq_length)
+                              max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
+                              * self.pb.train.rows_per_example)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""

@@ -22,13 +22,13 @@ def lint_playbook(pb: Playbook, model_config: Mapping[str, Any] | None) -> list[
     if layers is None:
         out.append(LintResult("num_layers", Status.SKIP, "model config.json not readable: layer count unknown"))
     elif requested is None or requested < 0 or requested == layers:
-        note = " (mlx-lm alone would train only 16)" if t.method == "full" and layers > MLX_LM_DEFAULT_LAYERS else ""
+        note = " (mlx-lm alone would train only 16)" if t.fine_tune_type == "full" and layers > MLX_LM_DEFAULT_LAYERS else ""
         out.append(LintResult("num_layers", Status.PASS, f"training all {layers} layers{note}"))
     elif requested > layers:
         out.append(LintResult("num_layers", Status.FAIL,
                               f"num_layers {requested} but the model has {layers} layers: the run would fail",
                               f"set `num_layers: {layers}` or fewer (or remove it: all layers)"))
-    elif t.method == "full":
+    elif t.fine_tune_type == "full":
         out.append(LintResult("num_layers", Status.FAIL,
                               f"full fine-tune with num_layers {requested} but the model has {layers} layers: only the "
                               f"last {requested} would train",

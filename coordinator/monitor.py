@@ -132,9 +132,11 @@ class Monitor:
     @classmethod
     def create(cls, plan: list[tuple[int, str, int, float | None]], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
-               max_seq_length: int | None = None) -> Monitor:
+               max_tokens_per_row: int | None = None) -> Monitor:
+        """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
+        (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound."""
         ranks = {r: RankView(rank=r, node=n, batch_size=b, calibrated_tokens_per_s=c,
-                             max_tokens_per_step=b * max_seq_length if max_seq_length else None)
+                             max_tokens_per_step=b * max_tokens_per_row if max_tokens_per_row else None)
                  for r, n, b, c in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
@@ -226,7 +228,8 @@ class Monitor:
         if peers and step > max(peers) + self.policy.ahead_steps and step > view.step + self.policy.ahead_steps:
             lies.append(f"step {step} while its peers are at {max(peers)} (a synchronous job moves together)")
         if tokens is not None and view.max_tokens_per_step is not None and tokens > view.max_tokens_per_step:
-            lies.append(f"{tokens} tokens in one step > batch {view.batch_size} x max_seq_length")
+            lies.append(f"{tokens} tokens in one step > the {view.max_tokens_per_step} its batch of "
+                        f"{view.batch_size} can hold")
         if lies:
             if not any(i.kind == "implausible_progress" and i.rank == view.rank for i in self.incidents):
                 found += self._add(Incident("implausible_progress", obs.node, view.rank, view.step, 0.0,

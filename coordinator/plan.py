@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -277,6 +277,20 @@ def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> lis
         given = ", ".join(f"{n}={split[n]}" for n in names)
         raise PlanError(f"split fractions must sum to 1, got {total:.6g} ({given})")
     return fractions
+
+
+def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:
+    """The curve in examples of `rows_per_example` rows (a DPO pair is 2): a point of b rows, b a multiple, is
+    b // rows examples at the same token rate and peak memory. Splits by it keep each node's measured speed and
+    memory cap; the example is the unit the plan then hands out. Raises PlanError when no point is a multiple."""
+    if rows_per_example == 1:
+        return cal
+    points = tuple(CurvePoint(p.batch // rows_per_example, p.tokens_per_s, p.peak_memory)
+                   for p in cal.curve if p.batch % rows_per_example == 0)
+    if not points:
+        raise PlanError(f"{cal.node}: calibrated only at batches {[p.batch for p in cal.curve]}, none a multiple of "
+                        f"the {rows_per_example} rows one example needs: it cannot hold one example")
+    return replace(cal, curve=points)
 
 
 def compute_plan(

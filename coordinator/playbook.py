@@ -37,7 +37,8 @@ from coordinator.yamlsrc import (
 
 Kind = Literal["train", "map"]
 Backend = Literal["ring", "jaccl", "jaccl-ring", "nccl", "auto"]
-Method = Literal["full", "lora", "dora"]
+Method = Literal["full", "lora", "dora", "dpo"]
+FineTuneType = Literal["full", "lora", "dora"]
 Optimizer = Literal["adam", "adamw", "sgd"]
 
 TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -138,6 +139,15 @@ class FaultsConfig(_Strict):
     min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes
 
 
+class DpoConfig(_Strict):
+    """`train.dpo:` for `method: dpo` (docs/dpo.md). Rows are preference pairs; the frozen reference model is
+    `reference` (a model dir on every node) or, when null, the starting model itself."""
+
+    beta: PositiveFloat = 0.1
+    reference: NonEmptyStr | None = None
+    fine_tune_type: FineTuneType = "lora"  # which parameters DPO trains (as mlx-lm's adapter_config names it)
+
+
 class TrainConfig(_Strict):
     """`train:`. Defaults are mlx-lm's, except `num_layers` (None = all layers; mlx-lm alone trains 16)."""
 
@@ -156,6 +166,17 @@ class TrainConfig(_Strict):
     seed: Int = 0
     keep_checkpoints: PositiveInt = 2  # newest N checkpoints kept on every node
     lora: LoraConfig = Field(default_factory=lambda: LoraConfig())
+    dpo: DpoConfig = Field(default_factory=lambda: DpoConfig())
+
+    @property
+    def fine_tune_type(self) -> FineTuneType:
+        """Which parameters train: `method` itself, or `dpo.fine_tune_type` for DPO."""
+        return self.dpo.fine_tune_type if self.method == "dpo" else self.method
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences per batch row: a DPO pair is two (chosen and rejected)."""
+        return 2 if self.method == "dpo" else 1
 
     @field_validator("num_layers")
     @classmethod
@@ -223,6 +244,16 @@ class Playbook(_Strict):
     @classmethod
     def _null_env(cls, value: Any) -> Any:
         return {} if value is None else value
+
+    def hashed_dirs(self) -> tuple[tuple[str, str], ...]:
+        """(label, dir) of every directory preflight hashes and compares across nodes, in probe order: the
+        model, the data, and DPO's separate reference model."""
+        dirs = [("model", self.model)]
+        if self.data:
+            dirs.append(("data", self.data))
+        if self.kind == "train" and self.train.method == "dpo" and self.train.dpo.reference:
+            dirs.append(("reference", self.train.dpo.reference))
+        return tuple(dirs)
 
     def job_env(self) -> dict[str, str]:
         """The environment every rank gets: `env`, plus TOKENIZERS_PARALLELISM=false unless `env` sets it

@@ -6,7 +6,10 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     run_id            str, required
     model             str, required: a local model dir (`mlx_lm.utils.load`); nothing is downloaded
     data              str, required: a local dir with train.jsonl [valid.jsonl] (mlx-lm text/chat/completions)
-    method            "lora" | "dora" | "full" ("lora")
+    method            "lora" | "dora" | "full" | "dpo" ("lora")
+    dpo               for method "dpo": {"beta": 0.1, "reference": null | model dir, "fine_tune_type": "lora" |
+                      "dora" | "full"}: preference pairs, a frozen reference model (null: a second copy of
+                      `model`), and which parameters train (see worker.dpo)
     iters             optimizer steps (1000)
     learning_rate     (1e-5)       optimizer   "adam" | "adamw" | "sgd" ("adam")
     max_seq_length    (2048)       grad_accumulation  micro-batches per optimizer step (1)
@@ -53,7 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-METHODS = ("lora", "dora", "full")
+METHODS = ("lora", "dora", "full", "dpo")
+FINE_TUNE_TYPES = ("lora", "dora", "full")
 CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 MAX_HEARTBEAT_S = 2.0
@@ -83,6 +87,13 @@ class LoraSpec:
         if self.keys is not None:
             out["keys"] = list(self.keys)
         return out
+
+
+@dataclass(frozen=True)
+class DpoSpec:
+    beta: float = 0.1
+    reference: str | None = None  # None: the starting model
+    fine_tune_type: str = "lora"
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class RunConfig:
     mask_prompt: bool = False
     num_layers: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
+    dpo: DpoSpec = field(default_factory=DpoSpec)
     save_every: int = 100
     steps_per_eval: int = 200
     val_batches: int = 25
@@ -132,6 +144,11 @@ class RunConfig:
     debug: DebugSpec = field(default_factory=DebugSpec)
 
     # -- plan arithmetic ------------------------------------------------------------------------------------
+
+    @property
+    def fine_tune_type(self) -> str:
+        """Which parameters train: `method`, or `dpo.fine_tune_type` for DPO."""
+        return self.dpo.fine_tune_type if self.method == "dpo" else self.method
 
     @property
     def world_size(self) -> int:
@@ -169,6 +186,8 @@ class RunConfig:
             "grad_accumulation": self.grad_accumulation, "mask_prompt": self.mask_prompt,
             "num_layers": self.num_layers, "lora": asdict(self.lora), "seed": self.seed,
         }
+        if self.method == "dpo":
+            math["dpo"] = asdict(self.dpo)
         return hashlib.sha256(json.dumps(math, sort_keys=True, default=list).encode()).hexdigest()
 
     def plan_json(self) -> list[dict[str, Any]]:
@@ -181,7 +200,7 @@ _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
     "grad_accumulation", "grad_checkpoint", "mask_prompt", "num_layers", "lora", "save_every", "steps_per_eval",
     "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume", "heartbeat_s", "consistency_every",
-    "chaos", "debug",
+    "chaos", "debug", "dpo",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -262,6 +281,24 @@ def _parse_lora(raw: Any) -> LoraSpec:
                     keys=tuple(keys) if keys is not None else None)
 
 
+def _parse_dpo(raw: Any, method: str) -> DpoSpec:
+    if raw is None:
+        return DpoSpec()
+    if method != "dpo":
+        raise ConfigError(f"dpo settings given but method is {method!r}")
+    if not isinstance(raw, dict):
+        raise ConfigError("dpo must be an object")
+    unknown = set(raw) - {"beta", "reference", "fine_tune_type"}
+    if unknown:
+        raise ConfigError(f"dpo: unknown keys {sorted(unknown)}")
+    reference = raw.get("reference")
+    if reference is not None and (not isinstance(reference, str) or not reference):
+        raise ConfigError("dpo.reference must be null or a model dir")
+    return DpoSpec(beta=_float(raw, "beta", 0.1, positive=True),
+                   reference=os.path.expanduser(reference) if reference else None,
+                   fine_tune_type=_choice(raw, "fine_tune_type", "lora", FINE_TUNE_TYPES))
+
+
 def _parse_debug(raw: Any) -> DebugSpec:
     if raw is None:
         return DebugSpec()
@@ -330,13 +367,15 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
     else:
         raise ConfigError("run_dir is empty and there is no config file to take it from")
     ranks = _parse_ranks(raw.get("ranks"))
+    method = _choice(raw, "method", "lora", METHODS)
     return RunConfig(
         run_id=_str(raw, "run_id"),
         model=os.path.expanduser(_str(raw, "model")),
         data=os.path.expanduser(_str(raw, "data")),
         ranks=ranks,
         run_dir=run_dir,
-        method=_choice(raw, "method", "lora", METHODS),
+        method=method,
+        dpo=_parse_dpo(raw.get("dpo"), method),
         iters=_int(raw, "iters", 1000, minimum=1),
         learning_rate=_float(raw, "learning_rate", 1e-5, positive=True),
         optimizer=_choice(raw, "optimizer", "adam", OPTIMIZERS),

@@ -42,14 +42,15 @@ WEIGHT_STD = 0.02
 def _texts_of(row: Any) -> Iterator[str]:
     if not isinstance(row, dict):
         return
-    for key in ("text", "prompt", "completion"):
-        if isinstance(row.get(key), str):
-            yield row[key]
-    messages = row.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if isinstance(message, dict) and isinstance(message.get("content"), str):
-                yield message["content"]
+    # text / completions / preference pairs (DPO), each either plain text or chat messages
+    for key in ("text", "prompt", "completion", "chosen", "rejected", "messages"):
+        value = row.get(key)
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            for message in value:
+                if isinstance(message, dict) and isinstance(message.get("content"), str):
+                    yield message["content"]
 
 
 def collect_words(data_dir: Path | None) -> list[str]:

@@ -81,6 +81,8 @@ from worker.checkpoint import (
     writer_lock,
 )
 from worker.data import build_batch, eval_batches, load_datasets, rank_slice, stream_rows
+from worker.dpo import STATS as DPO_STATS
+from worker.dpo import build_pair_batch, dpo_loss_sum, load_preference_datasets, sequence_logps
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
 from worker.tensorfile import sha256_file, write_safetensors
@@ -242,6 +244,78 @@ def finalize(total: Contribution, dtypes: Mapping[str, Any] | None = None) -> Co
     return Combined(grads, total.loss_sum / denom, total.tokens, norm)
 
 
+# --- objectives: what a micro-batch's loss is ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MicroResult:
+    """One micro-batch on one rank: its Contribution (gradient and loss SUMS over its weight units: tokens for
+    SFT, pairs for DPO), the sequence tokens it processed, and the objective's extra sums (None: no extras)."""
+
+    contribution: Contribution
+    tokens: mx.array
+    stats: mx.array | None
+
+
+class SftObjective:
+    """Next-token cross-entropy; the weight unit is the token (mlx-lm's loss, combined exactly)."""
+
+    stats: tuple[str, ...] = ()
+
+    def __init__(self, model: Any, max_seq_length: int) -> None:
+        self.max_seq_length = max_seq_length
+        self.value_and_grad = nn_value_and_grad(model, token_loss_sum)
+
+    def batch(self, dataset: Any, rows: Sequence[int]) -> Batch:
+        return build_batch([dataset[i] for i in rows], self.max_seq_length)
+
+    def micro(self, model: Any, dataset: Any, rows: Sequence[int]) -> MicroResult:
+        (loss_sum, tokens), grads = self.value_and_grad(model, *self.batch(dataset, rows))
+        return MicroResult(Contribution.from_tree(grads, loss_sum, tokens), tokens.astype(mx.int32), None)
+
+    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        loss_sum, tokens = token_loss_sum(model, *self.batch(dataset, rows))
+        return loss_sum, tokens, None
+
+
+class DpoObjective:
+    """DPO (worker.dpo) against a frozen reference model; the weight unit is the preference pair."""
+
+    stats: tuple[str, ...] = DPO_STATS
+
+    def __init__(self, model: Any, reference: Any, beta: float, max_seq_length: int) -> None:
+        self.reference = reference
+        self.beta = beta
+        self.max_seq_length = max_seq_length
+
+        def loss(m: Any, batch: mx.array, lengths: mx.array, ref: mx.array) -> tuple[mx.array, ...]:
+            return dpo_loss_sum(m, batch, lengths, ref, beta)
+
+        self.value_and_grad = nn_value_and_grad(model, loss)
+
+    def _inputs(self, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+        batch, lengths = build_pair_batch([dataset[i] for i in rows], self.max_seq_length)
+        ref, _ = sequence_logps(self.reference, batch, lengths)
+        return batch, lengths, mx.stop_gradient(ref)
+
+    def micro(self, model: Any, dataset: Any, rows: Sequence[int]) -> MicroResult:
+        (loss_sum, pairs, tokens, stats), grads = self.value_and_grad(model, *self._inputs(dataset, rows))
+        return MicroResult(Contribution.from_tree(grads, loss_sum, pairs), tokens.astype(mx.int32), stats)
+
+    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        loss_sum, pairs, _, stats = dpo_loss_sum(model, *self._inputs(dataset, rows), self.beta)
+        return loss_sum, pairs, stats
+
+
+def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:
+    """The event fields of an objective's extra sums, as means per weight unit (`reward_correct` -> accuracy)."""
+    out: dict[str, float] = {}
+    for name, value in zip(names, sums):
+        key = "reward_accuracy" if name == "reward_correct" else name
+        out[prefix + key] = value / weight if weight else 0.0
+    return out
+
+
 # --- model setup -------------------------------------------------------------------------------------------------
 
 
@@ -292,8 +366,8 @@ def make_optimizer(name: str, learning_rate: float) -> Any:
 
 def adapter_config(config: RunConfig, num_layers: int) -> dict[str, Any]:
     """mlx-lm's adapter_config.json, so a checkpoint dir works as `load(model, adapter_path=dir)`."""
-    out: dict[str, Any] = {"fine_tune_type": config.method, "num_layers": num_layers, "model": config.model}
-    if config.method != "full":
+    out: dict[str, Any] = {"fine_tune_type": config.fine_tune_type, "num_layers": num_layers, "model": config.model}
+    if config.fine_tune_type != "full":
         out["lora_parameters"] = config.lora.mlx_lm_parameters()
     return out
 
@@ -389,6 +463,7 @@ class Trainer:
         self.last_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
+        self.objective: Any = None  # SftObjective | DpoObjective, set in load()
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -424,12 +499,23 @@ class Trainer:
         self.model, tokenizer = loaded[0], loaded[1]
         # Adapters are initialised from mx.random: the same seed on every rank gives the same initial state.
         mx.random.seed(cfg.seed)
-        self.num_layers = apply_method(self.model, cfg.method, cfg.num_layers, cfg.lora)
+        self.num_layers = apply_method(self.model, cfg.fine_tune_type, cfg.num_layers, cfg.lora)
         if cfg.grad_checkpoint:
             from mlx_lm.tuner.trainer import grad_checkpoint
 
             grad_checkpoint(self.model.layers[0])  # type: ignore[no-untyped-call]
-        self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
+        if cfg.method == "dpo":
+            reference_dir = cfg.dpo.reference or cfg.model
+            if not Path(reference_dir).is_dir():
+                raise FileNotFoundError(f"DPO reference model dir {reference_dir} does not exist")
+            reference = load(reference_dir)[0]
+            reference.freeze()
+            reference.eval()
+            self.objective = DpoObjective(self.model, reference, cfg.dpo.beta, cfg.max_seq_length)
+            self.train_set, self.valid_set = load_preference_datasets(Path(cfg.data), tokenizer)
+        else:
+            self.objective = SftObjective(self.model, cfg.max_seq_length)
+            self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
@@ -544,10 +630,7 @@ class Trainer:
         spec = self.config.rank_spec(self.rank)
         return rank_slice(global_rows, self.config.rank_offset(self.rank), spec.batch_size)
 
-    def _batch(self, dataset: Any, rows: Sequence[int]) -> Batch:
-        return build_batch([dataset[i] for i in rows], self.config.max_seq_length)
-
-    def train_step(self, step: int, value_and_grad: Any, dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    def train_step(self, step: int, dtypes: Mapping[str, Any]) -> dict[str, Any]:
         """One optimizer step; returns the TRUE fields of its step event (a lying rank inflates them later).
 
         Timeline: [chaos kill/hang] -> forward/backward of every micro-batch -> [chaos nan] -> local stats ->
@@ -561,12 +644,16 @@ class Trainer:
         mx.random.seed(step_seed(cfg.seed, step))
         tic = time.perf_counter()
         local: Contribution | None = None
+        seq_tokens = mx.array(0, mx.int32)
+        stats: mx.array | None = None
         for _ in range(cfg.grad_accumulation):
             rows = self._my_rows(stream_rows(self.position, cfg.global_batch, len(self.train_set), cfg.seed))
-            (loss_sum, tokens), grads = value_and_grad(self.model, *self._batch(self.train_set, rows))
-            part = Contribution.from_tree(grads, loss_sum, tokens)
-            local = part if local is None else local.add(part)
-            mx.eval(local.arrays())  # bound the graph: one micro-batch at a time
+            part = self.objective.micro(self.model, self.train_set, rows)
+            local = part.contribution if local is None else local.add(part.contribution)
+            seq_tokens = seq_tokens + part.tokens
+            if part.stats is not None:
+                stats = part.stats if stats is None else stats + part.stats
+            mx.eval(local.arrays(), seq_tokens, *([stats] if stats is not None else []))  # one micro-batch at a time
             self.position += cfg.global_batch
         assert local is not None
         if self.chaos.poisons(step):
@@ -583,18 +670,31 @@ class Trainer:
         # on the step waits for the slowest peer.
         compute_s = time.perf_counter() - tic
         combined = finalize(reduce_contribution(local, self.comm.all_sum), dtypes)
+        # An objective with extras (DPO) sums its sequence tokens and statistics in ONE more collective; for SFT
+        # the weight unit is the token, so the contribution's count already is the token count.
+        extras = None
+        if stats is not None:
+            extras = self.comm.all_sum(mx.concatenate([seq_tokens.astype(mx.float32).reshape(1), stats]))
         self.optimizer.update(self.model, tree_unflatten(list(combined.grads.items())))
-        mx.eval(self.model.parameters(), self.optimizer.state, combined.loss, combined.tokens, combined.grad_norm)
+        mx.eval(self.model.parameters(), self.optimizer.state, combined.loss, combined.tokens, combined.grad_norm,
+                *([extras] if extras is not None else []))
         if self.chaos.diverges(step):
             self.model.load_weights(list(perturb(self.trainable_flat()).items()), strict=False)
             mx.eval(self.model.parameters())
         elapsed = time.perf_counter() - tic
-        my_tokens = int(scalar(local.tokens))
+        my_tokens = int(scalar(seq_tokens)) if extras is not None else int(scalar(local.tokens))
+        total_tokens = int(scalar(extras[0])) if extras is not None else int(scalar(combined.tokens))
         loss = scalar(combined.loss)
         self.last_loss = loss
         local_loss_value = scalar(local_loss)
+        record: dict[str, Any] = {}
+        if extras is not None:
+            pairs = scalar(combined.tokens)
+            record.update({"pairs": int(scalar(local.tokens)), "total_pairs": int(pairs),
+                           **stats_fields(self.objective.stats, np.asarray(extras[1:]).tolist(), pairs)})
         return {
-            "step": step, "loss": loss, "tokens": my_tokens, "total_tokens": int(scalar(combined.tokens)),
+            **record,
+            "step": step, "loss": loss, "tokens": my_tokens, "total_tokens": total_tokens,
             "tok_s": my_tokens / elapsed if elapsed > 0 else None, "step_time_s": elapsed,
             "peak_memory": int(mx.get_peak_memory()), "grad_norm": scalar(combined.grad_norm),
             "lr": scalar(mx.array(self.optimizer.learning_rate)), "data_position": self.position,
@@ -610,26 +710,26 @@ class Trainer:
         return {"params_sha256": arrays_sha256(flatten(self.model.parameters())),
                 "optimizer_sha256": arrays_sha256(flatten(self.optimizer.state))}
 
-    def evaluate(self) -> tuple[float | None, int]:
-        """Validation loss over `val_batches` global batches, split like training and combined exactly."""
+    def evaluate(self) -> tuple[float | None, int, dict[str, float]]:
+        """Validation loss over `val_batches` global batches, split like training and combined exactly:
+        (mean loss per weight unit, weight units (tokens, or pairs for DPO), the objective's extras as `val_*`)."""
         cfg = self.config
         if self.valid_set is None:
-            return None, 0
+            return None, 0, {}
         self.model.eval()
-        loss_sum = mx.array(0.0, mx.float32)
-        tokens = mx.array(0, mx.int32)
+        sums = mx.zeros((2 + len(self.objective.stats),), mx.float32)  # loss sum, weight, extras
         for global_rows in eval_batches(len(self.valid_set), cfg.global_batch, cfg.val_batches):
             rows = self._my_rows(global_rows)
             if rows:  # a short last batch can leave this rank nothing; it still joins the all_sum below
-                ls, nt = token_loss_sum(self.model, *self._batch(self.valid_set, rows))
-                loss_sum, tokens = loss_sum + ls, tokens + nt
-                mx.eval(loss_sum, tokens)
-        total_loss = self.comm.all_sum(loss_sum)
-        total_tokens = self.comm.all_sum(tokens)
-        mx.eval(total_loss, total_tokens)
+                ls, weight, stats = self.objective.eval_sums(self.model, self.valid_set, rows)
+                parts = [ls.astype(mx.float32).reshape(1), weight.astype(mx.float32).reshape(1)]
+                sums = sums + mx.concatenate(parts + ([stats] if stats is not None else []))
+                mx.eval(sums)
+        total = np.asarray(self.comm.all_sum(sums)).tolist()
         self.model.train()
-        n = int(scalar(total_tokens))
-        return (scalar(total_loss) / n if n else None), n
+        n = int(total[1])
+        return ((total[0] / n if n else None), n,
+                stats_fields(self.objective.stats, total[2:], total[1], prefix="val_"))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -733,12 +833,11 @@ class Trainer:
 
     def _loop(self, start: int) -> None:
         cfg = self.config
-        value_and_grad = nn_value_and_grad(self.model, token_loss_sum)
         dtypes = {k: v.dtype for k, v in self.trainable_flat().items()}
         self.model.train()
         for step in range(start + 1, cfg.iters + 1):
             self.hb.set(step=step, phase=Phase.STEP)
-            record = self.train_step(step, value_and_grad, dtypes)
+            record = self.train_step(step, dtypes)
             # Emitted before the finiteness check: with a NaN loss every rank still reports its local values,
             # which name the rank the NaN came from.
             self.log.emit(EventKind.STEP, **(lie_about(record) if self.chaos.lies(step) else record))
@@ -751,10 +850,10 @@ class Trainer:
             if cfg.steps_per_eval and (step % cfg.steps_per_eval == 0 or last):
                 self.hb.set(phase=Phase.EVAL)
                 tic = time.perf_counter()
-                val_loss, val_tokens = self.evaluate()
+                val_loss, val_tokens, val_stats = self.evaluate()
                 if val_tokens:
                     self.log.emit(EventKind.EVAL, step=step, val_loss=val_loss, val_tokens=val_tokens,
-                                  eval_time_s=time.perf_counter() - tic)
+                                  eval_time_s=time.perf_counter() - tic, **val_stats)
             if last or (cfg.save_every and step % cfg.save_every == 0):
                 self.save(step)
             self.hb.set(phase=Phase.IDLE)

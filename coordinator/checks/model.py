@@ -1,4 +1,5 @@
-"""Check `model`: the playbook's model and data dirs hold byte-identical files on every node.
+"""Check `model`: the playbook's model and data dirs (and DPO's reference model) hold byte-identical files on
+every node.
 
 Each node's files are hashed (SHA256, streamed, cached by path/size/mtime/inode on the node) and compared
 with a reference: the manifest given in the playbook, else the majority of nodes. With no majority (two nodes
@@ -66,7 +67,8 @@ def check_model(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
         return CheckResult("model", node.name, Status.SKIP, "no playbook: no model or data dir to verify")
     if facts.hashes is None:
         return fact_error_result("model", node.name, facts.errors_for("worker"), "file hashes")
-    labels = ("model", "data") if pb.data else ("model",)
+    dirs = dict(pb.hashed_dirs())
+    labels = tuple(dirs)
     mine, problems, total = node_manifest(facts, labels)
     evidence: dict[str, object] = {
         "dirs": {label: dh.path for label, dh in zip(labels, facts.hashes, strict=False)},
@@ -76,7 +78,6 @@ def check_model(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
         "cached_files": sum(dh.cached_files for dh in facts.hashes),
         "hashed_bytes": sum(dh.hashed_bytes for dh in facts.hashes),
     }
-    dirs = {"model": pb.model, "data": pb.data}
 
     def copy_from(good: str, paths: list[str] | None = None) -> str:
         """rsync commands for the dirs that hold the bad files (both dirs when we cannot tell)."""

@@ -40,9 +40,8 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
         t = pb.train
         per_rank = max(1, math.ceil(t.batch_size / max(1, len(ctx.nodes))))
         est = estimate_training_memory(
-            shape, method=t.method, batch_per_rank=per_rank, seq_len=t.max_seq_length,
-            layers_trained=t.num_layers, grad_checkpoint=t.grad_checkpoint,
-            with_reference=getattr(t, "method", "") == "dpo",
+            shape, method=t.fine_tune_type, batch_per_rank=per_rank * t.rows_per_example, seq_len=t.max_seq_length,
+            layers_trained=t.num_layers, grad_checkpoint=t.grad_checkpoint, with_reference=t.method == "dpo",
         )
         usable = usable_memory(total, is_macos=is_mac)
         evidence.update({"params": shape.params, "estimate": est.total, "usable": usable,
@@ -60,13 +59,13 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
             remedies.append("enable grad_checkpoint or lower the batch size for headroom")
         else:
             evidence["fit"] = need
-        if t.method == "full" and shape.params >= WATCHDOG_PARAMS and is_mac and facts.hardware is not None \
+        if t.fine_tune_type == "full" and shape.params >= WATCHDOG_PARAMS and is_mac and facts.hardware is not None \
                 and not facts.hardware.is_ultra:
             warns.append(f"full fine-tune of {shape.params / 1e9:.1f}B params on {facts.hardware.chip}: long Metal "
                          "command buffers can hit the GPU watchdog timeout")
             remedies.append("run full fine-tunes of >= 4B models on an Ultra, or use LoRA / a smaller per-rank batch")
         # The newest `keep_checkpoints` plus the one being written exist at once.
-        ckpt = checkpoint_bytes(shape, method=t.method, layers_trained=t.num_layers) * (t.keep_checkpoints + 1)
+        ckpt = checkpoint_bytes(shape, method=t.fine_tune_type, layers_trained=t.num_layers) * (t.keep_checkpoints + 1)
         evidence["checkpoint_space"] = ckpt
         if facts.disk is not None:
             evidence["disk_free"] = facts.disk.available_bytes

@@ -374,3 +374,15 @@ def test_calibration_to_json_shape() -> None:
     json.dumps(out)  # serialisable
     with pytest.raises(PlanError, match="no calibration for planned node"):
         calibration_to_json(plan, [fast])
+
+
+def test_dpo_pairs_are_planned_on_the_curve_in_pairs() -> None:
+    from coordinator.plan import CurvePoint, NodeCalibration, PlanError, per_example_calibration
+
+    cal = NodeCalibration("a", (CurvePoint(1, 100.0, 10), CurvePoint(2, 180.0, 20), CurvePoint(4, 300.0, 40)), 1.0,
+                          None, seq_len=64)
+    pairs = per_example_calibration(cal, 2)
+    assert [(p.batch, p.tokens_per_s, p.peak_memory) for p in pairs.curve] == [(1, 180.0, 20), (2, 300.0, 40)]
+    assert per_example_calibration(cal, 1) is cal
+    with pytest.raises(PlanError, match="cannot hold one example"):
+        per_example_calibration(NodeCalibration("b", (CurvePoint(1, 5.0, 1),), 1.0, None), 2)
