@@ -28,6 +28,7 @@ from coordinator.inventory import load_inventory
 from coordinator.job import JobOptions, JobUI, PreflightFailed, calibrate_fleet, hostfile_for, run_job
 from coordinator.launch import RunSummary
 from coordinator.liveview import RichUI
+from coordinator.mapjob import run_map
 from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer, MetricsUI
 from coordinator.models import Inventory
 from coordinator.plan import format_split
@@ -214,12 +215,18 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
            resume: str | None, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
            metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...]) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
-    hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished."""
+    hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
+    A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     console = Console(stderr=as_json)
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys)
+    if pb.kind == "map":
+        if chaos_specs or metrics_port is not None:
+            raise ConfigError("--chaos and --metrics-port are for training jobs (kind: train)", path=pb.path)
+        _launch_map(inv, pb, opts, ui, console, as_json)
+        return
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
@@ -240,6 +247,26 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json")
         _print_incidents(console, summary)
+    sys.exit(0 if summary.state == "succeeded" else 1)
+
+
+def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool) -> None:
+    try:
+        summary = asyncio.run(run_map(inv, pb, opts, ui))
+    except PreflightFailed as exc:
+        ui.close()
+        render_preflight(exc.report, console)
+        raise
+    finally:
+        ui.close()
+    if as_json:
+        click.echo(dumps(summary.to_json()))
+    else:
+        style = "green" if summary.state == "succeeded" else "red"
+        console.print(f"[{style}]{summary.state}[/{style}] map run {summary.run_id}: {summary.rows_done}/{summary.rows} "
+                      f"rows, {len(summary.incidents)} incident(s); output {summary.output}")
+        for inc in summary.incidents:
+            console.print(f"  [red]{inc.kind}[/red] node {inc.node}: {inc.action}; {str(inc.evidence)[:300]}")
     sys.exit(0 if summary.state == "succeeded" else 1)
 
 

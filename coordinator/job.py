@@ -124,7 +124,7 @@ def model_digest(facts: Mapping[str, NodeFacts]) -> str:
 
 def bench_spec(pb: Playbook) -> BenchSpec:
     t = pb.train
-    return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.method,
+    return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.fine_tune_type,
                      num_layers=t.num_layers if t.num_layers is not None else -1,
                      grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
                      memory_fraction=pb.calibration.memory_fraction)

@@ -188,6 +188,45 @@ class TrainConfig(_Strict):
         return value
 
 
+class GenerateConfig(_Strict):
+    """`map.generate:`: sampling for `task: generate` (temperature 0 = greedy)."""
+
+    max_tokens: PositiveInt = 128
+    temperature: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 0.0
+    top_p: Annotated[float, BeforeValidator(to_number), Field(gt=0, le=1)] = 1.0
+    seed: Int = 0  # row i is sampled with seed + i: the same output whichever node runs it
+
+
+class CommandConfig(_Strict):
+    """`map.command:`: `python -m MODULE --input SHARD.jsonl --output OUT.jsonl [ARGS...]` on the node; OUT must
+    hold one JSON object per input row, in order."""
+
+    module: Annotated[str, BeforeValidator(_non_empty), Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")]
+    args: tuple[str, ...] = ()
+
+
+class MapConfig(_Strict):
+    """`map:` for `kind: map` (docs/map-jobs.md): every node works through its own contiguous shard of `input`
+    (a JSONL file in the `data` dir) at its own pace; results are gathered in input order."""
+
+    input: NonEmptyStr = "input.jsonl"  # relative to `data`
+    task: Literal["score", "generate", "command"] = "score"
+    field: NonEmptyStr = "text"  # score: the text to score; generate: the prompt (a string or chat messages)
+    prompt_field: NonEmptyStr | None = None  # score: condition on this field, score only `field`
+    batch_size: PositiveInt = 8  # rows per forward pass (score)
+    max_seq_length: PositiveInt = 2048
+    generate: GenerateConfig = Field(default_factory=lambda: GenerateConfig())
+    command: CommandConfig | None = Field(default=None, validate_default=True)
+    output: NonEmptyStr | None = None  # also copy the gathered output here (relative to the working directory)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: CommandConfig | None, info: ValidationInfo) -> CommandConfig | None:
+        if value is None and info.data.get("task") == "command":
+            raise ValueError("required for task: command ({module: my.package.scorer})")
+        return value
+
+
 def _skip_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
@@ -226,13 +265,24 @@ class Playbook(_Strict):
     heartbeat_timeout: PositiveFloat = 10.0  # seconds without a heartbeat before a rank counts as hung
     faults: FaultsConfig = Field(default_factory=lambda: FaultsConfig())
     assets: AssetsConfig = Field(default_factory=AssetsConfig)
+    map: MapConfig | None = Field(default=None, validate_default=True)  # required for kind: map
     path: str | None = None
 
     @field_validator("data")
     @classmethod
     def _data_for_train(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None and info.data.get("kind") == "train":  # absent when `kind` itself was invalid
-            raise ValueError("required for kind train: the dataset directory on every node")
+        if value is None and info.data.get("kind") in ("train", "map"):  # absent when `kind` itself was invalid
+            raise ValueError(f"required for kind {info.data.get('kind')}: the dataset directory on every node")
+        return value
+
+    @field_validator("map")
+    @classmethod
+    def _map_for_map(cls, value: MapConfig | None, info: ValidationInfo) -> MapConfig | None:
+        kind = info.data.get("kind")
+        if kind == "map" and value is None:
+            return MapConfig()
+        if kind == "train" and value is not None:
+            raise ValueError("only for kind: map")
         return value
 
     @field_validator("train", "checks", "calibration", "assets", "faults", mode="before")

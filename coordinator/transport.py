@@ -468,9 +468,12 @@ class Fleet:
         results = await asyncio.gather(*(one(n.name) for n in self.nodes))
         return {n.name: r for n, r in zip(self.nodes, results, strict=True)}
 
+    def node_by_name(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
     async def reconnect(self, name: str) -> ConnectInfo:
         """Replace a node's (dead) connection with a fresh one. Raises TransportError."""
-        node = next(n for n in self.nodes if n.name == name)
+        node = self.node_by_name(name)
         old = self.transports[name]
         await old.close()
         fresh = self._factory(node)

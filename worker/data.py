@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 PAD_TO = 32  # mlx-lm's padding granule
@@ -92,3 +93,15 @@ def load_datasets(data_dir: Path, tokenizer: Any, *, mask_prompt: bool) -> tuple
     if len(train) == 0:
         raise ValueError(f"{data_dir}/train.jsonl is missing or empty")
     return CacheDataset(train), (CacheDataset(valid) if len(valid) else None)
+
+
+def sequence_logps(model: Any, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """(per-row sum of the completion tokens' log-probs [b] float32, per-row token counts [b] int32): the tokens
+    at indices offset .. length-1. (mlx-lm's SFT mask, `<= length`, also scores the padding after the last token;
+    a sequence log-prob must not, or chosen and rejected of different lengths would differ by a pad term.)"""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs).astype(mx.float32)
+    steps = mx.arange(1, targets.shape[1] + 1)  # target j is token j+1 of the row
+    mask = mx.logical_and(steps >= lengths[:, 0:1], steps < lengths[:, 1:])
+    logp = -nn.losses.cross_entropy(logits, targets)
+    return (logp * mask).sum(axis=1), mask.sum(axis=1).astype(mx.int32)

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from worker.data import build_batch
+from worker.data import build_batch, sequence_logps
 
 STATS = ("reward_correct", "reward_margin", "chosen_reward", "rejected_reward")  # sums over pairs, in this order
 
@@ -140,18 +139,6 @@ def build_pair_batch(pairs: Sequence[Pair], max_seq_length: int) -> tuple[mx.arr
     """One batch of 2n rows: the n chosen sequences, then the n rejected ones (mlx-lm's padding and lengths)."""
     items = [(p.chosen, p.chosen_offset) for p in pairs] + [(p.rejected, p.rejected_offset) for p in pairs]
     return build_batch(items, max_seq_length)
-
-
-def sequence_logps(model: Any, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
-    """(per-row sum of the completion tokens' log-probs [b] float32, per-row token counts [b] int32): the tokens
-    at indices offset .. length-1. (mlx-lm's SFT mask, `<= length`, also scores the padding after the last token;
-    a sequence log-prob must not, or chosen and rejected of different lengths would differ by a pad term.)"""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(inputs).astype(mx.float32)
-    steps = mx.arange(1, targets.shape[1] + 1)  # target j is token j+1 of the row
-    mask = mx.logical_and(steps >= lengths[:, 0:1], steps < lengths[:, 1:])
-    logp = -nn.losses.cross_entropy(logits, targets)
-    return (logp * mask).sum(axis=1), mask.sum(axis=1).astype(mx.int32)
 
 
 def dpo_terms(policy_logps: mx.array, reference_logps: mx.array, beta: float) -> tuple[mx.array, mx.array]:

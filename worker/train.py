@@ -80,9 +80,9 @@ from worker.checkpoint import (
     write_checkpoint,
     writer_lock,
 )
-from worker.data import build_batch, eval_batches, load_datasets, rank_slice, stream_rows
+from worker.data import build_batch, eval_batches, load_datasets, rank_slice, sequence_logps, stream_rows
 from worker.dpo import STATS as DPO_STATS
-from worker.dpo import build_pair_batch, dpo_loss_sum, load_preference_datasets, sequence_logps
+from worker.dpo import build_pair_batch, dpo_loss_sum, load_preference_datasets
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
 from worker.tensorfile import sha256_file, write_safetensors

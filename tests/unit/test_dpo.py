@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from worker.data import sequence_logps
 from worker.dpo import (
     Pair,
     PreferenceDataError,
@@ -19,7 +20,6 @@ from worker.dpo import (
     dpo_terms,
     encode_pair,
     load_pairs,
-    sequence_logps,
 )
 from worker.runconfig import ConfigError, LoraSpec, parse_run_config
 from worker.tinymodel import build_tiny_model

@@ -31,7 +31,7 @@ GOOD_CASES: list[tuple[str, dict[str, object]]] = [
         "train": TrainConfig(), "env": {}, "checks": ChecksConfig(),
     }),
     ("playbook-map.yaml", {
-        "name": "embed", "kind": "map", "data": None, "train": TrainConfig(), "env": {},
+        "name": "embed", "kind": "map", "data": "~/d", "train": TrainConfig(), "env": {},
         "checks": ChecksConfig(skip=("rdma",)),
     }),
     ("playbook-anchors.yaml", {"train": TrainConfig(iters=50, batch_size=4, num_layers=None)}),
