@@ -417,10 +417,15 @@ class Monitor:
         return max((v.step for v in self.ranks.values() if v.node == node), default=0)
 
     def _secondary(self, inc: Incident) -> bool:
-        """A crash first seen after another fatal incident: possibly collateral. When a node vanishes, mlx.launch
+        """A crash seen after another node's fault had begun: possibly collateral. When a node vanishes, mlx.launch
         kills the ranks on the OTHER nodes (its remote `kill $pid`), and such a rank can die before its error
-        event is written; the dead process then looks like a crash of an innocent node."""
-        return inc.kind == "crash" and self.first_fatal_at is not None and self.first_fatal_at < inc.t
+        event is written; the dead process then looks like a crash of an innocent node, and it is seen long before
+        the vanished node's silence reaches the heartbeat timeout. So a fault's onset counts, not its detection:
+        a silent node's began at its last word (detection time minus `detected_after_s`)."""
+        if inc.kind != "crash":
+            return False
+        return any(other is not inc and other.node != inc.node and other.action in ("stop", "quarantine")
+                   and other.t - (other.detected_after_s or 0.0) < inc.t for other in self.incidents)
 
     def culprits(self) -> list[str]:
         """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order. Secondary

@@ -150,3 +150,25 @@ def test_a_crash_seen_after_its_own_echoes_is_still_the_culprit() -> None:
     assert mon.settled(3.3)
     assert mon.resolve() == []
     assert mon.culprits() == ["b"]
+
+
+def test_a_crash_seen_before_a_silent_node_is_found_is_collateral_of_it() -> None:
+    """The vanished node's silence began before the crash was seen: it is the cause, found 6 s later."""
+    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
+    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
+    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon.observe(Observation("tick", "b", 1.0))  # b's last word
+    mon.observe(ev("c", 2, 1.3, event="heartbeat"))
+    [crash] = mon.observe(Observation("proc", "c", 1.4, 2, {"alive": False, "pid": 12, "state": "Z"}))
+    assert crash.action == "quarantine" and mon.culprits() == ["c"]  # the best guess so far
+    mon.observe(ev("a", 0, 1.5, event="error", message="terminated by SIGHUP"))
+    for t in (2.0, 4.0, 6.0):
+        mon.observe(Observation("tick", "a", t))
+        mon.observe(Observation("tick", "c", t))
+    assert not mon.settled(6.5)
+    [gone] = mon.check(7.1)
+    assert (gone.kind, gone.node) == ("unreachable", "b")
+    assert mon.culprits() == ["b"] and mon.settled(7.2)
+    assert [(i.kind, i.node) for i in mon.resolve()] == [("crash", "c")]
+    assert {i.node for i in mon.incidents if i.action == "quarantine"} == {"b"}
