@@ -28,7 +28,7 @@ from coordinator.inventory import load_inventory
 from coordinator.job import JobOptions, JobUI, PreflightFailed, calibrate_fleet, hostfile_for, run_job
 from coordinator.launch import RunSummary
 from coordinator.liveview import RichUI
-from coordinator.mapjob import run_map
+from coordinator.mapjob import calibrate_map, run_map
 from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer, MetricsUI
 from coordinator.models import Inventory
 from coordinator.plan import format_split
@@ -351,13 +351,27 @@ def quarantine_clear(node: str) -> None:
 @handle_errors
 def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
               probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
-    """Measure each node's training throughput and split the playbook's global batch by speed."""
+    """Measure each node's training throughput and split the playbook's global batch by speed (for a `kind: map`
+    playbook: each node's examples/s of the task and the input's shards)."""
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     console = Console(stderr=as_json)
     opts = _job_options(Path("runs"), False, recalibrate, None, connect_timeout, accept_new_host_keys)
     if pb.split != "calibrated":
         pb = pb.model_copy(update={"split": "calibrated"})  # `calibrate` always measures and shows the calibrated split
+    if pb.kind == "map":
+        result = asyncio.run(calibrate_map(inv, pb, opts, RichUI(console, show_preflight=False)))
+        if as_json:
+            click.echo(dumps(result))
+            return
+        table = Table(title=f"map calibration: {pb.map.task if pb.map else ''} on {pb.model}, {result['rows']} rows")
+        for col in ("node", "examples/s", "shard", "rows", "share"):
+            table.add_column(col)
+        for row in result["nodes"]:
+            table.add_row(row["name"], f"{row['examples_per_s']:,.2f}", f"[{row['shard'][0]}, {row['shard'][1]})",
+                          str(row["rows"]), f"{100 * row['share']:.1f}%")
+        console.print(table)
+        return
     plan, cals = asyncio.run(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
     result = calibration_to_json(plan, [cals[n.name] for n in inv.nodes])
     if as_json:

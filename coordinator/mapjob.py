@@ -253,6 +253,28 @@ async def measure_rates(fleet: Fleet, pb: Playbook, names: Sequence[str], facts:
     return dict(zip(names, rates, strict=True))
 
 
+async def calibrate_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> dict[str, Any]:
+    """`coordinator calibrate` for a map playbook: each node's examples/s and the shards they give the input."""
+    from coordinator.gather import gather_facts
+
+    async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
+                     accept_new_host_keys=opts.accept_new_host_keys) as fleet:
+        await fleet.connect_all()
+        if fleet.failed:
+            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+        await _provision(fleet, pb, ui)
+        gathered = await gather_facts(fleet, pb)
+        facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+        names = [n.name for n in inv.nodes]
+        total = await count_rows(fleet, pb, names)
+        rates = await measure_rates(fleet, pb, names, facts, opts, ui)
+    shards = compute_shards(total, rates, names)
+    return {"rows": total, "nodes": [{"name": n, "examples_per_s": rates[n], "rows": shards[n][1] - shards[n][0],
+                                      "shard": list(shards[n]), "share": (shards[n][1] - shards[n][0]) / total
+                                      if total else 0.0} for n in names],
+            "split": {n: (shards[n][1] - shards[n][0]) / total if total else 0.0 for n in names}}
+
+
 class MapRun:
     """Runs the work items of every node, watches each node's channel, re-splits a failed node's rows."""
 

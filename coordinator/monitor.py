@@ -266,7 +266,10 @@ class Monitor:
         rates = self.step_rates.get(step, {})
         if len(rates) < len(self.ranks) or len(self.ranks) < 2:
             return []
-        rel = {r: rate / (self.ranks[r].calibrated_tokens_per_s or 1.0) for r, rate in rates.items()}
+        refs = {r: self.ranks[r].calibrated_tokens_per_s or self._own_baseline(r) for r in rates}
+        if any(ref is None for ref in refs.values()):
+            return []  # an uncalibrated rank's own baseline is not known yet
+        rel = {r: rate / (refs[r] or 1.0) for r, rate in rates.items()}
         values = sorted(rel.values())
         ref = _median(values) if len(values) >= 3 else values[-1]
         found: list[Incident] = []
@@ -280,6 +283,16 @@ class Monitor:
                     {"compute_tokens_per_s": round(rates[rank], 1), "calibrated_tokens_per_s": view.calibrated_tokens_per_s,
                      "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps}, "warn", obs.at))
         return found
+
+    def _own_baseline(self, rank: int) -> float | None:
+        """Without a calibration (a fixed split) a rank is compared with itself: the median of its compute rate
+        over its first `straggler_window` steps after the first (which compiles). Comparing raw rates across
+        ranks would call the slower machine of an honest heterogeneous fleet a straggler."""
+        window = self.policy.straggler_window
+        first = sorted(s for s, rates in self.step_rates.items() if rank in rates)
+        if len(first) < window + 1:
+            return None
+        return _median([self.step_rates[s][rank] for s in first[1:window + 1]])
 
     def _outliers(self, step: int, obs: Observation) -> list[Incident]:
         """Robust statistics over the ranks' LOCAL loss and grad norm at one step (median/MAD, needs 3+

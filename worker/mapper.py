@@ -162,17 +162,24 @@ class Generator:
 
 
 class Command:
-    """`python -m MODULE --input IN --output OUT [ARGS]` over each range; OUT has one JSON object per input row."""
+    """`python -m MODULE --input IN --output OUT [ARGS]` over each contiguous run of rows, with the data dir as the
+    working directory (so a module shipped in the data dir, hashed by preflight like the data, is importable).
+    OUT must get one JSON object per input row, in order; lines are passed on as they appear, so a long shard
+    reports progress and loses nothing already written if the node fails."""
+
+    POLL_S = 0.2
 
     def __init__(self, cfg: dict[str, Any], workdir: Path, out: Out) -> None:
         cmd = cfg.get("command") or {}
         self.module, self.args = str(cmd["module"]), [str(a) for a in cmd.get("args", [])]
         self.workdir, self.out = workdir, out
+        self.cwd = Path(os.path.expanduser(cfg["input"])).parent
+        self.max_chunk: int | None = None  # the bench sets one: it must not wait for a whole shard
 
     def results(self, rows: Iterator[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
         chunk: list[tuple[int, Any]] = []
         for item in rows:  # contiguous runs go to the module together
-            if chunk and item[0] != chunk[-1][0] + 1:
+            if chunk and (item[0] != chunk[-1][0] + 1 or (self.max_chunk and len(chunk) >= self.max_chunk)):
                 yield from self._run(chunk)
                 chunk = []
             chunk.append(item)
@@ -182,21 +189,45 @@ class Command:
     def _run(self, chunk: list[tuple[int, Any]]) -> Iterator[dict[str, Any]]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            src, dst = Path(tmp) / "input.jsonl", Path(tmp) / "output.jsonl"
+            src, dst, err = Path(tmp) / "input.jsonl", Path(tmp) / "output.jsonl", Path(tmp) / "stderr.txt"
             src.write_text("".join(json.dumps(row) + "\n" for _, row in chunk), encoding="utf-8")
+            dst.touch()
             argv = [sys.executable, "-m", self.module, "--input", str(src), "--output", str(dst), *self.args]
-            proc = subprocess.run(argv, cwd=self.workdir, capture_output=True, text=True, check=False)
+            with err.open("w") as err_fh, dst.open(encoding="utf-8") as reader:
+                proc = subprocess.Popen(argv, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=err_fh)
+                emitted, pending = 0, ""
+                while True:
+                    finished = proc.poll() is not None  # read after the exit check: nothing written is missed
+                    pending += reader.read()
+                    *lines, pending = pending.split("\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        if emitted >= len(chunk):
+                            proc.kill()
+                            raise MapError(f"`python -m {self.module}` wrote more results than the {len(chunk)} rows")
+                        yield self._result(chunk[emitted][0], line)
+                        emitted += 1
+                    if finished:
+                        break
+                    time.sleep(self.POLL_S)
             if proc.returncode != 0:
-                raise MapError(f"`python -m {self.module}` exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
-            lines = [ln for ln in dst.read_text(encoding="utf-8").splitlines() if ln.strip()] if dst.exists() else []
-            if len(lines) != len(chunk):
-                raise MapError(f"`python -m {self.module}` wrote {len(lines)} results for {len(chunk)} rows")
-            for (index, _), line in zip(chunk, lines):
-                try:
-                    value = json.loads(line)
-                except ValueError as exc:
-                    raise MapError(f"`python -m {self.module}` wrote a line that is not JSON: {exc}") from None
-                yield {**(value if isinstance(value, dict) else {"value": value}), "index": index}
+                tail = err.read_text(encoding="utf-8", errors="replace").strip()[-1500:]
+                raise MapError(f"`python -m {self.module}` exited {proc.returncode}: {tail}")
+            if pending.strip():  # a last line without its newline
+                if emitted >= len(chunk):
+                    raise MapError(f"`python -m {self.module}` wrote more results than the {len(chunk)} rows")
+                yield self._result(chunk[emitted][0], pending)
+                emitted += 1
+            if emitted != len(chunk):
+                raise MapError(f"`python -m {self.module}` wrote {emitted} results for {len(chunk)} rows")
+
+    def _result(self, index: int, line: str) -> dict[str, Any]:
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            raise MapError(f"`python -m {self.module}` wrote a line that is not JSON: {exc}") from None
+        return {**(value if isinstance(value, dict) else {"value": value}), "index": index}
 
 
 def make_task(cfg: dict[str, Any], out: Out) -> Any:
@@ -273,6 +304,8 @@ def _bench(task: Any, path: Path, seconds: float, out: Out) -> None:
             if empty:
                 raise MapError(f"input {path} has no rows")
 
+    if isinstance(task, Command):
+        task.max_chunk = 16
     results = task.results(cycle())
     next(results)
     tic = time.perf_counter()

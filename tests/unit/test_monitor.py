@@ -172,3 +172,31 @@ def test_a_crash_seen_before_a_silent_node_is_found_is_collateral_of_it() -> Non
     assert mon.culprits() == ["b"] and mon.settled(7.2)
     assert [(i.kind, i.node) for i in mon.resolve()] == [("crash", "c")]
     assert {i.node for i in mon.incidents if i.action == "quarantine"} == {"b"}
+
+
+def _steps(mon: Monitor, rates: dict[int, list[float]], start: int = 1) -> list:
+    found = []
+    nodes = {0: "a", 1: "b"}
+    for k in range(len(rates[0])):
+        step = start + k
+        for rank in (0, 1):
+            found += mon.observe(ev(nodes[rank], rank, float(step), event="step", step=step, tokens=10,
+                                    compute_tok_s=rates[rank][k]))
+    return [i for i in found if i.kind == "straggler"]
+
+
+def test_a_rank_far_below_its_calibrated_rate_is_a_straggler() -> None:
+    mon = Monitor.create(PLAN, iters=50, now=0.0)  # calibrated 300 and 100 tok/s
+    started(mon)
+    assert _steps(mon, {0: [300.0] * 8, 1: [100.0] * 8}) == []
+    [inc] = _steps(mon, {0: [300.0] * 6, 1: [40.0] * 6}, start=9)
+    assert (inc.node, inc.rank, inc.action) == ("b", 1, "warn")
+
+
+def test_without_calibration_an_honest_slower_machine_is_no_straggler_but_a_slowdown_is() -> None:
+    plan = [(0, "a", 3, None), (1, "b", 1, None)]  # a fixed split: no calibrated rates
+    mon = Monitor.create(plan, iters=50, now=0.0)
+    started(mon)
+    assert _steps(mon, {0: [900.0] * 12, 1: [100.0] * 12}) == []  # 9x slower all along: its own normal
+    [inc] = _steps(mon, {0: [900.0] * 6, 1: [30.0] * 6}, start=13)
+    assert (inc.node, inc.rank) == ("b", 1)

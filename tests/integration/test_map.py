@@ -1,0 +1,181 @@
+"""`kind: map` jobs over real SSH on network-namespace hosts: shards follow measured throughput (a throttled host
+gets a proportionally smaller one and both finish together), a node killed mid-shard has its unfinished rows
+re-assigned, a killed coordinator's run resumes without redoing gathered rows, and the output is in input order."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import RunCli
+from tests.testbed import TestBed, _netns_pids
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = REPO / "playbooks" / "data" / "smoke"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cgroups import HostCgroups  # noqa: E402
+
+LEN_MODULE = '''
+import argparse, json, time
+ap = argparse.ArgumentParser(); ap.add_argument("--input"); ap.add_argument("--output")
+ap.add_argument("--delay", type=float, default=0.0)
+a = ap.parse_args()
+with open(a.input) as fin, open(a.output, "w") as fout:
+    for line in fin:
+        time.sleep(a.delay)
+        fout.write(json.dumps({"chars": len(json.loads(line)["text"])}) + "\\n")
+        fout.flush()
+'''
+
+
+def make_data(dest: Path, rows: int) -> list[dict]:
+    """`rows` rows cycling through the smoke texts (numbered, so every row is distinct), plus the module."""
+    base = [json.loads(line)["text"] for line in (SMOKE / "train.jsonl").read_text().splitlines()]
+    data = [{"text": f"{base[i % len(base)]} {i}"} for i in range(rows)]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "input.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    (dest / "lenmod.py").write_text(LEN_MODULE)
+    return data
+
+
+def write_playbook(path: Path, data: Path, *, task: dict, split: object = "calibrated", **extra: object) -> Path:
+    doc = {
+        "name": "map-itest", "kind": "map", "model": "/srv/model", "data": "/srv/data",
+        "assets": {"data_from": str(data), "tiny_model": {"layers": 2, "hidden": 64, "seed": 0}},
+        "map": {"input": "input.jsonl", **task}, "split": split, "calibration": {"time_budget": 8},
+        "heartbeat_timeout": 10, **extra,
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def env_for(tmp: Path) -> dict[str, str]:
+    return {"XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
+
+
+def summary_of(proc: subprocess.CompletedProcess[str]) -> dict:
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        pytest.fail(f"no JSON summary (rc {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def check_output(summary: dict, data: list[dict]) -> None:
+    out = [json.loads(line) for line in Path(summary["output"]).read_text().splitlines()]
+    assert [o["index"] for o in out] == list(range(len(data)))
+    assert all(o["chars"] == len(d["text"]) for o, d in zip(out, data, strict=True))
+    manifest = json.loads(Path(summary["manifest"]).read_text())
+    assert manifest["rows"] == len(data) and sum(manifest["rows_by_node"].values()) == len(data)
+
+
+def test_throttled_node_gets_a_proportional_shard_and_both_finish_together(testbed: TestBed, run_cli: RunCli,
+                                                                          tmp_path: Path) -> None:
+    hosts = testbed.add_hosts(2)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
+    make_data(tmp_path / "data", 9000)
+    pb = write_playbook(tmp_path / "pb.yaml", data=tmp_path / "data",
+                        task={"task": "score", "field": "text", "batch_size": 16, "max_seq_length": 64})
+    with HostCgroups(f"{testbed.tag}-{os.getpid()}") as cg:
+        # Each host on its own core (no contention between them), h2 capped at half of it; high weights so other
+        # work on this machine takes little from either.
+        assert hosts[0].pid is not None and hosts[1].pid is not None
+        cg.place("fast", hosts[0].pid, cpus="0", shares=262144)
+        cg.place("slow", hosts[1].pid, cpus="1", quota_us=50_000, shares=262144)
+        proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
+                       env=env_for(tmp_path), timeout=400)
+    summary = summary_of(proc)
+    assert proc.returncode == 0 and summary["state"] == "succeeded", proc.stderr[-4000:]
+    nodes = {n["name"]: n for n in summary["nodes"]}
+    fast, slow = nodes[hosts[0].name], nodes[hosts[1].name]
+    rate_share = slow["examples_per_s_calibrated"] / (slow["examples_per_s_calibrated"] + fast["examples_per_s_calibrated"])
+    assert rate_share < 0.45  # the cap is seen by the calibration
+    assert abs(slow["rows"] - 9000 * rate_share) <= 1  # largest remainder: exact counts
+    assert fast["rows"] + slow["rows"] == 9000 and fast["ranges"] == [[0, fast["rows"]]]
+    assert summary["finish_spread"] is not None and summary["finish_spread"] <= 0.15, summary["nodes"]
+    out = [json.loads(line) for line in Path(summary["output"]).read_text().splitlines()]
+    assert [o["index"] for o in out] == list(range(9000)) and all(o["tokens"] > 0 for o in out)
+
+
+def test_a_node_killed_mid_shard_has_its_rows_reassigned(testbed: TestBed, tmp_path: Path) -> None:
+    hosts = testbed.add_hosts(3)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
+    data = make_data(tmp_path / "data", 450)
+    pb = write_playbook(tmp_path / "pb.yaml", data=tmp_path / "data", split="equal",
+                        task={"task": "command", "command": {"module": "lenmod", "args": ["--delay", "0.03"]}})
+    job = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                            "--run-dir", str(tmp_path / "runs")], cwd=REPO, env={**os.environ, **env_for(tmp_path)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        victim = hosts[1]
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # wait for h2's results to flow, then kill its mapper (and child)
+            parts = list((tmp_path / "runs").glob(f"*/parts/{victim.name}.jsonl"))
+            if parts and len(parts[0].read_text().splitlines()) >= 20:
+                break
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.1)
+        pids = [p for p in _netns_pids([victim.ns])[victim.ns]
+                if b"worker.mapper" in Path(f"/proc/{p}/cmdline").read_bytes() or
+                b"lenmod" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    summary = json.loads(out) if out.strip() else pytest.fail(err[-5000:])
+    assert job.returncode == 0 and summary["state"] == "succeeded", err[-4000:]
+    culprits = [i for i in summary["incidents"] if i["action"] == "quarantine"]
+    assert [i["node"] for i in culprits] == [victim.name] and culprits[0]["kind"] in ("crash", "error")
+    [moved] = summary["reassignments"]
+    assert moved["from"] == victim.name and set(moved["to"]) == {hosts[0].name, hosts[2].name}
+    nodes = {n["name"]: n for n in summary["nodes"]}
+    assert nodes[victim.name]["state"] == "failed" and 20 <= nodes[victim.name]["rows_done"] < 150
+    assert moved["rows"] == 150 - nodes[victim.name]["rows_done"]
+    check_output(summary, data)
+    assert summary["quarantined"] == [victim.name]
+
+
+def test_a_killed_coordinator_resumes_without_redoing_gathered_rows(testbed: TestBed, run_cli: RunCli,
+                                                                   tmp_path: Path) -> None:
+    hosts = testbed.add_hosts(2)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
+    data = make_data(tmp_path / "data", 300)
+    pb = write_playbook(tmp_path / "pb.yaml", data=tmp_path / "data", split="equal",
+                        task={"task": "command", "command": {"module": "lenmod", "args": ["--delay", "0.03"]}})
+    job = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                            "--run-dir", str(tmp_path / "runs")], cwd=REPO, env={**os.environ, **env_for(tmp_path)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            parts = list((tmp_path / "runs").glob("*/parts/*.jsonl"))
+            if sum(len(p.read_text().splitlines()) for p in parts) >= 60:
+                break
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.1)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    [run_dir] = list((tmp_path / "runs").iterdir())
+    gathered = {json.loads(line)["index"] for p in (run_dir / "parts").glob("*.jsonl")
+                for line in p.read_text().splitlines() if line.endswith("}")}
+    assert 60 <= len(gathered) < 300
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
+                   "--resume", run_dir.name, env=env_for(tmp_path), timeout=300)
+    summary = summary_of(proc)
+    assert proc.returncode == 0 and summary["state"] == "succeeded", proc.stderr[-4000:]
+    plan = json.loads((run_dir / "map.json").read_text())
+    redo = {i for ranges in plan["shards"].values() for a, b in ranges for i in range(a, b)}
+    assert plan["resumed"] and redo.isdisjoint(gathered) and redo | gathered >= set(range(300))
+    check_output(summary, data)
