@@ -306,12 +306,18 @@ def _text(value: object) -> str:
 
 async def _merge_lines(out: AsyncIterable[Any], err: AsyncIterable[Any], timeout: float) -> AsyncIterator[tuple[str, str]]:
     """Interleave the lines of stdout and stderr (str from asyncssh, bytes from asyncio) as they arrive, until
-    both end; TimeoutError past `timeout` seconds in all."""
-    queue: asyncio.Queue[tuple[str, str] | None] = asyncio.Queue()
+    both end; TimeoutError past `timeout` seconds in all. A reader that fails (asyncssh raises ConnectionLost
+    when the connection drops) ends the merge with its exception: a pump that died silently would leave the
+    caller waiting forever for a stream whose node is gone."""
+    queue: asyncio.Queue[tuple[str, str] | BaseException | None] = asyncio.Queue()
 
     async def pump(name: str, reader: AsyncIterable[Any]) -> None:
-        async for line in reader:
-            await queue.put((name, _text(line)))
+        try:
+            async for line in reader:
+                await queue.put((name, _text(line)))
+        except (asyncssh.Error, OSError) as exc:
+            await queue.put(exc)
+            return
         await queue.put(None)
 
     tasks = [asyncio.create_task(pump("stdout", out)), asyncio.create_task(pump("stderr", err))]
@@ -322,6 +328,8 @@ async def _merge_lines(out: AsyncIterable[Any], err: AsyncIterable[Any], timeout
             item = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
             if item is None:
                 done += 1
+            elif isinstance(item, BaseException):
+                raise item
             else:
                 yield item
     finally:

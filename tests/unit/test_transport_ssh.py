@@ -147,3 +147,37 @@ def test_stream_yields_lines_then_exit(tmp_path: Path, keys) -> None:
             await server.close()
 
     asyncio.run(go())
+
+
+class _DroppingServer(SshTestServer):
+    """Writes one line, then the whole connection drops (the node's sshd and sessions die)."""
+
+    async def _handle(self, process: asyncssh.SSHServerProcess) -> None:
+        if process.command != "follow":
+            await super()._handle(process)  # the connection check
+            return
+        process.stdout.write("tick\n")
+        await asyncio.sleep(0.2)
+        process.channel.get_connection().abort()
+
+
+def test_a_dropped_connection_ends_a_stream_at_once(tmp_path: Path, keys) -> None:
+    """A follower must learn that its node is gone when the connection drops, not at the heartbeat timeout."""
+    async def go() -> None:
+        server = await _DroppingServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        t = SshTransport(node_for(server, keys[1], known))
+        lines = []
+        try:
+            await t.connect()
+            with pytest.raises(TransportError, match="failed"):
+                async with asyncio.timeout(10):
+                    async for kind, line in t.stream(["follow"], timeout=3600):
+                        lines.append((kind, line))
+        finally:
+            await t.close()
+            await server.close()
+        assert lines == [("stdout", "tick\n")]
+
+    asyncio.run(go())
