@@ -8,7 +8,7 @@ imports mlx (importing it is slow; versions come from package metadata). It is a
 
 Input: at most one argv argument, a JSON object; every key is optional:
     {"hash_dirs": ["/srv/model", "~/data"],       dirs whose regular files are hashed (`~` = node user's home)
-     "peers": [{"name": "h2", "ip": "10.1.2.3", "port": 22}],   TCP-reachability targets (port defaults to 22)
+     "peers": [{"name": "h2", "ip": "10.1.2.3", "port": 22}],   reachability targets (ICMP echo, else TCP port, 22)
      "cache": "~/.cache/mlx-coordinator/sha256.json",           hash cache file; null or "" disables it
      "model_dir": "/srv/model",                   dir with config.json and *.safetensors
      "jobs": 0,                                   hashing threads; 0 = min(8, cpu count)
@@ -23,7 +23,8 @@ Output: exactly one JSON object (ASCII) on stdout; diagnostics and progress go t
                  "files": [{"path": "sub/f.json" (relative, "/"-separated, sorted), "size": int, "sha256": hex}],
                  "error": str | null,                             unreadable files / unlistable dirs, by name
                  "cached_files": int, "hashed_bytes": int}],      answered from the cache / bytes read now
-     "reach": [{"peer": str, "ip": str, "ok": bool, "rtt_ms": float | null, "error": str | null}],
+     "reach": [{"peer": str, "ip": str, "ok": bool, "rtt_ms": float | null, "error": str | null,
+                "method": "icmp" | "tcp" | null}],
      "model": {"config": object | null, "params": int | null, "error": str | null}}
 `hashes` is one entry per `hash_dirs` item, in order; it is absent only if hashing failed in an unexpected
 way (the reason is in `errors`), so that a crash can never look like an empty, matching dir. Nothing raises
@@ -40,6 +41,7 @@ import os
 import selectors
 import socket
 import stat
+import struct
 import sys
 import tempfile
 import threading
@@ -446,16 +448,71 @@ def _connect(family: int, address: Any, timeout: float) -> int | None:
         sock.close()
 
 
-def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-    """One `reach` entry: can THIS node open a TCP connection to the peer's ip:port?
+ICMP_WAIT_S = 0.5  # a LAN answers an echo in well under a millisecond; no answer -> the TCP fallback decides
 
-    Connected or refused both prove the address answers (refused is a RST from the peer's kernel): ok true
+
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = int(sum(struct.unpack(f"!{len(data) // 2}H", data)))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def icmp_echo(ip: str, wait: float = ICMP_WAIT_S) -> float | None:
+    """Round-trip ms of one ICMP echo to an IPv4 address, or None (no ICMP socket here, or no answer in time).
+
+    Why ICMP first: the peer's kernel answers it, whereas a TCP connect to port 22 makes the peer's sshd fork and
+    exec a process, and every node probes every other (N^2 forks, which dominate preflight on a large fleet).
+    Like ping(8): a datagram ICMP socket where the OS allows it (macOS; Linux within net.ipv4.ping_group_range),
+    else a raw socket (root). No answer proves nothing (macOS stealth mode drops echoes): the caller falls back
+    to TCP. The reply is matched by a random payload, so concurrent probes never take each other's replies."""
+    sock = None
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):
+        try:
+            sock = socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP)
+            break
+        except OSError:
+            continue
+    if sock is None:
+        return None
+    token = os.urandom(12)
+    header = struct.pack("!BBHHH", 8, 0, 0, int.from_bytes(token[:2], "big"), 1)
+    packet = struct.pack("!BBHHH", 8, 0, _checksum(header + token), int.from_bytes(token[:2], "big"), 1) + token
+    try:
+        started = time.perf_counter()
+        sock.sendto(packet, (ip, 0))
+        deadline = started + wait
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            sock.settimeout(left)
+            data, addr = sock.recvfrom(2048)
+            if addr[0] != ip:
+                continue
+            if data and data[0] >> 4 == 4:  # an IP header first (raw sockets; datagram sockets on macOS)
+                data = data[(data[0] & 0x0F) * 4:]
+            if len(data) >= 8 + len(token) and data[0] == 0 and data[8:8 + len(token)] == token:
+                return (time.perf_counter() - started) * 1000
+    except OSError:  # timeout, unreachable, not permitted
+        return None
+    finally:
+        sock.close()
+
+
+def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """One `reach` entry: does the peer's address answer THIS node?
+
+    An ICMP echo reply proves it at no cost to the peer (`icmp_echo`). Otherwise a TCP connection to ip:port:
+    connected or refused both prove the address answers (refused is a RST from the peer's kernel): ok true
     with the round-trip time. Timeout, no route, unreachable, bad address: ok false with the reason.
     """
     if not isinstance(peer, dict):
         return {"peer": str(peer), "ip": "", "ok": False, "rtt_ms": None, "error": "bad peer spec (not an object)"}
     name, ip, port = str(peer.get("name") or peer.get("ip") or "?"), str(peer.get("ip") or ""), peer.get("port", 22)
-    out: dict[str, Any] = {"peer": name, "ip": ip, "ok": False, "rtt_ms": None, "error": None}
+    out: dict[str, Any] = {"peer": name, "ip": ip, "ok": False, "rtt_ms": None, "error": None, "method": None}
     if port is None:
         port = 22
     if not ip:
@@ -473,6 +530,12 @@ def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
         out["error"] = f"cannot resolve {ip}"
         return out
     family, _, _, _, address = infos[0]
+    if family == socket.AF_INET:
+        rtt = icmp_echo(str(address[0]), min(ICMP_WAIT_S, timeout))
+        if rtt is not None:
+            out.update(ok=True, rtt_ms=round(rtt, 3), method="icmp")
+            return out
+    out["method"] = "tcp"
     started = time.perf_counter()
     rc = _connect(family, address, timeout)
     elapsed_ms = (time.perf_counter() - started) * 1000

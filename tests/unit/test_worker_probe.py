@@ -458,6 +458,25 @@ def closed_port() -> int:
     return port
 
 
+@pytest.fixture
+def tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TCP path: as if no ICMP echo came back (no ICMP socket here, or a firewall drops echoes)."""
+    monkeypatch.setattr(probe, "icmp_echo", lambda ip, wait=probe.ICMP_WAIT_S: None)
+
+
+def test_reach_answers_by_icmp_when_the_peer_echoes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(probe, "_connect", lambda family, address, timeout: pytest.fail("TCP used"))
+    r = probe.reach_peer({"name": "h2", "ip": "127.0.0.1", "port": 22}, 2.0)
+    assert (r["ok"], r["method"], r["error"]) == (True, "icmp", None) and r["rtt_ms"] >= 0
+
+
+def test_an_icmp_echo_is_matched_by_its_own_payload() -> None:
+    rtt = probe.icmp_echo("127.0.0.1")
+    assert rtt is not None and rtt >= 0  # root here: a raw socket at worst
+    assert probe._checksum(b"\x08\x00\x00\x00\x12\x34\x00\x01") == 0xE5CA  # RFC 1071 by hand
+
+
+@pytest.mark.usefixtures("tcp_only")
 def test_reach_listening_port_is_ok(listener: socket.socket) -> None:
     r = probe.reach_peer({"name": "h2", "ip": "127.0.0.1", "port": listener.getsockname()[1]}, 2.0)
     assert r["peer"] == "h2" and r["ip"] == "127.0.0.1"
@@ -465,11 +484,13 @@ def test_reach_listening_port_is_ok(listener: socket.socket) -> None:
     assert isinstance(r["rtt_ms"], float) and r["rtt_ms"] >= 0
 
 
+@pytest.mark.usefixtures("tcp_only")
 def test_reach_refused_port_is_ok_the_ip_answered() -> None:
     r = probe.reach_peer({"name": "h3", "ip": "127.0.0.1", "port": closed_port()}, 2.0)
     assert r["ok"] is True and r["error"] is None and isinstance(r["rtt_ms"], float)
 
 
+@pytest.mark.usefixtures("tcp_only")
 def test_reach_timeout_on_a_full_accept_queue() -> None:
     # A real "no answer" without leaving 127.0.0.1: Linux drops SYNs for a listener whose accept queue is full.
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -493,6 +514,7 @@ def test_reach_timeout_on_a_full_accept_queue() -> None:
     assert r["rtt_ms"] is None and r["error"].startswith("timed out after 0.3 s")
 
 
+@pytest.mark.usefixtures("tcp_only")
 @pytest.mark.parametrize(
     ("rc", "expect"),
     [(None, "timed out after 2 s"), (errno.EHOSTUNREACH, "EHOSTUNREACH"), (errno.ENETUNREACH, "ENETUNREACH"),
@@ -523,7 +545,7 @@ def test_reach_through_the_script_keeps_order(listener: socket.socket) -> None:
     rc, out, _ = run_script({"peers": peers, "timeout": 2.0})
     assert rc == 0
     assert [(r["peer"], r["ok"]) for r in out["reach"]] == [("up", True), ("refused", True), ("bad", False)]
-    assert set(out["reach"][0]) == {"peer", "ip", "ok", "rtt_ms", "error"}
+    assert set(out["reach"][0]) == {"peer", "ip", "ok", "rtt_ms", "error", "method"}
 
 
 # ---------------------------------------------------------------------------------------------- model
