@@ -23,8 +23,7 @@ from coordinator.assets import provision
 from coordinator.calibrate import BenchSpec, calibrate, calibration_to_json, fingerprint_from_facts
 from coordinator.chaos import Chaos
 from coordinator.checks import evaluate_preflight
-from coordinator.checks.context import CheckContext
-from coordinator.checks.model import manifest_digest, node_manifest
+from coordinator.checks.context import CheckContext, manifest_digest, node_manifest
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import gather_facts

@@ -28,7 +28,7 @@ assert tuple(["ssh", *FACT_CHECKS]) == CHECK_IDS
 
 
 def evaluate_node(ctx: CheckContext, name: str, skip: frozenset[str] = frozenset()) -> tuple[CheckResult, ...]:
-    node = next(n for n in ctx.nodes if n.name == name)
+    node = ctx.node_by_name[name]
     results = [check_ssh(ctx, node) if "ssh" not in skip else _skipped("ssh", name)]
     facts = ctx.facts.get(name)
     reachable = not isinstance(ctx.connect.get(name), TransportError) and ctx.connect.get(name) is not None

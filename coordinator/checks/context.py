@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TypeVar
 
 from coordinator.errors import TransportError
@@ -15,6 +17,34 @@ from coordinator.topology import Link, compute_links
 from coordinator.transport import ConnectInfo
 
 K = TypeVar("K", bound=Hashable)
+
+Manifest = dict[str, str]  # "model/<rel>" | "data/<rel>" -> sha256
+
+
+def node_manifest(facts: NodeFacts, labels: tuple[str, ...]) -> tuple[Manifest, list[str], int]:
+    """(manifest, problems such as missing dirs, total bytes) for the node's hashed dirs."""
+    manifest: Manifest = {}
+    problems: list[str] = []
+    total = 0
+    for label, dh in zip(labels, facts.hashes or (), strict=False):
+        if not dh.exists:
+            problems.append(f"{label} dir {dh.path} is missing")
+            continue
+        if dh.error:
+            problems.append(f"{label} dir {dh.path}: {dh.error}")
+        if not dh.files:
+            problems.append(f"{label} dir {dh.path} is empty")
+        for f in dh.files:
+            manifest[f"{label}/{f.path}"] = f.sha256
+            total += f.size
+    return manifest, problems, total
+
+
+def manifest_digest(manifest: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(manifest):
+        h.update(f"{manifest[path]}  {path}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -46,6 +76,57 @@ class CheckContext:
     @property
     def names(self) -> list[str]:
         return [n.name for n in self.nodes]
+
+    # Fleet-wide values every node's check compares itself with: computed once per context, not once per node
+    # (a per-node recomputation made preflight quadratic in the fleet size).
+
+    @cached_property
+    def node_by_name(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def links_by_pair(self) -> dict[tuple[str, str], list[Link]]:
+        out: dict[tuple[str, str], list[Link]] = {}
+        for link in self.links:
+            out.setdefault((link.src, link.dst), []).append(link)
+        return out
+
+    @cached_property
+    def links_from(self) -> dict[str, list[Link]]:
+        out: dict[str, list[Link]] = {}
+        for link in self.links:
+            out.setdefault(link.src, []).append(link)
+        return out
+
+    @cached_property
+    def macos_builds(self) -> dict[str, str]:
+        return {n: f.os.build for n, f in self.facts.items() if f.os is not None and f.os.is_macos and f.os.build}
+
+    @cached_property
+    def mlx_versions(self) -> dict[str, tuple[str, str]]:
+        return {n: (f.software.mlx_version, f.software.mlx_lm_version) for n, f in self.facts.items()
+                if f.software is not None and f.software.mlx_version and f.software.mlx_lm_version}
+
+    @cached_property
+    def mlx_majority(self) -> tuple[tuple[str, str] | None, frozenset[str]]:
+        ref, odd = majority(self.mlx_versions)
+        return ref, frozenset(odd)
+
+    @cached_property
+    def fleet_manifests(self) -> tuple[dict[str, Manifest], dict[str, str]]:
+        """Every node's manifest of the playbook's hashed dirs (nodes whose dirs are complete) and its digest."""
+        labels = tuple(label for label, _ in self.playbook.hashed_dirs()) if self.playbook else ()
+        manifests: dict[str, Manifest] = {}
+        for name, f in self.facts.items():
+            m, problems, _ = node_manifest(f, labels)
+            if not problems and f.hashes is not None:
+                manifests[name] = m
+        return manifests, {name: manifest_digest(m) for name, m in manifests.items()}
+
+    @cached_property
+    def python_minors(self) -> dict[str, str]:
+        return {n: ".".join(f.software.python_version.split(".")[:2]) for n, f in self.facts.items()
+                if f.software is not None and f.software.python_version}
 
 
 def majority(values: Mapping[str, K]) -> tuple[K | None, list[str]]:

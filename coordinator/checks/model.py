@@ -8,40 +8,11 @@ that disagree) every disagreeing node fails: we cannot tell which copy is right.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
-from coordinator.checks.context import CheckContext, fact_error_result, majority
+from coordinator.checks.context import CheckContext, fact_error_result, majority, manifest_digest, node_manifest
 from coordinator.facts.model import NodeFacts
 from coordinator.models import CheckResult, Node, Status
-
-Manifest = dict[str, str]  # "model/<rel>" | "data/<rel>" -> sha256
-
-
-def node_manifest(facts: NodeFacts, labels: tuple[str, ...]) -> tuple[Manifest, list[str], int]:
-    """(manifest, problems such as missing dirs, total bytes) for the node's hashed dirs."""
-    manifest: Manifest = {}
-    problems: list[str] = []
-    total = 0
-    for label, dh in zip(labels, facts.hashes or (), strict=False):
-        if not dh.exists:
-            problems.append(f"{label} dir {dh.path} is missing")
-            continue
-        if dh.error:
-            problems.append(f"{label} dir {dh.path}: {dh.error}")
-        if not dh.files:
-            problems.append(f"{label} dir {dh.path} is empty")
-        for f in dh.files:
-            manifest[f"{label}/{f.path}"] = f.sha256
-            total += f.size
-    return manifest, problems, total
-
-
-def manifest_digest(manifest: Mapping[str, str]) -> str:
-    h = hashlib.sha256()
-    for path in sorted(manifest):
-        h.update(f"{manifest[path]}  {path}\n".encode())
-    return h.hexdigest()
 
 
 def diff_manifests(mine: Mapping[str, str], ref: Mapping[str, str]) -> dict[str, list[str]]:
@@ -96,12 +67,7 @@ def check_model(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
                                copy, evidence)
         return CheckResult("model", node.name, Status.PASS,
                            f"{len(mine)} files ({total / 1e9:.2f} GB) match the reference manifest", evidence=evidence)
-    manifests: dict[str, Manifest] = {}
-    for name, f in ctx.facts.items():
-        m, probs, _ = node_manifest(f, labels)
-        if not probs and f.hashes is not None:
-            manifests[name] = m
-    digests = {name: manifest_digest(m) for name, m in manifests.items()}
+    manifests, digests = ctx.fleet_manifests
     ref_digest, odd = majority(digests)
     if node.name not in odd:
         agree = sum(1 for d in digests.values() if d == digests.get(node.name))

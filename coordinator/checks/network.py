@@ -7,7 +7,7 @@ from typing import Any
 from coordinator.checks.context import CheckContext, fact_error_result
 from coordinator.facts.model import NodeFacts
 from coordinator.models import CheckResult, Node, Status
-from coordinator.topology import Link, links_between, required_pairs
+from coordinator.topology import Link, required_pairs
 
 RDMA_BACKENDS = ("jaccl", "jaccl-ring", "auto")
 TB5_GBPS = 80.0
@@ -18,8 +18,8 @@ RECOVERY_STEPS = (
 )
 
 
-def _peer_links(ctx: CheckContext, node: Node) -> dict[str, list[Link]]:
-    return {peer: links_between(list(ctx.links), node.name, peer) for peer in ctx.names if peer != node.name}
+def _peer_links(ctx: CheckContext, node: Node, peer: str) -> list[Link]:
+    return ctx.links_by_pair.get((node.name, peer), [])
 
 
 def _required_peers(ctx: CheckContext, node: Node) -> list[str]:
@@ -65,7 +65,7 @@ def check_rdma(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
     problems: list[str] = []
     checked: dict[str, str] = {}
     for peer in _required_peers(ctx, node):
-        links = _peer_links(ctx, node)[peer]
+        links = _peer_links(ctx, node, peer)
         if not links:
             continue  # the thunderbolt check reports the missing cable
         for link in links:
@@ -94,18 +94,33 @@ def check_rdma(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
 # --- thunderbolt ---------------------------------------------------------------------------------------------
 
 
+REACH_DETAIL_PEERS = 32  # above this many peers the evidence summarises the reachable ones
+
+
 def _reachability(ctx: CheckContext, node: Node, facts: NodeFacts) -> tuple[list[str], dict[str, Any]]:
+    """(unreachable peers described, evidence): per peer {ip, ok, rtt_ms} for up to REACH_DETAIL_PEERS peers;
+    for a larger fleet (every node probes every other: N^2 entries in a report) the unreachable peers in full
+    and the reachable ones as a count and round-trip statistics."""
     wanted = {peer.name: peer.data_ip for peer in ctx.nodes if peer.name != node.name}
     got = {r.peer: r for r in facts.reach or ()}
     unreachable: list[str] = []
     evidence: dict[str, Any] = {}
+    rtts: list[float] = []
     for peer, ip in wanted.items():
         r = got.get(peer)
         if r is None:
             unreachable.append(f"{peer} ({ip}): not probed")
         elif not r.ok:
             unreachable.append(f"{peer} ({ip}): {r.error}")
-        evidence[peer] = {"ip": ip, "ok": bool(r and r.ok), "rtt_ms": r.rtt_ms if r else None}
+        elif r.rtt_ms is not None:
+            rtts.append(r.rtt_ms)
+        if len(wanted) <= REACH_DETAIL_PEERS or r is None or not r.ok:
+            evidence[peer] = {"ip": ip, "ok": bool(r and r.ok), "rtt_ms": r.rtt_ms if r else None}
+    if len(wanted) > REACH_DETAIL_PEERS:
+        rtts.sort()
+        evidence = {"peers": len(wanted), "reached": len(wanted) - len(unreachable),
+                    "rtt_ms_median": rtts[len(rtts) // 2] if rtts else None, "rtt_ms_max": rtts[-1] if rtts else None,
+                    "unreachable": evidence}
     return unreachable, evidence
 
 
@@ -136,7 +151,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
         links_ev: dict[str, Any] = {}
         unknown: list[str] = []
         for peer in _required_peers(ctx, node):
-            links = _peer_links(ctx, node)[peer]
+            links = _peer_links(ctx, node, peer)
             links_ev[peer] = [{"receptacle": lk.port.receptacle, "interface": lk.interface,
                                "speed_gbps": lk.speed_gbps} for lk in links]
             peer_facts = ctx.facts.get(peer)
@@ -168,7 +183,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
                                "unknown", f"fix the probe on {', '.join(unknown)} (see its facts errors) and rerun",
                                evidence)
         bridge = next((i for i in facts.interfaces or () if i.name == "bridge0"), None)
-        tb_ifaces = {lk.interface for lk in ctx.links if lk.src == node.name and lk.interface}
+        tb_ifaces = {lk.interface for lk in ctx.links_from.get(node.name, []) if lk.interface}
         if bridge is not None and bridge.up and (bridge.active is not False) and set(bridge.members) & tb_ifaces:
             fails.append(f"Thunderbolt Bridge (bridge0) is active over {', '.join(sorted(set(bridge.members) & tb_ifaces))}")
             remedies.append("disable Thunderbolt Bridge: System Settings > Network > Thunderbolt Bridge > Inactive "
@@ -181,7 +196,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
         if port == "Wi-Fi":
             warns.append(f"data-plane IP {node.data_ip} is on Wi-Fi ({data_iface}): expect a slow ring")
             remedies.append("put the data plane on Thunderbolt or Ethernet (`ips:` in the inventory)")
-        slow = [lk for lk in ctx.links if lk.src == node.name and lk.interface == data_iface
+        slow = [lk for lk in ctx.links_from.get(node.name, []) if lk.interface == data_iface
                 and lk.speed_gbps is not None and lk.speed_gbps < TB5_GBPS]
         if slow:
             warns.append(f"data plane on a {slow[0].speed_gbps:g} Gb/s Thunderbolt link ({data_iface}): Thunderbolt 4")
@@ -190,7 +205,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
         return CheckResult("thunderbolt", node.name, Status.FAIL, "; ".join(fails + warns), "; ".join(remedies), evidence)
     if warns:
         return CheckResult("thunderbolt", node.name, Status.WARN, "; ".join(warns), "; ".join(remedies), evidence)
-    peers = len(reach_ev)
+    peers = len(ctx.nodes) - 1
     kind = "Thunderbolt 5 links and " if is_mac and ctx.backend in ("jaccl", "jaccl-ring") else ""
     return CheckResult("thunderbolt", node.name, Status.PASS,
                        f"{kind}data plane reaches all {peers} peer(s)", evidence=evidence)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.checks.context import CheckContext, fact_error_result, majority
+from coordinator.checks.context import CheckContext, fact_error_result
 from coordinator.errors import TransportError
 from coordinator.facts.model import NodeFacts, version_tuple
 from coordinator.models import CheckResult, Connection, Node, Status
@@ -85,7 +85,7 @@ def check_os(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
         return CheckResult("os", node.name, Status.FAIL,
                            f"macOS {os_.version}: RDMA over Thunderbolt ({backend}) needs macOS {_v(MIN_MACOS_JACCL)}+",
                            "update macOS to 26.2 or later, or use `backend: ring`", evidence)
-    builds = {n: f.os.build for n, f in ctx.facts.items() if f.os is not None and f.os.is_macos and f.os.build}
+    builds = ctx.macos_builds
     if len(set(builds.values())) > 1:
         evidence["builds"] = builds
         return CheckResult("os", node.name, Status.WARN,
@@ -123,9 +123,8 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} < {_v(MIN_MLX)} (launcher and ring lost-peer fixes)",
                            f'{sw.python} -m pip install -U "mlx>=0.32.1"', evidence)
-    versions = {n: (f.software.mlx_version, f.software.mlx_lm_version) for n, f in ctx.facts.items()
-                if f.software is not None and f.software.mlx_version and f.software.mlx_lm_version}
-    ref, odd = majority(versions)
+    versions = ctx.mlx_versions
+    ref, odd = ctx.mlx_majority
     if node.name in odd:
         evidence["fleet"] = {n: {"mlx": v[0], "mlx_lm": v[1]} for n, v in versions.items()}
         others = ", ".join(f"{n}: mlx {v[0]} / mlx-lm {v[1]}" for n, v in sorted(versions.items()) if n != node.name)
@@ -133,8 +132,7 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the fleet ({others})",
                            f"{sw.python} -m pip install {target}" if ref else f"install {target}", evidence)
-    minors = {n: ".".join(f.software.python_version.split(".")[:2]) for n, f in ctx.facts.items()
-              if f.software is not None and f.software.python_version}
+    minors = ctx.python_minors
     if len(set(minors.values())) > 1:
         evidence["python_minors"] = minors
         return CheckResult("software", node.name, Status.WARN,

@@ -776,9 +776,20 @@ def test_model_without_hashes_is_an_error_and_without_playbook_a_skip() -> None:
     assert results[("mbp", "model")].status is S and "no playbook" in results[("mbp", "model")].summary
 
 
-def test_model_of_a_map_job_hashes_only_the_model_dir() -> None:
-    pb = parse_playbook({"name": "embed", "kind": "map", "model": MODEL_DIR, "backend": "ring"}, path="p.yaml")
-    run_case(PAIR, pb, [("mbp", "model", P, ("3 files",), ()), ("mbp", "resources", P, (), ())])
+def test_model_of_a_map_job_hashes_the_model_and_the_data_that_holds_its_input() -> None:
+    pb = parse_playbook({"name": "embed", "kind": "map", "model": MODEL_DIR, "data": DATA_DIR, "backend": "ring"},
+                        path="p.yaml")
+    assert [label for label, _ in pb.hashed_dirs()] == ["model", "data"]
+    run_case(PAIR, pb, [("mbp", "model", P, ("5 files",), ()), ("mbp", "resources", P, (), ())])
+
+
+def test_a_dpo_reference_model_is_hashed_as_a_third_dir() -> None:
+    pb = parse_playbook({"name": "p", "model": MODEL_DIR, "data": DATA_DIR,
+                         "train": {"method": "dpo", "dpo": {"reference": "/srv/ref"}}}, path="p.yaml")
+    assert pb.hashed_dirs() == (("model", MODEL_DIR), ("data", DATA_DIR), ("reference", "/srv/ref"))
+    same = parse_playbook({"name": "p", "model": MODEL_DIR, "data": DATA_DIR, "train": {"method": "dpo"}},
+                          path="p.yaml")
+    assert [label for label, _ in same.hashed_dirs()] == ["model", "data"]  # the reference is the model itself
 
 
 # =================================================================================================== resources
@@ -1022,3 +1033,20 @@ def test_evaluate_node_matches_the_report() -> None:
     ctx = build_ctx(PAIR, playbook())
     report = evaluate_preflight(ctx)
     assert evaluate_node(ctx, "studio") == report.nodes[1][1]
+
+
+def test_reach_evidence_of_a_large_fleet_is_a_summary_with_the_failures_in_full() -> None:
+    from coordinator.checks.context import CheckContext
+    from coordinator.checks.network import REACH_DETAIL_PEERS, _reachability
+    from coordinator.facts.model import Reach
+
+    n = REACH_DETAIL_PEERS + 8
+    nodes = tuple(Node(name=f"n{i}", host=f"10.9.0.{i + 1}") for i in range(n))
+    reach = tuple(Reach(peer=f"n{i}", ip=f"10.9.0.{i + 1}", ok=i != 5, rtt_ms=0.2 + i / 100 if i != 5 else None,
+                        error=None if i != 5 else "timed out") for i in range(1, n))
+    facts = type("F", (), {"reach": reach})()
+    ctx = CheckContext(nodes, {}, {}, None)
+    unreachable, ev = _reachability(ctx, nodes[0], facts)  # type: ignore[arg-type]
+    assert unreachable == ["n5 (10.9.0.6): timed out"]
+    assert ev["peers"] == n - 1 and ev["reached"] == n - 2 and set(ev["unreachable"]) == {"n5"}
+    assert ev["rtt_ms_median"] is not None and ev["rtt_ms_max"] == pytest.approx(0.2 + (n - 1) / 100)
