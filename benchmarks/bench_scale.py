@@ -600,6 +600,8 @@ def bench(args: argparse.Namespace) -> int:
                             work, "cprofile", servers, names)
                 prof_text.append(f"cProfile run: {s.reached}/{len(names)} nodes reached, wall {s.wall:.1f} s.\n\n"
                                  + cprofile_table(prof_out, args.cprofile))
+                if args.keep_prof:
+                    shutil.copyfile(prof_out, args.keep_prof)
         finally:
             servers.close()
     info["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -667,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true", help="also time each phase in-process through the API")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="also one cProfile'd run: top N functions")
     parser.add_argument("--py-spy", type=int, default=0, metavar="N", help="also one py-spy'd run: top N functions")
+    parser.add_argument("--keep-prof", metavar="FILE", help="with --cprofile: keep the raw profile here (pstats)")
     parser.add_argument("--fd-limit", type=int, default=0, metavar="L", help="also one run with `ulimit -n L`")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--listeners", type=int, default=0, help=argparse.SUPPRESS)
