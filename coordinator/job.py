@@ -46,6 +46,7 @@ from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, pe
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
 from coordinator.quarantine import QuarantineStore
+from coordinator.shards import MapRow
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 
@@ -61,6 +62,7 @@ class JobUI(Protocol):
     def preflight(self, report: PreflightReport) -> None: ...
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None: ...
     def progress(self, monitor: Monitor, now: float) -> None: ...
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None: ...
 
 
 class QuietUI:
@@ -74,6 +76,9 @@ class QuietUI:
         return None
 
     def progress(self, monitor: Monitor, now: float) -> None:
+        return None
+
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         return None
 
 

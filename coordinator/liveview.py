@@ -4,7 +4,7 @@ heartbeat, ETA. Also the text printed when stdout is not a terminal (one line ev
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rich.console import Console
 from rich.live import Live
@@ -14,6 +14,7 @@ from coordinator.models import PreflightReport
 from coordinator.monitor import Monitor
 from coordinator.plan import NodeCalibration, Plan, format_split
 from coordinator.render import render_preflight
+from coordinator.shards import MapRow
 
 PLAIN_EVERY_S = 5.0
 
@@ -41,6 +42,19 @@ def build_table(mon: Monitor, now: float) -> Table:
                       rate, mem, beat)
     for inc in mon.incidents[-5:]:
         table.caption = (table.caption or "") + f"\n[red]{inc.kind}[/red] on {inc.node} rank {inc.rank}: {inc.evidence}"
+    return table
+
+
+def build_map_table(rows: Sequence[MapRow]) -> Table:
+    done, total = sum(r.done for r in rows), sum(r.rows for r in rows)
+    etas = [r.eta_s for r in rows if r.eta_s is not None]
+    table = Table(title=f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}", title_justify="left")
+    for col in ("node", "state", "rows", "rows/s (calibrated)", "ETA", "last word"):
+        table.add_column(col, justify="right" if col in ("rows", "ETA") else "left")
+    for r in rows:
+        rate = "-" if r.rows_per_s is None else f"{r.rows_per_s:,.1f}"
+        table.add_row(r.node, r.state, f"{r.done}/{r.rows}", f"{rate} ({r.calibrated_per_s:,.1f})", _fmt_s(r.eta_s),
+                      "-" if r.silent_s is None else f"{r.silent_s:.1f}s ago")
     return table
 
 
@@ -85,6 +99,18 @@ class RichUI:
             loss = next((v.loss for v in mon.ranks.values() if v.loss is not None), None)
             self.console.print(f"step {mon.step()}/{mon.iters} loss {loss if loss is None else round(loss, 4)} "
                                f"[{ranks}] ETA {_fmt_s(mon.eta_s(now))}")
+
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
+        if self.console.is_terminal:
+            if self.live is None:
+                self.live = Live(build_map_table(rows), console=self.console, refresh_per_second=4, transient=False)
+                self.live.start()
+            else:
+                self.live.update(build_map_table(rows))
+        elif now - self._last_plain >= PLAIN_EVERY_S:
+            self._last_plain = now
+            self.console.print("  ".join(f"{r.node} {r.done}/{r.rows}" + (f" ({r.rows_per_s:.1f}/s)" if r.rows_per_s
+                                                                           else "") + f" {r.state}" for r in rows))
 
     def close(self) -> None:
         if self.live is not None:

@@ -36,13 +36,13 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Incident
 from coordinator.playbook import Playbook
 from coordinator.quarantine import QuarantineStore
-from coordinator.shards import Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
+from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
 
 MAP_CACHE_SCHEMA = 1
 TICK_S = 0.5
-VIEW_EVERY_S = 2.0
+VIEW_EVERY_S = 0.5
 
 _COUNT_ROWS = (
     "import os, sys\n"
@@ -389,11 +389,14 @@ class MapRun:
                     self._failed(w, fault)
             if now - last_view >= VIEW_EVERY_S:
                 last_view = now
-                self.ui.message("  ".join(f"{w.name} {len(w.received)}/{w.rows}"
-                                          + (f" ({w.rows_per_s:.1f}/s)" if w.rows_per_s else "") + f" {w.state}"
-                                          for w in self.work.values()))
+                self.ui.map_progress(self.rows(now), now)
             if not self.tasks:
+                self.ui.map_progress(self.rows(now), now)
                 return
+
+    def rows(self, now: float) -> list[MapRow]:
+        return [MapRow(w.name, w.state, len(w.received), w.rows, w.rows_per_s, w.rate,
+                       None if w.started_at is None else now - w.last_line_at) for w in self.work.values()]
 
     def _failed(self, w: NodeWork, fault: Incident) -> None:
         w.state = "failed"

@@ -49,6 +49,7 @@ from coordinator.job import JobUI
 from coordinator.models import PreflightReport
 from coordinator.monitor import Monitor
 from coordinator.plan import NodeCalibration, Plan
+from coordinator.shards import MapRow
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
@@ -349,6 +350,9 @@ class MetricsUI:
     def progress(self, monitor: Monitor, now: float) -> None:
         self.server.update_run(monitor, run_id=self.run_id or "current", now=now)
         self.inner.progress(monitor, now)
+
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
+        self.inner.map_progress(rows, now)
 
     def close(self) -> None:
         """Close the inner UI (when it has `close`); the server is the caller's to close."""

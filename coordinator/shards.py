@@ -120,3 +120,22 @@ class Spread:
             return 0.0
         last = max(self.finish_s.values())
         return (last - min(self.finish_s.values())) / last if last > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class MapRow:
+    """One node's line of a map job's live view."""
+
+    node: str
+    state: str  # pending | running | finished | failed
+    done: int
+    rows: int
+    rows_per_s: float | None
+    calibrated_per_s: float
+    silent_s: float | None  # since the node's channel last said anything (None: not started)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.state != "running" or not self.rows_per_s:
+            return None
+        return (self.rows - self.done) / self.rows_per_s
