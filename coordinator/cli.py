@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ from coordinator.quarantine import QuarantineStore
 from coordinator.render import dumps, facts_to_json, render_facts, render_preflight
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 DEFAULT_INVENTORY = "inventory/local.yaml"
 DEFAULT_PLAYBOOK = "playbooks/smoke.yaml"
@@ -231,13 +232,8 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     try:
-        summary = asyncio.run(run_job(inv, pb, opts, job_ui, chaos=chaos))
-    except PreflightFailed as exc:
-        ui.close()
-        render_preflight(exc.report, console)
-        raise
+        summary = _with_live_view(run_job(inv, pb, opts, job_ui, chaos=chaos), ui, console)
     finally:
-        ui.close()
         if server is not None:
             server.close()
     if as_json:
@@ -250,15 +246,20 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     sys.exit(0 if summary.state == "succeeded" else 1)
 
 
-def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool) -> None:
+def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console) -> T:
+    """Run a job with its live view, which is closed (and a failed preflight shown) whatever happens."""
     try:
-        summary = asyncio.run(run_map(inv, pb, opts, ui))
+        return asyncio.run(job)
     except PreflightFailed as exc:
         ui.close()
         render_preflight(exc.report, console)
         raise
     finally:
         ui.close()
+
+
+def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool) -> None:
+    summary = _with_live_view(run_map(inv, pb, opts, ui), ui, console)
     if as_json:
         click.echo(dumps(summary.to_json()))
     else:

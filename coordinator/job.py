@@ -10,9 +10,10 @@ The steps report to a `JobUI` (the CLI's live view, or nothing in tests); decisi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,16 +164,21 @@ async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
     """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
-        await fleet.connect_all()
-        if fleet.failed:
-            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
-        await _provision(fleet, pb, ui)
-        gathered = await gather_facts(fleet, pb)
-        facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+        facts = await facts_for_calibration(fleet, pb, ui)
         return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
 
 
-async def _provision(fleet: Fleet, pb: Playbook, ui: JobUI) -> None:
+async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[str, NodeFacts]:
+    """Connect every node (all must answer), provision assets, probe: the facts a calibration keys its cache on."""
+    await fleet.connect_all()
+    if fleet.failed:
+        raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+    await provision_assets(fleet, pb, ui)
+    gathered = await gather_facts(fleet, pb)
+    return {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+
+
+async def provision_assets(fleet: Fleet, pb: Playbook, ui: JobUI) -> None:
     if pb.assets.tiny_model is None and pb.assets.data_from is None:
         return
     ui.message("provisioning assets where missing")
@@ -212,6 +218,13 @@ async def run_job(
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
+    inv = usable_inventory(inv, pb, store, ui)
+    with run_context(inv, pb, opts, resume_marker=None) as (run_id, run_dir):
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir)
+
+
+def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI) -> Inventory:
+    """The inventory without quarantined nodes; LaunchError below `faults.min_nodes`."""
     quarantined = store.load()
     if quarantined:
         ui.message("quarantined, left out: " + ", ".join(f"{n} ({e.reason})" for n, e in quarantined.items()
@@ -220,20 +233,43 @@ async def run_job(
     if len(inv.nodes) < max(1, pb.faults.min_nodes):
         raise LaunchError(f"{len(inv.nodes)} usable node(s) (after quarantine) < faults.min_nodes "
                           f"{pb.faults.min_nodes}: `coordinator quarantine list` / `clear NODE`")
+    return inv
+
+
+@contextlib.contextmanager
+def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
+                resume_marker: str | None) -> Iterator[tuple[str, Path]]:
+    """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
+    when given), with the run's structured log open and secrets redacted, for the duration of the block."""
     run_id = opts.resume or new_run_id(pb.name)
     run_dir = opts.run_root / run_id
-    if opts.resume and not run_dir.is_dir():
-        raise ConfigError(f"--resume {opts.resume}: no run directory {run_dir}")
+    if opts.resume and not (run_dir / (resume_marker or "")).exists():
+        raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
     secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
                *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
     logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
     structlog.contextvars.bind_contextvars(run_id=run_id)
     try:
-        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir)
+        yield run_id, run_dir
     finally:
         structlog.contextvars.unbind_contextvars("run_id")
         logs.close()
+
+
+async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> FleetState:
+    """Connect, provision assets, probe and preflight; PreflightFailed unless `--skip-preflight`."""
+    ui.message(f"connecting to {len(inv.nodes)} node(s)")
+    await fleet.connect_all()
+    if fleet.failed and opts.skip_preflight:
+        raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+    await provision_assets(fleet, pb, ui)
+    ui.message("probing nodes and running preflight")
+    state = await probe_and_check(fleet, inv, pb)
+    ui.preflight(state.report)
+    if not state.report.ok() and not opts.skip_preflight:
+        raise PreflightFailed(state.report)
+    return state
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
@@ -244,16 +280,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     message = ""
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
-        ui.message(f"connecting to {len(inv.nodes)} node(s)")
-        await fleet.connect_all()
-        if fleet.failed and opts.skip_preflight:
-            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
-        await _provision(fleet, pb, ui)
-        ui.message("probing nodes and running preflight")
-        state = await probe_and_check(fleet, inv, pb)
-        ui.preflight(state.report)
-        if not state.report.ok() and not opts.skip_preflight:
-            raise PreflightFailed(state.report)
+        state = await ready_fleet(fleet, inv, pb, opts, ui)
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
         nodes = list(inv.nodes)

@@ -29,9 +29,16 @@ import structlog
 from coordinator.calibrate import fingerprint_from_facts
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.job import JobOptions, JobUI, PreflightFailed, QuietUI, _provision, model_digest, probe_and_check
-from coordinator.launch import LaunchError, new_run_id
-from coordinator.logs import configure_logging
+from coordinator.job import (
+    JobOptions,
+    JobUI,
+    QuietUI,
+    facts_for_calibration,
+    model_digest,
+    ready_fleet,
+    run_context,
+    usable_inventory,
+)
 from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Incident
 from coordinator.playbook import Playbook
@@ -255,16 +262,9 @@ async def measure_rates(fleet: Fleet, pb: Playbook, names: Sequence[str], facts:
 
 async def calibrate_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> dict[str, Any]:
     """`coordinator calibrate` for a map playbook: each node's examples/s and the shards they give the input."""
-    from coordinator.gather import gather_facts
-
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
-        await fleet.connect_all()
-        if fleet.failed:
-            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
-        await _provision(fleet, pb, ui)
-        gathered = await gather_facts(fleet, pb)
-        facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+        facts = await facts_for_calibration(fleet, pb, ui)
         names = [n.name for n in inv.nodes]
         total = await count_rows(fleet, pb, names)
         rates = await measure_rates(fleet, pb, names, facts, opts, ui)
@@ -444,23 +444,9 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
     if pb.kind != "map" or pb.map is None:
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
-    quarantined = store.load()
-    inv = Inventory(tuple(n for n in inv.nodes if n.name not in quarantined), inv.path)
-    if len(inv.nodes) < max(1, pb.faults.min_nodes):
-        raise LaunchError(f"{len(inv.nodes)} usable node(s) (after quarantine) < faults.min_nodes "
-                          f"{pb.faults.min_nodes}: `coordinator quarantine list` / `clear NODE`")
-    run_id = opts.resume or new_run_id(pb.name)
-    run_dir = opts.run_root / run_id
-    if opts.resume and not (run_dir / "map.json").is_file():
-        raise ConfigError(f"--resume {opts.resume}: no map run in {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logs = configure_logging(run_dir, console=False, secret_env_names=pb.secret_env)
-    structlog.contextvars.bind_contextvars(run_id=run_id)
-    try:
+    inv = usable_inventory(inv, pb, store, ui)
+    with run_context(inv, pb, opts, resume_marker="map.json") as (run_id, run_dir):
         return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {})
-    finally:
-        structlog.contextvars.unbind_contextvars("run_id")
-        logs.close()
 
 
 async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, store: QuarantineStore, run_id: str,
@@ -468,16 +454,7 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
     assert pb.map is not None
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
-        ui.message(f"connecting to {len(inv.nodes)} node(s)")
-        await fleet.connect_all()
-        if fleet.failed and opts.skip_preflight:
-            raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
-        await _provision(fleet, pb, ui)
-        ui.message("probing nodes and running preflight")
-        state = await probe_and_check(fleet, inv, pb)
-        ui.preflight(state.report)
-        if not state.report.ok() and not opts.skip_preflight:
-            raise PreflightFailed(state.report)
+        state = await ready_fleet(fleet, inv, pb, opts, ui)
         names = [n.name for n in inv.nodes]
         total = await count_rows(fleet, pb, names)
         if pb.split == "calibrated":
