@@ -7,13 +7,18 @@ from pathlib import Path
 import click
 
 from coordinator.report import build_page, read_run_files
+from coordinator.report_map import build_map_report, render_map_page
 
 
 def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Path:
-    """Build the report of `run_root/run_id` and write it to `output` (default `runs/<id>/report/index.html`).
+    """Build the report of `run_root/run_id` (a training run, or a map run: `coordinator.report_map`) and write it
+    to `output` (default `runs/<id>/report/index.html`).
     Raises `ReportError` (exit 2) when RUN_ID is not a run directory."""
     files = read_run_files(run_root, run_id)
-    page = build_page(files)
+    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / "map.json").is_file():
+        page = render_map_page(build_map_report(files, run_root / run_id))
+    else:
+        page = build_page(files)
     path = output if output is not None else run_root / run_id / "report" / "index.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
