@@ -33,7 +33,8 @@ def lint(train: dict[str, Any] | None = None, config: dict[str, Any] | None = MO
 
 
 def test_map_jobs_are_not_linted() -> None:
-    assert lint_playbook(parse_playbook({"name": "m", "kind": "map", "model": "/m", "data": "/d"}, path="p.yaml"), MODEL_CONFIG) == []
+    pb = parse_playbook({"name": "m", "kind": "map", "model": "/m", "data": "/d"}, path="p.yaml")
+    assert lint_playbook(pb, MODEL_CONFIG) == []
 
 
 def test_rule_ids_are_stable() -> None:
