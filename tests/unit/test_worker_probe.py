@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -249,12 +250,32 @@ def test_unreadable_file_is_named_in_the_dir_error(tmp_path: Path, monkeypatch: 
     assert entry["error"] == "cannot read secret.bin: Permission denied"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads mode-000 files")
 def test_unreadable_file_for_real(tmp_path: Path) -> None:
-    d = tmp_path / "d"
-    write(d / "secret.bin", b"no").chmod(0)
-    [entry] = hashes_of([str(d)], None)
-    assert entry["files"] == [] and "secret.bin" in entry["error"]
+    """A mode-000 file, read by a user who may not read it. Root reads anything, so as root the probe runs as
+    `nobody` (setpriv, util-linux) with the system python, in a world-readable temp dir."""
+    if os.geteuid() != 0:
+        d = tmp_path / "d"
+        write(d / "secret.bin", b"no").chmod(0)
+        [entry] = hashes_of([str(d)], None)
+        assert entry["files"] == [] and "secret.bin" in entry["error"]
+        return
+    base = Path(tempfile.mkdtemp(prefix="mlxc-probe-perm-"))
+    try:
+        base.chmod(0o755)
+        d = base / "d"
+        write(d / "ok.bin", b"ok")
+        write(d / "secret.bin", b"no").chmod(0)
+        d.chmod(0o755)
+        (d / "ok.bin").chmod(0o644)
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-",
+                json.dumps({"hash_dirs": [str(d)]})]
+        done = subprocess.run(argv, input=SOURCE, capture_output=True, text=True, timeout=120, cwd=base)
+        out = json.loads(done.stdout.splitlines()[0])
+        [entry] = out["hashes"]
+        assert manifest(entry) == {"ok.bin": sha(b"ok")}
+        assert "secret.bin" in entry["error"] and "Permission denied" in entry["error"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_file_changing_while_read_is_an_error_not_a_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
