@@ -266,16 +266,23 @@ class Monitor:
         rates = self.step_rates.get(step, {})
         if len(rates) < len(self.ranks) or len(self.ranks) < 2:
             return []
-        refs = {r: self.ranks[r].calibrated_tokens_per_s or self._own_baseline(r) for r in rates}
-        if any(ref is None for ref in refs.values()):
-            return []  # an uncalibrated rank's own baseline is not known yet
-        rel = {r: rate / (refs[r] or 1.0) for r, rate in rates.items()}
-        values = sorted(rel.values())
-        ref = _median(values) if len(values) >= 3 else values[-1]
+        calibrated = all(self.ranks[r].calibrated_tokens_per_s for r in rates)
+        rel = self._relative(rates, {r: self.ranks[r].calibrated_tokens_per_s or 1.0 for r in rates})
+        slow = {r for r, (value, ref) in rel.items() if value < self.policy.straggler_fraction * ref}
+        if not calibrated:
+            # No calibration (a fixed split): raw rates can only be compared across ranks of the same speed, and
+            # an honest slower machine is no straggler. So a rank must also be slow against its own start (the
+            # median of its first steps): slower than its peers AND slower than it was.
+            baselines = {r: self._own_baseline(r) for r in rates}
+            if any(b is None for b in baselines.values()):
+                slow = set()
+            else:
+                own = self._relative(rates, {r: b or 1.0 for r, b in baselines.items()})
+                slow &= {r for r, (value, ref) in own.items() if value < self.policy.straggler_fraction * ref}
         found: list[Incident] = []
-        for rank, value in rel.items():
+        for rank, (value, ref) in rel.items():
             view = self.ranks[rank]
-            view.slow_steps = view.slow_steps + 1 if value < self.policy.straggler_fraction * ref else 0
+            view.slow_steps = view.slow_steps + 1 if rank in slow else 0
             if view.slow_steps >= self.policy.straggler_window and not view.straggler_reported:
                 view.straggler_reported = True
                 found += self._add(Incident(
@@ -283,6 +290,15 @@ class Monitor:
                     {"compute_tokens_per_s": round(rates[rank], 1), "calibrated_tokens_per_s": view.calibrated_tokens_per_s,
                      "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps}, "warn", obs.at))
         return found
+
+    @staticmethod
+    def _relative(rates: dict[int, float], refs: dict[int, float]) -> dict[int, tuple[float, float]]:
+        """rank -> (its rate / its reference, the fleet's value of that ratio: the median of 3+ ranks, the best
+        of 2)."""
+        rel = {r: rate / refs[r] for r, rate in rates.items()}
+        values = sorted(rel.values())
+        fleet = _median(values) if len(values) >= 3 else values[-1]
+        return {r: (v, fleet) for r, v in rel.items()}
 
     def _own_baseline(self, rank: int) -> float | None:
         """Without a calibration (a fixed split) a rank is compared with itself: the median of its compute rate
