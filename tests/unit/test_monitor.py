@@ -200,3 +200,15 @@ def test_without_calibration_an_honest_slower_machine_is_no_straggler_but_a_slow
     assert _steps(mon, {0: [900.0] * 12, 1: [100.0] * 12}) == []  # 9x slower all along: its own normal
     [inc] = _steps(mon, {0: [900.0] * 6, 1: [30.0] * 6}, start=13)
     assert (inc.node, inc.rank) == ("b", 1)
+
+
+def test_a_burst_of_slow_steps_shorter_than_the_minimum_time_is_no_straggler() -> None:
+    mon = Monitor.create(PLAN, iters=50, now=0.0)
+    started(mon)
+    found = []
+    for k in range(8):  # 8 slow steps within 1.6 s: a busy machine for a moment
+        t = 1.0 + 0.2 * k
+        mon.observe(ev("a", 0, t, event="step", step=k + 1, tokens=10, compute_tok_s=300.0))
+        found += mon.observe(ev("b", 1, t, event="step", step=k + 1, tokens=10, compute_tok_s=30.0))
+    assert [i for i in found if i.kind == "straggler"] == []
+    assert mon.ranks[1].slow_steps == 8
