@@ -68,6 +68,24 @@ def summary_of(proc: subprocess.CompletedProcess[str]) -> dict:
         pytest.fail(f"no JSON summary (rc {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
+def start_launch(tmp: Path, inv: Path, pb: Path) -> subprocess.Popen[str]:
+    """`coordinator launch --json` in the background (its own session, so the test can kill its whole group)."""
+    return subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                             "--run-dir", str(tmp / "runs")], cwd=REPO, env={**os.environ, **env_for(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_rows(job: subprocess.Popen[str], tmp: Path, parts_glob: str, rows: int, timeout: float = 180.0) -> None:
+    """Until the coordinator has gathered `rows` results in the part files matching `parts_glob`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(len(p.read_text().splitlines()) for p in (tmp / "runs").glob(parts_glob)) >= rows:
+            return
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.1)
+    pytest.fail(f"fewer than {rows} rows in {parts_glob} after {timeout:g}s")
+
+
 def check_output(summary: dict, data: list[dict]) -> None:
     out = [json.loads(line) for line in Path(summary["output"]).read_text().splitlines()]
     assert [o["index"] for o in out] == list(range(len(data)))
@@ -110,18 +128,10 @@ def test_a_node_killed_mid_shard_has_its_rows_reassigned(testbed: TestBed, tmp_p
     data = make_data(tmp_path / "data", 450)
     pb = write_playbook(tmp_path / "pb.yaml", data=tmp_path / "data", split="equal",
                         task={"task": "command", "command": {"module": "lenmod", "args": ["--delay", "0.03"]}})
-    job = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
-                            "--run-dir", str(tmp_path / "runs")], cwd=REPO, env={**os.environ, **env_for(tmp_path)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = start_launch(tmp_path, inv, pb)
     try:
         victim = hosts[1]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:  # wait for h2's results to flow, then kill its mapper (and child)
-            parts = list((tmp_path / "runs").glob(f"*/parts/{victim.name}.jsonl"))
-            if parts and len(parts[0].read_text().splitlines()) >= 20:
-                break
-            assert job.poll() is None, job.communicate()
-            time.sleep(0.1)
+        wait_for_rows(job, tmp_path, f"*/parts/{victim.name}.jsonl", 20)  # h2's results flow: kill its mapper
         pids = [p for p in _netns_pids([victim.ns])[victim.ns]
                 if b"worker.mapper" in Path(f"/proc/{p}/cmdline").read_bytes() or
                 b"lenmod" in Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -153,17 +163,9 @@ def test_a_killed_coordinator_resumes_without_redoing_gathered_rows(testbed: Tes
     data = make_data(tmp_path / "data", 300)
     pb = write_playbook(tmp_path / "pb.yaml", data=tmp_path / "data", split="equal",
                         task={"task": "command", "command": {"module": "lenmod", "args": ["--delay", "0.03"]}})
-    job = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
-                            "--run-dir", str(tmp_path / "runs")], cwd=REPO, env={**os.environ, **env_for(tmp_path)},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = start_launch(tmp_path, inv, pb)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            parts = list((tmp_path / "runs").glob("*/parts/*.jsonl"))
-            if sum(len(p.read_text().splitlines()) for p in parts) >= 60:
-                break
-            assert job.poll() is None, job.communicate()
-            time.sleep(0.1)
+        wait_for_rows(job, tmp_path, "*/parts/*.jsonl", 60)
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()

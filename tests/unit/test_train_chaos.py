@@ -438,9 +438,9 @@ def test_a_hung_rank_stops_beating_while_its_peer_waits(hang_run: Hang) -> None:
     h = hang_run
     assert h.state_stopped == "T"
     assert h.beats_later[1] == h.beats_at_stop[1]  # frozen, heartbeat thread too
-    # It stopped right after setting step 3; the last beat (one a second) may predate it by a step or two when the
-    # tiny model's steps are fast, but never comes after it.
-    assert 1 <= h.last_beat_step <= 3
+    # It stopped right after setting step 3; the last beat (one a second) may predate it by all three steps when
+    # the tiny model's steps are fast (it can still say step 0, the load), but never comes after it.
+    assert 0 <= h.last_beat_step <= 3
     assert h.beats_later[0] >= h.beats_at_stop[0] + 3 and h.rank0_phase_later == "step"  # alive, in the all_sum
     assert [e["step"] for e in kinds(read_events(h.run_dir, 1), "step")] == [1, 2]
     assert all(s in ("gone", "Z") for s in h.states_after_kill), h.states_after_kill
