@@ -11,6 +11,15 @@ def ev(node: str, rank: int, at: float, **data) -> Observation:
     return Observation("event", node, at, rank, {"rank": rank, **data})
 
 
+def three_started() -> Monitor:
+    """Ranks 0, 1, 2 on nodes a, b, c (pids 10, 11, 12), all started at 0.1; heartbeat timeout 6 s."""
+    mon = Monitor.create([(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)], iters=9, now=0.0,
+                         heartbeat_timeout=6.0)
+    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    return mon
+
+
 def started(mon: Monitor, at: float = 0.1) -> None:
     mon.observe(ev("a", 0, at, event="started", pid=10))
     mon.observe(ev("b", 1, at, event="started", pid=11))
@@ -91,10 +100,7 @@ def test_resumed_rank_starts_at_its_checkpoint_step() -> None:
 
 
 def test_verdict_waits_for_every_unblamed_node_to_speak_after_the_fault() -> None:
-    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
-    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
-    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
-        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon = three_started()
     mon.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
     assert mon.culprits() == ["a"]
     mon.observe(Observation("tick", "b", 1.5))
@@ -116,10 +122,7 @@ def test_a_lying_rank_is_reported_once() -> None:
 def test_a_crash_after_the_fault_is_collateral_when_a_node_vanished() -> None:
     """A whole node dies: a peer reports the lost ring (echo), mlx.launch kills the rank on another node before it
     writes its error event (looks like a crash), and the dead node is found only by its silence."""
-    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
-    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
-    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
-        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon = three_started()
     mon.observe(ev("c", 2, 1.0, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
     mon.observe(Observation("proc", "a", 1.4, 0, {"alive": False, "pid": 10, "state": "Z"}))
     assert mon.culprits() == ["a"]  # nothing better yet
@@ -138,10 +141,7 @@ def test_a_crash_after_the_fault_is_collateral_when_a_node_vanished() -> None:
 
 
 def test_a_crash_seen_after_its_own_echoes_is_still_the_culprit() -> None:
-    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
-    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
-    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
-        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon = three_started()
     mon.observe(ev("c", 2, 1.0, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
     mon.observe(Observation("proc", "b", 1.2, 1, {"alive": False, "pid": 11, "state": "gone"}))
     for t in (1.5, 2.0, 3.0):
@@ -154,10 +154,7 @@ def test_a_crash_seen_after_its_own_echoes_is_still_the_culprit() -> None:
 
 def test_a_crash_seen_before_a_silent_node_is_found_is_collateral_of_it() -> None:
     """The vanished node's silence began before the crash was seen: it is the cause, found 6 s later."""
-    plan = [(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)]
-    mon = Monitor.create(plan, iters=9, now=0.0, heartbeat_timeout=6.0)
-    for rank, node in ((0, "a"), (1, "b"), (2, "c")):
-        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon = three_started()
     mon.observe(Observation("tick", "b", 1.0))  # b's last word
     mon.observe(ev("c", 2, 1.3, event="heartbeat"))
     [crash] = mon.observe(Observation("proc", "c", 1.4, 2, {"alive": False, "pid": 12, "state": "Z"}))
