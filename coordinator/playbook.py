@@ -134,6 +134,9 @@ class FaultsConfig(_Strict):
     consistency_every: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 50  # digest period; 0 = off
     straggler_fraction: Annotated[float, BeforeValidator(to_number), Field(gt=0, lt=1)] = 0.5
     straggler_window: PositiveInt = 5  # consecutive steps below the fraction of the calibrated rate
+    # ...and for at least this many seconds: a handful of short steps is noise (a GC pause, a page-in), not a
+    # slow machine. 0 makes the window purely a step count.
+    straggler_min_s: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 5.0
     outlier_steps: PositiveInt = 3  # consecutive steps a rank's local loss/grad norm must be an outlier
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2
     min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes

@@ -315,8 +315,11 @@ def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, 
                                                              tmp_path: Path) -> None:
     hosts, inv = setup(testbed, tmp_path, 2)
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    # The window is a step count here (straggler_min_s 0): how many seconds 30 tiny steps take depends on the
+    # machine, and the default 5 s minimum is not what this test is about.
+    faults = {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1, "straggler_min_s": 0}
     pb = write_playbook(tmp_path / "pb.yaml", iters=30, split="calibrated",
-                        calibration={"time_budget": 30, "max_batch": 8})
+                        calibration={"time_budget": 30, "max_batch": 8}, faults=faults)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
                    "--chaos", "slow:rank=1,step=1,factor=8", env=env, timeout=400)
     summary = json.loads(proc.stdout)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.monitor import Monitor, Observation, RunState, WorkerState
+from coordinator.monitor import FaultPolicy, Monitor, Observation, RunState, WorkerState
 
 PLAN = [(0, "a", 3, 300.0), (1, "b", 1, 100.0)]
 
@@ -209,3 +209,15 @@ def test_a_burst_of_slow_steps_shorter_than_the_minimum_time_is_no_straggler() -
         found += mon.observe(ev("b", 1, t, event="step", step=k + 1, tokens=10, compute_tok_s=30.0))
     assert [i for i in found if i.kind == "straggler"] == []
     assert mon.ranks[1].slow_steps == 8
+
+
+def test_with_no_minimum_time_the_window_is_a_step_count() -> None:
+    mon = Monitor.create(PLAN, iters=50, now=0.0, policy=FaultPolicy(heartbeat_timeout=10.0, straggler_min_s=0.0))
+    started(mon)
+    found = []
+    for k in range(8):  # the same 1.6 s burst: with the minimum at 0, the fifth slow step is enough
+        t = 1.0 + 0.2 * k
+        mon.observe(ev("a", 0, t, event="step", step=k + 1, tokens=10, compute_tok_s=300.0))
+        found += mon.observe(ev("b", 1, t, event="step", step=k + 1, tokens=10, compute_tok_s=30.0))
+    [inc] = [i for i in found if i.kind == "straggler"]
+    assert (inc.node, inc.step) == ("b", 5)
