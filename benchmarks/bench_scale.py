@@ -3,7 +3,7 @@
 Every node is one asyncssh listener on 127.0.0.1 with its own port and host key (tests/sshserver.py's
 SshTestServer with a ProfileResponder): it answers the coordinator's probe from a recorded fake-Mac profile
 (tests/fixtures/profiles/<--profile>, plus an `env` section) and a canned worker answer (what worker/probe.py
-prints for a small model+data dir, with a reachable `reach` entry for every node). The listeners live in
+prints for a small model+data dir, with a reachable `reach` entry for every peer the probe asked for). The listeners live in
 --servers separate server processes (this script with --serve), so the coordinator, a separate process too,
 is measured alone: its CPU time is its own process's user+sys (os.wait4), not the servers'.
 
@@ -117,7 +117,8 @@ def serve(args: argparse.Namespace) -> int:
 
     async def go() -> None:
         client_key = asyncssh.import_public_key(Path(args.client_pub).read_text())
-        responder = ProfileResponder(Path(args.profile_dir), json.loads(Path(args.worker_json).read_text()))
+        responder = ProfileResponder(Path(args.profile_dir), json.loads(Path(args.worker_json).read_text()),
+                                     reach_all_ok=True)
         servers = [await SshTestServer(responder, client_key).start() for _ in range(args.listeners)]
         for s in servers:
             s.commands = _NoList()  # the commands are ~50 KB each at 1,000 nodes: keep none
@@ -201,9 +202,9 @@ def safetensors_bytes(kib: int) -> bytes:
     return struct.pack("<Q", len(header)) + header + bytes((i * 7 + 3) % 251 for i in range(4 * n))
 
 
-def worker_answer(work: Path, names: Sequence[str]) -> dict[str, Any]:
-    """What worker/probe.py answers for a small model+data dir, with the node-side paths of the playbook and a
-    reachable `reach` entry for every node (each node ignores its own)."""
+def worker_answer(work: Path) -> dict[str, Any]:
+    """What worker/probe.py answers for a small model+data dir, with the node-side paths of the playbook (the
+    servers fill `reach` with the peers each probe asks for)."""
     from worker import probe
 
     model, data = work / "model", work / "data"
@@ -218,7 +219,7 @@ def worker_answer(work: Path, names: Sequence[str]) -> dict[str, Any]:
     answer["python"] = {"executable": NODE_PYTHON, "version": answer["python"]["version"]}
     for entry, path in zip(answer["hashes"], (MODEL_DIR, DATA_DIR), strict=True):
         entry["path"] = path
-    answer["reach"] = [{"peer": n, "ip": "127.0.0.1", "ok": True, "rtt_ms": 0.2, "error": None} for n in names]
+    answer["reach"] = []  # the servers answer every peer the probe asks for as reachable (reach_all_ok)
     if answer["errors"]:
         raise SystemExit(f"worker probe answer has errors: {answer['errors']}")
     return answer
@@ -243,7 +244,7 @@ def build_fixtures(work: Path, n_nodes: int, profile: str) -> tuple[list[str], P
     fixtures = work / "fixtures"
     fixtures.mkdir()
     worker_json = work / "worker.json"
-    worker_json.write_text(json.dumps(worker_answer(fixtures, names)))
+    worker_json.write_text(json.dumps(worker_answer(fixtures)))
     return names, client_key, client_pub, prof, worker_json
 
 
@@ -343,7 +344,7 @@ def stages(inv_path: Path, pb_path: Path, known: Path, prof: Path, worker_json: 
     import asyncssh
 
     from coordinator.facts.build import build_node_facts
-    from coordinator.gather import worker_args
+    from coordinator.gather import probe_peers, worker_args
     from coordinator.inventory import load_inventory
     from coordinator.playbook import load_playbook
     from coordinator.preflight import FleetFacts, evaluate
@@ -369,15 +370,19 @@ def stages(inv_path: Path, pb_path: Path, known: Path, prof: Path, worker_json: 
     rows[-1] = (rows[-1][0], per, f"{kh_lines} lines; asyncssh re-reads it on every connect: x{n} = {per * n:.1f} s")
     del one
     source = worker_source()
-    probes = timed("build every probe (gather.worker_args + probe.build_probe)",
-                   lambda: [build_probe(python=nd.python, workdir=nd.workdir, worker_args=worker_args(nd, nodes, pb),
-                                        source=source) for nd in nodes],
+
+    def build_all() -> list[Any]:
+        peers = probe_peers(nodes, pb)
+        return [build_probe(python=nd.python, workdir=nd.workdir, worker_args=worker_args(peers[nd.name], pb),
+                            source=source) for nd in nodes]
+
+    probes = timed("build every probe (gather.probe_peers + worker_args + probe.build_probe)", build_all,
                    lambda ps: f"{sum(len(p.argv[2]) for p in ps) / 1e6:.1f} MB of commands; largest `sh -c` "
                               f"argument {max(len(p.argv[2]) for p in ps) / 1024:.0f} KiB")
-    responder = ProfileResponder(prof, json.loads(worker_json.read_text()))
+    responder = ProfileResponder(prof, json.loads(worker_json.read_text()), reach_all_ok=True)
 
     async def answers() -> list[str]:
-        return [(await responder(p.argv[2], ""))[0] for p in probes]
+        return [(await responder(shlex.join(p.argv), ""))[0] for p in probes]
 
     outs = asyncio.run(answers())  # the servers' side: not timed
     facts = timed("parse every answer + build facts (parse_probe_output + build_node_facts)",

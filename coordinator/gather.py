@@ -13,6 +13,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.models import Node
 from coordinator.playbook import Playbook
 from coordinator.probe import build_probe, parse_probe_output, worker_source
+from coordinator.topology import reach_peers
 from coordinator.transport import Fleet, Transport
 
 DEFAULT_PROBE_TIMEOUT = 600.0  # first hash of a large model; re-verification takes well under a second
@@ -20,9 +21,16 @@ DEFAULT_PROBE_TIMEOUT = 600.0  # first hash of a large model; re-verification ta
 ProgressFn = Callable[[str, int, int], None]  # (node, done_bytes, total_bytes)
 
 
-def worker_args(node: Node, nodes: Sequence[Node], playbook: Playbook | None) -> dict[str, Any]:
+def probe_peers(nodes: Sequence[Node], playbook: Playbook | None) -> dict[str, list[Node]]:
+    """node name -> the peers its probe must reach (topology.reach_peers: all of them in a small fleet)."""
+    by_name = {n.name: n for n in nodes}
+    wanted = reach_peers([n.name for n in nodes], playbook.backend if playbook else "ring")
+    return {name: [by_name[p] for p in peers] for name, peers in wanted.items()}
+
+
+def worker_args(peers: Sequence[Node], playbook: Playbook | None) -> dict[str, Any]:
     args: dict[str, Any] = {
-        "peers": [{"name": p.name, "ip": p.data_ip, "port": p.port or 22} for p in nodes if p.name != node.name],
+        "peers": [{"name": p.name, "ip": p.data_ip, "port": p.port or 22} for p in peers],
         "progress": True,
     }
     if playbook is not None:
@@ -40,14 +48,14 @@ class ProbeRun:
 async def probe_node(
     node: Node,
     transport: Transport,
-    nodes: Sequence[Node],
+    peers: Sequence[Node],
     playbook: Playbook | None,
     *,
     timeout: float = DEFAULT_PROBE_TIMEOUT,
     progress: ProgressFn | None = None,
     source: str | None = None,
 ) -> NodeFacts:
-    probe = build_probe(python=node.python, workdir=node.workdir, worker_args=worker_args(node, nodes, playbook),
+    probe = build_probe(python=node.python, workdir=node.workdir, worker_args=worker_args(peers, playbook),
                         source=source)
     out: list[str] = []
     err: list[str] = []
@@ -78,9 +86,10 @@ async def gather_facts(
 ) -> dict[str, NodeFacts | TransportError]:
     """Probe every connected node concurrently; a node that fails mid-probe comes back as its error."""
     source = worker_source()
+    peers = probe_peers(fleet.nodes, playbook)
 
     async def one(node: Node, transport: Transport) -> NodeFacts:
-        return await probe_node(node, transport, fleet.nodes, playbook, timeout=timeout, progress=progress,
+        return await probe_node(node, transport, peers[node.name], playbook, timeout=timeout, progress=progress,
                                 source=source)
 
     return await fleet.map(one)

@@ -8,7 +8,7 @@ and `rdma_enX` is the RDMA device behind it. Pure functions only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.facts.model import NodeFacts, ThunderboltPort
@@ -71,3 +71,27 @@ def required_pairs(names: list[str], backend: str) -> list[tuple[str, str]]:
         pairs = {tuple(sorted((names[i], names[(i + 1) % len(names)]))) for i in range(len(names))}
         return sorted((a, b) for a, b in pairs)
     return [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]]
+
+
+# Up to this many nodes every node probes every other one (32 peers each): cheap, and it proves any rank order
+# works, including the order left after a node is quarantined.
+FULL_MESH_MAX_NODES = 33
+RING_REACH_DISTANCE = 2  # above that, the ring neighbours at distance 1 and 2 on either side
+
+
+def reach_peers(names: Sequence[str], backend: str) -> dict[str, list[str]]:
+    """The peers each node's probe must reach on the data plane, in inventory (= rank) order.
+
+    A ring rank only ever talks to its two neighbours, so for a large fleet probing every pair is N^2 work (a
+    million probes and entries at 1,000 nodes) that proves nothing the job needs. Above FULL_MESH_MAX_NODES a
+    node probes its ring neighbours at distance 1 and 2: distance 2 is the ring that forms when one node
+    between them is dropped (elastic shrink). A `jaccl` mesh joins every pair directly, so it is always
+    probed in full."""
+    n = len(names)
+    if n <= FULL_MESH_MAX_NODES or backend == "jaccl":
+        return {name: [p for p in names if p != name] for name in names}
+    out: dict[str, list[str]] = {}
+    for i, name in enumerate(names):
+        near = [names[(i + d) % n] for d in range(-RING_REACH_DISTANCE, RING_REACH_DISTANCE + 1) if d != 0]
+        out[name] = list(dict.fromkeys(p for p in near if p != name))
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +30,14 @@ async def run_for_real(command: str, stdin: str) -> tuple[str, str, int]:
 
 @dataclass
 class ProfileResponder:
-    """Answers the coordinator's probe like a node with the recorded `profile` dir; `true` answers 0."""
+    """Answers the coordinator's probe like a node with the recorded `profile` dir; `true` answers 0.
+
+    `reach_all_ok`: the worker section's `reach` answers every peer the probe asked for as reachable (a
+    network where every link works), instead of whatever the canned `worker` answer holds."""
 
     profile: Path
     worker: dict = field(default_factory=dict)
+    reach_all_ok: bool = False
 
     def __post_init__(self) -> None:
         self.sections: dict[str, tuple[str, int]] = {}
@@ -53,9 +58,22 @@ class ProfileResponder:
             if name == "worker":
                 continue
             parts.append(f"{nonce} BEGIN {name}\n{text}\n{nonce} END {name} {rc}\n")
-        worker = self.sections.get("worker", (json.dumps(self.worker), 0))
+        answer = dict(self.worker)
+        if self.reach_all_ok:
+            answer["reach"] = [{"peer": p["name"], "ip": p["ip"], "ok": True, "rtt_ms": 0.2, "error": None}
+                               for p in probe_worker_args(command).get("peers", [])]
+        worker = self.sections.get("worker", (json.dumps(answer), 0))
         parts.append(f"{nonce} BEGIN worker\n{worker[0]}\n{nonce} END worker {worker[1]}\n")
         return "".join(parts), "", 0
+
+
+def probe_worker_args(command: str) -> dict:
+    """The JSON argument the probe script passes to worker/probe.py (`"$PY" - '<json>'`), from the command."""
+    script = shlex.split(command)[-1]
+    rest = script[script.index('"$PY" - ') + len('"$PY" - '):]
+    lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)  # the quoted JSON, then `;`
+    lexer.whitespace_split = True
+    return dict(json.loads(next(iter(lexer))))
 
 
 class _Server(asyncssh.SSHServer):

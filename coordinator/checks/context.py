@@ -13,7 +13,7 @@ from coordinator.errors import TransportError
 from coordinator.facts.model import FactError, NodeFacts
 from coordinator.models import CheckResult, Node, Status
 from coordinator.playbook import Playbook
-from coordinator.topology import Link, compute_links
+from coordinator.topology import Link, compute_links, reach_peers
 from coordinator.transport import ConnectInfo
 
 K = TypeVar("K", bound=Hashable)
@@ -83,6 +83,11 @@ class CheckContext:
     @cached_property
     def node_by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
+
+    @cached_property
+    def reach_peers(self) -> dict[str, list[str]]:
+        """node -> the peers its probe was asked to reach (the same pure function the probe's arguments use)."""
+        return reach_peers(self.names, self.backend)
 
     @cached_property
     def links_by_pair(self) -> dict[tuple[str, str], list[Link]]:

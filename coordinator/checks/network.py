@@ -98,10 +98,10 @@ REACH_DETAIL_PEERS = 32  # above this many peers the evidence summarises the rea
 
 
 def _reachability(ctx: CheckContext, node: Node, facts: NodeFacts) -> tuple[list[str], dict[str, Any]]:
-    """(unreachable peers described, evidence): per peer {ip, ok, rtt_ms} for up to REACH_DETAIL_PEERS peers;
-    for a larger fleet (every node probes every other: N^2 entries in a report) the unreachable peers in full
-    and the reachable ones as a count and round-trip statistics."""
-    wanted = {peer.name: peer.data_ip for peer in ctx.nodes if peer.name != node.name}
+    """(unreachable peers described, evidence) over the peers the node was asked to reach
+    (topology.reach_peers): per peer {ip, ok, rtt_ms} for up to REACH_DETAIL_PEERS peers; beyond that (a jaccl
+    mesh) the unreachable peers in full and the reachable ones as a count and round-trip statistics."""
+    wanted = {peer: ctx.node_by_name[peer].data_ip for peer in ctx.reach_peers.get(node.name, ())}
     got = {r.peer: r for r in facts.reach or ()}
     unreachable: list[str] = []
     evidence: dict[str, Any] = {}
@@ -205,7 +205,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
         return CheckResult("thunderbolt", node.name, Status.FAIL, "; ".join(fails + warns), "; ".join(remedies), evidence)
     if warns:
         return CheckResult("thunderbolt", node.name, Status.WARN, "; ".join(warns), "; ".join(remedies), evidence)
-    peers = len(ctx.nodes) - 1
+    peers = len(ctx.reach_peers.get(node.name, ()))
     kind = "Thunderbolt 5 links and " if is_mac and ctx.backend in ("jaccl", "jaccl-ring") else ""
-    return CheckResult("thunderbolt", node.name, Status.PASS,
-                       f"{kind}data plane reaches all {peers} peer(s)", evidence=evidence)
+    which = f"all {peers} peer(s)" if peers == len(ctx.nodes) - 1 else f"its {peers} nearest ring neighbours"
+    return CheckResult("thunderbolt", node.name, Status.PASS, f"{kind}data plane reaches {which}", evidence=evidence)

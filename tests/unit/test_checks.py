@@ -1035,7 +1035,7 @@ def test_evaluate_node_matches_the_report() -> None:
     assert evaluate_node(ctx, "studio") == report.nodes[1][1]
 
 
-def test_reach_evidence_of_a_large_fleet_is_a_summary_with_the_failures_in_full() -> None:
+def test_reach_evidence_of_a_large_mesh_is_a_summary_with_the_failures_in_full() -> None:
     from coordinator.checks.context import CheckContext
     from coordinator.checks.network import REACH_DETAIL_PEERS, _reachability
     from coordinator.facts.model import Reach
@@ -1045,8 +1045,24 @@ def test_reach_evidence_of_a_large_fleet_is_a_summary_with_the_failures_in_full(
     reach = tuple(Reach(peer=f"n{i}", ip=f"10.9.0.{i + 1}", ok=i != 5, rtt_ms=0.2 + i / 100 if i != 5 else None,
                         error=None if i != 5 else "timed out") for i in range(1, n))
     facts = type("F", (), {"reach": reach})()
-    ctx = CheckContext(nodes, {}, {}, None)
+    ctx = CheckContext(nodes, {}, {}, playbook(backend="jaccl"))  # a mesh: every node probes every other
     unreachable, ev = _reachability(ctx, nodes[0], facts)  # type: ignore[arg-type]
     assert unreachable == ["n5 (10.9.0.6): timed out"]
     assert ev["peers"] == n - 1 and ev["reached"] == n - 2 and set(ev["unreachable"]) == {"n5"}
     assert ev["rtt_ms_median"] is not None and ev["rtt_ms_max"] == pytest.approx(0.2 + (n - 1) / 100)
+
+
+def test_a_large_ring_fleet_is_judged_on_its_ring_neighbours_only() -> None:
+    from coordinator.checks.context import CheckContext
+    from coordinator.checks.network import _reachability
+    from coordinator.facts.model import Reach
+
+    nodes = tuple(Node(name=f"n{i}", host=f"10.9.{i // 200}.{i % 200 + 1}") for i in range(100))
+    # n0 was asked to reach n98, n99, n1, n2; n2 is down. Far peers are neither probed nor required.
+    reach = tuple(Reach(peer=p, ip=nodes[int(p[1:])].data_ip, ok=p != "n2", rtt_ms=0.3 if p != "n2" else None,
+                        error=None if p != "n2" else "timed out") for p in ("n98", "n99", "n1", "n2"))
+    facts = type("F", (), {"reach": reach})()
+    ctx = CheckContext(nodes, {}, {}, playbook(backend="ring"))
+    unreachable, ev = _reachability(ctx, nodes[0], facts)  # type: ignore[arg-type]
+    assert unreachable == [f"n2 ({nodes[2].data_ip}): timed out"]
+    assert set(ev) == {"n98", "n99", "n1", "n2"}
