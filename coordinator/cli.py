@@ -12,30 +12,24 @@ import time
 from collections.abc import Callable, Coroutine
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-from rich.table import Table
 
-from coordinator import control
-from coordinator.calibrate import calibration_to_json
-from coordinator.chaos import parse_chaos
 from coordinator.errors import ConfigError, CoordinatorError
-from coordinator.gather import record_facts
-from coordinator.inventory import load_inventory
-from coordinator.job import JobOptions, JobUI, PreflightFailed, calibrate_fleet, hostfile_for, run_job
-from coordinator.launch import RunSummary
-from coordinator.liveview import RichUI
-from coordinator.mapjob import calibrate_map, run_map
-from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer, MetricsUI
-from coordinator.models import Inventory
-from coordinator.plan import format_split
-from coordinator.playbook import Playbook, load_playbook
-from coordinator.preflight import collect, evaluate
-from coordinator.quarantine import QuarantineStore
-from coordinator.render import dumps, facts_to_json, render_facts, render_preflight
+from coordinator.models import DEFAULT_METRICS_HOST
+
+# Each verb imports what it needs when it runs: `coordinator preflight` must not pay for importing the launcher,
+# the live view, map jobs and the Prometheus client (~0.4 s of a ~1 s start-up). Operator verbs in
+# coordinator/verbs/ are imported only when named (LazyGroup below).
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from coordinator.job import JobOptions
+    from coordinator.launch import RunSummary
+    from coordinator.liveview import RichUI
+    from coordinator.models import Inventory
+    from coordinator.playbook import Playbook
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -68,6 +62,9 @@ def handle_errors(fn: F) -> F:
 
 
 def _load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inventory, Playbook | None]:
+    from coordinator.inventory import load_inventory
+    from coordinator.playbook import load_playbook
+
     inv = load_inventory(inventory)
     names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
     inv = inv.limit(names)
@@ -79,6 +76,8 @@ class _HashProgress:
     """Shows hashing progress for large models (the probe reports it on stderr)."""
 
     def __init__(self, console: Console, enabled: bool) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
         self.enabled = enabled and console.is_terminal
         self.progress = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
                                  TransferSpeedColumn(), console=console, transient=True)
@@ -120,7 +119,30 @@ def with_common(fn: F) -> F:
     return fn
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """The top-level group. Operator verbs live in coordinator/verbs/<name>.py, each adding the command `<name>`
+    with its `register(main)`; a module is imported only when its verb is named (or help lists them all)."""
+
+    @staticmethod
+    def verb_modules() -> list[str]:
+        import pkgutil
+
+        from coordinator import verbs
+
+        return sorted(m.name for m in pkgutil.iter_modules(verbs.__path__))
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.verb_modules()))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.verb_modules():
+            import importlib
+
+            importlib.import_module(f"coordinator.verbs.{cmd_name}").register(self)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlx-coordinator")
 def main() -> None:
     """Cluster coordinator for distributed MLX training on Apple Silicon Macs."""
@@ -137,6 +159,12 @@ def main() -> None:
 def facts(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
           probe_timeout: float, playbook: str | None, as_json: bool, raw: bool, record: Path | None) -> None:
     """Gather and print every node's facts."""
+    from rich.console import Console
+
+    from coordinator.gather import record_facts
+    from coordinator.preflight import collect
+    from coordinator.render import dumps, facts_to_json, render_facts
+
     inv, pb = _load(inventory, playbook, limit)
     console = Console(stderr=as_json)
     with _HashProgress(console, not as_json) as progress:
@@ -174,6 +202,11 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, strict: bool) -> None:
     """Check that every node is ready for the playbook: ssh, os, rdma, thunderbolt, software, model, env,
     resources; plus a lint of the playbook."""
+    from rich.console import Console
+
+    from coordinator.preflight import collect, evaluate
+    from coordinator.render import dumps, render_preflight
+
     inv, pb = _load(inventory, playbook, limit)
     console = Console(stderr=as_json)
     with _HashProgress(console, not as_json) as progress:
@@ -189,6 +222,8 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 
 def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
                  connect_timeout: float, accept_new_host_keys: bool) -> JobOptions:
+    from coordinator.job import JobOptions
+
     return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
                       connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys)
 
@@ -218,6 +253,14 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
+    from rich.console import Console
+
+    from coordinator.chaos import parse_chaos
+    from coordinator.job import JobUI, run_job
+    from coordinator.liveview import RichUI
+    from coordinator.metrics import MetricsServer, MetricsUI
+    from coordinator.render import dumps
+
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     console = Console(stderr=as_json)
@@ -248,6 +291,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
 
 def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console) -> T:
     """Run a job with its live view, which is closed (and a failed preflight shown) whatever happens."""
+    from coordinator.job import PreflightFailed
+    from coordinator.render import render_preflight
+
     try:
         return asyncio.run(job)
     except PreflightFailed as exc:
@@ -259,6 +305,9 @@ def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console) -
 
 
 def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool) -> None:
+    from coordinator.mapjob import run_map
+    from coordinator.render import dumps
+
     summary = _with_live_view(run_map(inv, pb, opts, ui), ui, console)
     if as_json:
         click.echo(dumps(summary.to_json()))
@@ -289,6 +338,12 @@ def _print_incidents(console: Console, summary: RunSummary) -> None:
 @handle_errors
 def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool) -> None:
     """Resume monitoring RUN_ID (after the coordinator that launched it died) until it ends."""
+    from rich.console import Console
+
+    from coordinator import control
+    from coordinator.liveview import RichUI
+    from coordinator.render import dumps
+
     console = Console(stderr=as_json)
     ui = RichUI(console)
     try:
@@ -310,6 +365,8 @@ def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool) -> 
 @handle_errors
 def stop(run_id: str, inventory: str | None, run_dir: Path) -> None:
     """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`."""
+    from coordinator import control
+
     summary = asyncio.run(control.stop(run_dir / run_id, inventory=inventory))
     click.echo(f"stopped run {summary.run_id} at step {summary.steps}")
 
@@ -324,6 +381,9 @@ def quarantine() -> None:
 @handle_errors
 def quarantine_list(as_json: bool) -> None:
     """Show quarantined nodes and why."""
+    from coordinator.quarantine import QuarantineStore
+    from coordinator.render import dumps
+
     entries = QuarantineStore().load()
     if as_json:
         click.echo(dumps({n: {"reason": e.reason, "run_id": e.run_id, "t": e.t} for n, e in entries.items()}))
@@ -339,6 +399,8 @@ def quarantine_list(as_json: bool) -> None:
 @handle_errors
 def quarantine_clear(node: str) -> None:
     """Let NODE take part in launches again."""
+    from coordinator.quarantine import QuarantineStore
+
     if not QuarantineStore().clear(node):
         raise ConfigError(f"{node} is not quarantined (`coordinator quarantine list`)")
     click.echo(f"cleared {node}")
@@ -354,6 +416,16 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
     """Measure each node's training throughput and split the playbook's global batch by speed (for a `kind: map`
     playbook: each node's examples/s of the task and the input's shards)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from coordinator.calibrate import calibration_to_json
+    from coordinator.job import calibrate_fleet
+    from coordinator.liveview import RichUI
+    from coordinator.mapjob import calibrate_map
+    from coordinator.plan import format_split
+    from coordinator.render import dumps
+
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     console = Console(stderr=as_json)
@@ -398,6 +470,10 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
              probe_timeout: float, playbook: str, output: Path | None) -> None:
     """Write MLX's JSON hostfile for the playbook's backend (jaccl's rdma matrix from the Thunderbolt facts)."""
+    from coordinator.job import hostfile_for
+    from coordinator.preflight import collect
+    from coordinator.render import dumps
+
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     needs_facts = pb.backend in ("jaccl", "jaccl-ring", "auto")
@@ -417,19 +493,6 @@ def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, conn
         output.write_text(text, encoding="utf-8")
         click.echo(f"wrote {output}", err=True)
 
-
-def _register_verbs() -> None:
-    """Operator verbs live in coordinator/verbs/<name>.py, each with a `register(main)`."""
-    import importlib
-    import pkgutil
-
-    from coordinator import verbs
-
-    for info in sorted(pkgutil.iter_modules(verbs.__path__), key=lambda m: m.name):
-        importlib.import_module(f"coordinator.verbs.{info.name}").register(main)
-
-
-_register_verbs()
 
 if __name__ == "__main__":
     main()

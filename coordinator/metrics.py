@@ -46,13 +46,10 @@ from prometheus_client.registry import Collector
 
 from coordinator.errors import ConfigError
 from coordinator.job import JobUI
-from coordinator.models import PreflightReport
+from coordinator.models import DEFAULT_METRICS_HOST, PreflightReport
 from coordinator.monitor import Monitor
 from coordinator.plan import NodeCalibration, Plan
 from coordinator.shards import MapRow
-
-DEFAULT_METRICS_HOST = "127.0.0.1"
-
 
 # --- status records (pure values) ------------------------------------------------------------------------------
 

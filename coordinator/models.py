@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+# The Prometheus endpoints bind loopback unless told otherwise (metrics.py; `--metrics-host` of launch/monitor).
+DEFAULT_METRICS_HOST = "127.0.0.1"
+
 
 class Connection(StrEnum):
     SSH = "ssh"
