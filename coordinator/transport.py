@@ -69,7 +69,8 @@ class Transport(Protocol):
     ) -> RemoteResult: ...
 
     def stream(
-        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        lines: bool = True,
     ) -> AsyncIterator[tuple[str, str]]: ...
 
     async def close(self) -> None: ...
@@ -282,9 +283,12 @@ class SshTransport:
         )
 
     async def stream(
-        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        lines: bool = True,
     ) -> AsyncIterator[tuple[str, str]]:
-        """Yield ("stdout"|"stderr", raw line with its newline) as they arrive, then ("exit", status)."""
+        """Yield ("stdout"|"stderr", raw line with its newline) as they arrive, then ("exit", status). With
+        `lines=False` an item holds every complete line that arrived together (bulk output: one yield per
+        chunk, not per line)."""
         conn = self._require()
         proc: asyncssh.SSHClientProcess[str] | None = None
         try:
@@ -294,7 +298,7 @@ class SshTransport:
             if stdin:
                 proc.stdin.write(stdin)
             proc.stdin.write_eof()
-            async for item in _merge_lines(proc.stdout, proc.stderr, timeout):
+            async for item in _merge_lines(proc.stdout, proc.stderr, timeout, lines=lines):
                 yield item
             await asyncio.wait_for(proc.wait(), timeout=timeout)
             yield ("exit", str(proc.exit_status))
@@ -328,14 +332,15 @@ def _text(value: object) -> str:
     return str(value)
 
 
-async def _merge_lines(out: Any, err: Any, timeout: float) -> AsyncIterator[tuple[str, str]]:
+async def _merge_lines(out: Any, err: Any, timeout: float, *, lines: bool = True) -> AsyncIterator[tuple[str, str]]:
     """Interleave the lines of stdout and stderr (str from asyncssh, bytes from asyncio) as they arrive, until
     both end; TimeoutError past `timeout` seconds in all. A reader that fails (asyncssh raises ConnectionLost
     when the connection drops) ends the merge with its exception: a pump that died silently would leave the
     caller waiting forever for a stream whose node is gone.
 
     The readers are read in chunks and the complete lines of each chunk travel together: per-line reads and
-    queue hand-offs cost more than the probe itself on a large fleet (a Mac's answer is ~1,000 lines)."""
+    queue hand-offs cost more than the probe itself on a large fleet (a Mac's answer is ~1,000 lines). With
+    `lines=False` they are also yielded together, as one string."""
     queue: asyncio.Queue[tuple[str, list[str]] | BaseException | None] = asyncio.Queue()
 
     async def pump(name: str, reader: Any) -> None:
@@ -369,9 +374,12 @@ async def _merge_lines(out: Any, err: Any, timeout: float) -> AsyncIterator[tupl
             elif isinstance(item, BaseException):
                 raise item
             else:
-                name, lines = item
-                for line in lines:
-                    yield name, line
+                name, batch = item
+                if lines:
+                    for line in batch:
+                        yield name, line
+                else:
+                    yield name, "".join(batch)
     finally:
         for task in tasks:
             task.cancel()
@@ -424,7 +432,8 @@ class LocalTransport:
         )
 
     async def stream(
-        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT
+        self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT,
+        lines: bool = True,
     ) -> AsyncIterator[tuple[str, str]]:
         proc = await self._spawn(argv, stdin)
         if stdin is not None and proc.stdin is not None:
@@ -434,7 +443,7 @@ class LocalTransport:
         assert proc.stdout is not None and proc.stderr is not None
         deadline = time.monotonic() + timeout
         try:
-            async for item in _merge_lines(proc.stdout, proc.stderr, timeout):
+            async for item in _merge_lines(proc.stdout, proc.stderr, timeout, lines=lines):
                 yield item
             await asyncio.wait_for(proc.wait(), timeout=max(0.0, deadline - time.monotonic()))
             yield ("exit", str(proc.returncode))

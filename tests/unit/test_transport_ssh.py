@@ -149,6 +149,27 @@ def test_stream_yields_lines_then_exit(tmp_path: Path, keys) -> None:
     asyncio.run(go())
 
 
+def test_stream_in_chunks_keeps_every_line_whole_and_in_order(tmp_path: Path, keys) -> None:
+    async def go() -> None:
+        server = await SshTestServer(run_for_real, keys[0]).start()
+        known = tmp_path / "known_hosts"
+        known.write_text(server.known_hosts_line())
+        t = SshTransport(node_for(server, keys[1], known))
+        script = "i=0; while [ $i -lt 3000 ]; do echo line-$i; i=$((i+1)); done; printf tail"
+        try:
+            await t.connect()
+            items = [item async for item in t.stream(["sh", "-c", script], lines=False)]
+            out = [text for kind, text in items if kind == "stdout"]
+            assert "".join(out) == "".join(f"line-{i}\n" for i in range(3000)) + "tail"
+            assert all(text.endswith("\n") for text in out[:-1])  # a chunk never splits a line
+            assert len(out) < 3000 and items[-1] == ("exit", "0")
+        finally:
+            await t.close()
+            await server.close()
+
+    asyncio.run(go())
+
+
 class _DroppingServer(SshTestServer):
     """Writes one line, then the whole connection drops (the node's sshd and sessions die)."""
 
