@@ -601,3 +601,29 @@ def test_bad_safetensors_file_is_named(tmp_path: Path) -> None:
     info = probe.model_info(str(tmp_path))
     assert info["config"] == {} and info["params"] is None
     assert "lfs.safetensors: header length" in info["error"] and "short.safetensors: too short" in info["error"]
+
+
+def test_versions_come_from_dist_info_names_first_path_wins(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, names in ((first, ["MLX_LM-0.30.1.dist-info", "mlx_metal-0.32.4.dist-info", "mlx_cpu-0.32.4.dist-info"]),
+                     (second, ["mlx-0.29.0-py3.11.egg-info", "mlx_lm-0.1.0.dist-info", "README.txt", "x.dist-info"])):
+        d.mkdir()
+        for n in names:
+            (d / n).mkdir()
+    found = probe.installed_from_paths([str(tmp_path / "missing"), str(first), str(second)], {"mlx", "mlx-lm"})
+    # mlx-metal / mlx-cpu are other distributions; an egg-info's `-pyX.Y` tag is not part of the version.
+    assert found == {"mlx-lm": "0.30.1", "mlx": "0.29.0"}
+
+
+def test_in_threads_keeps_order_and_hands_back_errors() -> None:
+    ticks: list[int] = []
+
+    def square(x: int) -> int:
+        if x == 3:
+            raise OSError("boom")
+        return x * x
+
+    outcomes = probe.in_threads(square, list(range(6)), 4, tick=lambda: ticks.append(1), every=0.01)
+    assert [o.value for o in outcomes] == [0, 1, 4, None, 16, 25]
+    assert isinstance(outcomes[3].error, OSError) and all(o.error is None for i, o in enumerate(outcomes) if i != 3)
+    assert probe.in_threads(square, [], 4) == []
