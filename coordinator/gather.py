@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,25 @@ async def probe_node(
     return build_node_facts(node.name, sections, workdir=node.workdir)
 
 
+def fact_prober(
+    nodes: Sequence[Node],
+    playbook: Playbook | None,
+    *,
+    timeout: float = DEFAULT_PROBE_TIMEOUT,
+    progress: ProgressFn | None = None,
+) -> Callable[[Node, Transport], Awaitable[NodeFacts]]:
+    """The per-node probe for a fleet of `nodes` (peers and the worker source worked out once), for
+    `Fleet.map` / `Fleet.connect_and_map`."""
+    source = worker_source()
+    peers = probe_peers(nodes, playbook)
+
+    async def one(node: Node, transport: Transport) -> NodeFacts:
+        return await probe_node(node, transport, peers[node.name], playbook, timeout=timeout, progress=progress,
+                                source=source)
+
+    return one
+
+
 async def gather_facts(
     fleet: Fleet,
     playbook: Playbook | None,
@@ -88,14 +107,7 @@ async def gather_facts(
     progress: ProgressFn | None = None,
 ) -> dict[str, NodeFacts | TransportError]:
     """Probe every connected node concurrently; a node that fails mid-probe comes back as its error."""
-    source = worker_source()
-    peers = probe_peers(fleet.nodes, playbook)
-
-    async def one(node: Node, transport: Transport) -> NodeFacts:
-        return await probe_node(node, transport, peers[node.name], playbook, timeout=timeout, progress=progress,
-                                source=source)
-
-    return await fleet.map(one)
+    return await fleet.map(fact_prober(fleet.nodes, playbook, timeout=timeout, progress=progress))
 
 
 def record_facts(facts: NodeFacts, directory: Path) -> Path:

@@ -13,7 +13,7 @@ from coordinator.checks import evaluate_preflight
 from coordinator.checks.context import CheckContext
 from coordinator.errors import ConfigError, TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, gather_facts
+from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober
 from coordinator.lint import lint_playbook
 from coordinator.models import Inventory, PreflightReport
 from coordinator.playbook import Playbook
@@ -71,8 +71,9 @@ async def collect(
     factory = fleet_factory or Fleet
     async with factory(inventory.nodes, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
                        concurrency=concurrency) as fleet:
-        connect = await fleet.connect_all()
-        gathered = await gather_facts(fleet, playbook, timeout=probe_timeout, progress=progress)
+        # Each node is probed as soon as it is connected (not after the slowest handshake of the fleet).
+        connect, gathered = await fleet.connect_and_map(
+            fact_prober(fleet.nodes, playbook, timeout=probe_timeout, progress=progress))
     facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
     errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
     return FleetFacts(connect=connect, facts=facts, probe_errors=errors)

@@ -512,18 +512,39 @@ class Fleet:
         async with self._sem:
             return await coro
 
-    async def connect_all(self) -> dict[str, ConnectInfo | TransportError]:
-        async def one(name: str) -> ConnectInfo | TransportError:
-            try:
-                info = await self._bounded(self.transports[name].connect())
-            except TransportError as exc:
-                self.failed[name] = exc
-                return exc
-            self.connected[name] = info
-            return info
+    async def _connect_one(self, name: str) -> ConnectInfo | TransportError:
+        try:
+            info = await self._bounded(self.transports[name].connect())
+        except TransportError as exc:
+            self.failed[name] = exc
+            return exc
+        self.connected[name] = info
+        return info
 
-        results = await asyncio.gather(*(one(n.name) for n in self.nodes))
+    async def connect_all(self) -> dict[str, ConnectInfo | TransportError]:
+        results = await asyncio.gather(*(self._connect_one(n.name) for n in self.nodes))
         return {n.name: r for n, r in zip(self.nodes, results, strict=True)}
+
+    async def connect_and_map(
+        self, fn: Callable[[Node, Transport], Awaitable[T]]
+    ) -> tuple[dict[str, ConnectInfo | TransportError], dict[str, T | TransportError]]:
+        """`connect_all` then `map(fn)` in one pass: a node's `fn` starts as soon as THAT node is connected, so
+        the fleet takes its slowest node's connect + fn, not the slowest connect plus the slowest fn (and
+        the hosts work while the others are still shaking hands)."""
+
+        async def one(node: Node) -> tuple[ConnectInfo | TransportError, T | TransportError | None]:
+            info = await self._connect_one(node.name)
+            if isinstance(info, TransportError):
+                return info, None
+            try:
+                return info, await self._bounded(fn(node, self.transports[node.name]))
+            except TransportError as exc:
+                return info, exc
+
+        results = await asyncio.gather(*(one(n) for n in self.nodes))
+        connect = {n.name: c for n, (c, _) in zip(self.nodes, results, strict=True)}
+        done = {n.name: r for n, (_, r) in zip(self.nodes, results, strict=True) if r is not None}
+        return connect, done
 
     def node_by_name(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
