@@ -202,20 +202,23 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, strict: bool) -> None:
     """Check that every node is ready for the playbook: ssh, os, rdma, thunderbolt, software, model, env,
     resources; plus a lint of the playbook."""
-    from rich.console import Console
-
     from coordinator.preflight import collect, evaluate
     from coordinator.render import dumps, render_preflight
 
     inv, pb = _load(inventory, playbook, limit)
-    console = Console(stderr=as_json)
-    with _HashProgress(console, not as_json) as progress:
+    if as_json:  # no progress display: rich is not even imported
         result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
-    report = evaluate(inv, pb, result)
-    if as_json:
+                                     accept_new_host_keys=accept_new_host_keys))
+        report = evaluate(inv, pb, result)
         click.echo(dumps(report.to_json(strict=strict)))
     else:
+        from rich.console import Console
+
+        console = Console()
+        with _HashProgress(console, True) as progress:
+            result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                                         accept_new_host_keys=accept_new_host_keys, progress=progress))
+        report = evaluate(inv, pb, result)
         render_preflight(report, console, strict=strict)
     sys.exit(0 if report.ok(strict=strict) else 1)
 

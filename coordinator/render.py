@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from coordinator.checks import sort_for_display
 from coordinator.facts.model import NodeFacts
 from coordinator.models import STATUS_SEVERITY, PreflightReport, Status
+
+# rich is imported by the text renderers only: `--json` output (and its callers' start-up) does without it.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
 
 STYLE = {
     Status.FAIL: "bold red",
@@ -24,10 +25,14 @@ STYLE = {
 
 
 def status_text(status: Status) -> Text:
+    from rich.text import Text
+
     return Text(str(status).upper(), style=STYLE[status])
 
 
 def render_preflight(report: PreflightReport, console: Console, *, strict: bool = False) -> None:
+    from rich.table import Table
+
     # Nodes with failures first, so the thing to fix is at the top.
     ordered = sorted(report.nodes, key=lambda item: -max(STATUS_SEVERITY[c.status] for c in item[1]))
     for name, checks in ordered:
@@ -74,6 +79,9 @@ def facts_to_json(facts: NodeFacts, *, raw: bool = False) -> dict[str, Any]:
 
 
 def render_facts(facts: NodeFacts, console: Console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"[bold]{facts.node}[/bold]", title_justify="left", show_header=False)
     table.add_column("fact", style="bold")
     table.add_column("value", overflow="fold")
