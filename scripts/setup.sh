@@ -24,3 +24,7 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+
+# Byte-compile our sources, as installing a wheel does: where PYTHONDONTWRITEBYTECODE is set (this CI's
+# environment) an editable install would otherwise recompile every module on every `coordinator` start.
+.venv/bin/python -m compileall -q coordinator worker >/dev/null
