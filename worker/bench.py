@@ -12,7 +12,8 @@ and optimizer state. For batch 1, 2, 4, 8, ... (and finally --max-batch itself):
 compiles for the new shape), then at least 3 timed steps (more while they are fast); tokens/s = batch * seq_len /
 median step time, peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()` around the point.
 
-The sweep stops at the first of: throughput below FALL_RATIO x the best so far (past the knee: `throughput_fell`);
+The sweep stops at the first of: throughput below FALL_RATIO x the best so far at two points in a row (past the
+knee: `throughput_fell`; one low point may be noise, so the next batch is measured too);
 the next batch's peak memory, extrapolated linearly from the last two points, over `memory_fraction` of the
 device's memory (`memory`); --max-batch measured (`max_batch`); the next point's predicted cost over the time left
 (`time_budget`).
@@ -131,12 +132,16 @@ def decide_stop(
     `truncated`: the last point ran out of time before its planned steps (the budget is spent)."""
     last = curve[-1]
     best = max(p.tokens_per_s for p in curve)
-    if last.tokens_per_s < FALL_RATIO * best:
+    fell = last.tokens_per_s < FALL_RATIO * best
+    # The knee is confirmed by two points in a row below the best: one low point is as likely a noisy
+    # measurement (a busy moment, a throttled period) as the knee, and stopping on it once left the whole curve
+    # beyond it unmeasured and the plan built on the outlier.
+    if fell and len(curve) >= 2 and curve[-2].tokens_per_s < FALL_RATIO * best:
         return "throughput_fell"
     if truncated:
         return "time_budget"
     if last.batch >= max_batch:
-        return "max_batch"
+        return "throughput_fell" if fell else "max_batch"
     upcoming = next_batch(last.batch, max_batch)
     if predict_peak_memory(curve, upcoming) > memory_limit:
         return "memory"
@@ -440,7 +445,9 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     budget = float(args.time_budget)
     # Keep a little of the budget for the output; the deadline is what the sweep plans against.
     deadline = state.started + budget - min(1.0, 0.05 * budget)
-    window = max(0.3, 0.03 * budget)  # timed seconds per point: enough for a stable median, small vs the budget
+    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
+    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
+    window = max(0.5, 0.05 * budget)
 
     model_path(args.model)
     state.phase = "importing mlx"

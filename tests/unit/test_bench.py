@@ -59,7 +59,10 @@ def test_predict_point_cost() -> None:
 
 STOP_CASES: list[tuple[str, list[Point], dict[str, Any], str | None]] = [
     ("keeps going", [pt(1, 100), pt(2, 180)], {}, None),
-    ("throughput fell past the knee", [pt(1, 100), pt(2, 180), pt(4, 170)], {}, "throughput_fell"),
+    ("throughput fell past the knee", [pt(1, 100), pt(2, 180), pt(4, 170), pt(8, 160)], {}, "throughput_fell"),
+    ("one low point may be noise", [pt(1, 100), pt(2, 180), pt(4, 170)], {}, None),
+    ("a recovery after a low point", [pt(1, 100), pt(2, 60), pt(4, 200)], {}, None),
+    ("a low point at the max batch", [pt(1, 100), pt(2, 180), pt(4, 170)], {"max_batch": 4}, "throughput_fell"),
     ("within noise is not a fall", [pt(1, 100), pt(2, 180), pt(4, 176)], {}, None),
     ("fall wins over max batch", [pt(1, 100), pt(2, 50)], {"max_batch": 2}, "throughput_fell"),
     ("max batch measured", [pt(1, 100), pt(2, 180)], {"max_batch": 2}, "max_batch"),
@@ -92,7 +95,9 @@ def fake_measure(rates: dict[int, float], clock: list[float], *, step_s: float =
 
 
 @pytest.mark.parametrize(("label", "rates", "kwargs", "batches", "reason"), [
-    ("knee", {1: 100, 2: 190, 4: 300, 8: 280}, {}, [1, 2, 4, 8], "throughput_fell"),
+    ("knee", {1: 100, 2: 190, 4: 300, 8: 280, 16: 200}, {}, [1, 2, 4, 8, 16], "throughput_fell"),
+    ("a noisy dip is measured past", {1: 100, 2: 70, 4: 300, 8: 280, 16: 200}, {}, [1, 2, 4, 8, 16],
+     "throughput_fell"),
     ("max batch 6", {1: 100, 2: 190, 4: 300, 6: 350}, {"max_batch": 6}, [1, 2, 4, 6], "max_batch"),
     ("memory", {1: 100, 2: 190, 4: 300}, {"memory_limit": 50}, [1, 2, 4], "memory"),
     ("time", {1: 100, 2: 190, 4: 300, 8: 500, 16: 900}, {"deadline": 20.0}, [1, 2, 4], "time_budget"),
