@@ -177,6 +177,29 @@ def build_launcher_argv(hostfile: Path, backend: str, cwd: str, port: int, env: 
     return [*argv, "rank"]
 
 
+def spawn_launcher(argv: Sequence[str], log_path: Path, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    """Start mlx.launch with output to `log_path`; returns (process, write end of its stdin). Close the write
+    end once the launcher is gone.
+
+    Its stdin is a pipe the caller holds open and never writes: mlx.launch's main loop select()s on stdin with a
+    0.1 s timeout to forward input to the ranks, and /dev/null (always readable, at EOF) made that loop spin a
+    whole core on the coordinator's machine for the entire run (often a machine that also trains). If the
+    coordinator dies, the pipe closes and the loop spins again until the run ends (`coordinator attach` cannot
+    reopen it). Its own session: Ctrl-C on the coordinator does not reach it directly, and if the coordinator
+    dies the job keeps running."""
+    idle_stdin, keep_open = os.pipe()
+    try:
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(list(argv), stdin=idle_stdin, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(env), start_new_session=True)
+    except BaseException:
+        os.close(keep_open)
+        raise
+    finally:
+        os.close(idle_stdin)
+    return proc, keep_open
+
+
 def pick_port(count: int, *, lo: int = 20000, hi: int = 60000, tries: int = 50) -> int:
     """A random base port whose `count` successors are free here (concurrent jobs need distinct ports)."""
     import random
@@ -293,6 +316,7 @@ class Launch:
         self.node_by_name = {r.node.name: r.node for r in ranks}
         self.remote_run_dirs: dict[str, str] = {}
         self.launcher: subprocess.Popen[bytes] | None = None
+        self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see start_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
         self.events_file = run_dir / "events.jsonl"
@@ -380,12 +404,9 @@ class Launch:
         argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, remote_tmp_dir(self.run_id),
                                    pick_port(len(self.ranks) * 2), {})
         (self.run_dir / "launcher.argv").write_text(shlex.join(argv) + "\n", encoding="utf-8")
-        log = (self.run_dir / "launcher.log").open("ab")
-        # Its own session: Ctrl-C on the coordinator does not reach it directly, and if the coordinator dies
-        # the job keeps running (`coordinator attach` picks it up).
-        self.launcher = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
-        log.close()
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / "launcher.log", env)
         self.write_meta()
 
     def write_meta(self) -> None:
@@ -525,7 +546,10 @@ class Launch:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.launcher.pid, signal.SIGKILL)
                 await asyncio.to_thread(self.launcher.wait)
-        elif self.launcher is None and self.launcher_pid is not None:
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+            self._launcher_stdin = None
+        if self.launcher is None and self.launcher_pid is not None:
             # An adopted launcher (attach) is its own session leader: its pgid is its pid.
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 with contextlib.suppress(ProcessLookupError, PermissionError):

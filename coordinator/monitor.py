@@ -64,6 +64,7 @@ class RankView:
     grad_norm: float | None = None
     val_loss: float | None = None
     last_event_at: float | None = None  # coordinator clock
+    last_alive_at: float | None = None  # coordinator clock: the last process check that found it alive
     last_progress_at: float | None = None
     checkpoint: str | None = None
     checkpoint_step: int | None = None
@@ -401,9 +402,14 @@ class Monitor:
                                           {"pid": obs.data.get("pid"), "state": "T (stopped)"}, "quarantine", obs.at))
             return []
         view.stopped_since = None
-        if not obs.data.get("alive", True) and view.state is WorkerState.RUNNING:
+        if obs.data.get("alive", True):
+            view.last_alive_at = obs.at
+        elif view.state is WorkerState.RUNNING:
             view.state = WorkerState.FAILED
-            last = view.last_event_at or obs.at
+            # The death happened after the last check that found the process alive. Not after its last event:
+            # a rank's last words are read in the same poll as the news of its death, so they arrive together
+            # and the detection would read 0.0 s.
+            last = view.last_alive_at or view.last_event_at or obs.at
             return self._add(Incident("crash", obs.node, obs.rank, view.step, max(0.0, obs.at - last),
                                       {"pid": obs.data.get("pid"), "state": obs.data.get("state")},
                                       "quarantine", obs.at))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
-from coordinator.launch import build_launcher_argv, build_rank_script, build_ssh_config
+from coordinator.launch import build_launcher_argv, build_rank_script, build_ssh_config, spawn_launcher
 from coordinator.models import Connection, Node
 
 
@@ -63,3 +65,23 @@ def test_ssh_config_carries_the_inventory_credentials_and_strict_keys() -> None:
                  "StrictHostKeyChecking yes", "BatchMode yes"):
         assert line in block
     assert "Host here" not in text  # local nodes never go through ssh
+
+
+def test_the_launcher_stdin_is_open_and_idle_until_closed(tmp_path: Path) -> None:
+    # mlx.launch select()s on its stdin to forward input: it must block (not see EOF, which made it spin a core)
+    # while the run goes on, and see EOF once the coordinator closes its end.
+    probe = ("import select, sys\n"
+             "r, _, _ = select.select([sys.stdin], [], [], 0.3)\n"
+             "print('readable' if r else 'idle', flush=True)\n"
+             "print(repr(sys.stdin.buffer.read()), flush=True)\n")
+    log = tmp_path / "launcher.log"
+    proc, keep_open = spawn_launcher([sys.executable, "-c", probe], log, dict(os.environ))
+    try:
+        for _ in range(200):  # until the child's select() has returned (closing earlier would race it)
+            if log.read_text():
+                break
+            time.sleep(0.05)
+    finally:
+        os.close(keep_open)
+    assert proc.wait(timeout=30) == 0
+    assert log.read_text().splitlines() == ["idle", "b''"]

@@ -57,6 +57,16 @@ def test_dead_process_is_a_crash_attributed_to_its_node() -> None:
     assert inc.detected_after_s == 0.5
 
 
+def test_a_crash_counts_from_the_last_check_that_found_it_alive() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(Observation("proc", "a", 1.0, 0, {"alive": True, "pid": 10, "state": "S"}))
+    # Its last event and its death arrive in the same poll: the fault began after the check at 1.0.
+    mon.observe(ev("a", 0, 1.5, event="heartbeat", step=0))
+    [inc] = mon.observe(Observation("proc", "a", 1.5, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert inc.kind == "crash" and inc.detected_after_s == 0.5
+
+
 def test_silent_rank_on_a_live_channel_is_a_hang() -> None:
     mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
     started(mon)
