@@ -38,7 +38,18 @@ from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
 
-MLX_LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+# mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
+# when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
+# loop) spins a core for the whole run, on the coordinator's machine, which often trains too. The coordinator
+# never sends input to the ranks, so the selects wait on the outputs alone.
+MLX_LAUNCH = (
+    "import select, sys\n"
+    "import mlx._distributed_utils.launch as launch\n"
+    "_select = select.select\n"
+    "launch.select = lambda r, w, x, t=None: (_select(r, [], x, t)[0], [], [])\n"
+    "sys.argv[0] = 'mlx.launch'\n"
+    "sys.exit(launch.main())\n"
+)
 TICK_S = 0.5
 FINISH_GRACE_S = 5.0  # after the launcher exits, how long late events may still arrive
 

@@ -85,3 +85,22 @@ def test_the_launcher_stdin_is_open_and_idle_until_closed(tmp_path: Path) -> Non
         os.close(keep_open)
     assert proc.wait(timeout=30) == 0
     assert log.read_text().splitlines() == ["idle", "b''"]
+
+
+def test_the_launcher_waits_for_its_ranks_without_spinning(tmp_path: Path) -> None:
+    # The real mlx.launch (a local rank: no SSH) running a rank that sleeps: unpatched, its per-rank thread
+    # select()s the always-writable stdin pipe of the rank and burns a core the whole time.
+    (tmp_path / "rank").write_text("echo hello-from-rank\nsleep 1.5\n")
+    hostfile = tmp_path / "hostfile.json"
+    hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
+    argv = build_launcher_argv(hostfile, "ring", str(tmp_path), 23456, {})
+    started = time.monotonic()
+    proc, keep_open = spawn_launcher(argv, tmp_path / "launcher.log", dict(os.environ))
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        os.close(keep_open)
+    wall = time.monotonic() - started
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "launcher.log").read_text() == "hello-from-rank\n"
+    assert usage.ru_utime + usage.ru_stime < 0.5 * wall  # a spinning loop uses ~1 s of CPU per second
