@@ -6,6 +6,8 @@ so that all ranks finish their step at nearly the same time, using the throughpu
 that node, and never more rows than its memory allows.
 
 Model of a node (from its measured curve of (batch, tokens/s, peak memory) points):
+- an interior dip (one point below both of its neighbours) is measurement noise and is raised to the line between
+  them (`lift_dips`: timing noise on a busy machine only ever slows a step);
 - tokens/s at batch b: linear interpolation between measured batches; below the smallest measured batch the step
   time of that batch (a step never gets cheaper than the smallest one measured); beyond the largest measured batch
   a plateau: the best measured rate, unless the curve ends in a measured fall (the last point below
@@ -135,29 +137,43 @@ class Plan:
         return self.batch[node] * self.seq_len / self.per_node_step_s[node]
 
 
+def lift_dips(batches: Sequence[int], rates: Sequence[float]) -> list[float]:
+    """Rates with every interior dip (a point below both of its measured neighbours) raised to the line between
+    those neighbours. Timing noise on a busy machine is one-sided: interference only ever slows a step, so one
+    point below both neighbours is a disturbed measurement, not the node's speed at that batch (planning on it
+    once gave a node a batch its neighbours said was too small). Two low points in a row, and a fall at the END
+    of the curve (the knee, with no right-hand neighbour to contradict it), are kept."""
+    out = list(rates)
+    for i in range(1, len(rates) - 1):
+        if rates[i] < rates[i - 1] and rates[i] < rates[i + 1]:
+            t = (batches[i] - batches[i - 1]) / (batches[i + 1] - batches[i - 1])
+            out[i] = rates[i - 1] + t * (rates[i + 1] - rates[i - 1])
+    return out
+
+
 class _NodeModel:
     """Step time and memory predictions of one node for batches 1..limit (precomputed: batches are small)."""
 
     def __init__(self, cal: NodeCalibration, seq_len: int) -> None:
         self.cal = cal
         self.seq_len = seq_len
-        best = cal.best.tokens_per_s
-        last = cal.curve[-1]
-        self.plateau = best if last.tokens_per_s >= PLATEAU_RATIO * best else last.tokens_per_s
+        self.batches = [p.batch for p in cal.curve]
+        self.rates = lift_dips(self.batches, [p.tokens_per_s for p in cal.curve])
+        best = max(self.rates)
+        self.plateau = best if self.rates[-1] >= PLATEAU_RATIO * best else self.rates[-1]
         self._step: list[float] = [0.0]  # index = batch; index 0 unused
 
     def rate(self, batch: int) -> float:
-        curve = self.cal.curve
-        first, last = curve[0], curve[-1]
-        if batch <= first.batch:
+        batches, rates = self.batches, self.rates
+        if batch <= batches[0]:
             # Same step time as the smallest measured batch: rate proportional to the rows.
-            return first.tokens_per_s * batch / first.batch
-        if batch >= last.batch:
-            return last.tokens_per_s if batch == last.batch else self.plateau
-        for lo, hi in itertools.pairwise(curve):
-            if lo.batch <= batch <= hi.batch:
-                t = (batch - lo.batch) / (hi.batch - lo.batch)
-                return lo.tokens_per_s + t * (hi.tokens_per_s - lo.tokens_per_s)
+            return rates[0] * batch / batches[0]
+        if batch >= batches[-1]:
+            return rates[-1] if batch == batches[-1] else self.plateau
+        for i in range(len(batches) - 1):
+            if batches[i] <= batch <= batches[i + 1]:
+                t = (batch - batches[i]) / (batches[i + 1] - batches[i])
+                return rates[i] + t * (rates[i + 1] - rates[i])
         raise AssertionError("unreachable: batch inside the curve's range")
 
     def step_s(self, batch: int) -> float:

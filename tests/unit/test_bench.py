@@ -22,6 +22,7 @@ from worker.bench import (
     STOP_REASONS,
     Point,
     decide_stop,
+    fast_quartile,
     next_batch,
     predict_peak_memory,
     predict_point_cost,
@@ -254,3 +255,10 @@ def test_calibrate_runs_the_bench_and_caches(tiny_model: Path, tmp_path: Path) -
 
     plan = compute_plan([calibration], 4, seq_len=32)
     assert plan.batch == {"local": 4}
+
+
+@pytest.mark.parametrize(("times", "expected"), [
+    ([0.5], 0.5), ([0.9, 0.5, 0.7], 0.5), ([0.9, 0.5, 0.7, 0.6], 0.5), ([5, 1, 2, 3, 4], 2), (list(range(20, 0, -1)), 5),
+])
+def test_fast_quartile(times: list[float], expected: float) -> None:
+    assert fast_quartile(times) == expected
