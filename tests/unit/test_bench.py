@@ -160,10 +160,13 @@ def check_contract(result: dict[str, Any], *, max_batch: int, budget: float) -> 
     assert (result["best_batch"], result["best_tokens_per_s"]) == (best["batch"], best["tokens_per_s"])
     assert result["stopped_because"] in STOP_REASONS
     rates = [p["tokens_per_s"] for p in curve]
+
+    def knee_after(i: int) -> bool:  # two low points in a row against the best up to point i
+        return i >= 1 and all(rates[j] < 0.97 * max(rates[: i + 1]) for j in (i - 1, i))
+
     if result["stopped_because"] == "throughput_fell":
-        assert rates[-1] < 0.97 * max(rates)
-    else:
-        assert all(r >= 0.97 * max(rates[: i + 1]) for i, r in enumerate(rates))  # it would have stopped earlier
+        assert knee_after(len(rates) - 1) or (batches[-1] == max_batch and rates[-1] < 0.97 * max(rates))
+    assert not any(knee_after(i) for i in range(len(rates) - 1))  # it would have stopped earlier
     if result["stopped_because"] == "max_batch":
         assert batches[-1] == max_batch
     assert result["matmul_gflops"] > 0
