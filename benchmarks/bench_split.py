@@ -185,7 +185,7 @@ def playbook(args: argparse.Namespace, data: Path, *, name: str, batch: int, ite
 
 @dataclass
 class Run:
-    kind: str  # solo | calibrated | equal | bare
+    kind: str  # solo | duo (a solo next to the other host's solo) | calibrated | equal | bare
     host: str | None  # solo only
     batch: int  # global batch
     round: int
@@ -312,6 +312,7 @@ class Bench:
         self.calibrations: list[dict[str, Any]] = []  # every round's
         self.commands: dict[str, str] = {}
         self.seq = 0
+        self._lock = threading.Lock()  # launches may run concurrently (launch_duo)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -402,7 +403,9 @@ class Bench:
         return max(self.args.warmup_steps + 8, min(400, self.args.warmup_steps + 1 + steady))
 
     def launch(self, run: Run, pb: Path, *, limit: str | None = None, bare: bool = False) -> Run:
-        self.seq += 1
+        with self._lock:
+            self.seq += 1
+            seq = self.seq
         run.iters = int(yaml.safe_load(pb.read_text())["train"]["iters"])
         cli_args = ["-i", str(self.inv), str(pb), "--json", "--run-dir", str(self.run_root)]
         if limit:
@@ -422,7 +425,7 @@ class Bench:
         watcher = threading.Thread(target=self._watch, args=(stop, cpu), daemon=True)
         watcher.start()
         try:
-            rc, out, run.wall_s, run.cli_cpu_s = self.cli(argv, self.tmp / f"run{self.seq:03d}")
+            rc, out, run.wall_s, run.cli_cpu_s = self.cli(argv, self.tmp / f"run{seq:03d}")
         except TimeoutError as exc:
             rc, out = -9, str(exc)
         finally:
@@ -438,7 +441,7 @@ class Bench:
             run.host_cpu_s[h] = round(used[h], 2)
             run.throttled[h] = after[h]["nr_throttled"] - before[h]["nr_throttled"]
         run.coord_cpu_s = round(used[COORD], 2)
-        run.stderr_tail = (self.tmp / f"run{self.seq:03d}.err").read_text(errors="replace")[-3000:]
+        run.stderr_tail = (self.tmp / f"run{seq:03d}.err").read_text(errors="replace")[-3000:]
         if run.wall_s > 0:
             run.background_cores = round(max(0.0, busy - sum(used.values())) / run.wall_s, 2)
         quarantine = self.tmp / "state" / "mlx-coordinator" / "quarantine.json"
@@ -449,7 +452,7 @@ class Bench:
             summary = json.loads(out[out.index("{"):])  # --json prints summary.json (indented) last
             run.run_id = summary["run_id"]
         except (ValueError, KeyError):
-            err = (self.tmp / f"run{self.seq:03d}.err").read_text(errors="replace")[-2000:]
+            err = (self.tmp / f"run{seq:03d}.err").read_text(errors="replace")[-2000:]
             run.error = f"exit {rc}, no summary: {err}"
             log(f"{key} round {run.round}: FAILED {run.error}")
             self.runs.append(run)
@@ -485,6 +488,19 @@ class Bench:
             f"by process {dict(sorted(run.cpu_by_process.items(), key=lambda kv: -kv[1])[:8])}")
         self.runs.append(run)
         return run
+
+    def launch_duo(self, combo: dict[str, tuple[int, Path]], round_: int) -> None:
+        """Every host's solo job AT THE SAME TIME (one 1-rank `coordinator launch --limit HOST` each): a host's
+        throughput while the other host is busy too, as it is in the 2-host job. On this test bed the two
+        "machines" are two cores of one VM that share its caches and memory bandwidth (separate Macs share
+        nothing), so a host alone runs faster than it can next to a busy neighbour: the plain solos' sum is an
+        upper bound no 2-host job here can reach."""
+        threads = [threading.Thread(target=self.launch_retrying, args=(lambda h=h, b=b: Run("duo", h, b, round_), pb),
+                                    kwargs={"limit": h}) for h, (b, pb) in combo.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def launch_retrying(self, make: Callable[[], Run], pb: Path, **kw: Any) -> Run:
         """`launch`, again (up to 2 more times) when the run failed on the transient SSH race of ship_worker
@@ -530,12 +546,19 @@ class Bench:
                 for b in sorted({plan[h], int(self.best_point(h)["batch"])}):
                     it = self.iters_for({h: b}) if not args.iters else args.iters
                     solo.append((h, b, self.write_pb(f"solo-{h}-b{b}", batch=b, iters=it, split="equal")))
+            duos: list[dict[str, tuple[int, Path]]] = []
+            for pick in (plan, {h: int(self.best_point(h)["batch"]) for h in plan}):
+                combo = {h: (b, next(p for hh, bb, p in solo if hh == h and bb == b)) for h, b in pick.items()}
+                if combo not in duos:
+                    duos.append(combo)
             for r in range(1, args.rounds + 1):
                 if r > 1:
                     self.calibrate(r)
                 order = ["calibrated", "equal", "bare"] if r % 2 else ["bare", "equal", "calibrated"]
                 for h, b, pb in solo if r % 2 else reversed(solo):
                     self.launch_retrying(lambda h=h, b=b, r=r: Run("solo", h, b, r), pb, limit=h)
+                for combo in duos if r % 2 else reversed(duos):
+                    self.launch_duo(combo, r)
                 for kind in order:
                     pb = pbs["calibrated" if kind == "bare" else kind]
                     self.launch_retrying(lambda kind=kind, r=r: Run(kind, None, args.global_batch, r), pb,
@@ -577,6 +600,9 @@ def _f(value: float | None, fmt: str = ".1f") -> str:
 
 
 def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, dict[str, Any]]:
+    from monitor_cost import markdown as markdown_cost  # benchmarks/ is this script's dir, first on sys.path
+    from monitor_cost import monitoring_cost
+
     runs = bench.runs
     lines: list[str] = []
     add = lines.append
@@ -641,6 +667,25 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     add(f"Sum of solos (each host's best batch): {' + '.join(f'{solo_best[h]:.1f}' for h in solo_best)} = "
         f"**{_f(solo_sum)} tokens/s**.")
     add("")
+    add("Concurrent solos (both hosts' 1-rank jobs at the same time: each host next to a busy neighbour, as in "
+        "the 2-host job; see `launch_duo`):")
+    add("")
+    add("| host | batch | per round | median | step s |")
+    add("|---|---|---|---|---|")
+    duo_best: dict[str, float] = {}
+    for name, _, _ in HOSTS:
+        for b in sorted({r.batch for r in kind_runs("duo", name)}):
+            rs = kind_runs("duo", name, b)
+            med = _med([r.tokens_per_s for r in rs if r.ok])
+            if med is not None:
+                duo_best[name] = max(duo_best.get(name, 0.0), med)
+            add(f"| {name} | {b} | {per_round(rs)} | {_f(med)} | {_f(_med([r.step_s for r in rs if r.ok]), '.3f')} |")
+    duo_sum = sum(duo_best.values()) if len(duo_best) == len(HOSTS) else None
+    add("")
+    add(f"Sum of concurrent solos (each host's best batch): "
+        f"{' + '.join(f'{duo_best[h]:.1f}' for h in duo_best)} = **{_f(duo_sum)} tokens/s** "
+        f"({_f(100 * duo_sum / solo_sum if duo_sum and solo_sum else None)}% of the plain solos' sum).")
+    add("")
     add("Two hosts, one job (`coordinator launch`, 2 ranks over the ring backend):")
     add("")
     add("| split | local batches (full/half) | iters | per round (tokens/s) | median | step s | vs sum of solos | vs equal | "
@@ -660,6 +705,19 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     c, e = meds["calibrated"], meds["equal"]
     goal1 = c is not None and solo_sum is not None and c >= 0.9 * solo_sum
     goal2 = c is not None and e is not None and c >= 1.25 * e
+    paired: dict[str, list[float]] = {"solo": [], "duo": []}
+    for r in range(1, args.rounds + 1):
+        cr = next((x for x in kind_runs("calibrated") if x.round == r and x.ok), None)
+        for kind in paired:
+            best = {h: max((x.tokens_per_s or 0.0 for x in kind_runs(kind, h) if x.round == r and x.ok), default=0.0)
+                    for h, _, _ in HOSTS}
+            if cr is not None and cr.tokens_per_s and all(best.values()):
+                paired[kind].append(100 * cr.tokens_per_s / sum(best.values()))
+    add(f"Calibrated vs the same round's sums (paired, machine drift between rounds cancels): plain solos "
+        f"{', '.join(f'{v:.1f}%' for v in paired['solo']) or '-'} (median {_f(_med(paired['solo']))}%); "
+        f"concurrent solos {', '.join(f'{v:.1f}%' for v in paired['duo']) or '-'} (median {_f(_med(paired['duo']))}%). "
+        f"Calibrated median vs the concurrent solos' sum: {_f(100 * c / duo_sum if c and duo_sum else None)}%.")
+    add("")
     add(f"Goals: calibrated >= 90% of the sum of solos: **{'met' if goal1 else 'NOT met'}** "
         f"({_f(100 * c / solo_sum if c and solo_sum else None)}%); calibrated >= 1.25x equal: "
         f"**{'met' if goal2 else 'NOT met'}** ({_f(c / e if c and e else None, '.2f')}x).")
@@ -677,17 +735,21 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
             f"{_f(_med([r.step_s for r in rs if r.ok]), '.3f')} | {cpu} | {_bg(rs)} |")
     b = _med([r.tokens_per_s for r in kind_runs("bare") if r.ok])
     overhead = 100 * (b - c) / b if b and c else None
-    paired = []
+    paired_overhead = []
     for r in range(1, args.rounds + 1):
         cr = next((x for x in kind_runs("calibrated") if x.round == r and x.ok), None)
         br = next((x for x in kind_runs("bare") if x.round == r and x.ok), None)
         if cr and br and cr.tokens_per_s and br.tokens_per_s:
-            paired.append(100 * (br.tokens_per_s - cr.tokens_per_s) / br.tokens_per_s)
+            paired_overhead.append(100 * (br.tokens_per_s - cr.tokens_per_s) / br.tokens_per_s)
     add("")
     add(f"Overhead (1 - coordinator/bare, medians): **{_f(overhead, '+.2f')}%** (goal <= 2%: "
         f"**{'met' if overhead is not None and overhead <= 2 else 'NOT met'}**); per round: "
-        f"{', '.join(f'{p:+.2f}%' for p in paired) or '-'}.")
+        f"{', '.join(f'{p:+.2f}%' for p in paired_overhead) or '-'}.")
     add("")
+    add("The monitoring's own CPU on the hosts (the follower and its sshd work, against the rank it shares a core "
+        "with; `benchmarks/monitor_cost.py` on this run's JSON):")
+    add("")
+    add(markdown_cost(monitoring_cost([asdict(r) for r in runs])))
     failed = [r for r in runs if not r.ok]
     add(f"Runs: {len(runs)}, failed: {len(failed)}" + (": " + "; ".join(
         f"{r.kind} {r.host or ''} round {r.round}: {r.error[:200]}" for r in failed) if failed else "") +
@@ -702,7 +764,8 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     raw = {"args": vars(args), "placement": bench.placement, "rank_placement": bench.rank_placement,
            "calibration": cal, "calibrations": bench.calibrations, "runs": [asdict(r) for r in runs],
            "transient": [asdict(r) for r in bench.transient], "solo_best": solo_best, "solo_sum": solo_sum,
-           "medians": meds, "bare_median": b, "overhead_pct": overhead, "paired_overhead_pct": paired,
+           "medians": meds, "bare_median": b, "overhead_pct": overhead, "paired_overhead_pct": paired_overhead,
+           "duo_best": duo_best, "duo_sum": duo_sum, "paired_vs_sums_pct": paired,
            "commands": bench.commands}
     return "\n".join(lines) + "\n", raw
 

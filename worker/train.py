@@ -219,10 +219,29 @@ def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
     return out
 
 
+# Reserved names (a parameter name never starts with a space) under which the loss sum and the token count ride
+# in the gradients' float32 bucket.
+_LOSS_KEY, _TOKENS_HI_KEY, _TOKENS_LO_KEY = " loss_sum", " tokens_hi", " tokens_lo"
+TOKENS_SPLIT = 4096  # tokens = hi * TOKENS_SPLIT + lo, both parts exact in float32 up to 2^36 tokens
+
+
 def reduce_contribution(local: Contribution, all_sum: AllSum) -> Contribution:
-    """The global sums: every rank's contribution added up (identical on all ranks)."""
-    grads = all_sum_arrays(local.grads, all_sum)
-    return Contribution(grads, all_sum(local.loss_sum), all_sum(local.tokens))
+    """The global sums: every rank's contribution added up (identical on all ranks).
+
+    ONE collective per bucket: the loss sum and the token count travel in the gradients' float32 bucket instead
+    of two more all_sums. Every collective is a synchronous round trip through the slowest rank, and a rank on
+    a throttled or busy machine answers each one late. The count is split into two float32 parts (hi, lo) that
+    stay exact integers when summed, so the weighting is still exact."""
+    tokens = local.tokens.astype(mx.int32)
+    arrays = dict(local.grads)
+    arrays[_LOSS_KEY] = local.loss_sum.astype(mx.float32).reshape(1)
+    arrays[_TOKENS_HI_KEY] = (tokens // TOKENS_SPLIT).astype(mx.float32).reshape(1)
+    arrays[_TOKENS_LO_KEY] = (tokens % TOKENS_SPLIT).astype(mx.float32).reshape(1)
+    summed = all_sum_arrays(arrays, all_sum)
+    total = (summed.pop(_TOKENS_HI_KEY).astype(mx.int32) * TOKENS_SPLIT
+             + summed.pop(_TOKENS_LO_KEY).astype(mx.int32)).reshape(())
+    loss_sum = summed.pop(_LOSS_KEY).reshape(())
+    return Contribution(summed, loss_sum, total)
 
 
 @dataclass(frozen=True)

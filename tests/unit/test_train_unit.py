@@ -161,6 +161,22 @@ def test_all_sum_buckets_preserve_names_and_shapes() -> None:
     assert math.isclose(scalar(combined.loss), 2.0) and int(scalar(combined.tokens)) == 6
 
 
+def test_a_step_reduces_in_one_collective_and_counts_tokens_exactly() -> None:
+    calls: list[int] = []
+
+    def two_ranks(x: mx.array) -> mx.array:
+        calls.append(x.size)
+        return x * 2
+
+    # More tokens than float32 counts exactly (2^24): the split count must still add up to the integer.
+    local = Contribution({"w": mx.array([2.0, 4.0]), "b": mx.ones((3,))}, mx.array(6.0), mx.array(20_000_001, mx.int32))
+    out = reduce_contribution(local, two_ranks)
+    assert calls == [2 + 3 + 3]  # gradients, loss sum and the count's two parts: ONE all_sum
+    assert out.tokens.dtype == mx.int32 and int(scalar(out.tokens)) == 40_000_002
+    assert scalar(out.loss_sum) == 12.0 and set(out.grads) == {"w", "b"}
+    assert out.grads["w"].shape == (2,) and mx.array_equal(out.grads["b"], mx.full((3,), 2.0))
+
+
 def test_finalize_without_tokens_gives_zero_gradient_not_nan() -> None:
     out = finalize(Contribution.zeros({"w": mx.ones((3,))}), {"w": mx.bfloat16})
     assert out.grads["w"].dtype == mx.bfloat16 and scalar(out.grad_norm) == 0.0
