@@ -651,17 +651,23 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     add("Solo throughput (1-rank `coordinator launch --limit HOST`, the same worker.train steps; steady-state "
         "tokens/s per round and median):")
     add("")
-    add("| host | batch | iters | per round | median | step s | background cores |")
-    add("|---|---|---|---|---|---|---|")
-    solo_best: dict[str, float] = {}
-    for name, _, _ in HOSTS:
-        for b in sorted({r.batch for r in kind_runs("solo", name)}):
-            rs = kind_runs("solo", name, b)
-            med = _med([r.tokens_per_s for r in rs if r.ok])
-            if med is not None:
-                solo_best[name] = max(solo_best.get(name, 0.0), med)
-            add(f"| {name} | {b} | {_iters(rs)} | {per_round(rs)} | {_f(med)} | "
-                f"{_f(_med([r.step_s for r in rs if r.ok]), '.3f')} | {_bg(rs)} |")
+
+    def solo_table(kind: str) -> dict[str, float]:
+        """The table of `kind` (solo | duo) runs per host and batch; returns each host's best median."""
+        add("| host | batch | iters | per round | median | step s | background cores |")
+        add("|---|---|---|---|---|---|---|")
+        best: dict[str, float] = {}
+        for name, _, _ in HOSTS:
+            for b in sorted({r.batch for r in kind_runs(kind, name)}):
+                rs = kind_runs(kind, name, b)
+                med = _med([r.tokens_per_s for r in rs if r.ok])
+                if med is not None:
+                    best[name] = max(best.get(name, 0.0), med)
+                add(f"| {name} | {b} | {_iters(rs)} | {per_round(rs)} | {_f(med)} | "
+                    f"{_f(_med([r.step_s for r in rs if r.ok]), '.3f')} | {_bg(rs)} |")
+        return best
+
+    solo_best = solo_table("solo")
     solo_sum = sum(solo_best.values()) if len(solo_best) == len(HOSTS) else None
     add("")
     add(f"Sum of solos (each host's best batch): {' + '.join(f'{solo_best[h]:.1f}' for h in solo_best)} = "
@@ -670,16 +676,7 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     add("Concurrent solos (both hosts' 1-rank jobs at the same time: each host next to a busy neighbour, as in "
         "the 2-host job; see `launch_duo`):")
     add("")
-    add("| host | batch | per round | median | step s |")
-    add("|---|---|---|---|---|")
-    duo_best: dict[str, float] = {}
-    for name, _, _ in HOSTS:
-        for b in sorted({r.batch for r in kind_runs("duo", name)}):
-            rs = kind_runs("duo", name, b)
-            med = _med([r.tokens_per_s for r in rs if r.ok])
-            if med is not None:
-                duo_best[name] = max(duo_best.get(name, 0.0), med)
-            add(f"| {name} | {b} | {per_round(rs)} | {_f(med)} | {_f(_med([r.step_s for r in rs if r.ok]), '.3f')} |")
+    duo_best = solo_table("duo")
     duo_sum = sum(duo_best.values()) if len(duo_best) == len(HOSTS) else None
     add("")
     add(f"Sum of concurrent solos (each host's best batch): "
