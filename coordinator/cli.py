@@ -7,6 +7,7 @@ Each verb is a thin wrapper: find the behaviour behind it one hop away (prefligh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -206,19 +207,18 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     from coordinator.render import dumps, render_preflight
 
     inv, pb = _load(inventory, playbook, limit)
-    if as_json:  # no progress display: rich is not even imported
-        result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                     accept_new_host_keys=accept_new_host_keys))
-        report = evaluate(inv, pb, result)
-        click.echo(dumps(report.to_json(strict=strict)))
-    else:
+    console: Console | None = None
+    if not as_json:  # JSON has no progress display: rich is not even imported
         from rich.console import Console
 
         console = Console()
-        with _HashProgress(console, True) as progress:
-            result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                         accept_new_host_keys=accept_new_host_keys, progress=progress))
-        report = evaluate(inv, pb, result)
+    with _HashProgress(console, True) if console is not None else contextlib.nullcontext() as progress:
+        result = asyncio.run(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
+    report = evaluate(inv, pb, result)
+    if console is None:
+        click.echo(dumps(report.to_json(strict=strict)))
+    else:
         render_preflight(report, console, strict=strict)
     sys.exit(0 if report.ok(strict=strict) else 1)
 
