@@ -16,7 +16,8 @@ What runs, all through the coordinator's CLI (each a subprocess):
   1. `coordinator calibrate -i inv.yaml -p cal.yaml --json`: both hosts' curves (in parallel, each on its core)
      and the calibrated split of the global batch, cached for the launches (XDG_CACHE_HOME of the run); again
      with --recalibrate at the start of every later round, so the calibration's own noise is sampled too.
-  2. --rounds rounds, each of (order alternating between rounds):
+  2. --rounds rounds, each of (order alternating between rounds: odd rounds run the solos first, even rounds the
+     2-host jobs first, so that the machine's drift over minutes does not favour one side in every round):
      - solo: `coordinator launch -i inv.yaml solo-<host>-b<B>.yaml --limit <host> --json`, a 1-rank job on one host
        alone, for B in {its batch in round 1's calibrated plan, its best batch on round 1's curve}: the same
        worker.train steps as the 2-host job (the calibration bench compiles its step and feeds random tokens, so
@@ -554,15 +555,23 @@ class Bench:
             for r in range(1, args.rounds + 1):
                 if r > 1:
                     self.calibrate(r)
-                order = ["calibrated", "equal", "bare"] if r % 2 else ["bare", "equal", "calibrated"]
-                for h, b, pb in solo if r % 2 else reversed(solo):
-                    self.launch_retrying(lambda h=h, b=b, r=r: Run("solo", h, b, r), pb, limit=h)
-                for combo in duos if r % 2 else reversed(duos):
-                    self.launch_duo(combo, r)
-                for kind in order:
-                    pb = pbs["calibrated" if kind == "bare" else kind]
-                    self.launch_retrying(lambda kind=kind, r=r: Run(kind, None, args.global_batch, r), pb,
-                                         bare=kind == "bare")
+                # Odd rounds run the solos first, even rounds the 2-host jobs first (ABBA): the machine's speed
+                # drifts over minutes, and a drift that favours the 2-host jobs in one round disfavours them in
+                # the next, instead of biasing every round the same way.
+                def singles(r: int = r) -> None:
+                    for h, b, pb in solo if r % 2 else reversed(solo):
+                        self.launch_retrying(lambda h=h, b=b, r=r: Run("solo", h, b, r), pb, limit=h)
+                    for combo in duos if r % 2 else reversed(duos):
+                        self.launch_duo(combo, r)
+
+                def jobs(r: int = r) -> None:
+                    for kind in ["calibrated", "equal", "bare"] if r % 2 else ["bare", "equal", "calibrated"]:
+                        pb = pbs["calibrated" if kind == "bare" else kind]
+                        self.launch_retrying(lambda kind=kind, r=r: Run(kind, None, args.global_batch, r), pb,
+                                             bare=kind == "bare")
+
+                for part in (singles, jobs) if r % 2 else (jobs, singles):
+                    part()
             for name, _, _ in HOSTS:
                 self.placement[name]["members_at_end"] = str(len(cg.members(name)))
         self.bed = None
@@ -612,7 +621,7 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
         f"{sys.version.split()[0]}; load average at the end {os.getloadavg()[0]:.1f} (other work shares the cores).  ")
     add(f"Workload: LoRA (all layers) of a tiny llama, hidden {args.hidden}, {args.layers} layers, max_seq_length "
         f"{args.seq_len} (every row full length), global batch {args.global_batch}; first {args.warmup_steps} "
-        f"steps excluded; {args.rounds} rounds, order alternating.")
+        f"steps excluded; {args.rounds} rounds, order alternating (odd rounds solos first, even rounds 2-host jobs first).")
     add("")
     add("Hosts (cgroup v1 placement of each host's sshd, read back from /proc/<pid>/cgroup; a rank found in the "
         "same groups during a run):")
