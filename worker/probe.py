@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
-import selectors
 import socket
 import stat
 import struct
@@ -183,6 +181,8 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tup
     `on_bytes(n)` is called after each chunk. Raises OSError when the file cannot be read and FileChanged
     when its size or mtime moved during the read.
     """
+    import hashlib  # here: ~3 ms to import (OpenSSL), and a node whose files the cache vouches for hashes nothing
+
     buf = _buffer()
     digest = hashlib.sha256()
     # Unbuffered: readinto() goes straight from the kernel into our buffer, no intermediate copy.
@@ -500,6 +500,8 @@ def _connect(family: int, address: Any, timeout: float) -> int | None:
     Done by hand (not socket.create_connection) so that "refused" is an errno, not an exception whose type
     differs between Python versions, and so a timeout is never confused with an error.
     """
+    import selectors  # here: only peers that did not answer an ICMP echo get this far
+
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
@@ -529,103 +531,138 @@ def _checksum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
-def icmp_echo(ip: str, wait: float = ICMP_WAIT_S) -> float | None:
-    """Round-trip ms of one ICMP echo to an IPv4 address, or None (no ICMP socket here, or no answer in time).
+def _icmp_socket() -> socket.socket | None:
+    """Like ping(8): a datagram ICMP socket where the OS allows it (macOS; Linux within
+    net.ipv4.ping_group_range), else a raw socket (root); None when neither is allowed."""
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):
+        try:
+            return socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP)
+        except OSError:
+            continue
+    return None
+
+
+def icmp_echoes(ips: list[str], wait: float = ICMP_WAIT_S) -> dict[str, float]:
+    """Round-trip ms of one ICMP echo to each IPv4 address; an address missing from the answer did not reply
+    within `wait` seconds (or this node has no ICMP socket).
 
     Why ICMP first: the peer's kernel answers it, whereas a TCP connect to port 22 makes the peer's sshd fork and
     exec a process, and every node probes every other (N^2 forks, which dominate preflight on a large fleet).
-    Like ping(8): a datagram ICMP socket where the OS allows it (macOS; Linux within net.ipv4.ping_group_range),
-    else a raw socket (root). No answer proves nothing (macOS stealth mode drops echoes): the caller falls back
-    to TCP. The reply is matched by a random payload, so concurrent probes never take each other's replies."""
-    sock = None
-    for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):
-        try:
-            sock = socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP)
-            break
-        except OSError:
-            continue
+    All echoes leave together from ONE socket and the replies are read in one loop: a thread and a socket per
+    peer cost ~1 ms of the node's CPU each, paid for every peer of every node. No answer proves nothing (macOS
+    stealth mode drops echoes): the caller falls back to TCP. Each echo carries its own random payload, so a
+    reply is matched to its address and concurrent probes never take each other's replies."""
+    targets = list(dict.fromkeys(ips))
+    sock = _icmp_socket() if targets else None
     if sock is None:
-        return None
-    token = os.urandom(12)
-    header = struct.pack("!BBHHH", 8, 0, 0, int.from_bytes(token[:2], "big"), 1)
-    packet = struct.pack("!BBHHH", 8, 0, _checksum(header + token), int.from_bytes(token[:2], "big"), 1) + token
+        return {}
+    pending: dict[bytes, tuple[str, float]] = {}
+    answers: dict[str, float] = {}
     try:
-        started = time.perf_counter()
-        sock.sendto(packet, (ip, 0))
-        deadline = started + wait
-        while True:
+        for seq, ip in enumerate(targets, 1):
+            token = os.urandom(12)
+            ident = int.from_bytes(token[:2], "big")
+            header = struct.pack("!BBHHH", 8, 0, 0, ident, seq & 0xFFFF)
+            packet = struct.pack("!BBHHH", 8, 0, _checksum(header + token), ident, seq & 0xFFFF) + token
+            try:
+                pending[token] = (ip, time.perf_counter())
+                sock.sendto(packet, (ip, 0))
+            except OSError:  # unreachable at once, not permitted: the TCP fallback says why
+                del pending[token]
+        deadline = time.perf_counter() + wait
+        while pending:
             left = deadline - time.perf_counter()
             if left <= 0:
-                return None
+                break
             sock.settimeout(left)
-            data, addr = sock.recvfrom(2048)
-            if addr[0] != ip:
+            try:
+                data, addr = sock.recvfrom(2048)
+            except socket.timeout:
+                break
+            except OSError:  # an ICMP error for one echo; the others may still answer
                 continue
             if data and data[0] >> 4 == 4:  # an IP header first (raw sockets; datagram sockets on macOS)
                 data = data[(data[0] & 0x0F) * 4:]
-            if len(data) >= 8 + len(token) and data[0] == 0 and data[8:8 + len(token)] == token:
-                return (time.perf_counter() - started) * 1000
-    except OSError:  # timeout, unreachable, not permitted
-        return None
+            if len(data) < 8 + 12 or data[0] != 0:  # too short, or not an echo reply
+                continue
+            hit = pending.get(data[8:20])
+            if hit is None or hit[0] != addr[0]:
+                continue
+            del pending[data[8:20]]
+            answers[hit[0]] = (time.perf_counter() - hit[1]) * 1000
     finally:
         sock.close()
+    return answers
 
 
-def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
-    """One `reach` entry: does the peer's address answer THIS node?
-
-    An ICMP echo reply proves it at no cost to the peer (`icmp_echo`). Otherwise a TCP connection to ip:port:
-    connected or refused both prove the address answers (refused is a RST from the peer's kernel): ok true
-    with the round-trip time. Timeout, no route, unreachable, bad address: ok false with the reason.
-    """
+def _target(peer: Any) -> tuple[dict[str, Any], Any]:
+    """A peer spec -> (its `reach` entry, the (family, address) to probe), or (entry with the error, None)."""
     if not isinstance(peer, dict):
-        return {"peer": str(peer), "ip": "", "ok": False, "rtt_ms": None, "error": "bad peer spec (not an object)"}
+        return {"peer": str(peer), "ip": "", "ok": False, "rtt_ms": None, "error": "bad peer spec (not an object)"}, None
     name, ip, port = str(peer.get("name") or peer.get("ip") or "?"), str(peer.get("ip") or ""), peer.get("port", 22)
     out: dict[str, Any] = {"peer": name, "ip": ip, "ok": False, "rtt_ms": None, "error": None, "method": None}
     if port is None:
         port = 22
     if not ip:
         out["error"] = "no ip"
-        return out
+        return out, None
     if type(port) is not int or not 0 < port < 65536:
         out["error"] = f"bad port {port!r}"
-        return out
+        return out, None
     try:
         infos = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         out["error"] = f"cannot resolve {ip}: {exc}"
-        return out
+        return out, None
     if not infos:
         out["error"] = f"cannot resolve {ip}"
-        return out
+        return out, None
     family, _, _, _, address = infos[0]
-    if family == socket.AF_INET:
-        rtt = icmp_echo(str(address[0]), min(ICMP_WAIT_S, timeout))
-        if rtt is not None:
-            out.update(ok=True, rtt_ms=round(rtt, 3), method="icmp")
-            return out
+    return out, (family, address)
+
+
+def _reach_tcp(out: dict[str, Any], family: int, address: Any, timeout: float) -> None:
+    """Fill `out` from a TCP connection to the address: connected or refused both prove the address answers
+    (refused is a RST from the peer's kernel); timeout, no route, unreachable: not ok, with the reason."""
     out["method"] = "tcp"
     started = time.perf_counter()
     rc = _connect(family, address, timeout)
     elapsed_ms = (time.perf_counter() - started) * 1000
     if rc is None:
-        out["error"] = f"timed out after {timeout:g} s (no answer from {ip}:{port})"
+        out["error"] = f"timed out after {timeout:g} s (no answer from {out['ip']}:{address[1]})"
     elif rc in (0, errno.ECONNREFUSED):
         out["ok"], out["rtt_ms"] = True, round(elapsed_ms, 3)
     else:
-        out["error"] = f"{os.strerror(rc)} ({errno.errorcode.get(rc, rc)}) connecting to {ip}:{port}"
-    return out
+        out["error"] = f"{os.strerror(rc)} ({errno.errorcode.get(rc, rc)}) connecting to {out['ip']}:{address[1]}"
 
 
 def reach_peers(peers: list[Any], timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
-    """`reach` entries for `peers`, in order, probed in parallel (the slowest is one timeout)."""
-    if not peers:
-        return []
-    outcomes = in_threads(lambda p: reach_peer(p, timeout), peers, min(32, len(peers)))
-    for outcome in outcomes:
+    """`reach` entries for `peers`, in order: does each peer's address answer THIS node?
+
+    First one ICMP echo to every IPv4 address at once (`icmp_echoes`); an echo reply proves it at no cost to the
+    peer. The peers that did not answer get a TCP connection to ip:port (`_reach_tcp`), in parallel, so the
+    slowest is one timeout. Bad specs and unresolvable names are not ok, with the reason."""
+    targets = [_target(p) for p in peers]
+    echoes = icmp_echoes([str(t[1][1][0]) for t in targets if t[1] is not None and t[1][0] == socket.AF_INET],
+                         min(ICMP_WAIT_S, timeout))
+    tcp: list[tuple[dict[str, Any], int, Any]] = []
+    for out, where in targets:
+        if where is None:
+            continue
+        rtt = echoes.get(str(where[1][0])) if where[0] == socket.AF_INET else None
+        if rtt is not None:
+            out.update(ok=True, rtt_ms=round(rtt, 3), method="icmp")
+        else:
+            tcp.append((out, where[0], where[1]))
+    for outcome in in_threads(lambda t: _reach_tcp(t[0], t[1], t[2], timeout), tcp, min(32, len(tcp))) if tcp else []:
         if outcome.error is not None:
             raise outcome.error
-    return [outcome.value for outcome in outcomes]
+    return [out for out, _ in targets]
+
+
+def reach_peer(peer: Any, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """One `reach` entry (see `reach_peers`)."""
+    return reach_peers([peer], timeout)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------

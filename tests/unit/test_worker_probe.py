@@ -482,7 +482,7 @@ def closed_port() -> int:
 @pytest.fixture
 def tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """The TCP path: as if no ICMP echo came back (no ICMP socket here, or a firewall drops echoes)."""
-    monkeypatch.setattr(probe, "icmp_echo", lambda ip, wait=probe.ICMP_WAIT_S: None)
+    monkeypatch.setattr(probe, "icmp_echoes", lambda ips, wait=probe.ICMP_WAIT_S: {})
 
 
 def test_reach_answers_by_icmp_when_the_peer_echoes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -491,10 +491,31 @@ def test_reach_answers_by_icmp_when_the_peer_echoes(monkeypatch: pytest.MonkeyPa
     assert (r["ok"], r["method"], r["error"]) == (True, "icmp", None) and r["rtt_ms"] >= 0
 
 
-def test_an_icmp_echo_is_matched_by_its_own_payload() -> None:
-    rtt = probe.icmp_echo("127.0.0.1")
-    assert rtt is not None and rtt >= 0  # root here: a raw socket at worst
+def test_icmp_echoes_go_out_together_and_each_reply_finds_its_address() -> None:
+    # Every 127/8 address answers on loopback; each reply is matched to its address by its own payload.
+    ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.2"]
+    rtts = probe.icmp_echoes(ips)  # root here: a raw socket at worst
+    assert sorted(rtts) == ["127.0.0.1", "127.0.0.2", "127.0.0.3"] and all(v >= 0 for v in rtts.values())
+    assert probe.icmp_echoes([]) == {}
     assert probe._checksum(b"\x08\x00\x00\x00\x12\x34\x00\x01") == 0xE5CA  # RFC 1071 by hand
+
+
+def test_reach_peers_use_tcp_only_for_addresses_that_did_not_echo(monkeypatch: pytest.MonkeyPatch,
+                                                                   listener: socket.socket) -> None:
+    monkeypatch.setattr(probe, "icmp_echoes", lambda ips, wait=probe.ICMP_WAIT_S: {"127.0.0.1": 0.25})
+    tried: list[Any] = []
+    real = probe._connect
+
+    def connect(family: int, address: Any, timeout: float) -> int | None:
+        tried.append(address)
+        return real(family, address, timeout)
+
+    monkeypatch.setattr(probe, "_connect", connect)
+    port = listener.getsockname()[1]
+    out = probe.reach_peers([{"name": "a", "ip": "127.0.0.1", "port": port}, {"name": "b", "ip": "127.0.0.2", "port": port},
+                             {"name": "c", "ip": "127.0.0.1", "port": port}], 2.0)
+    assert [(r["peer"], r["method"], r["ok"]) for r in out] == [("a", "icmp", True), ("b", "tcp", True), ("c", "icmp", True)]
+    assert [r["rtt_ms"] for r in out][::2] == [0.25, 0.25] and tried == [("127.0.0.2", port)]
 
 
 @pytest.mark.usefixtures("tcp_only")
