@@ -1,8 +1,8 @@
 """`--chaos SPEC`: deliberate faults for tests and drills. Off by default; parsing is pure.
 
 SPEC is `KIND:key=value,...`, e.g. `kill:rank=1,step=20`, `hang:rank=1,step=20`, `nan:rank=2,step=15`,
-`diverge:rank=2,step=15`, `lie:rank=1,step=10`, `slow:rank=1,factor=3`. The worker applies them (worker/chaos.py)
-on the first attempt of a run only: a relaunch after the fault runs clean.
+`diverge:rank=2,step=15`, `lie:rank=1,step=10`, `slow:rank=1,factor=3`, `stall:rank=1,step=10`. The worker
+applies them (worker/chaos.py) on the first attempt of a run only: a relaunch after the fault runs clean.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError
 
-KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow")
+KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
 KEYS = {"rank": int, "step": int, "factor": float}
 
 

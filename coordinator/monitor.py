@@ -12,6 +12,7 @@ FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -78,6 +79,8 @@ class RankView:
     straggler_reported: bool = False
     outlier_steps: int = 0
     stopped_since: float | None = None  # first `proc` observation in state T (SIGSTOP)
+    phase: str | None = None  # from its heartbeats: load | step | eval | checkpoint | digest | idle
+    step_times: list[float] = field(default_factory=list)  # its last steps' step_time_s (newest last)
 
 
 @dataclass(frozen=True)
@@ -106,12 +109,17 @@ class FaultPolicy:
     outlier_rel: float = 0.5  # ... and at least this relative distance from the median (heterogeneous batches)
     stopped_grace_s: float = 1.0  # a process seen in state T (SIGSTOP) this long is hung
     ahead_steps: int = 2  # a synchronous rank cannot report more steps than its peers plus this
+    # A rank inside a step that ends no step for stall_factor x its median step time (and at least
+    # stall_min_s) is stalled: alive and heartbeating, but its collective never completes.
+    stall_factor: float = 10.0
+    stall_min_s: float = 60.0
 
 
 # Incident kinds that name a culprit node (quarantined); other stop incidents only end the attempt.
 CULPRIT_KINDS = frozenset({"crash", "hang", "unreachable", "nan", "implausible_progress", "inconsistent",
                            "checkpoint_mismatch", "error"})
 SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so the cause is told from its echoes
+STEP_TIMES_KEPT = 20  # a rank's recent step times, for the stall window
 
 
 @dataclass
@@ -194,6 +202,8 @@ class Monitor:
             view.resumed_from = _int(event.get("resumed_from"))
             if view.resumed_from is not None:
                 view.step = view.resumed_from
+        elif kind == "heartbeat":
+            view.phase = str(event.get("phase")) if event.get("phase") is not None else None
         elif kind == "step":
             return self._step(view, event, obs)
         elif kind == "digest":
@@ -242,6 +252,9 @@ class Monitor:
             return found  # a lying report is never applied to the view
         if step > view.step:
             view.last_progress_at = obs.at
+            step_time = _float(event.get("step_time_s"))
+            if step_time is not None and step_time > 0:
+                view.step_times = [*view.step_times[-(STEP_TIMES_KEPT - 1):], step_time]
         self.first_step_at.setdefault(view.rank, obs.at)
         view.step = max(view.step, step)
         view.loss = _float(event.get("loss"))
@@ -448,6 +461,36 @@ class Monitor:
                 found += self._add(Incident("hang", view.node, view.rank, view.step, now - last,
                                             {"silent_for_s": round(now - last, 3),
                                              "heartbeat_timeout": self.heartbeat_timeout}, "quarantine", now))
+        found += self._stalls(now)
+        return found
+
+    def stall_window(self, view: RankView) -> float | None:
+        """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
+        first step compiles and may wait for slow peers to load)."""
+        if not view.step_times:
+            return None
+        return max(self.policy.stall_min_s, self.policy.stall_factor * statistics.median(view.step_times))
+
+    def _stalls(self, now: float) -> list[Incident]:
+        """Ranks alive and heartbeating inside a step that never ends: what a data-plane link that went down
+        while SSH still works looks like (every rank waits in the collective; mlx's ring retries its sockets for
+        many minutes). No culprit can be named from here (any link of the ring may be the broken one), so the
+        attempt stops and relaunches on the same nodes from the last checkpoint; the connection check before the
+        relaunch still drops a node that became unreachable."""
+        found: list[Incident] = []
+        if self.first_fatal_at is not None:
+            return found
+        for view in self.ranks.values():
+            window = self.stall_window(view)
+            if view.state is not WorkerState.RUNNING or view.phase != "step" or window is None:
+                continue
+            since = view.last_progress_at or view.started_at or self.started_at
+            if now - since > window:
+                found += self._add(Incident(
+                    "stall", view.node, view.rank, view.step, now - since,
+                    {"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
+                     "median_step_s": round(statistics.median(view.step_times), 3), "phase": view.phase},
+                    "stop", now))
         return found
 
     # -- results ----------------------------------------------------------------------------------------------

@@ -138,6 +138,9 @@ class FaultsConfig(_Strict):
     # slow machine. 0 makes the window purely a step count.
     straggler_min_s: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 5.0
     outlier_steps: PositiveInt = 3  # consecutive steps a rank's local loss/grad norm must be an outlier
+    # A step that has not ended after stall_factor x the rank's median step time (and stall_min_s) is stalled.
+    stall_factor: Annotated[float, BeforeValidator(to_number), Field(gt=1)] = 10.0
+    stall_min_s: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 60.0
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2
     min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes
 

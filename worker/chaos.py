@@ -16,6 +16,9 @@ Fault contract (each entry acts on its `rank` only; `worker.train` calls these h
              (heartbeat, digest, eval, checkpoint, finished) stay truthful.
     slow     every step from S on it sleeps (factor - 1) x its own compute time just before the gradient
              all_sum: a real straggler (its compute_s is ~factor x, its peers wait in the collective).
+    stall    at step S, just before the gradient all_sum, it waits forever while its heartbeat thread keeps
+             beating: alive, heartbeating and making no progress, as every rank of a ring whose data-plane
+             link went down while SSH still works (its peers spin in the collective).
 
 Digest contract (`arrays_sha256`): SHA256 over the arrays in sorted name order, each encoded as
     name (UTF-8) NUL dtype name ("float32", "bfloat16", ...) NUL shape ("3,4"; "" for a scalar) NUL
@@ -78,6 +81,10 @@ class RankChaos:
     def lies(self, step: int) -> bool:
         """lie: this rank's step event for `step` is inflated."""
         return bool(self._since("lie", step))
+
+    def stalls(self, step: int) -> bool:
+        """stall: this rank never finishes `step` (it waits before the all_sum, heartbeating)."""
+        return self._at("stall", step)
 
     def slow_factor(self, step: int) -> float:
         """slow: how many times its compute time this rank spends before the all_sum at `step` (1.0 = none)."""

@@ -35,6 +35,7 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                         diverge  its trainable weights get seeded noise right after step S's update
                         lie      from step S on its `step` events claim step+1000 and 10x tokens/throughput
                         slow     from step S on it sleeps (F-1) x its compute time before the all_sum
+                        stall    at step S it waits forever before the all_sum, heartbeating (peers spin)
                       rank must be a rank of the plan, step >= 1, factor >= 1 (used by slow only); the worker
                       applies whatever the file holds (a relaunch after the fault must leave chaos out)
     debug             test hooks, never set by the coordinator: {"crash_at_step": N} raises at the start of
@@ -58,7 +59,7 @@ from typing import Any
 
 METHODS = ("lora", "dora", "full", "dpo")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
-CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow")
+CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 MAX_HEARTBEAT_S = 2.0
 

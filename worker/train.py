@@ -653,7 +653,7 @@ class Trainer:
         """One optimizer step; returns the TRUE fields of its step event (a lying rank inflates them later).
 
         Timeline: [chaos kill/hang] -> forward/backward of every micro-batch -> [chaos nan] -> local stats ->
-        [chaos slow / debug slow sleep] -> compute_s ends -> gradient all_sum -> update -> [chaos diverge]."""
+        [chaos slow / debug slow sleep / chaos stall] -> compute_s ends -> gradient all_sum -> update -> [chaos diverge]."""
         cfg = self.config
         if cfg.debug.crash_at_step == step:
             raise RuntimeError(f"debug.crash_at_step={step}")
@@ -685,6 +685,8 @@ class Trainer:
             time.sleep((factor - 1.0) * (time.perf_counter() - tic))
         if cfg.debug.slow_step == step and cfg.debug.slow_rank in (None, self.rank):
             time.sleep(cfg.debug.slow_seconds)
+        while self.chaos.stalls(step):  # until killed: sleep keeps signal handlers (teardown) working
+            time.sleep(3600)
         # Everything so far was this rank alone (a slowdown included, as a slower machine would be); from here
         # on the step waits for the slowest peer.
         compute_s = time.perf_counter() - tic

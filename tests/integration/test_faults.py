@@ -327,3 +327,25 @@ def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, 
     assert summary["state"] == "succeeded" and summary["attempts"] == 1 and summary["steps"] == 30
     stragglers = [i for i in summary["incidents"] if i["kind"] == "straggler"]
     assert [(i["node"], i["action"]) for i in stragglers] == [(hosts[1].name, "warn")]
+
+
+def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbed: TestBed, run_cli: RunCli,
+                                                                           tmp_path: Path) -> None:
+    # A rank that stays alive and heartbeating but never ends step 6 (as every rank of a ring whose data-plane
+    # link went down while SSH still works): no heartbeat is missed, so only the stall rule can see it.
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    faults = {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1, "stall_min_s": 4, "stall_factor": 10}
+    pb = write_playbook(tmp_path / "pb.yaml", iters=12, faults=faults)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
+                   "--chaos", "stall:rank=1,step=6", env=env, timeout=400)
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stalls = [i for i in summary["incidents"] if i["kind"] == "stall"]
+    assert stalls and {i["action"] for i in stalls} == {"stop"}, json.dumps(summary["incidents"], indent=1)[:3000]
+    assert {i["rank"] for i in stalls} <= {0, 1} and all(i["step"] == 5 for i in stalls)
+    assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
+    # No culprit: the same two nodes carry on from the last checkpoint and finish.
+    assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
+    assert summary["quarantined"] == [] and sorted(n["name"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
+    no_rank_left(summary["run_id"])

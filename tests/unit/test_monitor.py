@@ -80,6 +80,57 @@ def test_silent_rank_on_a_live_channel_is_a_hang() -> None:
     assert inc.detected_after_s > 10.0
 
 
+def stalled_after(step_times: list[float], policy: FaultPolicy, *, phase: str = "step",
+                  until: float = 200.0) -> tuple[Monitor, list[tuple[float, list[tuple[str, int | None]]]]]:
+    """Two ranks take steps of `step_times` seconds, then keep heartbeating in `phase` (both channels ticking)
+    without finishing another step until `until`; returns the monitor and every check() that found something."""
+    mon = Monitor.create(PLAN, iters=1000, now=0.0, policy=policy)
+    started(mon, at=0.0)
+    t = 0.0
+    for step, dt in enumerate(step_times, 1):
+        t += dt
+        for node, rank in (("a", 0), ("b", 1)):
+            mon.observe(ev(node, rank, t, event="step", step=step, loss=2.0, tok_s=100.0, step_time_s=dt))
+    last_step_at = t
+    found = []
+    while t < until:
+        t = round(t + 0.5, 3)
+        for node, rank in (("a", 0), ("b", 1)):
+            mon.observe(Observation("tick", node, t))
+            mon.observe(ev(node, rank, t, event="heartbeat", step=len(step_times), phase=phase))
+        incidents = mon.check(t)
+        if incidents:
+            found.append((round(t - last_step_at, 3), [(i.kind, i.rank) for i in incidents]))
+    return mon, found
+
+
+def test_a_step_that_never_ends_while_every_rank_heartbeats_is_a_stall() -> None:
+    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=5.0)
+    mon, found = stalled_after([1.0, 1.2, 0.8, 1.0], policy)
+    # Window max(5 s, 10 x median 1.0 s) = 10 s: both ranks stall at once, detected at the first check past it.
+    assert found == [(10.5, [("stall", 0), ("stall", 1)])]
+    inc = mon.incidents[0]
+    assert inc.action == "stop" and mon.culprits() == []  # any link of the ring may be the broken one
+    assert inc.evidence["window_s"] == 10.0 and inc.evidence["median_step_s"] == 1.0
+    assert mon.outcome() is RunState.FAILED
+
+
+def test_the_stall_window_has_a_floor_and_needs_a_first_step() -> None:
+    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=30.0)
+    _, found = stalled_after([0.5, 0.5], policy)
+    assert [f[0] for f in found] == [30.5]  # 10 x 0.5 s would be 5 s: the floor holds
+    # Before the first step (compiling, waiting for slow peers to load) there is no window at all.
+    _, found = stalled_after([], policy, until=400.0)
+    assert found == []
+
+
+def test_long_eval_or_checkpoint_phases_are_not_stalls() -> None:
+    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=5.0)
+    for phase in ("eval", "checkpoint", "digest", "idle"):
+        _, found = stalled_after([1.0, 1.0], policy, phase=phase, until=100.0)
+        assert found == [], phase
+
+
 def test_silent_node_is_unreachable_not_hang() -> None:
     mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
     started(mon)
