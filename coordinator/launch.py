@@ -52,6 +52,7 @@ MLX_LAUNCH = (
 )
 TICK_S = 0.5
 FINISH_GRACE_S = 5.0  # after the launcher exits, how long late events may still arrive
+FENCE_OVER_STALL = 3.0  # a rank fences itself (worker.events.Fence) after this many monitor stall windows
 
 
 class LaunchError(CoordinatorError):
@@ -114,6 +115,10 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "resume": resume,
         "heartbeat_s": 1.0,
         "consistency_every": pb.faults.consistency_every,
+        # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
+        "fence": ({"factor": FENCE_OVER_STALL * pb.faults.stall_factor,
+                   "min_s": FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)}
+                  if pb.faults.fence else None),
         "chaos": [c.to_json() for c in chaos],
     }
 

@@ -79,7 +79,7 @@ class RankView:
     straggler_reported: bool = False
     outlier_steps: int = 0
     stopped_since: float | None = None  # first `proc` observation in state T (SIGSTOP)
-    phase: str | None = None  # from its heartbeats: load | step | eval | checkpoint | digest | idle
+    phase: str | None = None  # from its heartbeats: load | step | eval | checkpoint | sync | digest | idle
     step_times: list[float] = field(default_factory=list)  # its last steps' step_time_s (newest last)
 
 
@@ -466,10 +466,12 @@ class Monitor:
 
     def stall_window(self, view: RankView) -> float | None:
         """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
-        first step compiles and may wait for slow peers to load)."""
+        first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
+        vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
         if not view.step_times:
             return None
-        return max(self.policy.stall_min_s, self.policy.stall_factor * statistics.median(view.step_times))
+        return max(self.policy.stall_min_s, self.policy.stall_factor * statistics.median(view.step_times),
+                   self.heartbeat_timeout + 1.0)
 
     def _stalls(self, now: float) -> list[Incident]:
         """Ranks alive and heartbeating inside a step that never ends: what a data-plane link that went down

@@ -141,6 +141,8 @@ class FaultsConfig(_Strict):
     # A step that has not ended after stall_factor x the rank's median step time (and stall_min_s) is stalled.
     stall_factor: Annotated[float, BeforeValidator(to_number), Field(gt=1)] = 10.0
     stall_min_s: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 60.0
+    # Each rank stops itself after 3x that window (for a partitioned node or a lost coordinator); false: never.
+    fence: bool = True
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2
     min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes
 

@@ -56,7 +56,7 @@ class EventKind(_StrEnum):
     WARNING = "warning"  # code, message
     HEARTBEAT = "heartbeat"  # step, phase, pid
     FINISHED = "finished"  # step, checkpoint (path), loss
-    ERROR = "error"  # message, traceback, step, phase, exit_code
+    ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself
 
 
 class Phase(_StrEnum):
@@ -65,6 +65,7 @@ class Phase(_StrEnum):
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     DIGEST = "digest"  # hashing parameters and optimizer state for a digest event
+    SYNC = "sync"  # waiting for every rank at a barrier (after writing a checkpoint)
     IDLE = "idle"  # between phases, and after the end
 
 
@@ -118,28 +119,87 @@ class EventLog:
                 self._fh = None
 
 
+FENCE_EXIT_CODE = 75  # a rank that fenced itself (EX_TEMPFAIL: the run can resume from its checkpoints)
+# Phases that wait on the other ranks: a step's collective, the barrier after a checkpoint. (Eval waits too, but
+# its length is not measured in step times; loading has no yardstick yet.)
+FENCED_PHASES = frozenset({"step", "sync"})
+
+
+class Fence:
+    """When a rank stops itself: it has been inside the same step, in a phase that waits on the other ranks
+    (FENCED_PHASES), for `factor` x its median step time and at least `min_s` seconds of its OWN running time,
+    so a stalled ring's ranks do not spin in the collective forever once no coordinator can stop them (a
+    partitioned node, a lost coordinator). The coordinator calls a stall at a third of this window, so on a node
+    it can reach it always acts first.
+
+    Running time: each heartbeat tick adds the time since the previous one, capped at two intervals, so a
+    process that was stopped (SIGSTOP) or a Mac that slept does not fence itself the moment it runs again.
+    No clock of its own: the heartbeat thread feeds it ticks and asks whether it is due."""
+
+    KEPT = 20  # recent step times
+
+    def __init__(self, factor: float, min_s: float, interval: float) -> None:
+        self.factor = factor
+        self.min_s = min_s
+        self.cap = 2 * interval
+        self.step_times: list[float] = []
+        self.stalled_s = 0.0
+        self._seen: tuple[int, str] | None = None
+
+    def add_step_time(self, seconds: float) -> None:
+        if seconds > 0:
+            self.step_times = [*self.step_times[-(self.KEPT - 1):], seconds]
+
+    def window(self) -> float | None:
+        """None before the first step (loading and the first, compiling step have no yardstick)."""
+        if not self.step_times:
+            return None
+        ordered = sorted(self.step_times)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return max(self.min_s, self.factor * median)
+
+    def tick(self, elapsed: float, step: int, phase: str) -> float | None:
+        """Account one heartbeat tick; the window when the rank must stop now, else None."""
+        if (step, phase) != self._seen:
+            self._seen = (step, phase)
+            self.stalled_s = 0.0
+            return None
+        if phase not in FENCED_PHASES:
+            return None
+        self.stalled_s += min(max(elapsed, 0.0), self.cap)
+        window = self.window()
+        return window if window is not None and self.stalled_s > window else None
+
+
 class Heartbeat:
     """Background thread emitting `heartbeat` every `interval` seconds with the main thread's step and phase.
 
     It never touches MLX (not thread-safe): it only reads two attributes the main thread sets. MLX releases the
     GIL while it evaluates (including blocking collectives), so heartbeats keep coming during a long step or a
-    stalled all_sum; a missing heartbeat therefore means the process itself is stopped or gone."""
+    stalled all_sum; a missing heartbeat therefore means the process itself is stopped or gone. With a `fence`
+    it also ends the process (an `error` event, exit FENCE_EXIT_CODE) when the fence is due."""
 
     MAX_INTERVAL = 2.0
 
-    def __init__(self, log: EventLog, interval: float) -> None:
+    def __init__(self, log: EventLog, interval: float, *, fence: tuple[float, float] | None = None,
+                 exit_fn: Any = os._exit) -> None:
         self.log = log
         self.interval = min(max(interval, 0.05), self.MAX_INTERVAL)
         self.step = 0
         self.phase = Phase.LOAD
+        self.fence = Fence(fence[0], fence[1], self.interval) if fence is not None else None
+        self._exit = exit_fn
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def set(self, *, step: int | None = None, phase: Phase | None = None) -> None:
+    def set(self, *, step: int | None = None, phase: Phase | None = None, step_time: float | None = None) -> None:
         if step is not None:
             self.step = step
         if phase is not None:
             self.phase = phase
+        if step_time is not None and self.fence is not None:
+            self.fence.add_step_time(step_time)
 
     def start(self) -> None:
         self._thread.start()
@@ -155,7 +215,25 @@ class Heartbeat:
         with contextlib.suppress(OSError):
             self.log.emit(EventKind.HEARTBEAT, step=self.step, phase=str(self.phase), pid=os.getpid())
 
+    def _check_fence(self, elapsed: float) -> None:
+        if self.fence is None:
+            return
+        window = self.fence.tick(elapsed, self.step, str(self.phase))
+        if window is None:
+            return
+        with contextlib.suppress(OSError):
+            self.log.emit(EventKind.ERROR, message=(
+                f"fenced: step {self.step} has not ended after {self.fence.stalled_s:.0f} s of running time (window "
+                f"{window:.0f} s): the ring is stalled and nothing stopped this rank"), traceback="", step=self.step,
+                phase=str(self.phase), exit_code=FENCE_EXIT_CODE, fenced=True)
+            self.log.close()
+        self._exit(FENCE_EXIT_CODE)
+
     def _run(self) -> None:
         self._beat()
+        last = time.monotonic()
         while not self._stop.wait(self.interval):
+            now = time.monotonic()
             self._beat()
+            self._check_fence(now - last)
+            last = now

@@ -27,6 +27,10 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     consistency_every replica-consistency digests every N steps and at the last step, 0 = off (50): every rank
                       emits a `digest` event (SHA256 of all its parameters and of its optimizer state, see
                       `worker.chaos.arrays_sha256`); honest data-parallel replicas give identical digests
+    fence             {"factor": F, "min_s": S} or null (null): a rank that has been inside one step for F x its
+                      median step time and at least S seconds of its own running time stops itself (an `error`
+                      event with `fenced`, exit 75), so a stalled ring whose coordinator cannot reach it does not
+                      spin forever (worker.events.Fence)
     chaos             deliberate faults for tests and drills ([]): a list of
                       {"kind": K, "rank": R, "step": S (1), "factor": F (3.0)}, each acting on rank R only:
                         kill     SIGKILL itself at the start of step S (an abrupt crash: no error event)
@@ -141,6 +145,7 @@ class RunConfig:
     resume: bool = False
     heartbeat_s: float = 1.0
     consistency_every: int = 50
+    fence: tuple[float, float] | None = None  # (factor, min_s)
     chaos: tuple[ChaosSpec, ...] = ()
     debug: DebugSpec = field(default_factory=DebugSpec)
 
@@ -201,7 +206,7 @@ _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
     "grad_accumulation", "grad_checkpoint", "mask_prompt", "num_layers", "lora", "save_every", "steps_per_eval",
     "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume", "heartbeat_s", "consistency_every",
-    "chaos", "debug", "dpo",
+    "chaos", "debug", "dpo", "fence",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -394,9 +399,20 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         resume=_bool(raw, "resume", False),
         heartbeat_s=min(_float(raw, "heartbeat_s", 1.0, positive=True), MAX_HEARTBEAT_S),
         consistency_every=_int(raw, "consistency_every", 50, minimum=0),
+        fence=_parse_fence(raw.get("fence")),
         chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
         debug=_parse_debug(raw.get("debug")),
     )
+
+
+def _parse_fence(raw: Any) -> tuple[float, float] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"factor", "min_s"}:
+        raise ConfigError('fence must be null or {"factor": F, "min_s": S}')
+    factor = _float(raw, "factor", None, positive=True)
+    min_s = _float(raw, "min_s", None, positive=True)
+    return factor, min_s
 
 
 def load_run_config(path: Path) -> RunConfig:

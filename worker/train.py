@@ -799,6 +799,7 @@ class Trainer:
             written: Checkpoint = write_checkpoint(self.root, step, files, keep=self.config.keep_checkpoints)
             path = written.path
         # Nobody reports (or moves on) before every node's copy is complete.
+        self.hb.set(phase=Phase.SYNC)
         self.comm.barrier()
         self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
                       writer=self.config.checkpoint_writer(self.rank))
@@ -859,6 +860,7 @@ class Trainer:
         for step in range(start + 1, cfg.iters + 1):
             self.hb.set(step=step, phase=Phase.STEP)
             record = self.train_step(step, dtypes)
+            self.hb.set(step_time=record["step_time_s"])
             # Emitted before the finiteness check: with a NaN loss every rank still reports its local values,
             # which name the rank the NaN came from.
             self.log.emit(EventKind.STEP, **(lie_about(record) if self.chaos.lies(step) else record))
@@ -963,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env_rank = int(os.environ.get("MLX_RANK", "0"))
     log = EventLog(events_path(config.run_dir, env_rank), config.run_id, env_rank)
-    heartbeat = Heartbeat(log, config.heartbeat_s)
+    heartbeat = Heartbeat(log, config.heartbeat_s, fence=config.fence)
     finished = threading.Event()
     _SignalExit(log, heartbeat, finished)
     heartbeat.start()

@@ -176,18 +176,35 @@ def test_sigstop_is_a_hang_detected_within_the_heartbeat_timeout(testbed: TestBe
     no_rank_left(summary["run_id"])
 
 
-def test_link_down_is_an_unreachable_node(testbed: TestBed, tmp_path: Path, jobs: list[Job]) -> None:
+def test_link_down_is_an_unreachable_node_whose_leftover_rank_fences_itself(testbed: TestBed, tmp_path: Path,
+                                                                             jobs: list[Job]) -> None:
     hosts, inv = setup(testbed, tmp_path)
-    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    # A short stall window, so the partitioned node's rank (which nobody can stop) fences itself within the test:
+    # 3 x max(stall_min_s, heartbeat_timeout + 1) = 21 s of its running time inside one step.
+    faults = {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1, "stall_min_s": 2}
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", faults=faults))
     jobs.append(job)
     job.rank_pid_at_step(2, 5)
     testbed.link_down(hosts[2])
+    down_at = time.monotonic()
     rc, summary = job.finish()
     gone = culprit_incident(summary, "unreachable")
     assert gone["node"] == hosts[2].name
     assert gone["detected_after_s"] <= HEARTBEAT_TIMEOUT + 1.0
+    assert not [i for i in summary["incidents"] if i["kind"] == "stall"]  # the silent node is found first
     assert_finished_on_survivors(summary, hosts[2].name)
     assert rc == 0
+    # The coordinator cannot reach h3 to stop its rank: the rank stops itself (the fence), with an error event.
+    run_id = summary["run_id"]
+    pattern = f"worker.train --config .*runs/{run_id}/"
+    deadline = time.monotonic() + 90.0
+    while testbed.exec(hosts[2], ["pgrep", "-f", pattern]).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    log = testbed.exec(hosts[2], ["cat", f"/srv/work/runs/{run_id}/{hosts[2].name}/events/rank2.jsonl"]).stdout
+    assert not testbed.exec(hosts[2], ["pgrep", "-af", pattern]).stdout.strip(), log[-3000:]
+    assert time.monotonic() - down_at >= 21.0
+    fenced = [e for e in map(json.loads, log.splitlines()) if e.get("event") == "error" and e.get("fenced")]
+    assert fenced and fenced[0]["exit_code"] == 75 and fenced[0]["message"].startswith("fenced: step")
 
 
 def test_sshd_killed_with_its_sessions_is_detected_and_survived(testbed: TestBed, tmp_path: Path,

@@ -105,7 +105,7 @@ def stalled_after(step_times: list[float], policy: FaultPolicy, *, phase: str = 
 
 
 def test_a_step_that_never_ends_while_every_rank_heartbeats_is_a_stall() -> None:
-    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=5.0)
+    policy = FaultPolicy(heartbeat_timeout=2.0, stall_factor=10.0, stall_min_s=5.0)
     mon, found = stalled_after([1.0, 1.2, 0.8, 1.0], policy)
     # Window max(5 s, 10 x median 1.0 s) = 10 s: both ranks stall at once, detected at the first check past it.
     assert found == [(10.5, [("stall", 0), ("stall", 1)])]
@@ -116,16 +116,19 @@ def test_a_step_that_never_ends_while_every_rank_heartbeats_is_a_stall() -> None
 
 
 def test_the_stall_window_has_a_floor_and_needs_a_first_step() -> None:
-    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=30.0)
+    policy = FaultPolicy(heartbeat_timeout=2.0, stall_factor=10.0, stall_min_s=30.0)
     _, found = stalled_after([0.5, 0.5], policy)
     assert [f[0] for f in found] == [30.5]  # 10 x 0.5 s would be 5 s: the floor holds
+    # Never within the heartbeat timeout: a vanished node (which stalls its peers too) is found first.
+    _, found = stalled_after([0.5, 0.5], FaultPolicy(heartbeat_timeout=20.0, stall_factor=10.0, stall_min_s=1.0))
+    assert [f[0] for f in found] == [21.5]
     # Before the first step (compiling, waiting for slow peers to load) there is no window at all.
     _, found = stalled_after([], policy, until=400.0)
     assert found == []
 
 
 def test_long_eval_or_checkpoint_phases_are_not_stalls() -> None:
-    policy = FaultPolicy(heartbeat_timeout=10.0, stall_factor=10.0, stall_min_s=5.0)
+    policy = FaultPolicy(heartbeat_timeout=2.0, stall_factor=10.0, stall_min_s=5.0)
     for phase in ("eval", "checkpoint", "digest", "idle"):
         _, found = stalled_after([1.0, 1.0], policy, phase=phase, until=100.0)
         assert found == [], phase
