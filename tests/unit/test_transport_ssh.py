@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncssh
@@ -10,7 +12,7 @@ import pytest
 
 from coordinator.errors import HostKeyError, TransportError
 from coordinator.models import Node
-from coordinator.transport import Fleet, SshTransport
+from coordinator.transport import ConnectInfo, Fleet, SshTransport
 from tests.sshserver import SshTestServer, run_for_real
 
 
@@ -27,22 +29,30 @@ def node_for(server: SshTestServer, key_path: Path, known: Path, name: str = "n1
                 known_hosts=str(known))
 
 
+@contextlib.asynccontextmanager
+async def connected(tmp_path: Path, keys, server_cls: type[SshTestServer] = SshTestServer
+                    ) -> AsyncIterator[tuple[SshTransport, ConnectInfo]]:
+    """A server whose key is in known_hosts and a transport connected to it with strict verification, both
+    closed afterwards. Yields (transport, connect info)."""
+    server = await server_cls(run_for_real, keys[0]).start()
+    known = tmp_path / "known_hosts"
+    known.write_text(server.known_hosts_line())
+    t = SshTransport(node_for(server, keys[1], known))
+    try:
+        yield t, await t.connect()
+    finally:
+        await t.close()
+        await server.close()
+
+
 def test_verified_host_runs_quoted_commands(tmp_path: Path, keys) -> None:
     async def go() -> None:
-        server = await SshTestServer(run_for_real, keys[0]).start()
-        known = tmp_path / "known_hosts"
-        known.write_text(server.known_hosts_line())
-        t = SshTransport(node_for(server, keys[1], known))
-        try:
-            info = await t.connect()
+        async with connected(tmp_path, keys) as (t, info):
             assert info.host_key and info.host_key.startswith("ssh-ed25519")
             res = await t.run(["printf", "%s", "$(id); `x` 'q'"])
             assert res.stdout == "$(id); `x` 'q'"
             res = await t.run(["sh", "-c", "cat; exit 3"], stdin="hello")
             assert (res.stdout, res.exit_status) == ("hello", 3)
-        finally:
-            await t.close()
-            await server.close()
 
     asyncio.run(go())
 
@@ -133,39 +143,23 @@ def test_fleet_reports_dead_nodes_as_values(tmp_path: Path, keys) -> None:
 
 def test_stream_yields_lines_then_exit(tmp_path: Path, keys) -> None:
     async def go() -> None:
-        server = await SshTestServer(run_for_real, keys[0]).start()
-        known = tmp_path / "known_hosts"
-        known.write_text(server.known_hosts_line())
-        t = SshTransport(node_for(server, keys[1], known))
-        try:
-            await t.connect()
+        async with connected(tmp_path, keys) as (t, _):
             items = [item async for item in t.stream(["sh", "-c", "echo a; echo b >&2; exit 4"])]
             assert ("stdout", "a\n") in items and ("stderr", "b\n") in items
             assert items[-1] == ("exit", "4")
-        finally:
-            await t.close()
-            await server.close()
 
     asyncio.run(go())
 
 
 def test_stream_in_chunks_keeps_every_line_whole_and_in_order(tmp_path: Path, keys) -> None:
     async def go() -> None:
-        server = await SshTestServer(run_for_real, keys[0]).start()
-        known = tmp_path / "known_hosts"
-        known.write_text(server.known_hosts_line())
-        t = SshTransport(node_for(server, keys[1], known))
         script = "i=0; while [ $i -lt 3000 ]; do echo line-$i; i=$((i+1)); done; printf tail"
-        try:
-            await t.connect()
+        async with connected(tmp_path, keys) as (t, _):
             items = [item async for item in t.stream(["sh", "-c", script], lines=False)]
             out = [text for kind, text in items if kind == "stdout"]
             assert "".join(out) == "".join(f"line-{i}\n" for i in range(3000)) + "tail"
             assert all(text.endswith("\n") for text in out[:-1])  # a chunk never splits a line
             assert len(out) < 3000 and items[-1] == ("exit", "0")
-        finally:
-            await t.close()
-            await server.close()
 
     asyncio.run(go())
 
@@ -185,20 +179,12 @@ class _DroppingServer(SshTestServer):
 def test_a_dropped_connection_ends_a_stream_at_once(tmp_path: Path, keys) -> None:
     """A follower must learn that its node is gone when the connection drops, not at the heartbeat timeout."""
     async def go() -> None:
-        server = await _DroppingServer(run_for_real, keys[0]).start()
-        known = tmp_path / "known_hosts"
-        known.write_text(server.known_hosts_line())
-        t = SshTransport(node_for(server, keys[1], known))
         lines = []
-        try:
-            await t.connect()
+        async with connected(tmp_path, keys, _DroppingServer) as (t, _):
             with pytest.raises(TransportError, match="failed"):
                 async with asyncio.timeout(10):
                     async for kind, line in t.stream(["follow"], timeout=3600):
                         lines.append((kind, line))
-        finally:
-            await t.close()
-            await server.close()
         assert lines == [("stdout", "tick\n")]
 
     asyncio.run(go())
