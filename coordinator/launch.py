@@ -332,7 +332,7 @@ class Launch:
         self.node_by_name = {r.node.name: r.node for r in ranks}
         self.remote_run_dirs: dict[str, str] = {}
         self.launcher: subprocess.Popen[bytes] | None = None
-        self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see start_launcher)
+        self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
         self.events_file = run_dir / "events.jsonl"

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from enum import Enum
@@ -154,10 +155,7 @@ class Fence:
         """None before the first step (loading and the first, compiling step have no yardstick)."""
         if not self.step_times:
             return None
-        ordered = sorted(self.step_times)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-        return max(self.min_s, self.factor * median)
+        return max(self.min_s, self.factor * statistics.median(self.step_times))
 
     def tick(self, elapsed: float, step: int, phase: str) -> float | None:
         """Account one heartbeat tick; the window when the rank must stop now, else None."""
