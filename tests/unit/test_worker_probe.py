@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.probe import BOOTSTRAP
 from worker import probe
 
 SOURCE = Path(probe.__file__).read_text(encoding="utf-8")
@@ -31,7 +32,8 @@ SOURCE = Path(probe.__file__).read_text(encoding="utf-8")
 
 def run_script(args: dict[str, Any] | None, python: str = sys.executable, extra: list[str] | None = None,
                ) -> tuple[int, dict[str, Any], str]:
-    argv = [python, "-"] + ([json.dumps(args)] if args is not None else []) + (extra or [])
+    # The way the coordinator runs it (coordinator.probe.BOOTSTRAP: the source on stdin, compiled as one string).
+    argv = [python, "-c", BOOTSTRAP] + ([json.dumps(args)] if args is not None else []) + (extra or [])
     done = subprocess.run(argv, input=SOURCE, capture_output=True, text=True, timeout=120)
     lines = done.stdout.splitlines()
     assert len(lines) == 1, done.stdout  # exactly one JSON object, nothing else on stdout
