@@ -37,7 +37,7 @@ LAUNCH = [PYTHON, "-c", "import sys; from mlx._distributed_utils.launch import m
           "sys.argv[0] = 'mlx.launch'; sys.exit(main())"]
 RUN_TIMEOUT = 120
 
-KNOWN_PHASES = {"load", "step", "eval", "checkpoint", "digest", "idle"}
+KNOWN_PHASES = {"load", "step", "eval", "checkpoint", "sync", "digest", "idle"}
 REQUIRED_FIELDS: dict[str, set[str]] = {
     "started": {"world_size", "node", "batch_size", "trainable_params", "total_params", "trainable_pct",
                 "trainable", "resumed_from", "pid", "method", "num_layers"},
