@@ -7,7 +7,8 @@ measures, as the median of --runs runs (runs of the compared tools are interleav
   1. one big file:  `sha256sum BIG` vs the probe hashing it (jobs=1); ratio = probe throughput / sha256sum's
   2. 8 files:       `sha256sum F1..F8` (one process, sequential) vs probe jobs=1 vs probe jobs=0 (parallel)
   3. re-verify:     probe with an empty hash cache (cold) vs the same dir again with the cache filled (warm),
-                    in-process and as the coordinator runs it (`python - ARGS`, source on stdin)
+                    in-process and as the coordinator runs it (`python -c BOOTSTRAP KEY ARGS`, source on
+                    stdin, its compiled code cached in a HOME of the benchmark's own)
 
 Prints a Markdown table and the exact command that produced it; writes nothing but its temp files.
     .venv/bin/python benchmarks/bench_hash.py [--big-mib 2048] [--small-mib 256] [--small-count 8] [--runs 3]
@@ -33,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from coordinator.probe import python_args, worker_source  # noqa: E402 - after the path fix (any cwd)
 from worker import probe  # noqa: E402 - after the path fix, so the script runs from any cwd
 
 MIB = 1024 * 1024
@@ -89,8 +91,10 @@ def probe_hash(path: Path, jobs: int, cache: Path | None = None) -> dict[str, st
 
 def script_run(path: Path, cache: Path) -> None:
     args = '{"hash_dirs": ["%s"], "cache": "%s"}' % (path, cache)  # noqa: UP031 - plain paths, no quoting needed
-    subprocess.run([sys.executable, "-", args], input=Path(probe.__file__).read_text(), check=True,
-                   capture_output=True, text=True)
+    source = worker_source()
+    env = {**os.environ, "HOME": str(cache.parent)}  # the compiled-probe cache too stays in the temp dir
+    subprocess.run([sys.executable, *python_args(source), args], input=source, check=True, capture_output=True,
+                   text=True, env=env)
 
 
 def main() -> int:
@@ -190,7 +194,7 @@ def main() -> int:
         row(f"all {1 + opts.small_count} files, {all_gib:.2f} GiB", "probe, warm hash cache (in-process)", "warm",
             all_gib, f"{med['cold'] / med['warm']:.0f}x faster than cold (goal >= 50x)", rate=False),
         row(f"all {1 + opts.small_count} files, {all_gib:.2f} GiB",
-            "probe, warm, whole script (`python - ARGS`)", "script_warm", all_gib,
+            "probe, warm, whole script (`python -c BOOTSTRAP KEY ARGS`)", "script_warm", all_gib,
             f"{med['cold'] / med['script_warm']:.0f}x faster than cold (mostly interpreter start-up)", rate=False),
         "",
         f"Command: `{command}`",

@@ -11,6 +11,8 @@ Python's `platform`), so a recorded node profile (`coordinator facts --record`) 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 import secrets
@@ -75,10 +77,47 @@ class Probe:
     nonce: str
 
 
-# How the node's python runs the worker's source that arrives on stdin. Not `python -`: CPython reads a script
-# from a pipe through its line-by-line file tokenizer, ~10 ms of CPU more per node than compiling the same
-# source from one string. sys.argv[1:] is the JSON argument either way.
-BOOTSTRAP = 'import sys;exec(compile(sys.stdin.buffer.read(),"probe.py","exec"))'
+# How the node's python runs the worker's source that arrives on stdin: `python -c BOOTSTRAP KEY JSON`.
+# Not `python -`: CPython reads a script from a pipe through its line-by-line file tokenizer (~10 ms more
+# than compiling one string). And not compiled on every run either: compiling the ~900-line source costs
+# ~8 ms, plus the garbage it leaves, on every node at every preflight. The compiled code is kept in the node
+# user's cache under KEY (a digest of the source, so a new coordinator version never runs stale code) and the
+# interpreter's exact version (bytecode is only valid for the version that wrote it). A cache that is missing,
+# corrupt or unwritable only means compiling, never a failure. The source always travels (one round trip: the
+# coordinator cannot know beforehand whether a node has it). The worker sees sys.argv[1:] == [JSON].
+BOOTSTRAP = """\
+import marshal, os, sys
+source = sys.stdin.buffer.read()
+path = os.path.expanduser("~/.cache/mlx-coordinator/probe-%s-%s-%x.bin"
+                          % (sys.argv.pop(1), sys.implementation.cache_tag, sys.hexversion))
+try:
+    with open(path, "rb") as f:
+        code = marshal.loads(f.read())
+    if not hasattr(code, "co_code"):
+        raise ValueError("not a code object")
+except (OSError, ValueError, EOFError, TypeError):
+    code = compile(source, "probe.py", "exec")
+    tmp = "%s.%d" % (path, os.getpid())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(marshal.dumps(code))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+exec(code)
+"""
+
+
+@functools.lru_cache(maxsize=4)
+def source_key(source: str) -> str:
+    """The bytecode cache key of a probe source (see BOOTSTRAP)."""
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:20]
+
+
+def python_args(source: str) -> tuple[str, ...]:
+    """What follows the node's python to run `source` (sent on stdin); the JSON argument comes after."""
+    return ("-c", BOOTSTRAP, source_key(source))
 
 
 def shell_path(path: str) -> str:
@@ -108,6 +147,7 @@ def build_probe(
 ) -> Probe:
     """The probe for one node. `worker_args` is passed to worker/probe.py as one JSON argument."""
     n = nonce or secrets.token_hex(8)
+    text = source if source is not None else worker_source()
     lines = [
         f"N={n}",
         # Every command reads /dev/null: stdin carries the worker's source and must reach python intact.
@@ -131,7 +171,7 @@ def build_probe(
         "sec env env",
         f"PY={shell_path(python)}",
         'printf "%s BEGIN worker\\n" "$N"',
-        'if command -v "$PY" >/dev/null 2>&1; then "$PY" -c ' + shlex.quote(BOOTSTRAP) + " "
+        'if command -v "$PY" >/dev/null 2>&1; then "$PY" ' + _command(python_args(text)) + " "
         + shlex.quote(json.dumps(worker_args, sort_keys=True))
         + '; rc=$?; else echo "python interpreter not found: $PY"; rc=127; fi',
         'printf "\\n%s END worker %s\\n" "$N" "$rc"',
@@ -144,7 +184,7 @@ def build_probe(
         'printf "%s" "${A%.}"',
     ]
     script = "\n".join(lines) + "\n"
-    return Probe(argv=("sh", "-c", script), stdin=source if source is not None else worker_source(), nonce=n)
+    return Probe(argv=("sh", "-c", script), stdin=text, nonce=n)
 
 
 def parse_probe_output(stdout: str, nonce: str) -> dict[str, Section]:

@@ -6,7 +6,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from coordinator.probe import build_probe, parse_probe_output, shell_path
+
+
+@pytest.fixture(autouse=True)
+def own_home(tmp_path_factory, monkeypatch) -> None:
+    """The probe keeps its caches under ~/.cache: never the runner's."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
 
 
 def run_probe(python: str = sys.executable, workdir: str = "/tmp", args: dict | None = None) -> dict:

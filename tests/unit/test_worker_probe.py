@@ -24,20 +24,34 @@ from typing import Any
 
 import pytest
 
-from coordinator.probe import BOOTSTRAP
+from coordinator.probe import python_args
 from worker import probe
 
 SOURCE = Path(probe.__file__).read_text(encoding="utf-8")
 
 
+@pytest.fixture(autouse=True)
+def own_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The probe keeps its caches under ~/.cache: each test gets its own home, never the runner's."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
 def run_script(args: dict[str, Any] | None, python: str = sys.executable, extra: list[str] | None = None,
-               ) -> tuple[int, dict[str, Any], str]:
-    # The way the coordinator runs it (coordinator.probe.BOOTSTRAP: the source on stdin, compiled as one string).
-    argv = [python, "-c", BOOTSTRAP] + ([json.dumps(args)] if args is not None else []) + (extra or [])
-    done = subprocess.run(argv, input=SOURCE, capture_output=True, text=True, timeout=120)
+               source: str = SOURCE, key_of: str | None = None) -> tuple[int, dict[str, Any], str]:
+    # The way the coordinator runs it (coordinator.probe.python_args: `-c BOOTSTRAP KEY`, the source on stdin).
+    # `key_of`: pretend the source is this other text (the cache key of a different version).
+    argv = [python, *python_args(key_of if key_of is not None else source)]
+    argv += ([json.dumps(args)] if args is not None else []) + (extra or [])
+    done = subprocess.run(argv, input=source, capture_output=True, text=True, timeout=120)
     lines = done.stdout.splitlines()
-    assert len(lines) == 1, done.stdout  # exactly one JSON object, nothing else on stdout
+    assert len(lines) == 1, done.stdout + done.stderr  # exactly one JSON object, nothing else on stdout
     return done.returncode, json.loads(lines[0]), done.stderr
+
+
+def cached_code(home: Path) -> list[Path]:
+    return sorted((home / ".cache" / "mlx-coordinator").glob("probe-*.bin"))
 
 
 def sha(data: bytes) -> str:
@@ -96,6 +110,43 @@ def test_script_from_stdin_answers_every_section(tmp_path: Path) -> None:
         "model.safetensors": sha((model / "model.safetensors").read_bytes()),
     }
     assert out["reach"] == []
+
+
+def test_the_compiled_probe_is_cached_per_source_and_interpreter(own_home: Path) -> None:
+    rc, first, _ = run_script({})
+    [path] = cached_code(own_home)
+    assert rc == 0 and first["errors"] == []
+    tag = f"{sys.implementation.cache_tag}-{sys.hexversion:x}"
+    assert path.name == f"probe-{python_args(SOURCE)[2]}-{tag}.bin"
+    # A second run executes the cached code, not what arrives on stdin: proven with a source of the same key
+    # that would answer differently.
+    other = SOURCE.replace('"errors": errors', '"errors": ["from stdin"] + errors', 1)
+    assert other != SOURCE
+    _, again, _ = run_script({}, source=other, key_of=SOURCE)
+    assert again["errors"] == []
+    # A new source (another coordinator version) has another key: compiled from stdin and cached beside.
+    _, fresh, _ = run_script({}, source=other)
+    assert fresh["errors"] == ["from stdin"]
+    assert len(cached_code(own_home)) == 2
+
+
+@pytest.mark.parametrize("garbage", [b"", b"not marshal data", b"\xe9\x00\x00\x00\x00"])  # the last: an int
+def test_a_corrupt_cache_entry_is_recompiled(own_home: Path, garbage: bytes) -> None:
+    run_script({})
+    [path] = cached_code(own_home)
+    path.write_bytes(garbage)
+    rc, out, _ = run_script({"hash_dirs": []})
+    assert rc == 0 and out["errors"] == [] and out["hashes"] == []
+    assert path.read_bytes() != garbage  # rewritten
+    run_script({})  # and used again
+
+
+def test_an_unwritable_cache_only_means_compiling(own_home: Path) -> None:
+    (own_home / ".cache").write_text("a file where the cache dir would be\n")
+    for _ in range(2):
+        rc, out, _ = run_script({})
+        assert rc == 0 and out["errors"] == []
+    assert (own_home / ".cache").read_text() == "a file where the cache dir would be\n"
 
 
 def test_package_versions_come_from_the_venv_metadata() -> None:
