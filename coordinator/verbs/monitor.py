@@ -20,6 +20,7 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
+from coordinator.cli import run_async
 from coordinator.facts.model import NodeFacts
 from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer
 from coordinator.models import Inventory
@@ -187,7 +188,7 @@ def monitor(inventory: str, limit: str | None, run_dir: Path, interval: float, o
             live.update(frame, refresh=True)
 
     try:
-        asyncio.run(watch(inv, run_dir, QuarantineStore(), interval=interval, once=once, show=show, server=server,
+        run_async(watch(inv, run_dir, QuarantineStore(), interval=interval, once=once, show=show, server=server,
                           connect_timeout=connect_timeout, probe_timeout=probe_timeout,
                           accept_new_host_keys=accept_new_host_keys))
     except KeyboardInterrupt:

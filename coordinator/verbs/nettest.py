@@ -28,6 +28,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli import run_async
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import gather_facts
@@ -222,7 +223,7 @@ def register(main: click.Group) -> None:
             if not as_json:
                 console.print(f"[dim]measuring {a} ↔ {b} ...[/dim]")
 
-        report = asyncio.run(run_nettest(inv, seconds=seconds, pings=pings, connect_timeout=connect_timeout,
+        report = run_async(run_nettest(inv, seconds=seconds, pings=pings, connect_timeout=connect_timeout,
                                          accept_new_host_keys=accept_new_host_keys, progress=progress))
         if as_json:
             click.echo(dumps(report.to_json(strict=strict)))

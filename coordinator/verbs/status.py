@@ -24,6 +24,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli import run_async
 from coordinator.errors import ConfigError, TransportError
 from coordinator.facts.linux import parse_loadavg
 from coordinator.facts.model import NodeFacts, ParseError
@@ -497,7 +498,7 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
     """Show every node: reachable, OS, chip, memory, load, GPU, power, disk, its run and quarantine.
     Unreachable nodes are rows with their error; exits 0 unless the inventory is invalid (2)."""
     inv = load_status_inventory(inventory, limit)
-    report = asyncio.run(collect_status(inv, run_dir, QuarantineStore(), connect_timeout=connect_timeout,
+    report = run_async(collect_status(inv, run_dir, QuarantineStore(), connect_timeout=connect_timeout,
                                         probe_timeout=probe_timeout, accept_new_host_keys=accept_new_host_keys))
     if as_json:
         click.echo(dumps(report.to_json()))
