@@ -16,7 +16,8 @@ run --repeat times each, interleaved and alternating the order (A B C, C B A, ..
                        ControlMaster/ControlPersist, no pipelining; fresh ControlPath dir per run)
   ansible+pipelining   the same with ANSIBLE_PIPELINING=True (ansible's fastest stock setting)
 
-Both tools use the same node python (the repository's .venv python, --node-python), the same client key,
+Both tools use the same node python (--node-python; by default a plain venv with this environment's mlx and
+mlx-lm, made once under ~/.cache/mlx-coordinator-bench/, like a real node's), the same client key,
 the bed's known_hosts with strict host-key checking (ANSIBLE_HOST_KEY_CHECKING=True too), and ansible gets
 one fork per host. A run counts only if it reached every host (coordinator: every node's `ssh` check passed
 and its `model` check ran; ansible: exit 0 and one SUCCESS per host), else the benchmark stops.
@@ -120,6 +121,27 @@ def print_machine(info: dict[str, str]) -> None:
     for k, v in info.items():
         print(f"| {k} | {v} |")
     print()
+
+
+def node_venv() -> str:
+    """A node python like a real node's: a plain venv with this environment's mlx and mlx-lm versions and none of
+    our packages. (The repository's .venv also has this project installed in editable mode, whose import hook
+    runs at every interpreter start-up: ~12 ms of CPU for each python run on a node, by either tool, which no
+    real node pays.) Made once with pip (wheels come from pip's cache after the first time) and reused."""
+    versions = {d: importlib.metadata.version(d) for d in ("mlx", "mlx-lm")}
+    wanted = [f"mlx=={versions['mlx']}", f"mlx-lm=={versions['mlx-lm']}"]
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # Linux: mlx's CPU backend is an extra
+        wanted[0] = f"mlx[cpu]=={importlib.metadata.version('mlx-cpu')}"
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}-mlx{versions['mlx']}-mlxlm{versions['mlx-lm']}"
+    venv = Path.home() / ".cache" / "mlx-coordinator-bench" / f"node-venv-{tag}"
+    python = venv / "bin" / "python"
+    if not (venv / "ready").exists():
+        print(f"making the node venv {venv} ({' '.join(wanted)})", file=sys.stderr)
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *wanted], check=True)
+        (venv / "ready").write_text(" ".join(wanted) + "\n")
+    return str(python)
 
 
 def ensure_ansible() -> None:
@@ -325,7 +347,10 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise SystemExit("test bed unavailable: " + "; ".join(problems))
     ensure_ansible()
+    if args.node_python is None:
+        args.node_python = node_venv()
     info = machine_info()
+    info["node python"] = args.node_python
     command = "python benchmarks/bench_preflight.py " + shlex.join(sys.argv[1:])
     results: dict[int, list[Tool]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmpdir:
@@ -393,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ansible-variants", default="default,pipelining",
                         help="comma-separated: default, pipelining (default both)")
     parser.add_argument("--file-kib", type=int, default=256, help="size of the model's safetensors file (KiB)")
-    parser.add_argument("--node-python", default=VENV_PYTHON, help="python on the nodes, for both tools")
+    parser.add_argument("--node-python", help="python on the nodes, for both tools (default: a plain venv with "
+                        f"mlx and mlx-lm, made once; {VENV_PYTHON} is the test bed's, with this project installed)")
     args = parser.parse_args(argv)
     if args.repeat < 1 or not 0 <= args.macs <= 1:
         parser.error("--repeat >= 1 and 0 <= --macs <= 1")
