@@ -610,6 +610,14 @@ def _target(peer: Any) -> tuple[dict[str, Any], Any]:
     if type(port) is not int or not 0 < port < 65536:
         out["error"] = f"bad port {port!r}"
         return out, None
+    for family in (socket.AF_INET, socket.AF_INET6):
+        # An address (the usual case) needs no resolver, and getaddrinfo would encode it with the IDNA codec
+        # anyway, whose import costs ~5 ms of a probe. Names and scoped IPv6 addresses go through getaddrinfo.
+        try:
+            socket.inet_pton(family, ip)
+        except OSError:
+            continue
+        return out, (family, (ip, port) if family == socket.AF_INET else (ip, port, 0, 0))
     try:
         infos = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:

@@ -633,6 +633,24 @@ def test_reach_bad_peer_specs_are_reported(peer: Any, expect: str) -> None:
     assert r["ok"] is False and expect in r["error"]
 
 
+def test_addresses_skip_the_resolver_and_names_use_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: str, *args: Any, **kw: Any) -> Any:
+        asked.append(host)
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(probe.socket, "getaddrinfo", getaddrinfo)
+    for ip, target in [("10.0.0.7", (socket.AF_INET, ("10.0.0.7", 22))),
+                       ("fd00::7", (socket.AF_INET6, ("fd00::7", 22, 0, 0)))]:
+        entry, got = probe._target({"name": "p", "ip": ip})
+        assert got == target and entry["error"] is None
+    assert asked == []
+    _, got = probe._target({"name": "p", "ip": "localhost", "port": 2222})
+    assert asked == ["localhost"] and got is not None and got[1][1] == 2222  # (from /etc/hosts: no DNS traffic)
+
+
 def test_reach_through_the_script_keeps_order(listener: socket.socket) -> None:
     peers = [{"name": "up", "ip": "127.0.0.1", "port": listener.getsockname()[1]},
              {"name": "refused", "ip": "127.0.0.1", "port": closed_port()},
