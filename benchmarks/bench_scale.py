@@ -270,7 +270,7 @@ class Sample:
     servers_cpu: float
     out_bytes: int
     rc: int
-    reached: int = 0  # nodes whose `ssh` check passed
+    reached: int = 0  # nodes fully probed (see verify)
     problem: str = ""  # why the others did not (one example)
 
 
@@ -318,17 +318,27 @@ def run_cli(argv: list[str], work: Path, tag: str, servers: Servers, names: Sequ
 
 
 def verify(stdout: str, names: Sequence[str]) -> tuple[int, str]:
-    """(nodes of `names` whose ssh check passed, an example of why another's did not)."""
+    """(nodes of `names` fully probed, an example of why another was not). Fully probed: its `ssh` check passed
+    and none of its checks is an `error` (a node whose probe did not answer has every fact-based check in error:
+    counting it would time a preflight that skipped most of the work)."""
     text = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("py-spy> "))  # py-spy talks on stdout
     try:
         report = json.loads(text)
     except ValueError:
         raise SystemExit("the coordinator printed no JSON report") from None
-    ssh = {n["name"]: next((c for c in n["checks"] if c["id"] == "ssh"), {}) for n in report.get("nodes", [])}
-    reached = sum(1 for n in names if ssh.get(n, {}).get("status") == "pass")
-    bad = [n for n in names if ssh.get(n, {}).get("status") != "pass"]
-    problem = f"{bad[0]}: {ssh.get(bad[0], {}).get('summary', 'missing from the report')[:300]}" if bad else ""
-    return reached, problem
+    checks = {n["name"]: n["checks"] for n in report.get("nodes", [])}
+
+    def why_not(name: str) -> str | None:
+        if name not in checks:
+            return "missing from the report"
+        ssh = next((c for c in checks[name] if c["id"] == "ssh"), {})
+        if ssh.get("status") != "pass":
+            return f"ssh: {ssh.get('summary', '?')}"
+        error = next((c for c in checks[name] if c["status"] == "error"), None)
+        return f"{error['id']}: {error['summary']}" if error is not None else None
+
+    bad = [(n, why) for n in names if (why := why_not(n)) is not None]
+    return len(names) - len(bad), (f"{bad[0][0]}: {bad[0][1][:300]}" if bad else "")
 
 
 def summary_of(stdout_path: Path) -> str:

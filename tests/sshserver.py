@@ -68,12 +68,18 @@ class ProfileResponder:
 
 
 def probe_worker_args(command: str) -> dict:
-    """The JSON argument the probe script passes to worker/probe.py (`"$PY" - '<json>'`), from the command."""
+    """The JSON argument the probe script passes to worker/probe.py (`"$PY" -c BOOTSTRAP KEY '<json>';`), from
+    the command: the last word before the `;` (tests/unit/test_probe.py keeps this in step with build_probe)."""
     script = shlex.split(command)[-1]
-    rest = script[script.index('"$PY" - ') + len('"$PY" - '):]
-    lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)  # the quoted JSON, then `;`
+    rest = script[script.index('then "$PY" ') + len('then "$PY" '):]
+    lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
-    return dict(json.loads(next(iter(lexer))))
+    words = []
+    for word in lexer:
+        if word == ";":
+            break
+        words.append(word)
+    return dict(json.loads(words[-1]))
 
 
 class _Server(asyncssh.SSHServer):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from coordinator.probe import build_probe, parse_probe_output, shell_path
+from tests.sshserver import probe_worker_args
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +53,13 @@ def test_hostile_values_are_quoted(tmp_path) -> None:
     sections = run_probe(workdir=hostile, args={"hash_dirs": [f"$(touch {marker})", hostile]})
     assert not marker.exists()
     assert "worker" in sections
+
+
+def test_the_simulated_nodes_find_the_worker_argument_in_the_probe() -> None:
+    # tests/sshserver.py's fake nodes (the scale benchmark's) answer `reach` for the peers the probe asks for.
+    args = {"peers": [{"name": "h'2", "ip": "10.0.0.2", "port": 22}], "hash_dirs": ["/srv/a b; c", "$(x)"]}
+    probe = build_probe(python="~/venvs/mlx/bin/python", workdir="/tmp", worker_args=args)
+    assert probe_worker_args(shlex.join(probe.argv)) == args
 
 
 def test_forged_markers_in_output_do_not_split_sections() -> None:
