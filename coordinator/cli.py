@@ -191,7 +191,7 @@ def facts(inventory: str, limit: str | None, accept_new_host_keys: bool, connect
     console = Console(stderr=as_json)
     with _HashProgress(console, not as_json) as progress:
         result = run_async(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
+                                   accept_new_host_keys=accept_new_host_keys, progress=progress))
     out: list[dict[str, Any]] = []
     for node in inv.nodes:
         f = result.facts.get(node.name)
@@ -235,7 +235,7 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         console = Console()
     with _HashProgress(console, True) if console is not None else contextlib.nullcontext() as progress:
         result = run_async(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                     accept_new_host_keys=accept_new_host_keys, progress=progress))
+                                   accept_new_host_keys=accept_new_host_keys, progress=progress))
     report = evaluate(inv, pb, result)
     if console is None:
         click.echo(dumps(report.to_json(strict=strict)))
@@ -504,7 +504,7 @@ def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, conn
     facts = {}
     if needs_facts:
         result = run_async(collect(inv, None, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                                     accept_new_host_keys=accept_new_host_keys))
+                                   accept_new_host_keys=accept_new_host_keys))
         missing = [n.name for n in inv.nodes if n.name not in result.facts]
         if missing:
             raise CoordinatorError(f"no facts from {', '.join(missing)}: the {pb.backend} hostfile needs each "

@@ -189,8 +189,8 @@ def monitor(inventory: str, limit: str | None, run_dir: Path, interval: float, o
 
     try:
         run_async(watch(inv, run_dir, QuarantineStore(), interval=interval, once=once, show=show, server=server,
-                          connect_timeout=connect_timeout, probe_timeout=probe_timeout,
-                          accept_new_host_keys=accept_new_host_keys))
+                        connect_timeout=connect_timeout, probe_timeout=probe_timeout,
+                        accept_new_host_keys=accept_new_host_keys))
     except KeyboardInterrupt:
         pass  # Ctrl-C is how a monitor ends (normally handled inside `watch`; this is before it starts)
     finally:

@@ -224,7 +224,7 @@ def register(main: click.Group) -> None:
                 console.print(f"[dim]measuring {a} ↔ {b} ...[/dim]")
 
         report = run_async(run_nettest(inv, seconds=seconds, pings=pings, connect_timeout=connect_timeout,
-                                         accept_new_host_keys=accept_new_host_keys, progress=progress))
+                                       accept_new_host_keys=accept_new_host_keys, progress=progress))
         if as_json:
             click.echo(dumps(report.to_json(strict=strict)))
         else:

@@ -499,7 +499,7 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
     Unreachable nodes are rows with their error; exits 0 unless the inventory is invalid (2)."""
     inv = load_status_inventory(inventory, limit)
     report = run_async(collect_status(inv, run_dir, QuarantineStore(), connect_timeout=connect_timeout,
-                                        probe_timeout=probe_timeout, accept_new_host_keys=accept_new_host_keys))
+                                      probe_timeout=probe_timeout, accept_new_host_keys=accept_new_host_keys))
     if as_json:
         click.echo(dumps(report.to_json()))
         return
