@@ -12,10 +12,11 @@ FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+from worker.events import RecentSteps
 
 
 class WorkerState(StrEnum):
@@ -80,7 +81,7 @@ class RankView:
     outlier_steps: int = 0
     stopped_since: float | None = None  # first `proc` observation in state T (SIGSTOP)
     phase: str | None = None  # from its heartbeats: load | step | eval | checkpoint | sync | digest | idle
-    step_times: list[float] = field(default_factory=list)  # its last steps' step_time_s (newest last)
+    steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,6 @@ class FaultPolicy:
 CULPRIT_KINDS = frozenset({"crash", "hang", "unreachable", "nan", "implausible_progress", "inconsistent",
                            "checkpoint_mismatch", "error"})
 SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so the cause is told from its echoes
-STEP_TIMES_KEPT = 20  # a rank's recent step times, for the stall window
 
 
 @dataclass
@@ -253,8 +253,8 @@ class Monitor:
         if step > view.step:
             view.last_progress_at = obs.at
             step_time = _float(event.get("step_time_s"))
-            if step_time is not None and step_time > 0:
-                view.step_times = [*view.step_times[-(STEP_TIMES_KEPT - 1):], step_time]
+            if step_time is not None:
+                view.steps.add(step_time)
         self.first_step_at.setdefault(view.rank, obs.at)
         view.step = max(view.step, step)
         view.loss = _float(event.get("loss"))
@@ -468,10 +468,8 @@ class Monitor:
         """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
         first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
         vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
-        if not view.step_times:
-            return None
-        return max(self.policy.stall_min_s, self.policy.stall_factor * statistics.median(view.step_times),
-                   self.heartbeat_timeout + 1.0)
+        window = view.steps.window(self.policy.stall_factor, self.policy.stall_min_s)
+        return None if window is None else max(window, self.heartbeat_timeout + 1.0)
 
     def _stalls(self, now: float) -> list[Incident]:
         """Ranks alive and heartbeating inside a step that never ends: what a data-plane link that went down
@@ -491,7 +489,7 @@ class Monitor:
                 found += self._add(Incident(
                     "stall", view.node, view.rank, view.step, now - since,
                     {"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
-                     "median_step_s": round(statistics.median(view.step_times), 3), "phase": view.phase},
+                     "median_step_s": round(view.steps.median() or 0.0, 3), "phase": view.phase},
                     "stop", now))
         return found
 

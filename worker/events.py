@@ -126,6 +126,28 @@ FENCE_EXIT_CODE = 75  # a rank that fenced itself (EX_TEMPFAIL: the run can resu
 FENCED_PHASES = frozenset({"step", "sync"})
 
 
+class RecentSteps:
+    """A rank's last step times, and the window they give: `factor` x their median, at least `min_s`. One rule
+    for the coordinator's stall (coordinator/monitor.py) and the rank's own fence (`Fence`, 3x the stall)."""
+
+    KEPT = 20
+
+    def __init__(self) -> None:
+        self.times: list[float] = []  # newest last
+
+    def add(self, seconds: float) -> None:
+        if seconds > 0:
+            self.times = [*self.times[-(self.KEPT - 1):], seconds]
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+    def window(self, factor: float, min_s: float) -> float | None:
+        """None before the first step (loading and the first, compiling step have no yardstick)."""
+        median = self.median()
+        return None if median is None else max(min_s, factor * median)
+
+
 class Fence:
     """When a rank stops itself: it has been inside the same step, in a phase that waits on the other ranks
     (FENCED_PHASES), for `factor` x its median step time and at least `min_s` seconds of its OWN running time,
@@ -137,25 +159,19 @@ class Fence:
     process that was stopped (SIGSTOP) or a Mac that slept does not fence itself the moment it runs again.
     No clock of its own: the heartbeat thread feeds it ticks and asks whether it is due."""
 
-    KEPT = 20  # recent step times
-
     def __init__(self, factor: float, min_s: float, interval: float) -> None:
         self.factor = factor
         self.min_s = min_s
         self.cap = 2 * interval
-        self.step_times: list[float] = []
+        self.steps = RecentSteps()
         self.stalled_s = 0.0
         self._seen: tuple[int, str] | None = None
 
     def add_step_time(self, seconds: float) -> None:
-        if seconds > 0:
-            self.step_times = [*self.step_times[-(self.KEPT - 1):], seconds]
+        self.steps.add(seconds)
 
     def window(self) -> float | None:
-        """None before the first step (loading and the first, compiling step have no yardstick)."""
-        if not self.step_times:
-            return None
-        return max(self.min_s, self.factor * statistics.median(self.step_times))
+        return self.steps.window(self.factor, self.min_s)
 
     def tick(self, elapsed: float, step: int, phase: str) -> float | None:
         """Account one heartbeat tick; the window when the rank must stop now, else None."""
