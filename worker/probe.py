@@ -38,6 +38,7 @@ import contextlib
 import errno
 import json
 import os
+import selectors
 import socket
 import stat
 import struct
@@ -501,8 +502,6 @@ def _connect(family: int, address: Any, timeout: float) -> int | None:
     Done by hand (not socket.create_connection) so that "refused" is an errno, not an exception whose type
     differs between Python versions, and so a timeout is never confused with an error.
     """
-    import selectors  # here: only peers that did not answer an ICMP echo get this far
-
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
