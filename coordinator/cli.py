@@ -277,17 +277,16 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
-    from rich.console import Console
-
     from coordinator.chaos import parse_chaos
     from coordinator.job import JobUI, run_job
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.metrics import MetricsServer, MetricsUI
+    from coordinator.plan import describe_prediction
     from coordinator.render import dumps
 
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys)
     if pb.kind == "map":
@@ -307,8 +306,10 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         click.echo(dumps(summary.to_json()))
     else:
         style = "green" if summary.state == "succeeded" else "red"
-        console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps} steps, "
+        console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json")
+        console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
+                      markup=False, highlight=False)
         _print_incidents(console, summary)
     sys.exit(0 if summary.state == "succeeded" else 1)
 
@@ -440,19 +441,18 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
     """Measure each node's training throughput and split the playbook's global batch by speed (for a `kind: map`
     playbook: each node's examples/s of the task and the input's shards)."""
-    from rich.console import Console
     from rich.table import Table
 
     from coordinator.calibrate import calibration_to_json
     from coordinator.job import calibrate_fleet
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.mapjob import calibrate_map
     from coordinator.plan import format_split
     from coordinator.render import dumps
 
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     opts = _job_options(Path("runs"), False, recalibrate, None, connect_timeout, accept_new_host_keys)
     if pb.split != "calibrated":
         pb = pb.model_copy(update={"split": "calibrated"})  # `calibrate` always measures and shows the calibrated split

@@ -147,7 +147,8 @@ async def calibrate_and_plan(
     results = await calibrate(
         fleet, bench_spec(pb), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
         model_digest=model_digest(facts), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
-        time_budget=pb.calibration.time_budget, progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
@@ -342,7 +343,8 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
             nodes = survivors
             resume = True
     final = attempts[-1]
-    summary = summarize(final.launch, final.monitor, final.plan.split, message)
+    summary = summarize(final.launch, final.monitor, final.plan.split, message,
+                        predicted_tokens_per_s=final.plan.predicted_tokens_per_s or None)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = len(attempts)
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]

@@ -248,17 +248,20 @@ class RunSummary:
     split: dict[str, float]
     incidents: list[Incident] = field(default_factory=list)
     checkpoint: str | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the run's: median over its steps of all ranks' tokens / step wall time
     run_dir: str = ""
     message: str = ""
     attempts: int = 1
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
+    iters: int | None = None
+    predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "nodes": self.nodes,
-                "split": self.split, "incidents": [i.to_json() for i in self.incidents],
-                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s, "run_dir": self.run_dir,
+        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
+                "nodes": self.nodes, "split": self.split, "incidents": [i.to_json() for i in self.incidents],
+                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
                 "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
                 "quarantined": self.quarantined}
 
@@ -626,20 +629,23 @@ def _which(name: str) -> str | None:
     return shutil.which(name)
 
 
-def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "") -> RunSummary:
+def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
+              predicted_tokens_per_s: float | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
     nodes = []
-    tok = 0.0
     for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
         nodes.append({"name": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
                       "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory": view.peak_memory,
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
-        tok += view.tokens_per_s or 0.0
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
+    run_rate = mon.run_tokens_per_s()
     return RunSummary(run_id=launch.run_id, state=state, steps=mon.step(), nodes=nodes, split=dict(split),
-                      incidents=list(mon.incidents), checkpoint=ckpt, tokens_per_s=round(tok, 2) or None,
-                      run_dir=str(launch.run_dir), message=message)
+                      incidents=list(mon.incidents), checkpoint=ckpt,
+                      tokens_per_s=round(run_rate, 2) if run_rate is not None else None,
+                      run_dir=str(launch.run_dir), message=message, iters=mon.iters,
+                      predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
+                                              if predicted_tokens_per_s else None))
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

@@ -12,6 +12,7 @@ FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -131,6 +132,9 @@ class Monitor:
     policy: FaultPolicy = field(default_factory=FaultPolicy)
     step_locals: dict[int, dict[int, tuple[float | None, float | None, bool]]] = field(default_factory=dict)
     step_rates: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> compute tok/s
+    # step -> the whole run's tokens/s at that step (all ranks' tokens / the step's wall time), from the first
+    # rank to report it: what the run delivers, as opposed to what one rank computes.
+    step_totals: dict[int, float] = field(default_factory=dict)
     digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
     last_consistent_step: int | None = None
@@ -272,6 +276,9 @@ class Monitor:
                                                             finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
             self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
+        total, wall = _int(event.get("total_tokens")), _float(event.get("step_time_s"))
+        if total is not None and total > 0 and wall is not None and wall > 0:
+            self.step_totals.setdefault(step, total / wall)
         found += self._stragglers(step, obs)
         found += self._outliers(step, obs)
         return found
@@ -318,7 +325,7 @@ class Monitor:
         of 2)."""
         rel = {r: rate / refs[r] for r, rate in rates.items()}
         values = sorted(rel.values())
-        fleet = _median(values) if len(values) >= 3 else values[-1]
+        fleet = statistics.median(values) if len(values) >= 3 else values[-1]
         return {r: (v, fleet) for r, v in rel.items()}
 
     def _own_baseline(self, rank: int) -> float | None:
@@ -329,7 +336,7 @@ class Monitor:
         first = sorted(s for s, rates in self.step_rates.items() if rank in rates)
         if len(first) < window + 1:
             return None
-        return _median([self.step_rates[s][rank] for s in first[1:window + 1]])
+        return statistics.median([self.step_rates[s][rank] for s in first[1:window + 1]])
 
     def _outliers(self, step: int, obs: Observation) -> list[Incident]:
         """Robust statistics over the ranks' LOCAL loss and grad norm at one step (median/MAD, needs 3+
@@ -571,6 +578,16 @@ class Monitor:
     def step(self) -> int:
         return min((v.step for v in self.ranks.values()), default=0)
 
+    def run_tokens_per_s(self) -> float | None:
+        """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
+        median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
+        does the last step alone."""
+        return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+
+    def last_tokens_per_s(self) -> float | None:
+        """The whole run's tokens/s at its latest reported step."""
+        return self.step_totals[max(self.step_totals)] if self.step_totals else None
+
     def eta_s(self, now: float) -> float | None:
         done = self.step()
         running = [v for v in self.ranks.values() if v.started_at is not None]
@@ -602,19 +619,14 @@ def robust_outliers(values: dict[int, float], mads: float, rel: float) -> set[in
     if len(values) < 3:
         return set()
     xs = sorted(values.values())
-    median = _median(xs)
-    mad = _median(sorted(abs(x - median) for x in xs)) * 1.4826
+    median = statistics.median(xs)
+    mad = statistics.median(sorted(abs(x - median) for x in xs)) * 1.4826
     out: set[int] = set()
     for key, x in values.items():
         dist = abs(x - median)
         if dist > rel * max(abs(median), 1e-12) and (mad == 0 or dist > mads * mad):
             out.add(key)
     return out
-
-
-def _median(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _int(value: Any) -> int | None:

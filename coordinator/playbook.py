@@ -107,7 +107,11 @@ class LoraConfig(_Strict):
 class CalibrationConfig(_Strict):
     """`calibration:`: how `coordinator calibrate` measures each node (docs/calibration.md)."""
 
-    time_budget: PositiveFloat = 60.0  # seconds per node
+    time_budget: PositiveFloat = 60.0  # seconds of timed steps per node
+    # Seconds per node for what a cold machine pays once: importing mlx, loading the model, and the first step of
+    # each batch shape, which JIT-compiles its kernels while MLX's kernel cache is empty (85 s for the first 10
+    # steps on a fresh GPU machine). Generous on purpose: it only bounds a node that hangs while loading.
+    one_time_budget: PositiveFloat = 600.0
     max_batch: PositiveInt = 64
     memory_fraction: Annotated[float, BeforeValidator(to_number), Field(gt=0, le=1)] = 0.8
 
