@@ -96,6 +96,7 @@ def linux_sections() -> dict[str, Section]:
         "nproc": capture("nproc/debian-12-2cpu.txt"),
         "loadavg": capture("loadavg/debian-12.txt"),
         "ip_addr": capture("ip_addr/debian-12-eth0.txt"),
+        "sys_class_net": capture("sys_class_net/debian-12-vm-virtio.txt"),
         "df": capture("df/debian-12-gnu-root.txt"),
     }
     out = {k: Section(k, v, 0) for k, v in texts.items()}

@@ -181,6 +181,7 @@ def _linux(b: _Builder, uname: tuple[str, str, str]) -> dict[str, Any]:
         out["hardware"] = Hardware(chip=chip, model_id=None, model_name=None,
                                    memory_bytes=mem.total_bytes if mem else None, cpu_total=cores)
     out["interfaces"] = b.parse("ip_addr", linux.parse_ip_addr)
+    out["net_links"] = b.parse("sys_class_net", linux.parse_sys_class_net, optional=True)
     ib = b.parse("infiniband", linux.parse_infiniband, optional=True) or ()
     out["rdma"] = Rdma(ctl_status=None, devices=tuple(RdmaDevice(d) for d in ib))
     gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)

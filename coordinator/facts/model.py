@@ -132,6 +132,27 @@ class NetInterface:
 
 
 @dataclass(frozen=True)
+class NetLink:
+    """One Linux interface as the kernel describes it in /sys/class/net/<name> (the `sys_class_net` section)."""
+
+    name: str
+    arphrd_type: int | None  # `type`: ARPHRD_* (1 Ethernet, 32 InfiniBand, 772 loopback, 65534 none)
+    speed_mbps: int | None  # `speed`; None when the kernel does not know it (-1, or unreadable while down)
+    operstate: str | None  # "up", "down", "unknown" (loopback and most virtual interfaces)
+    has_device: bool  # a `device` link: backed by a bus device (PCI, USB, virtio, Thunderbolt)
+    wireless: bool  # a `wireless` directory (cfg80211)
+    devtype: str | None = None  # uevent DEVTYPE: "bridge", "vlan", "bond", "wlan", ...; None for plain ones
+    driver: str | None = None  # DRIVER of the device's uevent: "e1000e", "virtio_net", "thunderbolt-net"
+    lower: tuple[str, ...] = ()  # `lower_*` links: a bridge's ports, a VLAN's or bond's underlying interfaces
+    path: str | None = None  # the real sysfs path
+
+    @property
+    def virtual(self) -> bool:
+        """No hardware behind it: veth, bridge, loopback, tunnels (the kernel puts them in devices/virtual)."""
+        return not self.has_device or (self.path or "").startswith("/sys/devices/virtual/")
+
+
+@dataclass(frozen=True)
 class RdmaDevice:
     name: str  # "rdma_en2"
     port_state: str | None = None  # "PORT_ACTIVE", "PORT_DOWN"; None when ibv_devinfo did not list it
@@ -223,6 +244,7 @@ class NodeFacts:
     thunderbolt: tuple[ThunderboltPort, ...] | None = None
     hardware_ports: tuple[HardwarePort, ...] | None = None
     interfaces: tuple[NetInterface, ...] | None = None
+    net_links: tuple[NetLink, ...] | None = None  # Linux: /sys/class/net
     rdma: Rdma | None = None
     memory: Memory | None = None
     power: Power | None = None
