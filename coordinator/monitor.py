@@ -616,15 +616,18 @@ class Monitor:
                                earlier=self.earlier_errors)
 
     def _judge_job_error(self) -> list[Incident]:
-        """When the failure is the job's: every incident that would quarantine a node is revised to `stop`
-        (evidence `job_error: true`), and one `job_error` incident carries the message, its cause and remedy.
+        """When the failure is the job's: every incident that would quarantine a node, and every rank's own copy of
+        the error, is revised to `stop` with evidence `job_error: true`, and one `job_error` incident carries the
+        message, its cause and remedy.
         Returns the revised incidents followed by the new one."""
         verdict = self.classify()
         if verdict is None or self.job_error is not None:
             return []
         revised: list[Incident] = []
         for idx, inc in enumerate(self.incidents):
-            if inc.action == "quarantine":
+            # Whatever would quarantine a node, and every rank's own copy of the error (marked, so that it is
+            # shown once: with the job_error incident).
+            if inc.action == "quarantine" or (inc.kind == "error" and inc.evidence.get("signature") == verdict.signature):
                 new = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
                 self.incidents[idx] = new
                 revised.append(new)

@@ -312,7 +312,9 @@ def test_the_same_error_on_every_rank_is_a_job_error_and_nobody_is_quarantined()
     ticks(mon, 3.3)
     assert mon.settled(3.4)
     judged = mon.resolve()
-    assert [(i.kind, i.action) for i in judged] == [("error", "stop"), ("job_error", "stop")]
+    assert [(i.kind, i.node, i.action) for i in judged] == [("error", "a", "stop"), ("error", "b", "stop"),
+                                                             ("error", "c", "stop"), ("job_error", "a,b,c", "stop")]
+    assert all(i.evidence["job_error"] for i in judged[:-1])
     job = mon.job_error
     assert job is judged[-1] and job.rank is None and job.node == "a,b,c"
     assert job.evidence["reason"] == "every rank failed with the same error"
