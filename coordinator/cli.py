@@ -346,7 +346,19 @@ def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, cons
 
 
 def _print_incidents(console: Console, summary: RunSummary) -> None:
+    from rich.markup import escape
+
+    job_error = next((i for i in summary.incidents if i.kind == "job_error"), None)
+    if job_error is not None:
+        # Printed once, with its remedy; the ranks' own copies of the message are not repeated below.
+        ev = job_error.evidence
+        console.print(f"  [red]job error[/red] ({ev.get('reason')}) on {job_error.node}: {escape(str(ev.get('message')))}",
+                      highlight=False)
+        console.print(escape(f"    cause: {ev.get('cause')}\n    remedy: {ev.get('remedy')}"), highlight=False)
+        console.print(f"    quarantined: {', '.join(summary.quarantined) or 'nobody'}", highlight=False)
     for inc in summary.incidents:
+        if job_error is not None and (inc is job_error or inc.evidence.get("job_error")):
+            continue
         after = "" if inc.detected_after_s is None else f" (detected after {inc.detected_after_s:.1f}s)"
         console.print(f"  [red]{inc.kind}[/red] node {inc.node} rank {inc.rank} step {inc.step}{after}: "
                       f"{inc.action}; {str(inc.evidence)[:300]}")

@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -279,6 +279,9 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     attempts: list[Attempt] = []
     recoveries: list[dict[str, Any]] = []
     message = ""
+    earlier_errors: dict[str, frozenset[str]] = {}  # signature -> nodes whose own error had it (Monitor)
+    blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
+    released: list[str] = []
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
@@ -293,7 +296,8 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                 plan, cals = await calibrate_and_plan(fleet, sub, pb, state.facts, opts, ui)
             attempt = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, number,
                                          resume=resume, chaos=chaos if number == 0 else (), ui=ui,
-                                         inventory_path=str(Path(inv.path).resolve()) if inv.path else None)
+                                         inventory_path=str(Path(inv.path).resolve()) if inv.path else None,
+                                         earlier_errors=earlier_errors)
             attempts.append(attempt)
             mon = attempt.monitor
             log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
@@ -305,6 +309,21 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                 break
             if mon.outcome() is RunState.SUCCEEDED:
                 break
+            if mon.job_error is not None:
+                # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
+                # the work to another node, are released.
+                signature = mon.job_error.evidence.get("signature")
+                released = [n for n, sig in blamed_for.items() if sig == signature]
+                for name in released:
+                    store.clear(name)
+                    log.warning("released", node=name, reason="the same error followed the work: a job error")
+                    for earlier in attempts[:-1]:
+                        _clear_blame(earlier.monitor, name)
+                message = job_error_message(mon.job_error, released)
+                log.error("job_error", **{k: v for k, v in mon.job_error.evidence.items() if k != "traceback"})
+                break
+            for err in mon.own_errors.values():
+                earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
             culprits = mon.culprits()
             survivors = [n for n in nodes if n.name not in culprits]
             for name, why in (await _unreachable(fleet, survivors)).items():
@@ -319,6 +338,8 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                 inc = mon.culprit_incident(name)
                 assert inc is not None  # every culprit was named by one of its incidents
                 store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
+                if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
+                    blamed_for[name] = inc.evidence["signature"]
                 log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
                 ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
             survivors = [n for n in survivors if n.name not in culprits]
@@ -348,10 +369,28 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = len(attempts)
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
-    summary.quarantined = sorted({n for a in attempts for n in a.monitor.culprits()}
-                                 | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+    summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
+                                  | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+                                 - set(released))
     write_summary(run_dir, summary)
     return summary
+
+
+def _clear_blame(mon: Monitor, node: str) -> None:
+    """An earlier attempt's error incidents on `node` were the job's after all: no longer a culprit's."""
+    for idx, inc in enumerate(mon.incidents):
+        if inc.node == node and inc.kind == "error" and inc.action == "quarantine":
+            mon.incidents[idx] = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
+
+
+def job_error_message(incident: Incident, released: Sequence[str] = ()) -> str:
+    """The one message a job error ends the run with: what failed, why it is the job's, cause and remedy."""
+    ev = incident.evidence
+    text = (f"job error ({ev.get('reason')}): {ev.get('message')}; cause: {ev.get('cause')}; "
+            f"remedy: {ev.get('remedy')}; ")
+    if released:
+        return text + f"released from quarantine: {', '.join(released)} (the error was the job's)"
+    return text + "no node quarantined"
 
 
 async def _unreachable(fleet: Fleet, nodes: Sequence[Node]) -> dict[str, str]:
@@ -382,6 +421,7 @@ async def _run_attempt(
     fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
+    earlier_errors: Mapping[str, frozenset[str]] | None = None,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -389,6 +429,7 @@ async def _run_attempt(
     launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=run_id, run_dir=run_dir, resume=resume,
                     view=ui.progress, chaos=chaos, attempt=number)
     launch.inventory_path = inventory_path
+    launch.earlier_errors = dict(earlier_errors or {})
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
                                  "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,

@@ -32,7 +32,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.hostfile import Hostfile, build_hostfile
 from coordinator.logs import current_redactor
 from coordinator.models import Connection, Inventory, Node
-from coordinator.monitor import FaultPolicy, Incident, Monitor, Observation, RunState
+from coordinator.monitor import JOB_ERROR, FaultPolicy, Incident, Monitor, Observation, RunState
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
@@ -327,6 +327,7 @@ class Launch:
         self.inventory_path: str | None = None
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
+        self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
         f = playbook.faults
         self.policy = FaultPolicy(heartbeat_timeout=playbook.heartbeat_timeout, straggler_fraction=f.straggler_fraction,
                                   straggler_window=f.straggler_window, straggler_min_s=f.straggler_min_s,
@@ -475,7 +476,7 @@ class Launch:
         plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
-                              * self.pb.train.rows_per_example)
+                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
@@ -508,8 +509,7 @@ class Launch:
                 if outcome is RunState.SUCCEEDED:
                     return mon
                 if outcome is not None and mon.settled(now):
-                    for incident in mon.resolve():
-                        self._record_incident(sink, incident, revised=True)
+                    self._resolve(sink, mon)
                     return mon
                 if launcher_done_at is None or now - launcher_done_at <= FINISH_GRACE_S:
                     continue
@@ -525,7 +525,13 @@ class Launch:
                 # A fault is known but not yet attributed (a node that vanished is found only by its silence):
                 # mlx.launch exiting after it is no news; `settled` is bounded by the heartbeat timeout.
                 if now - launcher_done_at > FINISH_GRACE_S + self.policy.heartbeat_timeout + 1.0:
+                    self._resolve(sink, mon)
                     return mon
+
+    def _resolve(self, sink: Any, mon: Monitor) -> None:
+        """Record the settled verdict: revised incidents (`revised: true`) and a new `job_error`, if any."""
+        for incident in mon.resolve():
+            self._record_incident(sink, incident, revised=incident.kind != JOB_ERROR)
 
     def _launcher_exited(self) -> bool:
         if self.launcher is not None:

@@ -228,6 +228,27 @@ class DirHashes:
 
 
 @dataclass(frozen=True)
+class DataFile:
+    """One data file the trainer reads, parsed row by row on the node (worker/probe.py `check_data_file`)."""
+
+    name: str  # "train.jsonl", relative to the data dir
+    required: bool
+    exists: bool
+    rows: int  # rows that parsed and have the keys the trainer needs (up to the first problem)
+    bytes: int
+    checked_bytes: int  # < bytes: only the first checked_bytes were read (a bounded sample)
+    format: str | None  # text | chat | completions (mlx-lm's detection, first row) | dpo
+    error: str | None  # "line N: ..." or why the file could not be read
+
+
+@dataclass(frozen=True)
+class DataCheck:
+    dir: str | None
+    files: tuple[DataFile, ...] = ()
+    error: str | None = None  # the dir is missing or the check could not run
+
+
+@dataclass(frozen=True)
 class Reach:
     peer: str
     ip: str
@@ -256,6 +277,8 @@ class NodeFacts:
     env: dict[str, str] | None = None  # the non-interactive SSH environment ranks inherit
     model_config: dict[str, Any] | None = None  # the model dir's config.json, when present
     model_params: int | None = None  # parameter count from safetensors headers
+    model_error: str | None = None  # what the model dir lacks for mlx-lm's load (config, weights, tokenizer)
+    data: DataCheck | None = None  # the training data files parsed as the trainer loads them; None: not asked
     errors: tuple[FactError, ...] = ()
     raw: dict[str, str] = field(default_factory=dict)  # section -> output, as the node printed it
     raw_rc: dict[str, int] = field(default_factory=dict)  # section -> exit status

@@ -366,3 +366,58 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
     assert summary["quarantined"] == [] and sorted(n["name"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
     no_rank_left(summary["run_id"])
+
+
+def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbed: TestBed, run_cli: RunCli,
+                                                                          tmp_path: Path) -> None:
+    """An undecodable line fails every rank the same way: launched anyway (--skip-preflight) the run stops as
+    one job error with its remedy and quarantines nobody; preflight fails it (and a data dir without train.jsonl,
+    and a model dir without weights) before launch, with file:line."""
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    rows = [f'{{"text": "row {i} of the data"}}\\n' for i in range(8)]  # printf's escapes: \n, \351 = 0xe9
+    bad = "".join([*rows[:2], '{"text": "caf\\351"}\\n', *rows[2:]])  # line 3 is Latin-1, not UTF-8
+    good = "".join(rows)
+    pb = write_playbook(tmp_path / "pb.yaml", iters=4, data="/srv/bad",
+                        assets={"tiny_model": {"layers": 2, "hidden": 32, "seed": 0}})
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"mkdir -p /srv/bad && printf '{good}' > /srv/bad/train.jsonl && "
+                                     f"printf '{rows[0]}' > /srv/bad/valid.jsonl"], check=True)
+    # The tiny model's vocabulary is built from the data: provision it from good rows (a fixed split: no bench).
+    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), env=env, timeout=300)
+    assert ready.returncode == 0, ready.stderr[-3000:]
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"printf '{bad}' > /srv/bad/train.jsonl"], check=True)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), "--skip-preflight",
+                   env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    assert (run / "summary.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    [job] = [i for i in summary["incidents"] if i["kind"] == "job_error"]
+    assert job["action"] == "stop" and job["evidence"]["code"] == "data_not_utf8", json.dumps(job, indent=1)
+    assert job["evidence"]["message"].startswith("UnicodeDecodeError")
+    assert summary["state"] == "failed" and summary["message"].startswith("job error")
+    assert summary["quarantined"] == [] and not [i for i in summary["incidents"] if i["action"] == "quarantine"]
+    state = tmp_path / "state" / "mlx-coordinator" / "quarantine.json"
+    assert not state.exists() or json.loads(state.read_text())["nodes"] == {}
+    assert (proc.stdout + proc.stderr).count("can't decode byte") == 1, proc.stdout[-3000:]
+    assert "remedy: fix or remove the line" in proc.stdout
+
+    def model_check(expect: str) -> None:
+        report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
+        assert report.returncode == 1, report.stdout[-2000:] + report.stderr[-2000:]
+        for node in json.loads(report.stdout)["nodes"]:
+            [model] = [c for c in node["checks"] if c["id"] == "model"]
+            assert model["status"] == "fail" and expect in model["summary"], model
+
+    model_check("/srv/bad/train.jsonl line 3: not UTF-8 (byte 0xe9")
+    for h in hosts:
+        testbed.exec(h, ["rm", "/srv/bad/train.jsonl"], check=True)
+    model_check("/srv/bad/train.jsonl is missing (the trainer needs it)")
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"printf '{good}' > /srv/bad/train.jsonl && mv /srv/model/model.safetensors "
+                                     "/srv/model.safetensors.away"], check=True)
+    model_check("model /srv/model: no *.safetensors weights")
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert proc.returncode == 1 and "preflight failed" in proc.stderr, proc.stderr[-3000:]

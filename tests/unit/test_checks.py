@@ -42,6 +42,7 @@ from tests.factsutil import (
     PYTHON,
     STUDIO,
     WORKDIR,
+    data_answer,
     edit,
     edit_block,
     facts_from,
@@ -717,6 +718,32 @@ def test_model_three_way_disagreement_fails_all() -> None:
     run_case(members, playbook(backend="ring"), [
         (m.name, "model", F, ("no majority", "differ: model/config.json"), ("manifest",)) for m in members
     ])
+
+
+@pytest.mark.parametrize(("worker", "status", "in_summary"), [
+    ({"data": data_answer(train={"rows": 2, "error": "line 3: not UTF-8 (byte 0xff at column 11)"}, valid={})},
+     F, f"{DATA_DIR}/train.jsonl line 3: not UTF-8 (byte 0xff at column 11)"),
+    ({"data": data_answer(train={"exists": False, "rows": 0}, valid={})},
+     F, f"{DATA_DIR}/train.jsonl is missing (the trainer needs it)"),
+    ({"data": data_answer(train={}, valid={}, test={"error": "no rows (an empty file fails the loader)"})},
+     F, f"{DATA_DIR}/test.jsonl no rows"),
+    ({"model_error": "no *.safetensors weights"}, F, f"model {MODEL_DIR}: no *.safetensors weights"),
+    ({"data": data_answer(train={}, valid={"exists": False})}, W, f"{DATA_DIR}/valid.jsonl is missing: the run "
+                                                                  "will have no eval events"),
+    ({"data": data_answer(train={"checked_bytes": 100}, valid={})}, P, "train.jsonl: the first 10 rows (0 of 0 MB) parsed"),
+    ({"data": data_answer(train={}, valid={})}, P, "identical on 3/3 nodes"),
+])
+def test_model_check_proves_the_trainer_can_load_model_and_data(worker: dict[str, Any], status: Status,
+                                                               in_summary: str) -> None:
+    """The same on every node, so every node fails (launched, every rank would fail the same way)."""
+    members = [m.but(worker={**_hashes(), **worker}) for m in trio()]
+    remedy = ("every rank would fail",) if status is F else ()
+    report, results = preflight(members, playbook(backend="ring"))
+    check_expectations(results, [(m.name, "model", status, (in_summary,), remedy) for m in members])
+    assert report.ok() is (status is not F)
+    if "data" in worker:
+        assert [f["name"] for f in results[("s0", "model")].evidence["data_files"]] == \
+            [f["name"] for f in worker["data"]["files"]]
 
 
 def _manifest(model: Mapping[str, str] = MODEL_FILES, data: Mapping[str, str] = DATA_FILES) -> dict[str, str]:
