@@ -132,3 +132,15 @@ def test_the_module_answers_one_json_line(tmp_path: Path) -> None:
     rc, answer = run({"dir": str(tmp_path / "bad"), "files": {"rank": ["y", "700"]}})
     assert rc == 3 and answer == {"error": f"{tmp_path / 'bad'} is a symbolic link: refusing to use it"}
     assert (tmp_path / "good" / "rank").read_text() == "x"
+
+
+def test_it_runs_on_any_node_python() -> None:
+    """Nodes run it with their own python: the standard library only, and Python 3.9 syntax."""
+    import ast
+
+    import worker.privatedir as module
+
+    tree = ast.parse(Path(module.__file__).read_text(), feature_version=(3, 9))
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names - {"__future__"} <= sys.stdlib_module_names, names - sys.stdlib_module_names
