@@ -526,7 +526,10 @@ def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, conn
     if output is None:
         click.echo(text, nl=False)
     else:
-        output.write_text(text, encoding="utf-8")
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:  # a missing or unwritable directory is a usage error, not a traceback
+            raise ConfigError(f"-o {output}: cannot write the hostfile ({exc.strerror})") from None
         click.echo(f"wrote {output}", err=True)
 
 

@@ -34,6 +34,7 @@ from coordinator.launch import (
     LaunchError,
     RankPlan,
     RunSummary,
+    check_run_id,
     new_run_id,
     set_aside_checkpoints_after,
     summarize,
@@ -242,20 +243,40 @@ def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
                 resume_marker: str | None) -> Iterator[tuple[str, Path]]:
     """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
     when given), with the run's structured log open and secrets redacted, for the duration of the block."""
+    if opts.resume:
+        check_run_id(opts.resume, what="--resume")
     run_id = opts.resume or new_run_id(pb.name)
     run_dir = opts.run_root / run_id
     if opts.resume and not (run_dir / (resume_marker or "")).exists():
         raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir, opts.run_root)
     secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
                *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
-    logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    try:
+        logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {opts.run_root}: cannot write the run log in {run_dir} ({exc.strerror})") from None
     structlog.contextvars.bind_contextvars(run_id=run_id)
     try:
         yield run_id, run_dir
     finally:
         structlog.contextvars.unbind_contextvars("run_id")
         logs.close()
+
+
+def make_run_dir(run_dir: Path, run_root: Path) -> None:
+    """Create (or, on resume, reuse) `run_dir` 0700: its files name hosts, users, keys and paths and can quote
+    the job's env. ConfigError (a usage error, exit 2) when it cannot be made or is not this user's."""
+    try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = run_dir.stat().st_uid
+        if owner == os.geteuid():
+            run_dir.chmod(0o700)  # a run dir of an older version, resumed, is tightened too
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_root}: cannot create the run dir {run_dir} ({exc.strerror})") from None
+    if owner != os.geteuid():
+        raise ConfigError(f"--run-dir {run_root}: the run dir {run_dir} belongs to uid {owner}, not to this user "
+                          f"(uid {os.geteuid()}): refusing to write into it")
 
 
 async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> FleetState:

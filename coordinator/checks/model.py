@@ -14,6 +14,7 @@ that disagree) every disagreeing node fails: we cannot tell which copy is right.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 
 from coordinator.checks.context import CheckContext, fact_error_result, majority, manifest_digest, node_manifest
@@ -116,7 +117,9 @@ def _check_copies(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResul
     def copy_from(good: str, paths: list[str] | None = None) -> str:
         """rsync commands for the dirs that hold the bad files (both dirs when we cannot tell)."""
         labels = sorted({p.split("/", 1)[0] for p in paths}) if paths else list(labels_all)
-        return "; ".join(f"rsync -a --delete {good}:{dirs[lb]}/ {node.name}:{dirs[lb]}/" for lb in labels if dirs.get(lb))
+        # Quoted: the dirs come from the playbook and are pasted into a shell by whoever follows the remedy.
+        return "; ".join(f"rsync -a --delete {shlex.quote(f'{good}:{dirs[lb]}/')} {shlex.quote(f'{node.name}:{dirs[lb]}/')}"
+                         for lb in labels if dirs.get(lb))
 
     labels_all = labels
     copy = copy_from("GOOD_NODE")

@@ -302,7 +302,7 @@ def test_stop_ends_a_running_job_cleanly(testbed: TestBed, run_cli: RunCli, tmp_
     assert summary["state"] == "stopped"
     no_rank_left(run_id)
     for h in hosts:
-        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id} 2>/dev/null || true"]).stdout.strip() == ""
+        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id}-* 2>/dev/null || true"]).stdout.strip() == ""
 
 
 @pytest.mark.parametrize(("spec", "kind", "victim"), [

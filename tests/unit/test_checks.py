@@ -1093,3 +1093,24 @@ def test_a_large_ring_fleet_is_judged_on_its_ring_neighbours_only() -> None:
     unreachable, ev = _reachability(ctx, nodes[0], facts)  # type: ignore[arg-type]
     assert unreachable == [f"n2 ({nodes[2].data_ip}): timed out"]
     assert set(ev) == {"n98", "n99", "n1", "n2"}
+
+
+# =================================================================================================== remedies
+
+
+def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
+    """Paths from the playbook and inventory, and what a node reports (its python), may hold spaces or `;`: a
+    remedy is copied into a shell, so each value is one quoted word (a leading `~/` still means the home)."""
+    hostile = "/Users/me/my models/llama;id"
+    members = trio()
+    members[1] = members[1].but(worker=_hashes(model={**MODEL_FILES, "model.safetensors": BAD}))
+    _, results = preflight(members, playbook(backend="ring", model=hostile))
+    assert results[("s1", "model")].remedy == (f"copy the good files: rsync -a --delete 's0:{hostile}/' 's1:{hostile}/'")
+    _, results = preflight((MBP_M, STUDIO_M.but(node={"identity": "~/.ssh/my key"})), playbook(),
+                           connect={"studio": TransportError("studio", "denied", kind="auth")})
+    assert "`ssh-copy-id -i \"$HOME\"/'.ssh/my key' studio.local`" in results[("studio", "ssh")].remedy
+    _, results = preflight((MBP_M.but(worker={"python": "/opt/my venv/python;id", "mlx": None}), STUDIO_M), playbook())
+    assert results[("mbp", "software")].remedy == "'/opt/my venv/python;id' -m pip install \"mlx>=0.32.1\" mlx-lm"
+    _, results = preflight((MBP_M.but(worker={"python": "/opt/py;id", "mlx_lm": "0.30.0"}), STUDIO_M, STUDIO_M.but(name="s3")),
+                           playbook())
+    assert results[("mbp", "software")].remedy == "'/opt/py;id' -m pip install mlx==0.32.1 mlx-lm==0.31.0"
