@@ -133,6 +133,8 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "max_seq_length": t.max_seq_length,
         "grad_accumulation": t.grad_accumulation,
         "grad_checkpoint": t.grad_checkpoint,
+        "packing": t.packing,
+        "train_embeddings": t.train_embeddings,
         "num_layers": t.num_layers,
         "save_every": t.save_every,
         "steps_per_eval": t.steps_per_eval,

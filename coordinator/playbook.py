@@ -20,7 +20,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.errors import ConfigError
 from coordinator.models import CHECK_IDS
@@ -174,6 +183,12 @@ class TrainConfig(_Strict):
     val_batches: PositiveInt = 25
     num_layers: Int | None = None  # None (or -1 in the file) = all layers; N = the last N layers
     grad_checkpoint: bool = False
+    # auto: each rank's SFT rows are packed into as few sequences as they fit in (attention per row): the same
+    # rows, loss and gradient without the padding, when that saves >= 10% of the computed positions and is exact
+    # on the model.
+    packing: Literal["auto", "on", "off"] = "auto"
+    # full on all layers only: train embeddings, lm_head and the final norm too (mlx-lm's full does not).
+    train_embeddings: bool = False
     optimizer: Optimizer = "adam"
     seed: Int = 0
     keep_checkpoints: PositiveInt = 2  # newest N checkpoints kept on every node
@@ -189,6 +204,12 @@ class TrainConfig(_Strict):
     def rows_per_example(self) -> int:
         """Sequences per batch row: a DPO pair is two (chosen and rejected)."""
         return 2 if self.method == "dpo" else 1
+
+    @model_validator(mode="after")
+    def _embeddings(self) -> TrainConfig:
+        if self.train_embeddings and (self.fine_tune_type != "full" or self.num_layers is not None):
+            raise ValueError("train_embeddings needs full fine-tuning of all layers (num_layers unset or -1)")
+        return self
 
     @field_validator("num_layers")
     @classmethod
