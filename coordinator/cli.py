@@ -245,11 +245,14 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 
 
 def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
-                 connect_timeout: float, accept_new_host_keys: bool) -> JobOptions:
+                 connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False) -> JobOptions:
     from coordinator.job import JobOptions
 
+    if restart_from_scratch and resume is None:
+        raise ConfigError("--restart-from-scratch applies to --resume RUN_ID only")
     return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
-                      connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys)
+                      connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
+                      restart_from_scratch=restart_from_scratch)
 
 
 @main.command()
@@ -261,6 +264,9 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
 @click.option("--skip-preflight", is_flag=True, help="Launch even if preflight fails (findings are still shown).")
 @click.option("--recalibrate", is_flag=True, help="Measure every node again instead of using cached curves.")
 @click.option("--resume", metavar="RUN_ID", help="Continue RUN_ID from its newest checkpoint that is consistent.")
+@click.option("--restart-from-scratch", is_flag=True,
+              help="With --resume: when no checkpoint is valid, set the invalid ones aside and start at step 0 "
+                   "(without it such a resume refuses).")
 @click.option("--limit", help="Comma-separated node names to run on.")
 @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
 @click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
@@ -272,8 +278,8 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
               help="Inject a fault for drills/tests, e.g. kill:rank=1,step=20 (docs/faults.md). Repeatable.")
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
-           resume: str | None, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
-           metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...]) -> None:
+           resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
+           connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...]) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
@@ -288,10 +294,12 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     assert pb is not None
     console = make_console(stderr=as_json)
     ui = RichUI(console)
-    opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys)
+    opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys,
+                        restart_from_scratch)
     if pb.kind == "map":
-        if chaos_specs or metrics_port is not None:
-            raise ConfigError("--chaos and --metrics-port are for training jobs (kind: train)", path=pb.path)
+        if chaos_specs or metrics_port is not None or restart_from_scratch:
+            raise ConfigError("--chaos, --metrics-port and --restart-from-scratch are for training jobs (kind: train)",
+                              path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json)
         return
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
@@ -306,8 +314,10 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         click.echo(dumps(summary.to_json()))
     else:
         style = "green" if summary.state == "succeeded" else "red"
+        resumed = summary.resumed_from
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
-                      f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json")
+                      f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
+                      + (f"; resumed from step {resumed['step']}" if resumed else ""))
         console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
                       markup=False, highlight=False)
         _print_incidents(console, summary)

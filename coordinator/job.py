@@ -36,6 +36,7 @@ from coordinator.launch import (
     RunSummary,
     check_run_id,
     new_run_id,
+    node_run_dir,
     set_aside_checkpoints_after,
     summarize,
     write_summary,
@@ -48,6 +49,7 @@ from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, pe
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
 from coordinator.quarantine import QuarantineStore
+from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
 from coordinator.shards import MapRow
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
@@ -90,6 +92,7 @@ class JobOptions:
     skip_preflight: bool = False
     recalibrate: bool = False
     resume: str | None = None  # run id to continue from its newest consistent checkpoint
+    restart_from_scratch: bool = False  # a resume with only invalid checkpoints sets them aside, starts at step 0
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     accept_new_host_keys: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
@@ -303,6 +306,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     earlier_errors: dict[str, frozenset[str]] = {}  # signature -> nodes whose own error had it (Monitor)
     blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
     released: list[str] = []
+    resumed: ResumeDecision | None = None
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
@@ -315,10 +319,28 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
             if number:
                 sub = Inventory(tuple(nodes), inv.path)
                 plan, cals = await calibrate_and_plan(fleet, sub, pb, state.facts, opts, ui)
+            if resume:
+                # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused:
+                # the first attempt raises it, exit 1; a relaunch ends the run with it).
+                try:
+                    decision = await check_resume(
+                        fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
+                        restart_from_scratch=opts.restart_from_scratch, events_file=run_dir / "events.jsonl")
+                except ResumeRefused as exc:
+                    if not attempts:
+                        raise
+                    message = str(exc)
+                    break
+                ui.message(decision.describe())
+                if number == 0:
+                    resumed = decision
+                else:
+                    recoveries[-1]["resumed_from"] = decision.step or 0
             attempt = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, number,
                                          resume=resume, chaos=chaos if number == 0 else (), ui=ui,
                                          inventory_path=str(Path(inv.path).resolve()) if inv.path else None,
-                                         earlier_errors=earlier_errors)
+                                         earlier_errors=earlier_errors,
+                                         restart_from_scratch=opts.restart_from_scratch)
             attempts.append(attempt)
             mon = attempt.monitor
             log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
@@ -345,6 +367,9 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                 break
             for err in mon.own_errors.values():
                 earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
+            if (fault := mon.job_fault()) is not None:
+                message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
+                break
             culprits = mon.culprits()
             survivors = [n for n in nodes if n.name not in culprits]
             for name, why in (await _unreachable(fleet, survivors)).items():
@@ -390,6 +415,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = len(attempts)
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
+    summary.resumed_from = resumed.to_json() if resumed is not None else None
     summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
                                   | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
                                  - set(released))
@@ -442,7 +468,7 @@ async def _run_attempt(
     fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
-    earlier_errors: Mapping[str, frozenset[str]] | None = None,
+    earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -451,6 +477,7 @@ async def _run_attempt(
                     view=ui.progress, chaos=chaos, attempt=number)
     launch.inventory_path = inventory_path
     launch.earlier_errors = dict(earlier_errors or {})
+    launch.restart_from_scratch = restart_from_scratch
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
                                  "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,

@@ -119,7 +119,7 @@ def build_tmp_cleanup(run_id: str) -> str:
 
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = ()) -> dict[str, Any]:
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> dict[str, Any]:
     """The worker's run.json (identical on every node; each rank finds its node's run dir by its rank)."""
     t = pb.train
     return {
@@ -147,6 +147,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
         "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
         "resume": resume,
+        **({"restart_from_scratch": True} if restart_from_scratch else {}),
         "heartbeat_s": 1.0,
         "consistency_every": pb.faults.consistency_every,
         # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
@@ -300,6 +301,7 @@ class RunSummary:
     quarantined: list[str] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.resume.ResumeDecision)
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
@@ -307,7 +309,7 @@ class RunSummary:
                 "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
                 "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined}
+                "quarantined": self.quarantined, "resumed_from": self.resumed_from}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -392,6 +394,7 @@ class Launch:
         self.chaos = list(chaos)
         self.attempt = attempt
         self.inventory_path: str | None = None
+        self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
@@ -425,7 +428,8 @@ class Launch:
     async def prepare(self) -> None:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
-        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos)
+        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
+                                  restart_from_scratch=self.restart_from_scratch)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:

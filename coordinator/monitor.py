@@ -304,9 +304,13 @@ class Monitor:
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
             echo = self.first_fatal_at is not None or is_echo(view.error)
+            # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
+            job = event.get("fault") == "job"
             evidence: dict[str, Any] = {"message": view.error, "traceback": str(event.get("traceback", ""))[-2000:],
                                         "echo": echo}
-            if not is_echo(view.error) and not event.get("fenced"):
+            if job:
+                evidence["fault"] = "job"
+            elif not is_echo(view.error) and not event.get("fenced"):
                 # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
                 # with the same signature is the same failure, not an echo of the first).
                 sig = error_signature(view.error, {v.node for v in self.ranks.values()})
@@ -317,7 +321,7 @@ class Monitor:
             if known is not None:
                 evidence["explanation"] = known.to_json()
             return self._add(Incident("error", obs.node, rank, view.step, 0.0, evidence,
-                                      "stop" if echo else "quarantine", obs.at))
+                                      "stop" if echo or job else "quarantine", obs.at))
         return []
 
     def _step(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
@@ -692,7 +696,12 @@ class Monitor:
         # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
         # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
         heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
-        return bool(blamed) and waited >= SETTLE_S and heard and self._errors_in(now)
+        return (bool(blamed) or self.job_fault() is not None) and waited >= SETTLE_S and heard and self._errors_in(now)
+
+    def job_fault(self) -> Incident | None:
+        """The first error that every rank hit because of the job itself (`fault: job`), not because of a node:
+        relaunching cannot help, and nobody is quarantined for it."""
+        return next((i for i in self.incidents if i.kind == "error" and i.evidence.get("fault") == "job"), None)
 
     def _errors_in(self, now: float) -> bool:
         """After a rank's own error: every other rank has reported an error or ended (a job error is the same

@@ -58,7 +58,8 @@ class EventKind(_StrEnum):
     WARNING = "warning"  # code, message
     HEARTBEAT = "heartbeat"  # step, phase, pid
     FINISHED = "finished"  # step, checkpoint (path), loss
-    ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself
+    ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself;
+    #                  fault ("job") when every rank fails together because of the job, not of its node
 
 
 class Phase(_StrEnum):

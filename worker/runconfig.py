@@ -30,6 +30,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     ranks             required: [{"rank": 0, "node": "a", "batch_size": 3}, ...], ranks 0..N-1 exactly once
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
+    restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
+                      aside and start at step 0 (without it every rank refuses: worker.train.ResumeRefused)
     consistency_every replica-consistency digests every N steps and at the last step, 0 = off (50): every rank
                       emits a `digest` event (SHA256 of all its parameters and of its optimizer state, see
                       `worker.chaos.arrays_sha256`); honest data-parallel replicas give identical digests
@@ -152,6 +154,7 @@ class RunConfig:
     seed: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    restart_from_scratch: bool = False
     heartbeat_s: float = 1.0
     consistency_every: int = 50
     fence: tuple[float, float] | None = None  # (factor, min_s)
@@ -219,9 +222,8 @@ class RunConfig:
 _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
     "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "train_embeddings", "num_layers", "lora",
-    "save_every", "steps_per_eval",
-    "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume", "heartbeat_s", "consistency_every",
-    "chaos", "debug", "dpo", "fence",
+    "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
+    "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -414,6 +416,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         seed=_int(raw, "seed", 0),
         keep_checkpoints=_int(raw, "keep_checkpoints", 2, minimum=1),
         resume=_bool(raw, "resume", False),
+        restart_from_scratch=_bool(raw, "restart_from_scratch", False),
         heartbeat_s=min(_float(raw, "heartbeat_s", 1.0, positive=True), MAX_HEARTBEAT_S),
         consistency_every=_int(raw, "consistency_every", 50, minimum=0),
         fence=_parse_fence(raw.get("fence")),

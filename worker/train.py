@@ -29,10 +29,12 @@ Contract
   the run dir, so only one writes; every node still holds a full copy, so losing a node loses no state). All
   ranks wait for all writers (a barrier) before reporting the `checkpoint` event.
 * Resume (`resume: true`): each rank finds its node's newest checkpoint that verifies (reporting every skipped
-  one as `checkpoint_invalid`); the ranks agree on the newest step any of them has; when every rank holds
-  byte-identical copies each loads its own, otherwise the lowest rank holding it broadcasts weights, optimizer
-  state and state.json to all. Training continues at step+1 at the saved global data position, whatever the new
-  world or split. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
+  one as `checkpoint_invalid`, and the node's writer sets each aside as `step-N.invalid-<code>`, never deleted);
+  the ranks agree on the newest step any of them has; when every rank holds byte-identical copies each loads its
+  own, otherwise the lowest rank holding it broadcasts weights, optimizer state and state.json to all. Training
+  continues at step+1 at the saved global data position, whatever the new world or split. When checkpoints exist
+  but none is valid on any rank, every rank raises `ResumeRefused` (an error event with `fault: job`) unless
+  `restart_from_scratch` is set. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
 * Exit: 0 only after `finished`; any exception -> `error` event (message, traceback) and exit 1; SIGTERM/SIGINT/
   SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective.
 """
@@ -70,10 +72,10 @@ from worker.checkpoint import (
     WEIGHTS,
     Checkpoint,
     checkpoints_dir,
-    discard_newer,
-    find_valid_checkpoint,
     list_checkpoints,
     remove_stale_temporaries,
+    scan_checkpoints,
+    set_aside_invalid,
     step_dir_name,
     write_checkpoint,
     writer_lock,
@@ -101,6 +103,15 @@ REPLICA_RTOL = 1e-5
 
 class TrainingError(RuntimeError):
     """A condition that makes continuing pointless or wrong (bad world, diverged loss, replicas differ...)."""
+
+
+class ResumeRefused(TrainingError):
+    """Resume found checkpoints but none valid on any rank: starting from step 0 over them would lose the run.
+
+    A fault of the job, not of a node (every rank raises it together): its error event says `fault: job`, so
+    the coordinator stops the run without quarantining anyone."""
+
+    fault = "job"
 
 
 def flatten(tree: Any) -> dict[str, mx.array]:
@@ -444,21 +455,39 @@ class Trainer:
                 raise TrainingError(f"ranks {existing} already have checkpoints under their run dir "
                                     f"({self.root} here): set resume, or use a new run id")
             return None
-        local = find_valid_checkpoint(self.root, self._on_invalid)
-        steps = [s for (s,) in self.comm.gather_ints([local.step if local else -1])]
+        verdicts = scan_checkpoints(self.root)
+        invalid = [v for v in verdicts if not v.valid]
+        for v in invalid:
+            self._on_invalid(v.step, v.path, v.reason)
+        valid = [v for v in verdicts if v.valid]
+        local = Checkpoint(valid[0].step, valid[0].path, valid[0].manifest_sha256 or "") if valid else None
+        gathered = self.comm.gather_ints([local.step if local else -1, len(invalid)])
+        steps = [s for s, _ in gathered]
         best = max(steps)
+        if best < 0 and any(n for _, n in gathered) and not cfg.restart_from_scratch:
+            # Every rank gets here together (same gathered values): none starts over checkpoints it cannot read.
+            raise ResumeRefused(
+                "no rank has a valid checkpoint to resume from, and these are invalid: "
+                + ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(gathered) if n)
+                + (f" (here: {'; '.join(f'{v.path}: {v.reason}' for v in invalid)})" if invalid else "")
+                + ": refusing to start from step 0 over them (restart_from_scratch sets them aside and starts over)")
+        # Every invalid checkpoint of this node is set aside, kept for inspection: it must not shadow, nor make
+        # pruning delete, what this run writes next. (All of them are newer than this node's newest valid one,
+        # so none is the checkpoint any rank is about to load.)
+        if self.is_writer and invalid:
+            moved = [str(set_aside_invalid(self.root, v.step, v.code)) for v in invalid]
+            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
+                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
         if best < 0:
             self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but no rank has a valid checkpoint: starting at step 0")
+                          message="resume requested but no rank has a valid checkpoint: starting at step 0"
+                                  + (" (restart_from_scratch)" if any(n for _, n in gathered) else ""))
             return None
         digest = bytes.fromhex(local.manifest_sha256) if local and local.step == best else bytes(32)
         digests = self.comm.gather_ints(list(digest))
         holders = [r for r, s in enumerate(steps) if s == best]
         source = holders[0]
         everyone_same = len(holders) == self.comm.size and all(d == digests[source] for d in digests)
-        if self.is_writer and (dropped := discard_newer(self.root, best)):
-            self.log.emit(EventKind.WARNING, code="discarded_newer",
-                          message=f"removed checkpoints newer than the resume point: {[str(p) for p in dropped]}")
         payload = self._read_checkpoint(local.path) if local is not None and local.step == best else None
         if everyone_same:
             if payload is None:  # everyone_same implies this rank verified the agreed checkpoint
@@ -870,8 +899,11 @@ def main(argv: list[str] | None = None) -> int:
         # included, which could carry code 0) becomes an error event and exit 1
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
+        # `fault: job` marks an error every rank hits together because of the job itself (ResumeRefused): the
+        # coordinator stops the run instead of quarantining nodes.
+        fault = {"fault": exc.fault} if isinstance(exc, ResumeRefused) else {}
         log.emit(EventKind.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=tb, step=heartbeat.step,
-                 phase=str(heartbeat.phase), exit_code=1)
+                 phase=str(heartbeat.phase), exit_code=1, **fault)
         return 1
     finally:
         heartbeat.stop()

@@ -263,10 +263,68 @@ def test_truncated_checkpoint_is_skipped_and_the_resume_continues(testbed: TestB
     assert invalid and invalid[0]["node"] == hosts[0].name and invalid[0]["step"] == 6
     starts = [e for e in evs if e.get("event") == "started"][-2:]
     assert {e["resumed_from"] for e in starts} == {6}  # the intact copy on the other node wins
+    assert summary["resumed_from"]["step"] == 6 and summary["resumed_from"]["node"] == hosts[1].name
+    assert f"resumed from step 6 (checkpoint {hosts[1].name}:" in resumed.stderr
+    # the truncated copy is kept, set aside, and never resumed from again
+    listing = testbed.exec(hosts[0], ["ls", f"/srv/work/runs/{run_id}/{hosts[0].name}/checkpoints"], check=True)
+    assert "step-000006.invalid-sha256-mismatch" in listing.stdout.split()
     # Both nodes end with identical, valid final checkpoints.
     manifests = {testbed.exec(h, ["cat", f"/srv/work/runs/{run_id}/{h.name}/checkpoints/step-000010/manifest.sha256"],
                               check=True).stdout for h in hosts}
     assert len(manifests) == 1
+
+
+def test_resume_with_only_invalid_checkpoints_refuses_and_a_restart_from_scratch_sets_them_aside(
+        testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    pb = write_playbook(tmp_path / "pb.yaml", iters=4)  # checkpoints at steps 2 and 4 on both nodes
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"), *extra,
+                       env=env, timeout=300)
+
+    first = launch()
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = json.loads(first.stdout)["run_id"]
+    root = {h.name: f"/srv/work/runs/{run_id}/{h.name}/checkpoints" for h in hosts}
+    # Every checkpoint on every node damaged: truncated weights, and one manifest gone.
+    for h in hosts:
+        testbed.exec(h, ["truncate", "-s", "100", f"{root[h.name]}/step-000004/weights.safetensors"], check=True)
+    testbed.exec(hosts[0], ["truncate", "-s", "100", f"{root[hosts[0].name]}/step-000002/weights.safetensors"],
+                 check=True)
+    testbed.exec(hosts[1], ["rm", f"{root[hosts[1].name]}/step-000002/manifest.sha256"], check=True)
+
+    refused = launch("--resume", run_id)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    for h in hosts:
+        for step in (2, 4):
+            assert f"{h.name}: {root[h.name]}/step-{step:06d}: " in refused.stderr, refused.stderr[-3000:]
+    assert "truncated or corrupt" in refused.stderr and "manifest.sha256 missing" in refused.stderr
+    assert "--restart-from-scratch" in refused.stderr and "Traceback" not in refused.stderr
+    for h in hosts:  # a refusal changes nothing on the nodes
+        listing = testbed.exec(h, ["ls", root[h.name]], check=True).stdout.split()
+        assert {"step-000002", "step-000004"} <= set(listing) and not [n for n in listing if ".invalid-" in n]
+
+    again = launch("--resume", run_id, "--restart-from-scratch")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 4 and summary["quarantined"] == []
+    assert summary["resumed_from"]["step"] == 0 and summary["resumed_from"]["from_scratch"]
+    assert len(summary["resumed_from"]["set_aside"]) == 4
+    assert "restarted from scratch at step 0" in again.stderr
+    for h in hosts:
+        listing = set(testbed.exec(h, ["ls", root[h.name]], check=True).stdout.split())
+        code = "no-manifest" if h is hosts[1] else "sha256-mismatch"
+        # The invalid ones moved aside (kept); the new checkpoints survived pruning (keep_checkpoints 2).
+        assert {f"step-000002.invalid-{code}", "step-000004.invalid-sha256-mismatch"} <= listing, listing
+        assert {"step-000002", "step-000004"} <= listing, listing
+    manifests = {testbed.exec(h, ["cat", f"{root[h.name]}/step-000004/manifest.sha256"], check=True).stdout
+                 for h in hosts}
+    assert len(manifests) == 1
+    evs = [json.loads(line) for line in (tmp_path / "runs" / run_id / "events.jsonl").read_text().splitlines()]
+    assert [e["resumed_from"] for e in evs if e.get("event") == "started"][-2:] == [None, None]
+    assert len([e for e in evs if e.get("event") == "checkpoint_invalid"]) == 4
 
 
 def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run_cli: RunCli, tmp_path: Path,

@@ -49,6 +49,20 @@ def test_error_event_fails_the_run_with_an_incident() -> None:
     assert mon.outcome() is RunState.FAILED
 
 
+def test_a_job_fault_error_stops_the_run_without_a_culprit_and_settles() -> None:
+    # Every rank refuses a resume with no valid checkpoint (worker.train.ResumeRefused): nobody is to blame.
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    started(mon)
+    [a] = mon.observe(ev("a", 0, 1.0, event="error", message="ResumeRefused: no rank has a valid", fault="job"))
+    [b] = mon.observe(ev("b", 1, 1.1, event="error", message="ResumeRefused: no rank has a valid", fault="job"))
+    assert (a.action, b.action) == ("stop", "stop") and a.evidence["fault"] == "job"
+    assert mon.culprits() == [] and mon.job_fault() == a
+    assert mon.outcome() is RunState.FAILED
+    mon.observe(Observation("tick", "a", 1.5))
+    mon.observe(Observation("tick", "b", 1.5))
+    assert not mon.settled(2.0) and mon.settled(3.1)  # SETTLE_S after the first, both nodes heard since
+
+
 def test_dead_process_is_a_crash_attributed_to_its_node() -> None:
     mon = Monitor.create(PLAN, iters=5, now=0.0)
     started(mon)
