@@ -256,6 +256,7 @@ class RunSummary:
     quarantined: list[str] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
@@ -263,7 +264,7 @@ class RunSummary:
                 "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
                 "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined}
+                "quarantined": self.quarantined, "degraded": bool(self.left_out), "left_out": self.left_out}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -325,6 +326,7 @@ class Launch:
         self.chaos = list(chaos)
         self.attempt = attempt
         self.inventory_path: str | None = None
+        self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         f = playbook.faults
@@ -437,6 +439,7 @@ class Launch:
                        "calibrated_tokens_per_s": r.calibrated_tokens_per_s} for r in self.ranks],
             "remote_run_dirs": self.remote_run_dirs, "launcher_pid": self.launcher.pid if self.launcher else None,
             "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
+            "left_out": self.left_out,
         }
         tmp = self.run_dir / "meta.json.tmp"
         tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
