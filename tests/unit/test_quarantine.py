@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
 from coordinator.cli import main
 from coordinator.errors import ConfigError
+from coordinator.liveview import RichUI, build_table
 from coordinator.models import Inventory, Node
+from coordinator.monitor import Monitor
 from coordinator.playbook import FaultsConfig
 from coordinator.quarantine import (
     DEFAULT_QUARANTINE_FOR,
@@ -291,3 +294,17 @@ def test_list_and_clear(tmp_path: Path) -> None:
     assert code == 2 and f"n2 is not quarantined in {inv_a}" in err
     code, out, _ = cli(tmp_path, "quarantine", "clear", "n2")
     assert (code, out) == (0, f"cleared n2 10.0.0.2 in {B}\n")
+
+
+def test_the_live_view_prints_the_block_and_keeps_saying_degraded() -> None:
+    console = Console(record=True, width=200, force_terminal=False)
+    ui = RichUI(console)
+    ui.degraded("DEGRADED: 1 of 2 node(s) of inv.yaml; left out:\n  n2: quarantined: hang [rank 1]", ["n2"])
+    mon = Monitor.create([(0, "a", 1, None)], iters=4, now=0.0)
+    ui.progress(mon, 10.0)  # not a terminal: the plain progress line
+    text = console.export_text()
+    assert "  n2: quarantined: hang [rank 1]\n" in text  # printed as written, not read as markup
+    assert "step 0/4 loss None [a:0] ETA - DEGRADED (n2 left out)" in text
+    table = Console(record=True, width=200)
+    table.print(build_table(mon, 10.0, ["n2"]))
+    assert "DEGRADED: n2 left out" in table.export_text()
