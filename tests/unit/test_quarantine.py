@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,12 @@ from rich.console import Console
 
 from coordinator.cli import main
 from coordinator.errors import ConfigError
+from coordinator.job import JobOptions, QuietUI, usable_inventory
+from coordinator.launch import LaunchError
 from coordinator.liveview import RichUI, build_table
 from coordinator.models import Inventory, Node
 from coordinator.monitor import Monitor
-from coordinator.playbook import FaultsConfig
+from coordinator.playbook import FaultsConfig, Playbook
 from coordinator.quarantine import (
     DEFAULT_QUARANTINE_FOR,
     Entry,
@@ -308,3 +311,41 @@ def test_the_live_view_prints_the_block_and_keeps_saying_degraded() -> None:
     table = Console(record=True, width=200)
     table.print(build_table(mon, 10.0, ["n2"]))
     assert "DEGRADED: n2 left out" in table.export_text()
+
+
+class Shown(QuietUI):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        self.lines.append(f"degraded {list(nodes)}: {warning}")
+
+
+def test_usable_inventory_says_nothing_about_another_fleets_nodes_and_gates_a_degraded_start(tmp_path: Path) -> None:
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text("nodes: []\n")
+    inv = Inventory((Node("n1", "10.0.0.1"), N2), str(inv_path))
+    pb = Playbook(name="t", model="/m", data="/d")
+    store = QuarantineStore(tmp_path / "q.json")
+    store.add(entry(inventory=B, t=time.time()))  # another fleet's n2
+    ui = Shown()
+    assert usable_inventory(inv, pb, store, ui, JobOptions()) == (inv, [])
+    assert ui.lines == []  # not even an empty "left out:" line
+
+    store.add(entry(inventory=inventory_key(str(inv_path)), t=time.time()))
+    ui = Shown()
+    with pytest.raises(LaunchError, match="would start degraded on 1 of 2 node"):
+        usable_inventory(inv, pb, store, ui, JobOptions())
+    [shown] = ui.lines
+    assert shown.startswith(f"degraded ['n2']: DEGRADED: 1 of 2 node(s) of {inv_path}; left out:\n  n2: quarantined: ")
+    usable, left = usable_inventory(inv, pb, store, Shown(), JobOptions(allow_degraded=True))
+    assert usable.names() == ["n1"] and [lo.node for lo in left] == ["n2"]
+    written = pb.model_copy(update={"faults": FaultsConfig(min_nodes=1)})
+    assert usable_inventory(inv, written, store, Shown(), JobOptions())[0].names() == ["n1"]
+    assert usable_inventory(inv, pb, store, Shown(), JobOptions(resume="run-1"))[0].names() == ["n1"]
+    two = pb.model_copy(update={"faults": FaultsConfig(min_nodes=2)})
+    with pytest.raises(LaunchError, match="1 usable node"):
+        usable_inventory(inv, two, store, Shown(), JobOptions(allow_degraded=True))
