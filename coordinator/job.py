@@ -51,13 +51,14 @@ from coordinator.quarantine import (
     LeftOut,
     QuarantineStore,
     check_degraded,
+    clear_command,
     compute_left_out,
     format_left_out,
     inventory_key,
     new_entry,
 )
 from coordinator.shards import MapRow
-from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 
 
 def default_cache_dir() -> Path:
@@ -248,7 +249,23 @@ def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: J
     state = store.read()
     for note in state.notes:
         ui.message(note)
-    left_out = compute_left_out(inv, inventory_key(inv.path), state.entries, time.time())
+    now, scope = time.time(), inventory_key(inv.path)
+    left_out = compute_left_out(inv, scope, state.entries, now)
+    # The match is made without contacting a quarantined node; what known_hosts says about its address tells a
+    # replaced machine (another host key, accepted by the operator) from the one that failed.
+    by_name = {n.name: n for n in inv.nodes}
+    known = {lo.node: known_host_keys(known_hosts_path(by_name[lo.node]), by_name[lo.node].host,
+                                      by_name[lo.node].port or 22)
+             for lo in left_out if lo.entry is not None and lo.entry.host_key}
+    if known:
+        kept = compute_left_out(inv, scope, state.entries, now, known)
+        for lo in left_out:
+            if lo not in kept and lo.entry is not None:
+                ui.message(f"{lo.node}: not left out: its quarantine ({lo.entry.reason}) names host key "
+                           f"{lo.entry.host_key}, which {known_hosts_path(by_name[lo.node])} no longer lists for "
+                           f"{by_name[lo.node].host} (another machine now); "
+                           f"`{clear_command(lo.node, inv.path)}` forgets the entry")
+        left_out = kept
     if left_out:
         ui.degraded(format_left_out(left_out, len(inv.nodes), inv.path), [lo.node for lo in left_out])
     gone = {lo.node for lo in left_out}

@@ -228,9 +228,17 @@ def new_entry(node: Node, inventory: str | None, reason: str, *, run_id: str | N
                  expires=now + quarantine_for if quarantine_for > 0 else None)
 
 
-def matching_entry(entries: Sequence[Entry], inventory: str | None, node: Node, now: float) -> Entry | None:
-    """The active entry that leaves `node` out (a scoped entry wins over an old-format one), or None."""
-    found = [e for e in entries if e.active(now) and e.applies_to(inventory or "", node)]
+def replaced(entry: Entry, known_keys: frozenset[str] | None) -> bool:
+    """Whether the machine behind the entry's address is another one now: the entry recorded a host key, and
+    known_hosts lists keys for the address but not that one (the operator accepted the new machine's key)."""
+    return bool(entry.host_key and known_keys and entry.host_key not in known_keys)
+
+
+def matching_entry(entries: Sequence[Entry], inventory: str | None, node: Node, now: float,
+                   known_keys: frozenset[str] | None = None) -> Entry | None:
+    """The active entry that leaves `node` out (a scoped entry wins over an old-format one), or None. With
+    `known_keys` (what known_hosts lists for the node's address), an entry of a replaced machine does not."""
+    found = [e for e in entries if e.active(now) and e.applies_to(inventory or "", node) and not replaced(e, known_keys)]
     return min(found, key=lambda e: e.legacy) if found else None
 
 
@@ -253,11 +261,14 @@ def describe_entry(entry: Entry, now: float) -> str:
     return f"quarantined: {entry.reason or 'no reason recorded'} ({run}{format_age(now - entry.t)} ago; {until})"
 
 
-def compute_left_out(inv: Inventory, inventory: str | None, entries: Sequence[Entry], now: float) -> list[LeftOut]:
-    """The inventory's nodes that active quarantine entries leave out, in inventory order."""
+def compute_left_out(inv: Inventory, inventory: str | None, entries: Sequence[Entry], now: float,
+                     known_keys: Mapping[str, frozenset[str]] | None = None) -> list[LeftOut]:
+    """The inventory's nodes that active quarantine entries leave out, in inventory order. `known_keys`: node
+    name -> the host keys known_hosts lists for its address (see `replaced`); a node without one is matched on
+    the key alone."""
     out = []
     for node in inv.nodes:
-        entry = matching_entry(entries, inventory, node, now)
+        entry = matching_entry(entries, inventory, node, now, (known_keys or {}).get(node.name))
         if entry is not None:
             out.append(LeftOut(node.name, describe_entry(entry, now), entry))
     return out

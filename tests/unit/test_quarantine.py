@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import asyncssh
 import pytest
 from click.testing import CliRunner
 from rich.console import Console
@@ -34,7 +35,9 @@ from coordinator.quarantine import (
     matching_entry,
     new_entry,
     parse_state,
+    replaced,
 )
+from coordinator.transport import known_host_keys
 
 NOW = 1_700_000_000.0
 A, B = "/fleets/a.yaml", "/fleets/b.yaml"
@@ -349,3 +352,39 @@ def test_usable_inventory_says_nothing_about_another_fleets_nodes_and_gates_a_de
     two = pb.model_copy(update={"faults": FaultsConfig(min_nodes=2)})
     with pytest.raises(LaunchError, match="1 usable node"):
         usable_inventory(inv, two, store, Shown(), JobOptions(allow_degraded=True))
+
+
+def test_a_replaced_machine_is_not_left_out(tmp_path: Path) -> None:
+    old_key, new_key = (asyncssh.generate_private_key("ssh-ed25519") for _ in range(2))
+    known = tmp_path / "known_hosts"
+    known.write_text(f"10.0.0.2 {new_key.export_public_key('openssh').decode().strip()}\n"
+                     f"[10.0.0.2]:2222 {old_key.export_public_key('openssh').decode().strip()}\n")
+
+    def name(key: asyncssh.SSHKey) -> str:  # as ConnectInfo names a host key
+        return f"ssh-ed25519 {key.get_fingerprint()}"
+
+    assert known_host_keys(str(known), "10.0.0.2", 22) == {name(new_key)}
+    assert known_host_keys(str(known), "10.0.0.2", 2222) == {name(old_key)}
+    assert known_host_keys(str(known), "10.0.0.3", 22) == frozenset()
+    assert known_host_keys(str(tmp_path / "absent"), "10.0.0.2", 22) == frozenset()
+
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text("nodes: []\n")
+    node = Node("n2", "10.0.0.2", known_hosts=str(known))
+    inv = Inventory((Node("n1", "10.0.0.1"), node), str(inv_path))
+    failed = new_entry(node, inventory_key(str(inv_path)), "crash at step 5", run_id="r1", incident={},
+                       host_key=name(old_key), now=time.time(), quarantine_for=3600)
+    assert replaced(failed, frozenset({name(new_key)})) and not replaced(failed, frozenset({name(old_key)}))
+    assert not replaced(failed, frozenset()) and not replaced(failed, None)  # nothing known: the key alone decides
+    store = QuarantineStore(tmp_path / "q.json")
+    store.add(failed)
+    ui = Shown()
+    pb = Playbook(name="t", model="/m", data="/d")
+    assert usable_inventory(inv, pb, store, ui, JobOptions()) == (inv, [])
+    [said] = ui.lines
+    assert said.startswith(f"n2: not left out: its quarantine (crash at step 5) names host key {name(old_key)}, "
+                           f"which {known} no longer lists for 10.0.0.2 (another machine now)")
+    # The same machine (its key still the one known) stays out.
+    known.write_text(f"10.0.0.2 {old_key.export_public_key('openssh').decode().strip()}\n")
+    with pytest.raises(LaunchError, match="would start degraded"):
+        usable_inventory(inv, pb, store, Shown(), JobOptions())
