@@ -6,7 +6,8 @@ An entry is scoped to one machine of one inventory, like a host blacklist with a
 inventory file (its real path), the node's name and its SSH address (`host[:port]`), and records the host key
 fingerprint the coordinator saw when it quarantined the node. Filtering happens before connecting (a quarantined
 node is never contacted: it may be the one that hangs a connect), so the key is what the inventory says; a node
-of another inventory that shares the name, or a name that now points at another address, is not left out.
+of another inventory that shares the name, or a name that now points at another address, is not left out; nor is
+one whose address known_hosts now lists under other host keys only (`replaced`: another machine).
 
 State lives in `$XDG_STATE_HOME/mlx-coordinator/quarantine.json` (default `~/.local/state/...`), written
 atomically. Files of the old format (one global map keyed by the bare node name) are still read: their entries
