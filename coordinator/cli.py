@@ -245,14 +245,15 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 
 
 def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
-                 connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False) -> JobOptions:
+                 connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False,
+                 allow_degraded: bool = False) -> JobOptions:
     from coordinator.job import JobOptions
 
     if restart_from_scratch and resume is None:
         raise ConfigError("--restart-from-scratch applies to --resume RUN_ID only")
     return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
                       connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                      restart_from_scratch=restart_from_scratch)
+                      restart_from_scratch=restart_from_scratch, allow_degraded=allow_degraded)
 
 
 @main.command()
@@ -276,10 +277,13 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
               help="Address the metrics endpoint binds (0.0.0.0 exposes it to the network).")
 @click.option("--chaos", "chaos_specs", multiple=True, metavar="SPEC",
               help="Inject a fault for drills/tests, e.g. kill:rank=1,step=20 (docs/faults.md). Repeatable.")
+@click.option("--allow-degraded", is_flag=True,
+              help="Start even though quarantined nodes are left out (else: exit 1 unless faults.min_nodes is set).")
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
            resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
-           connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...]) -> None:
+           connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
+           allow_degraded: bool) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
@@ -295,7 +299,7 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     console = make_console(stderr=as_json)
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys,
-                        restart_from_scratch)
+                        restart_from_scratch, allow_degraded)
     if pb.kind == "map":
         if chaos_specs or metrics_port is not None or restart_from_scratch:
             raise ConfigError("--chaos, --metrics-port and --restart-from-scratch are for training jobs (kind: train)",
@@ -424,33 +428,48 @@ def quarantine() -> None:
 
 
 @quarantine.command("list")
+@click.option("-i", "--inventory", help="Only the entries that apply to this inventory's nodes.")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def quarantine_list(as_json: bool) -> None:
-    """Show quarantined nodes and why."""
-    from coordinator.quarantine import QuarantineStore
+def quarantine_list(inventory: str | None, as_json: bool) -> None:
+    """Show quarantined machines: identity (node, address, inventory), reason, age and expiry."""
+    from coordinator.quarantine import QuarantineStore, format_age, inventory_key
     from coordinator.render import dumps
 
-    entries = QuarantineStore().load()
+    now = time.time()
+    state = QuarantineStore().read()
+    for note in state.notes:
+        click.echo(f"coordinator: note: {note}", err=True)
+    entries = state.active(now)
+    if inventory is not None:
+        scope = inventory_key(inventory)
+        entries = [e for e in entries if e.legacy or e.inventory == scope]
     if as_json:
-        click.echo(dumps({n: {"reason": e.reason, "run_id": e.run_id, "t": e.t} for n, e in entries.items()}))
+        click.echo(dumps({"entries": [e.to_json(now) for e in entries]}))
         return
     if not entries:
         click.echo("no node is quarantined")
-    for e in entries.values():
-        click.echo(f"{e.node}\t{e.reason}\trun {e.run_id}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.t))}")
+    for e in entries:
+        until = "until cleared" if e.expires is None else f"expires in {format_age(e.expires - now)}"
+        click.echo(f"{e.identity()}\t{e.reason}\trun {e.run_id}\t{format_age(now - e.t)} ago\t{until}"
+                   + (f"\thost key {e.host_key}" if e.host_key else ""))
 
 
 @quarantine.command("clear")
 @click.argument("node")
+@click.option("-i", "--inventory", help="Only NODE of this inventory (default: every machine named NODE).")
 @handle_errors
-def quarantine_clear(node: str) -> None:
-    """Let NODE take part in launches again."""
-    from coordinator.quarantine import QuarantineStore
+def quarantine_clear(node: str, inventory: str | None) -> None:
+    """Let NODE take part in launches again: by default every quarantined machine of that name, in any
+    inventory; with -i only that inventory's (old-format entries, which apply to any inventory, go too)."""
+    from coordinator.quarantine import QuarantineStore, inventory_key
 
-    if not QuarantineStore().clear(node):
-        raise ConfigError(f"{node} is not quarantined (`coordinator quarantine list`)")
-    click.echo(f"cleared {node}")
+    gone = QuarantineStore().clear(node, inventory=inventory_key(inventory) if inventory else None)
+    if not gone:
+        where = f" in {inventory}" if inventory else ""
+        raise ConfigError(f"{node} is not quarantined{where} (`coordinator quarantine list`)")
+    for e in gone:
+        click.echo(f"cleared {e.identity()}")
 
 
 @main.command()

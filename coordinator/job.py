@@ -48,10 +48,20 @@ from coordinator.monitor import Incident, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
-from coordinator.quarantine import QuarantineStore
+from coordinator.quarantine import (
+    Entry,
+    LeftOut,
+    QuarantineStore,
+    check_degraded,
+    clear_command,
+    compute_left_out,
+    format_left_out,
+    inventory_key,
+    new_entry,
+)
 from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
 from coordinator.shards import MapRow
-from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 
 
 def default_cache_dir() -> Path:
@@ -67,6 +77,9 @@ class JobUI(Protocol):
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None: ...
     def progress(self, monitor: Monitor, now: float) -> None: ...
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None: ...
+    # A launch on fewer nodes than the inventory names: `warning` is the block naming each, why, and the command
+    # that brings it back (shown before anything starts); `nodes` the left-out names (for the live view).
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None: ...
 
 
 class QuietUI:
@@ -85,6 +98,9 @@ class QuietUI:
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         return None
 
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class JobOptions:
@@ -96,6 +112,7 @@ class JobOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     accept_new_host_keys: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
+    allow_degraded: bool = False  # a fresh launch may start without quarantined nodes (docs/faults.md)
 
 
 class PreflightFailed(CoordinatorError):
@@ -223,22 +240,55 @@ async def run_job(
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
-    inv = usable_inventory(inv, pb, store, ui)
+    inv, left_out = usable_inventory(inv, pb, store, ui, opts)
     with run_context(inv, pb, opts, resume_marker=None) as (run_id, run_dir):
-        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir)
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out)
 
 
-def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI) -> Inventory:
-    """The inventory without quarantined nodes; LaunchError below `faults.min_nodes`."""
-    quarantined = store.load()
-    if quarantined:
-        ui.message("quarantined, left out: " + ", ".join(f"{n} ({e.reason})" for n, e in quarantined.items()
-                                                         if n in inv.names()))
-    inv = Inventory(tuple(n for n in inv.nodes if n.name not in quarantined), inv.path)
-    if len(inv.nodes) < max(1, pb.faults.min_nodes):
-        raise LaunchError(f"{len(inv.nodes)} usable node(s) (after quarantine) < faults.min_nodes "
-                          f"{pb.faults.min_nodes}: `coordinator quarantine list` / `clear NODE`")
-    return inv
+def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI,
+                     opts: JobOptions) -> tuple[Inventory, list[LeftOut]]:
+    """The inventory without the nodes this fleet's active quarantine entries leave out, and those (after a
+    warning block naming each). LaunchError (exit 1) below `faults.min_nodes`, or when a fresh launch would start
+    degraded without `--allow-degraded` or a written `faults.min_nodes` (`quarantine.check_degraded`)."""
+    state = store.read()
+    for note in state.notes:
+        ui.message(note)
+    now, scope = time.time(), inventory_key(inv.path)
+    left_out = compute_left_out(inv, scope, state.entries, now)
+    # The match is made without contacting a quarantined node; what known_hosts says about its address tells a
+    # replaced machine (another host key, accepted by the operator) from the one that failed.
+    by_name = {n.name: n for n in inv.nodes}
+    known = {lo.node: known_host_keys(known_hosts_path(by_name[lo.node]), by_name[lo.node].host,
+                                      by_name[lo.node].port or 22)
+             for lo in left_out if lo.entry is not None and lo.entry.host_key}
+    if known:
+        kept = compute_left_out(inv, scope, state.entries, now, known)
+        for lo in left_out:
+            if lo not in kept and lo.entry is not None:
+                ui.message(f"{lo.node}: not left out: its quarantine ({lo.entry.reason}) names host key "
+                           f"{lo.entry.host_key}, which {known_hosts_path(by_name[lo.node])} no longer lists for "
+                           f"{by_name[lo.node].host} (another machine now); "
+                           f"`{clear_command(lo.node, inv.path)}` forgets the entry")
+        left_out = kept
+    if left_out:
+        ui.degraded(format_left_out(left_out, len(inv.nodes), inv.path), [lo.node for lo in left_out])
+    gone = {lo.node for lo in left_out}
+    usable = Inventory(tuple(n for n in inv.nodes if n.name not in gone), inv.path)
+    problem = check_degraded(len(inv.nodes), len(usable.nodes), min_nodes=pb.faults.min_nodes,
+                             min_nodes_explicit="min_nodes" in pb.faults.model_fields_set,
+                             allow_degraded=opts.allow_degraded, fresh=opts.resume is None)
+    if problem is not None:
+        raise LaunchError(problem)
+    return usable, left_out
+
+
+def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str, *, inventory: str | None,
+                    run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
+    """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
+    info = fleet.connected.get(name)
+    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+                               host_key=info.host_key if info is not None else None, now=time.time(),
+                               quarantine_for=quarantine_for))
 
 
 @contextlib.contextmanager
@@ -298,7 +348,7 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
-                   store: QuarantineStore, run_id: str, run_dir: Path) -> RunSummary:
+                   store: QuarantineStore, run_id: str, run_dir: Path, left_out: Sequence[LeftOut]) -> RunSummary:
     log = structlog.get_logger("coordinator.job")
     attempts: list[Attempt] = []
     recoveries: list[dict[str, Any]] = []
@@ -340,7 +390,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                                          resume=resume, chaos=chaos if number == 0 else (), ui=ui,
                                          inventory_path=str(Path(inv.path).resolve()) if inv.path else None,
                                          earlier_errors=earlier_errors,
-                                         restart_from_scratch=opts.restart_from_scratch)
+                                         restart_from_scratch=opts.restart_from_scratch, left_out=left_out)
             attempts.append(attempt)
             mon = attempt.monitor
             log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
@@ -358,7 +408,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                 signature = mon.job_error.evidence.get("signature")
                 released = [n for n, sig in blamed_for.items() if sig == signature]
                 for name in released:
-                    store.clear(name)
+                    store.clear(name, inventory=inventory_key(inv.path))
                     log.warning("released", node=name, reason="the same error followed the work: a job error")
                     for earlier in attempts[:-1]:
                         _clear_blame(earlier.monitor, name)
@@ -383,7 +433,15 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
             for name in culprits:
                 inc = mon.culprit_incident(name)
                 assert inc is not None  # every culprit was named by one of its incidents
-                store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
+                if chaos:
+                    # A drill's culprit is the fault it injected: left out of the rest of this run, never of
+                    # later ones (nothing would mark such an entry as a drill).
+                    log.warning("left_out_of_drill", node=name, kind=inc.kind, step=inc.step)
+                    ui.message(f"left {name} out of this drill run: {inc.kind} at step {inc.step} "
+                               "(a --chaos drill persists no quarantine)")
+                    continue
+                quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=inventory_key(inv.path),
+                                run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
                 if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
                     blamed_for[name] = inc.evidence["signature"]
                 log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
@@ -419,6 +477,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
                                   | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
                                  - set(released))
+    summary.left_out = [lo.to_json() for lo in left_out]
     write_summary(run_dir, summary)
     return summary
 
@@ -469,6 +528,7 @@ async def _run_attempt(
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
     earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
+    left_out: Sequence[LeftOut] = (),
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -478,6 +538,7 @@ async def _run_attempt(
     launch.inventory_path = inventory_path
     launch.earlier_errors = dict(earlier_errors or {})
     launch.restart_from_scratch = restart_from_scratch
+    launch.left_out = [lo.to_json() for lo in left_out]
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
                                  "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,

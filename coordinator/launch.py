@@ -302,6 +302,7 @@ class RunSummary:
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.resume.ResumeDecision)
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
@@ -309,7 +310,8 @@ class RunSummary:
                 "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
                 "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined, "resumed_from": self.resumed_from}
+                "quarantined": self.quarantined, "resumed_from": self.resumed_from,
+                "degraded": bool(self.left_out), "left_out": self.left_out}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -395,6 +397,7 @@ class Launch:
         self.attempt = attempt
         self.inventory_path: str | None = None
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
+        self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
@@ -515,6 +518,7 @@ class Launch:
             "remote_run_dirs": self.remote_run_dirs, "remote_tmp_dir": self.remote_tmp,
             "launcher_pid": self.launcher.pid if self.launcher else None,
             "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
+            "left_out": self.left_out,
         }
         write_private(self.run_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
 

@@ -40,9 +40,12 @@ def _fmt_s(seconds: float | None) -> str:
         f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def build_table(mon: Monitor, now: float) -> Table:
+def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
     eta = mon.eta_s(now)
-    table = Table(title=f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}", title_justify="left")
+    title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
     for col in ("rank", "node", "state", "step", "loss", "tok/s (calibrated)", "peak mem", "heartbeat"):
         table.add_column(col, justify="right" if col in ("rank", "step", "loss", "peak mem") else "left")
     for v in sorted(mon.ranks.values(), key=lambda r: r.rank):
@@ -60,10 +63,13 @@ def build_table(mon: Monitor, now: float) -> Table:
     return table
 
 
-def build_map_table(rows: Sequence[MapRow]) -> Table:
+def build_map_table(rows: Sequence[MapRow], left_out: Sequence[str] = ()) -> Table:
     done, total = sum(r.done for r in rows), sum(r.rows for r in rows)
     etas = [r.eta_s for r in rows if r.eta_s is not None]
-    table = Table(title=f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}", title_justify="left")
+    title = f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}"
+    if left_out:
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
     for col in ("node", "state", "rows", "rows/s (calibrated)", "ETA", "last word"):
         table.add_column(col, justify="right" if col in ("rows", "ETA") else "left")
     for r in rows:
@@ -83,10 +89,15 @@ class RichUI:
         self._last_plain = 0.0
         self._plain_step = -1
         self._monitor: Monitor | None = None  # the latest one shown (a relaunch brings a new one)
+        self.left_out: list[str] = []  # inventory nodes the run started without (`degraded`)
 
     def message(self, text: str) -> None:
         if self.live is None:
             self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        self.left_out = list(nodes)
+        self.console.print(warning, style="bold yellow", markup=False, highlight=False)
 
     def preflight(self, report: PreflightReport) -> None:
         if self.show_preflight and not report.ok():
@@ -107,10 +118,11 @@ class RichUI:
         self._monitor = mon
         if self.console.is_terminal:
             if self.live is None:
-                self.live = Live(build_table(mon, now), console=self.console, refresh_per_second=4, transient=False)
+                self.live = Live(build_table(mon, now, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
                 self.live.start()
             else:
-                self.live.update(build_table(mon, now))
+                self.live.update(build_table(mon, now, self.left_out))
             return
         step = mon.step()
         advanced = step != self._plain_step
@@ -122,15 +134,17 @@ class RichUI:
 
     def _print_plain(self, mon: Monitor, now: float, final: bool = False) -> None:
         self._last_plain, self._plain_step = now, mon.step()
-        self.console.print(plain_progress_line(mon, now, final=final), markup=False, highlight=False)
+        self.console.print(plain_progress_line(mon, now, final=final, left_out=self.left_out), markup=False,
+                           highlight=False)
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         if self.console.is_terminal:
             if self.live is None:
-                self.live = Live(build_map_table(rows), console=self.console, refresh_per_second=4, transient=False)
+                self.live = Live(build_map_table(rows, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
                 self.live.start()
             else:
-                self.live.update(build_map_table(rows))
+                self.live.update(build_map_table(rows, self.left_out))
         elif now - self._last_plain >= PLAIN_EVERY_S:
             self._last_plain = now
             self.console.print("  ".join(f"{r.node} {r.done}/{r.rows}" + (f" ({r.rows_per_s:.1f}/s)" if r.rows_per_s
@@ -144,16 +158,17 @@ class RichUI:
         now = time.monotonic()
         if self.live is not None:
             if mon is not None:
-                self.live.update(build_table(mon, now))
+                self.live.update(build_table(mon, now, self.left_out))
             self.live.stop()
             self.live = None
         elif mon is not None and not self.console.is_terminal:
             self._print_plain(mon, now, final=True)
 
 
-def plain_progress_line(mon: Monitor, now: float, *, final: bool = False) -> str:
+def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_out: Sequence[str] = ()) -> str:
     """`step 10/30  loss 5.4456  3,214 tok/s  ETA 0:14  [local-a 10, local-b 10]`; the final line says the run's
-    outcome instead of an ETA. Plain text (no markup): it goes to logs."""
+    outcome instead of an ETA; a degraded run ends with `DEGRADED (n2 left out)`. Plain text (no markup): it goes
+    to logs."""
     loss = next((v.loss for v in sorted(mon.ranks.values(), key=lambda r: r.rank) if v.loss is not None), None)
     rate = mon.last_tokens_per_s()
     parts = [f"step {mon.step()}/{mon.iters}", "loss -" if loss is None else f"loss {loss:.4f}",
@@ -165,6 +180,8 @@ def plain_progress_line(mon: Monitor, now: float, *, final: bool = False) -> str
     ranks = ", ".join(f"{v.node} {v.step}" + ("" if v.state in ("running", "finished") else f" {v.state}")
                       for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
     parts.append(f"[{ranks}]")
+    if left_out:
+        parts.append(f"DEGRADED ({', '.join(left_out)} left out)")
     return "  ".join(parts)
 
 

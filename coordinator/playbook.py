@@ -33,6 +33,7 @@ from pydantic import (
 
 from coordinator.errors import ConfigError
 from coordinator.models import CHECK_IDS
+from coordinator.quarantine import DEFAULT_QUARANTINE_FOR
 from coordinator.yamlsrc import (
     EnvName,
     EnvValue,
@@ -87,6 +88,20 @@ def to_number(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"must be a finite number (got {value})")
     return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def to_duration(value: Any) -> Any:
+    """Seconds as a number, or a string with a unit: `90`, `"30m"`, `"24h"`, `"7d"`."""
+    text = value.strip() if isinstance(value, str) else None
+    unit = _DURATION_UNITS.get(text[-1:].lower(), 0) if text else 0
+    try:
+        number = to_number(text[:-1] if unit and text else value)
+    except ValueError:
+        raise ValueError(f"must be a duration like 3600, 30m, 24h or 7d (got {format_value(value)})") from None
+    return number * unit if unit else number
 
 
 def _non_empty(value: Any) -> Any:
@@ -157,7 +172,10 @@ class FaultsConfig(_Strict):
     # Each rank stops itself after 3x that window (for a partitioned node or a lost coordinator); false: never.
     fence: bool = True
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2
-    min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes
+    min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes (written: a fresh launch may too)
+    # How long a culprit stays left out of later launches of the same fleet (seconds, or 30m / 24h / 7d); 0 = until
+    # `coordinator quarantine clear`.
+    quarantine_for: Annotated[float, BeforeValidator(to_duration), Field(ge=0)] = DEFAULT_QUARANTINE_FOR
 
 
 class DpoConfig(_Strict):

@@ -156,8 +156,10 @@ def test_kill_9_of_a_rank_is_a_crash_and_the_run_finishes_on_the_survivors(testb
     # The peers' "lost peer" errors are echoes, not culprits.
     assert all(i["node"] == hosts[1].name for i in summary["incidents"] if i["action"] == "quarantine")
     no_rank_left(summary["run_id"])
-    state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
-    assert list(state["nodes"]) == [hosts[1].name]
+    # Quarantined for a cooldown, scoped to this inventory's machine (with the host key seen).
+    [entry] = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())["entries"]
+    assert (entry["node"], entry["inventory"], entry["host"]) == (hosts[1].name, str(inv.resolve()), f"{hosts[1].ip}:22")
+    assert entry["host_key"].startswith("ssh-") and entry["expires"] == entry["t"] + 24 * 3600
 
 
 def test_sigstop_is_a_hang_detected_within_the_heartbeat_timeout(testbed: TestBed, tmp_path: Path,
