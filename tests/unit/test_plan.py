@@ -335,8 +335,12 @@ def test_build_bench_argv() -> None:
     assert argv[3:5] == ["sh", "-c"]  # `~/` python goes through the node's shell
     tail = argv[argv.index("-m"):]
     assert tail == ["-m", "worker.bench", "--model", "~/models/qwen", "--seq-len", "2048", "--method", "lora",
-                    "--num-layers", "16", "--grad-checkpoint", "--time-budget", "45", "--one-time-budget", "300",
-                    "--max-batch", "64", "--memory-fraction", "0.8"]
+                    "--num-layers", "16", "--grad-checkpoint", "--seed", "0", "--optimizer", "adam",
+                    "--learning-rate", "1e-05", "--lora-rank", "8", "--lora-scale", "20", "--lora-dropout", "0",
+                    "--time-budget", "45", "--one-time-budget", "300", "--max-batch", "64", "--memory-fraction", "0.8"]
+    with_data = build_bench_argv(node, "/w", replace(SPEC, data="~/data", packing="on", global_batch=12), 45.0)
+    assert with_data[with_data.index("--data"):with_data.index("--data") + 6] == [
+        "--data", "~/data", "--packing", "on", "--global-batch", "12"]
 
 
 BENCH_OK = {
