@@ -480,8 +480,11 @@ def probe_versions(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def git_commit() -> str:
+    """HEAD (+dirty) of the code measured; a copy without .git (the device tool's) takes $BENCH_COMMIT."""
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    commit = proc.stdout.strip() or "unknown"
+    commit = proc.stdout.strip() if proc.returncode == 0 else ""
+    if not commit:
+        return os.environ.get("BENCH_COMMIT") or "unknown"
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     return commit + ("+dirty" if dirty else "")
