@@ -334,10 +334,14 @@ def build_model(root: Path, size: ModelSize, words: Sequence[str], dtype: str, e
     out = root / f"model-{size.name}"
     spec = {"out": str(out), "vocab_dir": str(vocab_dir), "dtype": dtype, "max_words": len(words),
             "max_positions": max(2048, size.seq_len), **asdict(size)}
+    stamp = out / "bench-spec.json"
+    if stamp.exists() and json.loads(stamp.read_text(encoding="utf-8")) == spec:
+        return out  # built by an earlier run with the same --keep dir (M takes a minute to build)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--build-model", json.dumps(spec)]
     proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"building model {size.name} failed: {(proc.stderr or proc.stdout)[-TAIL_CHARS:]}")
+    stamp.write_text(json.dumps(spec), encoding="utf-8")
     return out
 
 
@@ -431,6 +435,8 @@ def run_ours(root: Path, inventory: Path, playbook: Path, env: Mapping[str, str]
     node = summary["nodes"][0]
     events_path = Path(node["run_dir"]) / "events" / "rank0.jsonl"
     events = [json.loads(line) for line in events_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # Weights and optimizer state are not measured, and M's fill the device's 64 GiB disk within a few runs.
+    shutil.rmtree(Path(node["run_dir"]) / "checkpoints", ignore_errors=True)
     figures = ours_figures(events, warmup)
     figures.update({"summary_tokens_per_s": summary.get("tokens_per_s"),
                     "predicted_tokens_per_s": summary.get("predicted_tokens_per_s"),
@@ -446,6 +452,7 @@ def run_mlx_lm(root: Path, argv: Sequence[str], trainable: str, env: Mapping[str
     tic = time.perf_counter()
     proc = subprocess.run(cmd, env=dict(env), cwd=root, capture_output=True, text=True)
     elapsed = time.perf_counter() - tic
+    shutil.rmtree(argv[argv.index("--adapter-path") + 1], ignore_errors=True)  # as for ours' checkpoints
     if proc.returncode != 0 or not out.exists():
         raise BenchError(f"mlx_lm driver exited {proc.returncode}: {tail(proc.stderr or proc.stdout)}")
     result = json.loads(out.read_text(encoding="utf-8"))
