@@ -9,7 +9,7 @@ data is generated as mlx-lm's data dir layout (train.jsonl, valid.jsonl of {"tex
 
     .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short] [--methods lora,full]
         [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16] [--calibration-budget 10]
-        [--recalibrate] [--json results.json] [--keep DIR] [--ci]
+        [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
 
 Sizes (vocab 32,000 words for S and M, tied embeddings, worker.tinymodel's llama layout):
     tiny  hidden 64, 2 layers, 4 heads (2 kv), ffn 128, ~1,000-token vocab; batch 4, max_seq_length 128
@@ -357,6 +357,7 @@ def build_model_here(spec: Mapping[str, Any]) -> None:
         import mlx.core as mx
 
         weights = mx.load(str(out / "model.safetensors"))
+        assert isinstance(weights, dict)  # a .safetensors file loads as {name: array}
         dtype = getattr(mx, spec["dtype"])
         mx.save_safetensors(str(out / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()},
                             metadata={"format": "mlx"})
@@ -418,9 +419,10 @@ def tail(text: str) -> str:
 
 
 def run_ours(root: Path, inventory: Path, playbook: Path, env: Mapping[str, str], warmup: int,
-             recalibrate: bool) -> dict[str, Any]:
+             recalibrate: bool, skip_preflight: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "coordinator", "launch", "-i", str(inventory), str(playbook), "--json",
-           "--run-dir", str(root / "runs")] + (["--recalibrate"] if recalibrate else [])
+           "--run-dir", str(root / "runs")]
+    cmd += (["--recalibrate"] if recalibrate else []) + (["--skip-preflight"] if skip_preflight else [])
     tic = time.perf_counter()
     proc = subprocess.run(cmd, env=dict(env), cwd=root, capture_output=True, text=True)
     elapsed = time.perf_counter() - tic
@@ -556,6 +558,7 @@ class Options:
     dtype: str
     calibration_budget: float
     recalibrate: bool
+    skip_preflight: bool
     json_path: Path | None
     keep: Path | None
     command: str = ""
@@ -574,6 +577,9 @@ def parse_args(argv: Sequence[str]) -> Options:
                    help="the models' weight dtype")
     p.add_argument("--calibration-budget", type=float, default=10.0, help="seconds of calibration steps")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again for every run of ours")
+    p.add_argument("--skip-preflight", action="store_true",
+                   help="pass --skip-preflight to `coordinator launch` (preflight still runs and is shown; a "
+                        "finding on an unfamiliar machine then does not stop the measurement)")
     p.add_argument("--json", dest="json_path", type=Path, help="write the raw results here (after every run)")
     p.add_argument("--keep", type=Path, help="keep models, data and runs in this directory (created)")
     p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, both shapes and methods, 8 iters")
@@ -591,7 +597,7 @@ def parse_args(argv: Sequence[str]) -> Options:
 
     opts = Options(pick(args.sizes, list(SIZES), "sizes"), pick(args.shapes, SHAPES, "shapes"),
                    pick(args.methods, METHODS, "methods"), args.iters, args.rounds, args.warmup, args.dtype,
-                   args.calibration_budget, args.recalibrate, args.json_path, args.keep)
+                   args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep)
     if opts.iters < 2 or opts.rounds < 1 or opts.warmup < 0 or opts.calibration_budget <= 0:
         p.error("--iters >= 2, --rounds >= 1, --warmup >= 0 and --calibration-budget > 0 are required")
     if opts.warmup >= opts.iters:
@@ -680,7 +686,7 @@ def run(opts: Options) -> int:
                     try:
                         if tool == "ours":
                             record.update(run_ours(root, inventory, Path(cell["playbook"]), env, opts.warmup,
-                                                opts.recalibrate))
+                                                opts.recalibrate, opts.skip_preflight))
                         else:
                             record.update(run_mlx_lm(root, cell["mlx_lm_argv"], trainable_for(cell),
                                                   env, opts.warmup, f"{cell['tag']}-r{rnd}"))
