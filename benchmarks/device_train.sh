@@ -126,6 +126,11 @@ install() {
     (cd "$STAGE" && sha256sum -c "$REPO/benchmarks/out/whl-b/SHA256SUMS")
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         "$STAGE/$CUDA_WHEEL" benchmarks/out/whl-b/*.whl
+    # Every library libmlx.so needs must resolve (through its RPATH, the image's nvidia-* wheels) before an import.
+    local lib; lib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/mlx/lib/libmlx.so"
+    if ldd "$lib" | grep 'not found' >&2; then
+        die "libmlx.so cannot find the libraries above (is this python the one with the nvidia-* wheels?)"
+    fi
     python3 - <<'EOF'
 import mlx.core as mx, mlx_lm
 print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available(), mx.default_device())
@@ -133,6 +138,7 @@ print(mx.device_info())
 a = mx.random.normal((1024, 1024))
 print("matmul ok", float((a @ a).sum()) == float((a @ a).sum()))
 EOF
+    python3 -c 'import mlx.core as mx; assert mx.cuda.is_available()' || die "mlx is installed but does not see the GPU"
 }
 
 run_bench() {
