@@ -89,6 +89,7 @@ class RichUI:
         self._last_plain = 0.0
         self._plain_step = -1
         self._monitor: Monitor | None = None  # the latest one shown (a relaunch brings a new one)
+        self._said_start = False
         self.left_out: list[str] = []  # inventory nodes the run started without (`degraded`)
 
     def message(self, text: str) -> None:
@@ -115,7 +116,15 @@ class RichUI:
                            + (f"  ({cached} cached)" if cached else ""))
 
     def progress(self, mon: Monitor, now: float) -> None:
+        if mon is not self._monitor:
+            self._said_start = False
         self._monitor = mon
+        first = min(mon.ranks.values(), key=lambda v: v.rank, default=None)
+        if not self._said_start and first is not None and first.trainable is not None:
+            # Once per attempt, before the progress: what is trained (the 16-of-36-layers trap) and how batches run.
+            self._said_start = True
+            self.console.print(f"rank {first.rank}: {first.trainable}" + (f"; {first.packing}" if first.packing else ""),
+                               markup=False, highlight=False)
         if self.console.is_terminal:
             if self.live is None:
                 self.live = Live(build_table(mon, now, self.left_out), console=self.console, refresh_per_second=4,

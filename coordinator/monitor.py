@@ -88,6 +88,8 @@ class RankView:
     outlier_steps: int = 0
     stopped_since: float | None = None  # first `proc` observation in state T (SIGSTOP)
     phase: str | None = None  # from its heartbeats: load | step | eval | checkpoint | sync | digest | idle
+    trainable: str | None = None  # its `started` event's words: share of parameters, layers, what is frozen
+    packing: str | None = None  # ... and whether its batches are packed, and why
     steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
 
 
@@ -280,6 +282,8 @@ class Monitor:
             view.resumed_from = _int(event.get("resumed_from"))
             if view.resumed_from is not None:
                 view.step = view.resumed_from
+            view.trainable = str(event["trainable"]) if event.get("trainable") is not None else None
+            view.packing = str(event["packing_reason"]) if event.get("packing_reason") is not None else None
         elif kind == "heartbeat":
             view.phase = str(event.get("phase")) if event.get("phase") is not None else None
         elif kind == "step":

@@ -264,8 +264,21 @@ def count_parameters(model: Any) -> tuple[int, int]:
     return int(trainable), int(get_total_parameters(model))  # type: ignore[no-untyped-call]
 
 
-def trainable_text(trainable: int, total: int) -> str:
-    return f"trainable {100.0 * trainable / max(total, 1):.2f}% ({trainable:,}/{total:,} parameters)"
+def trainable_text(trainable: int, total: int, detail: str = "") -> str:
+    text = f"trainable {100.0 * trainable / max(total, 1):.2f}% ({trainable:,}/{total:,} parameters)"
+    return f"{text}: {detail}" if detail else text
+
+
+def trainable_detail(model: Any, method: str, num_layers: int, train_embeddings: bool) -> str:
+    """What is trained, in words: how many of the model's transformer layers, and the rest. The trap it guards
+    against is mlx-lm's CLI training 16 of 36 layers silently."""
+    total = len(model.layers)
+    layers = f"{num_layers} of {total} transformer layers"
+    if method == "full":
+        rest = "embeddings, lm_head and final norm too" if train_embeddings else \
+            "embeddings, lm_head and final norm frozen, as mlx-lm's full (train.train_embeddings trains them)"
+        return f"{layers}, {rest}"
+    return f"{method} adapters on {layers}"
 
 
 def make_optimizer(name: str, learning_rate: float) -> Any:
@@ -762,14 +775,15 @@ class Trainer:
     def _started(self, resumed: ResumeState | None) -> None:
         cfg = self.config
         trainable, total = count_parameters(self.model)
+        detail = trainable_detail(self.model, cfg.fine_tune_type, self.num_layers, cfg.train_embeddings)
         spec = cfg.rank_spec(self.rank)
-        print(f"worker.train rank {self.rank}/{self.comm.size} on {spec.node}: {trainable_text(trainable, total)}, "
+        print(f"worker.train rank {self.rank}/{self.comm.size} on {spec.node}: {trainable_text(trainable, total, detail)}, "
               f"resumed from {resumed.step if resumed else None}; {self.packing[1]}", file=sys.stderr, flush=True)
         self.log.emit(
             EventKind.STARTED, world_size=self.comm.size, node=spec.node, batch_size=spec.batch_size,
             global_batch=cfg.global_batch, method=cfg.method, num_layers=self.num_layers,
             trainable_params=trainable, total_params=total, trainable_pct=100.0 * trainable / max(total, 1),
-            trainable=trainable_text(trainable, total), resumed_from=resumed.step if resumed else None,
+            trainable=trainable_text(trainable, total, detail), resumed_from=resumed.step if resumed else None,
             data_position=self.position, iters=cfg.iters, pid=os.getpid(), host=socket.gethostname(),
             checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
             valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
