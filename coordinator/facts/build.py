@@ -184,8 +184,15 @@ def _linux(b: _Builder, uname: tuple[str, str, str]) -> dict[str, Any]:
     out["net_links"] = b.parse("sys_class_net", linux.parse_sys_class_net, optional=True)
     ib = b.parse("infiniband", linux.parse_infiniband, optional=True) or ()
     out["rdma"] = Rdma(ctl_status=None, devices=tuple(RdmaDevice(d) for d in ib))
-    gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)
-    out["gpu"] = gpu
+    smi = b.sections.get("nvidia_smi")  # present only where nvidia-smi exists
+    if smi is not None and smi.rc != 0:
+        # nvidia-smi installed but failing (no driver loaded, driver/library mismatch, too old for the query):
+        # the node may have a GPU nobody can use. An error with the text, never silently "no GPU".
+        b.errors.append(FactError("nvidia_smi", f"nvidia-smi exited with status {smi.rc}", smi.text))
+        out["gpu"] = None
+    else:
+        gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)
+        out["gpu"] = gpu
     return out
 
 
