@@ -201,13 +201,17 @@ def reach_answer(node: Node, nodes: Sequence[Node], *, down: Mapping[str, str] |
 def worker_answer(*, python: str = PYTHON, version: str = "3.12.8", mlx: str | None = "0.32.1",
                   mlx_lm: str | None = "0.31.0", hashes: list[dict[str, Any]] | None = None,
                   reach: list[dict[str, Any]] | None = None, config: Mapping[str, Any] | None = None,
-                  params: int | None = MODEL_PARAMS, errors: Sequence[str] = ()) -> dict[str, Any]:
-    """What worker/probe.py prints (keys it omits without a playbook are omitted when None)."""
+                  params: int | None = MODEL_PARAMS, errors: Sequence[str] = (),
+                  backends: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What worker/probe.py prints (keys it omits without a playbook are omitted when None; `backends`, the
+    `mlx_backends` answer, is omitted when None, as in answers recorded before the probe reported it)."""
     out: dict[str, Any] = {
         "python": {"executable": python, "version": version},
         "packages": {"mlx": mlx, "mlx_lm": mlx_lm},
         "errors": list(errors),
     }
+    if backends is not None:
+        out["mlx_backends"] = dict(backends)
     if hashes is not None:
         out["hashes"] = hashes
     if reach is not None:

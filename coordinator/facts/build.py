@@ -242,6 +242,16 @@ def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
+def _backends(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    backends = _mapping(value, "mlx_backends")
+    for dist, version in backends.items():
+        if not isinstance(version, str):
+            raise ParseError(f"mlx_backends.{dist} must be a version string, got {version!r}")
+    return dict(backends)
+
+
 def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
     py = _mapping(data.get("python"), "python")
     pkgs = _mapping(data.get("packages"), "packages")
@@ -252,6 +262,7 @@ def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
             mlx_version=_str_or_none(pkgs.get("mlx"), "packages.mlx"),
             mlx_lm_version=_str_or_none(pkgs.get("mlx_lm"), "packages.mlx_lm"),
             errors=tuple(str(e) for e in data.get("errors") or ()),
+            mlx_backends=_backends(data.get("mlx_backends")),
         )
     }
     if "hashes" in data:

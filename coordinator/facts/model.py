@@ -228,6 +228,9 @@ class Software:
     mlx_version: str | None
     mlx_lm_version: str | None
     errors: tuple[str, ...] = ()
+    # mlx's installed backend distributions {"mlx-cuda-13": "0.32.4"} (mlx-metal, mlx-cpu, mlx-cuda-12/13);
+    # None when the probe did not report them (a recorded answer from before they were asked for).
+    mlx_backends: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

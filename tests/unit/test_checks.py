@@ -42,6 +42,7 @@ from tests.factsutil import (
     PYTHON,
     STUDIO,
     WORKDIR,
+    capture,
     edit,
     edit_block,
     facts_from,
@@ -622,6 +623,67 @@ def test_software_version_drift_fails_the_odd_node_by_majority(odd: str, key: st
     run_case(members, playbook(backend="ring"), [
         (odd, "software", F, ("differ from the fleet",), (f"{PYTHON} -m pip install mlx==0.32.1 mlx-lm==0.31.0",)),
         *[(m.name, "software", P, (), ()) for m in members if m.name != odd],
+    ])
+
+
+# A Linux node with one H100 (the constructed nvidia-smi capture) next to the Mac, under ring.
+GPU_M = M("gpu1", linux_sections(), "192.0.2.2").with_section(
+    "nvidia_smi", capture("nvidia_smi/constructed-h100-x1.txt"))
+CPU_M = M("cpu1", linux_sections(), "192.0.2.2")
+A100_M = GPU_M.with_section("nvidia_smi", capture("nvidia_smi/constructed-a100-x2.txt"))  # driver 535
+SMI_DOWN = Section("nvidia_smi", "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                   "Make sure that the latest NVIDIA driver is installed and running.\n", 9)
+PIP = f"{PYTHON} -m pip install"
+
+BACKEND_CASES = [
+    pytest.param(GPU_M.but(worker={"backends": {"mlx-cpu": "0.32.1"}}),
+                 (F, ("NVIDIA H100 80GB HBM3 but mlx has no CUDA backend", "training would run on the CPU"),
+                  (f'{PIP} "mlx[cuda13]==0.32.1"',)), id="gpu-without-mlx-cuda"),
+    pytest.param(GPU_M.but(worker={"backends": {"mlx-cuda-13": "0.32.0"}}),
+                 (F, ("mlx-cuda-13 0.32.0 differs from mlx 0.32.1",), (f'{PIP} "mlx[cuda13]==0.32.1"',)),
+                 id="gpu-backend-version-mismatch"),
+    pytest.param(A100_M.but(worker={"backends": {"mlx-cuda-13": "0.32.1"}}),
+                 (F, ("mlx-cuda-13 needs NVIDIA driver 580+, the node has 535",),
+                  ("pip uninstall -y mlx-cuda-13", f'{PIP} "mlx[cuda12]==0.32.1"')), id="cuda13-on-old-driver"),
+    pytest.param(A100_M.but(worker={"backends": {"mlx-cuda-12": "0.32.1", "mlx-cuda-13": "0.32.1"}}),
+                 (W, ("both mlx-cuda-12 and mlx-cuda-13 installed",), ("pip uninstall -y mlx-cuda-13",)),
+                 id="both-cuda-backends"),
+    pytest.param(GPU_M.but(worker={"backends": {"mlx-cuda-13": "0.32.1"}}),
+                 (P, ("mlx 0.32.1 on mlx-cuda-13",), ()), id="gpu-ok"),
+    pytest.param(CPU_M.but(worker={"backends": {}}),
+                 (F, ("no mlx backend installed", "libmlx.so missing"), (f'{PIP} "mlx[cpu]==0.32.1"',)),
+                 id="cpu-no-backend"),
+    pytest.param(CPU_M.but(worker={"backends": {"mlx-cpu": "0.31.0"}}),
+                 (F, ("mlx-cpu 0.31.0 differs from mlx 0.32.1",), (f'{PIP} "mlx[cpu]==0.32.1"',)),
+                 id="cpu-backend-version-mismatch"),
+    pytest.param(CPU_M.but(worker={"backends": {"mlx-cpu": "0.32.1"}}), (P, ("mlx 0.32.1 (mlx-cpu)",), ()),
+                 id="cpu-ok"),
+    pytest.param(CPU_M.but(worker={"backends": {"mlx-cuda-13": "0.32.1"}}),
+                 (W, ("only mlx's CUDA backend is installed but no NVIDIA GPU",), (f'{PIP} "mlx[cpu]==0.32.1"',)),
+                 id="cuda-backend-without-gpu"),
+    pytest.param(CPU_M.with_section("nvidia_smi", SMI_DOWN).but(worker={"backends": {"mlx-cpu": "0.32.1"}}),
+                 (W, ("nvidia-smi is installed but failed (nvidia-smi exited with status 9)",),
+                  ("fix the NVIDIA driver",)), id="nvidia-smi-failing"),
+    pytest.param(GPU_M, (P, ("mlx 0.32.1, mlx-lm",), ()), id="backends-not-reported"),
+]
+
+
+@pytest.mark.parametrize(("node", "expect"), BACKEND_CASES)
+def test_software_mlx_backend_on_linux(node: M, expect: tuple[Status, tuple[str, ...], tuple[str, ...]]) -> None:
+    status, in_summary, in_remedy = expect
+    run_case((node, MBP_M.but(ip="192.168.2.46")), playbook(backend="ring"),
+             [(node.name, "software", status, in_summary, in_remedy)])
+
+
+def test_nccl_needs_an_nvidia_gpu_on_every_node() -> None:
+    gpu = GPU_M.but(worker={"backends": {"mlx-cuda-13": "0.32.1"}})
+    run_case((gpu, MBP_M.but(ip="192.168.2.46")), playbook(backend="nccl"), [
+        ("gpu1", "software", P, ("on mlx-cuda-13",), ()),
+        ("mbp", "software", F, ("backend nccl needs an NVIDIA GPU", "no nvidia-smi"), ("use `backend: ring`",)),
+    ])
+    smi_down = CPU_M.with_section("nvidia_smi", SMI_DOWN)
+    run_case((gpu, smi_down), playbook(backend="nccl"), [
+        ("cpu1", "software", F, ("nvidia-smi failed: NVIDIA-SMI has failed",), ()),
     ])
 
 
