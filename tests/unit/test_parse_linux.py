@@ -101,6 +101,14 @@ CASES: dict[str, tuple[Callable[[str], object], object]] = {
         lambda t: linux.parse_df(t, "/work/main"),
         Disk("/work/main", "/", 264212084 * KiB, 83278848 * KiB),
     ),
+    # Recorded on an H100 machine with the probe's exact query.
+    "nvidia_smi/h100-x1-driver-580.txt": (
+        linux.parse_nvidia_smi,
+        Gpu(0.0, 0, "NVIDIA H100 80GB HBM3", (
+            CudaDevice(0, "NVIDIA H100 80GB HBM3", "GPU-28b21d48-2549-0b80-0692-19a70ffbb369", 81559 * MiB, 0, 0.0,
+                       "580.159.04", "9.0"),
+        )),
+    ),
     # Constructed in nvidia-smi's documented CSV format (SOURCES.md): no NVIDIA device was available to record.
     "nvidia_smi/constructed-h100-x1.txt": (
         linux.parse_nvidia_smi, Gpu(0.0, 0, "NVIDIA H100 80GB HBM3", (H100,)),
@@ -136,6 +144,8 @@ ERROR_CAPTURES: dict[str, Callable[[str], object]] = {
     # Real nvidia-smi rows of other queries (7 and 12 fields): the eight-field reader must not misread them.
     "nvidia_smi/megaminer-235-gtx770-not-supported.txt": linux.parse_nvidia_smi,
     "nvidia_smi/i3pystatus-776-na.txt": linux.parse_nvidia_smi,
+    # A driver that does not know a queried field (exit 2): an error text, never a GPU.
+    "nvidia_smi/invalid-field-rc2.txt": linux.parse_nvidia_smi,
 }
 
 
