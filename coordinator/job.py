@@ -132,7 +132,7 @@ def bench_spec(pb: Playbook) -> BenchSpec:
     return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.fine_tune_type,
                      num_layers=t.num_layers if t.num_layers is not None else -1,
                      grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
-                     memory_fraction=pb.calibration.memory_fraction)
+                     memory_fraction=pb.calibration.memory_fraction, env=tuple(sorted(pb.job_env().items())))
 
 
 async def calibrate_and_plan(

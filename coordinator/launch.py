@@ -36,7 +36,7 @@ from coordinator.monitor import FaultPolicy, Incident, Monitor, Observation, Run
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
-from coordinator.transport import Fleet, Transport, python_argv
+from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -146,7 +146,7 @@ def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
             'if [ -n "$f" ] && [ -f "$f" ]; then if grep -q "[^[:space:]]" "$f"; then '
             'mv "$f" "./$v.rank$MLX_RANK" && export "$v=$PWD/$v.rank$MLX_RANK"; else rm -f "$f"; unset "$v"; fi; fi; done',
             *(f"  {k}={shlex.quote(v)}; export {k}" for k, v in sorted((env or {}).get(rank, {}).items())),
-            f"  PYTHONPATH={shell_path(worker_dir)}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH",
+            f"  {pythonpath_prepend(shell_path(worker_dir))}",
             f"  exec {shell_path(python)} -m worker.train --config {shell_path(run_dir)}/run.json",
             "  ;;",
         ]

@@ -628,7 +628,7 @@ def test_software_version_drift_fails_the_odd_node_by_majority(odd: str, key: st
 
 # A Linux node with one H100 (the constructed nvidia-smi capture) next to the Mac, under ring.
 GPU_M = M("gpu1", linux_sections(), "192.0.2.2").with_section(
-    "nvidia_smi", capture("nvidia_smi/constructed-h100-x1.txt"))
+    "nvidia_smi", capture("nvidia_smi/h100-x1-driver-580.txt"))
 CPU_M = M("cpu1", linux_sections(), "192.0.2.2")
 A100_M = GPU_M.with_section("nvidia_smi", capture("nvidia_smi/constructed-a100-x2.txt"))  # driver 535
 SMI_DOWN = Section("nvidia_smi", "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
