@@ -188,6 +188,8 @@ def build_ssh_wrapper(ssh_config: Path, real_ssh: str) -> str:
 def build_launcher_argv(hostfile: Path, backend: str, cwd: str, port: int, env: Mapping[str, str]) -> list[str]:
     argv = [sys.executable, "-c", MLX_LAUNCH, "--hostfile", str(hostfile), "--backend", backend,
             "--cwd", cwd, "--starting-port", str(port), "--python", "/bin/sh"]
+    if backend == "nccl":
+        argv += ["--nccl-port", str(port)]  # mlx.launch's default (12345) would collide between concurrent jobs
     for key, value in sorted(env.items()):
         argv += ["--env", f"{key}={value}"]
     return [*argv, "rank"]
