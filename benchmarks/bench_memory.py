@@ -7,7 +7,7 @@ trainable as worker.train does (full: every parameter when all layers train; lor
 `linear_to_lora_layers` on the last N blocks, rank 8), and runs real optimizer steps (cross-entropy over every
 position, `nn.value_and_grad`, Adam, evaluated) at several batch sizes and sequence lengths, eager and compiled
 (`mx.compile` with model and optimizer state as implicit inputs/outputs, as mlx-lm's trainer and worker.bench do).
-For each: `mx.get_peak_memory()` over model creation and three steps (Adam's state exists from the first update
+For each: `mx.get_peak_memory()` over model creation and two steps (Adam's state exists from the first update
 on), next to the estimate for the same shape. The estimate must lie within 25% of the measured eager peak
 (`ok`). CPU backend; seconds per configuration. docs/calibration.md has the table this prints.
 """
