@@ -1,11 +1,12 @@
 """Calibrate the fleet: run `worker.bench` on every node in parallel and cache the curves here, coordinator side.
 
 The I/O shell around `coordinator.plan`. Per connected node: ship the worker package, run
-`env [NODE_ENV...] PYTHONPATH=<worker dir> <python> -m worker.bench ...` over the node's own connection, stream
-its stderr for progress, parse the one JSON object it prints, and store it under `cache_dir` keyed by
-`compute_cache_key` (node, hardware fingerprint, mlx version, model digest and every bench parameter that changes
-the curve). A cached curve is reused unless `recalibrate`; a node whose hardware is unknown is never cached (two
-different machines could then share a key).
+`env [JOB_ENV + NODE_ENV...] sh -c 'PYTHONPATH=<worker dir>${PYTHONPATH:+:$PYTHONPATH} ...' <python> -m worker.bench`
+(training's environment: `build_bench_argv`) over the node's own connection, stream its stderr for progress,
+parse the one JSON object it prints, and store it under `cache_dir` keyed by `compute_cache_key` (node, hardware
+fingerprint with the GPU model and count, mlx version and backends, model digest, every bench parameter that
+changes the curve, the job's MLX_* env). A cached curve is reused unless `recalibrate`; a node whose hardware is
+unknown is never cached (two different machines could then share a key).
 
 Two allowances per node: `time_budget` bounds the timed steps only; `one_time_budget` bounds what a cold machine
 pays once (importing mlx, loading the model, the first, compiling, step of each batch shape). They are reported
@@ -36,7 +37,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.models import Node
 from coordinator.plan import CurvePoint, NodeCalibration, Plan, PlanError
 from coordinator.ship import ship_worker
-from coordinator.transport import Fleet, Transport, python_argv
+from coordinator.transport import Fleet, Transport, build_worker_argv
 
 CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
@@ -59,7 +60,9 @@ class CalibrationError(CoordinatorError):
 
 @dataclass(frozen=True)
 class NodeFingerprint:
-    """What makes one node's curve valid: the hardware and software it was measured on."""
+    """What makes one node's curve valid: the hardware and software it was measured on. On a Linux node the GPU
+    model and count come from nvidia-smi (a node whose GPU was swapped is measured again) and the mlx backend
+    distributions from the probe (mlx-cpu and mlx-cuda-13 of one mlx version are different speeds)."""
 
     chip: str | None
     model_id: str | None
@@ -68,6 +71,10 @@ class NodeFingerprint:
     gpu_cores: int | None
     os_version: str | None
     mlx_version: str | None
+    gpu_model: str | None = None  # "NVIDIA H100 80GB HBM3" (nvidia-smi); None without an NVIDIA GPU
+    gpu_count: int = 0
+    gpu_memory_bytes: int | None = None  # per GPU (the first's): the memory limit the bench fills
+    mlx_backends: tuple[str, ...] = ()  # "mlx-cuda-13==0.32.4", sorted
 
     @property
     def known(self) -> bool:
@@ -81,7 +88,14 @@ def fingerprint_from_facts(facts: NodeFacts) -> NodeFingerprint:
     os_version = None
     if os_info is not None:
         os_version = f"{os_info.name} {os_info.version}" + (f" ({os_info.build})" if os_info.build else "")
+    cuda = facts.gpu.devices if facts.gpu is not None else ()
+    names = sorted({d.name for d in cuda})
+    backends = sw.mlx_backends if sw is not None and sw.mlx_backends else {}
     return NodeFingerprint(
+        gpu_model=" + ".join(names) or None,
+        gpu_count=len(cuda),
+        gpu_memory_bytes=cuda[0].memory_total_bytes if cuda else None,
+        mlx_backends=tuple(sorted(f"{d}=={v}" for d, v in backends.items())),
         chip=hw.chip if hw else None,
         model_id=hw.model_id if hw else None,
         memory_bytes=(hw.memory_bytes if hw else None) or (facts.memory.total_bytes if facts.memory else None),
@@ -113,6 +127,8 @@ class BenchSpec:
     learning_rate: float = 1e-5
     lora: tuple[int, float, float] = (8, 20.0, 0.0)  # rank, scale, dropout
     train_embeddings: bool = False
+    # The job env every rank gets (`Playbook.job_env()`), sorted: the bench runs in training's environment.
+    env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in ("lora", "dora", "full"):
@@ -141,6 +157,8 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
         "memory_fraction": spec.memory_fraction,
         "batches": [spec.data, spec.mask_prompt, spec.packing, spec.global_batch, spec.seed],
         "step": [spec.optimizer, spec.learning_rate, list(spec.lora), spec.train_embeddings],
+        # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
+        "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
     }
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
@@ -148,31 +166,30 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
 
 def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
                      one_time_budget: float = DEFAULT_ONE_TIME_BUDGET) -> list[str]:
-    """The remote command. The node's inventory env is exported too, so the bench runs as training will."""
-    env = [f"{k}={v}" for k, v in node.env if k != "PYTHONPATH"]
-    return [
-        "env", *env, f"PYTHONPATH={worker_dir}",
-        *python_argv(
-            node.python, "-m", "worker.bench",
-            "--model", spec.model,
-            "--seq-len", str(spec.seq_len),
-            "--method", spec.method,
-            "--num-layers", str(spec.num_layers),
-            *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
-            *(["--data", spec.data, "--packing", spec.packing, "--global-batch", str(spec.global_batch)]
-              if spec.data else []),
-            *(["--mask-prompt"] if spec.mask_prompt else []),
-            "--seed", str(spec.seed),
-            "--optimizer", spec.optimizer,
-            "--learning-rate", f"{spec.learning_rate:g}",
-            "--lora-rank", str(spec.lora[0]), "--lora-scale", f"{spec.lora[1]:g}", "--lora-dropout", f"{spec.lora[2]:g}",
-            *(["--train-embeddings"] if spec.train_embeddings else []),
-            "--time-budget", f"{time_budget:g}",
-            "--one-time-budget", f"{one_time_budget:g}",
-            "--max-batch", str(spec.max_batch),
-            "--memory-fraction", f"{spec.memory_fraction:g}",
-        ),
-    ]
+    """The remote command, in the environment a rank of the training gets (`launch.build_rank_script`): the job env
+    overlaid with the node's inventory env, and the worker dir prepended to the PYTHONPATH that leaves (the node's
+    own when neither sets one), through the same `pythonpath_prepend`."""
+    env = sorted({**dict(spec.env), **node.env_dict}.items())
+    return build_worker_argv(
+        node.python, worker_dir, env, "-m", "worker.bench",
+        "--model", spec.model,
+        "--seq-len", str(spec.seq_len),
+        "--method", spec.method,
+        "--num-layers", str(spec.num_layers),
+        *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
+        *(["--data", spec.data, "--packing", spec.packing, "--global-batch", str(spec.global_batch)]
+          if spec.data else []),
+        *(["--mask-prompt"] if spec.mask_prompt else []),
+        "--seed", str(spec.seed),
+        "--optimizer", spec.optimizer,
+        "--learning-rate", f"{spec.learning_rate:g}",
+        "--lora-rank", str(spec.lora[0]), "--lora-scale", f"{spec.lora[1]:g}", "--lora-dropout", f"{spec.lora[2]:g}",
+        *(["--train-embeddings"] if spec.train_embeddings else []),
+        "--time-budget", f"{time_budget:g}",
+        "--one-time-budget", f"{one_time_budget:g}",
+        "--max-batch", str(spec.max_batch),
+        "--memory-fraction", f"{spec.memory_fraction:g}",
+    )
 
 
 def parse_bench_stdout(node: str, stdout: str) -> dict[str, Any]:

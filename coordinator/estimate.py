@@ -1,10 +1,21 @@
 """Memory and disk estimates for a training job. Pure arithmetic with its assumptions spelled out.
 
-Full fine-tune in bf16 with Adam: 2 B weights + 2 B grads + 8 B Adam moments (fp32 m and v) per parameter,
-plus activations. LoRA/DoRA: frozen bf16 weights plus small adapters and their optimizer state.
-Activations follow the usual transformer rule of thumb (Korthikanti et al. 2022): about 34 * seq * batch *
-hidden bytes per layer in 16-bit, without the attention-score term (MLX uses fused SDPA); with gradient
-checkpointing only each layer's input (2 * seq * batch * hidden bytes) is kept plus one layer's working set.
+Measured, not rule-of-thumb: `benchmarks/bench_memory.py` runs real optimizer steps of random llama models
+(bf16 weights, mlx-lm's LoRA, Adam) and compares `mx.get_peak_memory()` with this estimate (table and command in
+docs/calibration.md). What the measurements show, per term:
+
+- weights: 2 B/param (bf16); LoRA adapters (rank r on every linear of the trained blocks, as mlx-lm's
+  `linear_to_lora_layers`) are float32: 4 B/adapter param.
+- grads and Adam: in the trainable parameters' own dtype. Full (bf16): 2 B grads + 4 B Adam m and v. LoRA
+  (fp32 adapters): 4 B grads + 8 B Adam.
+- activations kept for the backward pass, per token and trained layer: about ACT_BYTES * (10 hidden + 5
+  intermediate) bytes (the residual stream, norms, q/k/v, attention output, and the MLP's gate, up and product).
+- attention scores: where MLX has no fused attention backward (the CPU backend) the scores and probabilities are
+  materialised: SCORE_BYTES per batch * heads * seq^2 per layer. Metal and CUDA use the fused SDPA VJP.
+- logits: batch * seq * vocab elements, LOGIT_BYTES each (the logits, the cross-entropy's float32 work and their
+  gradient; for 128k-150k vocabularies the largest term).
+- gradient checkpointing keeps only each trained layer's input (ACT_BYTES * hidden per token) plus one layer's
+  working set.
 """
 
 from __future__ import annotations
@@ -17,12 +28,39 @@ from typing import Any
 GiB = 1024**3
 
 
+# Bytes per element, fitted (relative least squares) on the measured peaks of docs/calibration.md: LoRA's fp32
+# adapter outputs promote what they touch to float32, so its layers keep twice a full fine-tune's bytes.
+ACT_BYTES = {"lora": 2.0, "full": 1.0}
+SCORE_BYTES = {"lora": 1.0, "full": 2.0}
+LOGIT_BYTES = {"lora": 10.0, "full": 10.0}
+LORA_RANK = 8
+
+
 @dataclass(frozen=True)
 class ModelShape:
     params: int
     hidden: int
     layers: int
     vocab: int
+    intermediate: int = 0  # MLP width; 0 = 4 * hidden
+    heads: int = 0  # attention heads; 0 = hidden / 128
+    kv_heads: int = 0  # key/value heads; 0 = heads
+    head_dim: int = 0  # 0 = hidden / heads
+
+    @property
+    def mlp(self) -> int:
+        return self.intermediate or 4 * self.hidden
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads or max(1, self.hidden // 128)
+
+    def lora_params_per_layer(self, rank: int = LORA_RANK) -> int:
+        """Adapter parameters of one block: rank * (in + out) for q, k, v, o, gate, up and down."""
+        h, heads = self.hidden, self.n_heads
+        d = self.head_dim or h // heads
+        q, kv = heads * d, (self.kv_heads or heads) * d
+        return rank * ((h + q) * 2 + (h + kv) * 2 + (h + self.mlp) * 3)
 
 
 def _int(cfg: Mapping[str, Any], *keys: str) -> int | None:
@@ -66,7 +104,9 @@ def model_shape(cfg: Mapping[str, Any] | None, params: int | None) -> ModelShape
     vocab = _int(cfg, "vocab_size")
     if p is None or hidden is None or layers is None or vocab is None:
         return None
-    return ModelShape(p, hidden, layers, vocab)
+    return ModelShape(p, hidden, layers, vocab, intermediate=_int(cfg, "intermediate_size", "ffn_dim") or 0,
+                      heads=_int(cfg, "num_attention_heads", "n_head") or 0,
+                      kv_heads=_int(cfg, "num_key_value_heads") or 0, head_dim=_int(cfg, "head_dim") or 0)
 
 
 @dataclass(frozen=True)
@@ -83,9 +123,10 @@ class MemoryEstimate:
 
 
 def trainable_fraction(method: str, layers_trained: int, total_layers: int) -> float:
+    """Share of the parameters that train in a full fine-tune of `layers_trained` blocks (LoRA: see
+    `ModelShape.lora_params_per_layer`)."""
     if method == "full":
         return layers_trained / total_layers
-    # LoRA rank 8 on q/k/v/o/gate/up/down of the trained layers: well under 1% of those layers' weights.
     return 0.01 * layers_trained / total_layers
 
 
@@ -98,21 +139,33 @@ def estimate_training_memory(
     layers_trained: int | None = None,
     grad_checkpoint: bool = False,
     with_reference: bool = False,
+    fused_attention: bool = True,
+    lora_rank: int = LORA_RANK,
 ) -> MemoryEstimate:
+    """The peak of one training step on one rank (module docstring). `fused_attention`: False on the CPU backend
+    (no fused attention backward: the scores are materialised)."""
+    kind = "full" if method == "full" else "lora"
     trained = shape.layers if layers_trained is None or layers_trained < 0 else min(layers_trained, shape.layers)
-    frac = trainable_fraction(method, trained, shape.layers)
-    trainable = int(shape.params * frac)
     tokens = batch_per_rank * seq_len
-    if grad_checkpoint:
-        acts = 2 * tokens * shape.hidden * trained + 34 * tokens * shape.hidden
+    if kind == "full":
+        trainable = shape.params if trained == shape.layers else int(shape.params * trained / shape.layers)
+        weights, grads, optimizer = 2 * shape.params, 2 * trainable, 4 * trainable
     else:
-        acts = 34 * tokens * shape.hidden * trained
-    acts += 2 * 4 * tokens * shape.vocab  # fp32 logits and their gradient
+        adapters = shape.lora_params_per_layer(lora_rank) * trained
+        weights, grads, optimizer = 2 * shape.params + 4 * adapters, 4 * adapters, 8 * adapters
+    per_layer = ACT_BYTES[kind] * tokens * (10 * shape.hidden + 5 * shape.mlp)
+    if not fused_attention:
+        per_layer += SCORE_BYTES[kind] * batch_per_rank * shape.n_heads * seq_len * seq_len
+    if grad_checkpoint:
+        acts = ACT_BYTES[kind] * tokens * shape.hidden * trained + per_layer
+    else:
+        acts = per_layer * trained
+    acts += LOGIT_BYTES[kind] * tokens * shape.vocab
     return MemoryEstimate(
-        weights=2 * shape.params,
-        grads=2 * trainable,
-        optimizer=8 * trainable,
-        activations=acts,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=int(acts),
         # DPO's frozen reference model is a second bf16 copy of the weights (LoRA included: the worker loads it).
         reference=2 * shape.params if with_reference else 0,
     )

@@ -3,7 +3,8 @@
 Contract (mlx/_distributed_utils/common.py `Hostfile`): `{"backend", "envs": ["K=V"], "hosts": [{"ssh", "ips",
 "rdma"}]}`, rank = position. `ring` needs IPs (not hostnames). For jaccl / jaccl-ring, host i's `rdma[j]` is
 the device on host i that reaches host j (null for itself, a list when several cables join a pair), derived
-from the Thunderbolt topology facts. `nccl` needs rank 0's IP reachable by all.
+from the Thunderbolt topology facts. `nccl` (NVIDIA GPUs; mlx.launch gives every rank CUDA_VISIBLE_DEVICES=0, one
+rank per node) needs rank 0's IP reachable by all.
 
 The `ssh` field is the node's *name*: mlx.launch runs the plain `ssh` on PATH, and the launch writes an
 ssh_config whose `Host <name>` entries carry the inventory's user, port, identity and known_hosts (so the
@@ -60,6 +61,11 @@ def ssh_name(node: Node) -> str:
     return LOCAL_HOST if node.connection is Connection.LOCAL else node.name
 
 
+def has_cuda(facts: NodeFacts) -> bool:
+    """The node has an NVIDIA GPU (nvidia-smi listed one): what `backend: nccl` needs."""
+    return facts.gpu is not None and facts.gpu.cuda
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -69,12 +75,14 @@ def _is_ip(text: str) -> bool:
 
 
 def resolve_backend(backend: str, facts: Mapping[str, NodeFacts], nodes: Sequence[Node]) -> str:
-    """`auto`: jaccl when every pair of nodes has an active RDMA link, jaccl-ring when the ring neighbours do,
-    else ring."""
+    """`auto`: nccl when every node has an NVIDIA GPU (as mlx.launch's own default on CUDA), jaccl when every pair
+    of nodes has an active RDMA link, jaccl-ring when the ring neighbours do, else ring."""
     if backend != "auto":
         return backend
     if len(nodes) < 2 or any(n.name not in facts for n in nodes):
         return "ring"
+    if all(has_cuda(facts[n.name]) for n in nodes):
+        return "nccl"
     names = [n.name for n in nodes]
     for candidate in ("jaccl", "jaccl-ring"):
         if _rdma_matrix(names, facts, candidate, strict=False) is not None:

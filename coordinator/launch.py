@@ -36,7 +36,7 @@ from coordinator.monitor import JOB_ERROR, FaultPolicy, Incident, Monitor, Obser
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
-from coordinator.transport import Fleet, Transport, python_argv
+from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
@@ -181,7 +181,7 @@ def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
             'if [ -n "$f" ] && [ -f "$f" ]; then if grep -q "[^[:space:]]" "$f"; then '
             'mv "$f" "./$v.rank$MLX_RANK" && export "$v=$PWD/$v.rank$MLX_RANK"; else rm -f "$f"; unset "$v"; fi; fi; done',
             *(f"  {k}={shlex.quote(v)}; export {k}" for k, v in sorted((env or {}).get(rank, {}).items())),
-            f"  PYTHONPATH={shell_path(worker_dir)}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH",
+            f"  {pythonpath_prepend(shell_path(worker_dir))}",
             f"  exec {shell_path(python)} -m worker.train --config {shell_path(run_dir)}/run.json",
             "  ;;",
         ]
@@ -223,6 +223,8 @@ def build_ssh_wrapper(ssh_config: Path, real_ssh: str) -> str:
 def build_launcher_argv(hostfile: Path, backend: str, cwd: str, port: int, env: Mapping[str, str]) -> list[str]:
     argv = [sys.executable, "-c", MLX_LAUNCH, "--hostfile", str(hostfile), "--backend", backend,
             "--cwd", cwd, "--starting-port", str(port), "--python", "/bin/sh"]
+    if backend == "nccl":
+        argv += ["--nccl-port", str(port)]  # mlx.launch's default (12345) would collide between concurrent jobs
     for key, value in sorted(env.items()):
         argv += ["--env", f"{key}={value}"]
     return [*argv, "rank"]

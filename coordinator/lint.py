@@ -12,11 +12,36 @@ from coordinator.playbook import Playbook
 MLX_LM_DEFAULT_LAYERS = 16
 
 
-def lint_playbook(pb: Playbook, model_config: Mapping[str, Any] | None) -> list[LintResult]:
+def lint_backend(pb: Playbook, cuda: Mapping[str, bool]) -> list[LintResult]:
+    """The backend against the fleet's GPUs (`cuda`: node -> has an NVIDIA GPU, for the nodes whose facts are
+    known). nccl needs NVIDIA GPUs everywhere; ring between NVIDIA GPUs sums every gradient over TCP through host
+    memory, where nccl uses NVLink / InfiniBand / GPUDirect."""
+    if not cuda:
+        return []
+    without = sorted(n for n, has in cuda.items() if not has)
+    if pb.backend == "nccl" and without:
+        return [LintResult("backend", Status.FAIL, f"backend nccl but {', '.join(without)} "
+                           f"{'has' if len(without) == 1 else 'have'} no NVIDIA GPU (see the software check)",
+                           "use `backend: ring` (or run on NVIDIA nodes only)")]
+    if pb.backend == "nccl":
+        return [LintResult("backend", Status.PASS, f"nccl on {len(cuda)} NVIDIA node(s)")]
+    if pb.backend in ("ring", "auto") and len(cuda) >= 2 and not without:
+        if pb.backend == "auto":
+            return [LintResult("backend", Status.PASS, f"auto resolves to nccl: every node ({len(cuda)}) has an "
+                               "NVIDIA GPU")]
+        return [LintResult("backend", Status.WARN, f"every node ({len(cuda)}) has an NVIDIA GPU but backend ring "
+                           "sums gradients over TCP through host memory",
+                           "set `backend: nccl` (NCCL over NVLink / InfiniBand / Ethernet, GPU to GPU)")]
+    return []
+
+
+def lint_playbook(pb: Playbook, model_config: Mapping[str, Any] | None,
+                  cuda: Mapping[str, bool] | None = None) -> list[LintResult]:
+    """Training-trap findings for `pb`; `cuda` (node -> has an NVIDIA GPU) adds the backend finding."""
     if pb.kind != "train":
         return []
     t = pb.train
-    out: list[LintResult] = []
+    out: list[LintResult] = lint_backend(pb, cuda or {})
     layers = num_layers(model_config) if model_config else None
     requested = t.num_layers
     if layers is None:

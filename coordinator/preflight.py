@@ -14,6 +14,7 @@ from coordinator.checks.context import CheckContext
 from coordinator.errors import ConfigError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober
+from coordinator.hostfile import has_cuda
 from coordinator.lint import lint_playbook
 from coordinator.models import Inventory, PreflightReport
 from coordinator.playbook import Playbook
@@ -92,5 +93,6 @@ def evaluate(inventory: Inventory, playbook: Playbook | None, fleet_facts: Fleet
     manifest = load_manifest(playbook) if playbook is not None else None
     ctx = CheckContext.build(inventory.nodes, fleet_facts.connect, fleet_facts.facts, playbook, manifest,
                              fleet_facts.probe_errors)
-    lint = tuple(lint_playbook(playbook, model_config(fleet_facts.facts))) if playbook is not None else ()
+    cuda = {n: has_cuda(f) for n, f in fleet_facts.facts.items()}
+    lint = tuple(lint_playbook(playbook, model_config(fleet_facts.facts), cuda)) if playbook is not None else ()
     return evaluate_preflight(ctx, lint)

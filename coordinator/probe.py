@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from coordinator.facts.linux import NVIDIA_SMI_FIELDS
+
 # (section, argv) for every Mac; the section names are the file names of a recorded profile.
 MACOS_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sw_vers", ("sw_vers",)),
@@ -74,7 +76,10 @@ LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sys_class_net", ("sh", "-c", SYS_CLASS_NET)),
 )
 
-NVIDIA_SMI = ("nvidia-smi", "--query-gpu=name,utilization.gpu,memory.used", "--format=csv,noheader,nounits")
+# One row per NVIDIA GPU (coordinator.facts.linux.NVIDIA_SMI_FIELDS, parse_nvidia_smi). Run only where nvidia-smi
+# exists: a node without it simply has no GPU facts. `compute_cap` needs driver 510+; mlx's CUDA backend needs a
+# CUDA 12 driver (525+) anyway, so an older driver failing this query is a node mlx cannot use on the GPU.
+NVIDIA_SMI = ("nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader,nounits")
 
 # Sections whose absence is normal on a node (a command that only exists on some machines).
 # `sys_class_net` only informs nettest's link kinds: without it a link is `unknown`, which no check fails on.

@@ -91,6 +91,21 @@ def python_argv(python: str, *args: str) -> list[str]:
     return [python, *args]
 
 
+def pythonpath_prepend(dir_sh: str) -> str:
+    """sh code putting `dir_sh` (already shell syntax: quoted, or `"$1"`) FIRST on PYTHONPATH and keeping what the
+    environment has after it (the inventory's `env`, else the node's own), as every worker process must see it:
+    the rank script (launch.build_rank_script) and `build_worker_argv` (calibration) share it, so the bench
+    imports what training imports."""
+    return f"PYTHONPATH={dir_sh}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH"
+
+
+def build_worker_argv(python: str, worker_dir: str, env: Sequence[tuple[str, str]], *args: str) -> list[str]:
+    """argv running `python *args` on a node as a rank runs: `env` exported (the job env overlaid with the node's
+    inventory env, PYTHONPATH included), then the worker dir prepended to PYTHONPATH (`pythonpath_prepend`)."""
+    return ["env", *(f"{k}={v}" for k, v in env), "sh", "-c", pythonpath_prepend('"$1"') + '; shift; exec "$@"',
+            "sh", worker_dir, *python_argv(python, *args)]
+
+
 def _expand(path: str | None) -> str | None:
     return None if path is None else os.path.expanduser(path)
 

@@ -202,13 +202,16 @@ def worker_answer(*, python: str = PYTHON, version: str = "3.12.8", mlx: str | N
                   mlx_lm: str | None = "0.31.0", hashes: list[dict[str, Any]] | None = None,
                   reach: list[dict[str, Any]] | None = None, config: Mapping[str, Any] | None = None,
                   params: int | None = MODEL_PARAMS, errors: Sequence[str] = (), model_error: str | None = None,
-                  data: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What worker/probe.py prints (keys it omits without a playbook are omitted when None)."""
+                  data: Mapping[str, Any] | None = None, backends: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What worker/probe.py prints (keys it omits without a playbook are omitted when None; `backends`, the
+    `mlx_backends` answer, is omitted when None, as in answers recorded before the probe reported it)."""
     out: dict[str, Any] = {
         "python": {"executable": python, "version": version},
         "packages": {"mlx": mlx, "mlx_lm": mlx_lm},
         "errors": list(errors),
     }
+    if backends is not None:
+        out["mlx_backends"] = dict(backends)
     if hashes is not None:
         out["hashes"] = hashes
     if reach is not None:

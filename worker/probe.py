@@ -22,6 +22,9 @@ Input: at most one argv argument, a JSON object; every key is optional:
 Output: exactly one JSON object (ASCII) on stdout; diagnostics and progress go to stderr:
     {"python": {"executable": str, "version": "3.11.7"},
      "packages": {"mlx": str | null, "mlx_lm": str | null},      distribution versions, null when not installed
+     "mlx_backends": {"mlx-cuda-13": "0.32.4", ...},              installed mlx backend distributions (mlx-metal,
+                                                                  mlx-cpu, mlx-cuda-12, mlx-cuda-13); absent when
+                                                                  the package scan itself failed
      "errors": [str],                                             problems outside the sections below
      "hashes": [{"path": str (as given), "exists": bool,
                  "files": [{"path": "sub/f.json" (relative, "/"-separated, sorted), "size": int, "sha256": hex}],
@@ -892,6 +895,11 @@ def python_info() -> dict[str, Any]:
 
 
 WANTED_DISTRIBUTIONS = (("mlx", "mlx"), ("mlx_lm", "mlx-lm"))  # (answer key, distribution name)
+# mlx's compute backend is a separate distribution of the same version (mlx 0.32): mlx-metal on macOS (plain `mlx`
+# pulls it), on Linux mlx-cpu (`mlx[cpu]`) or mlx-cuda-12 / mlx-cuda-13 (`mlx[cuda12]`, `mlx[cuda13]`). Without
+# one, `import mlx.core` fails (libmlx.so missing), so the coordinator must know which are installed; their
+# dist-info names say it without importing mlx.
+BACKEND_DISTRIBUTIONS = ("mlx-metal", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")
 
 
 def _normalise(name: str) -> str:
@@ -909,11 +917,13 @@ def _normalise(name: str) -> str:
     return "".join(out)
 
 
-def installed_from_paths(paths: list[str], wanted: set[str]) -> dict[str, str]:
+def installed_from_paths(paths: list[str], wanted: set[str], enough: set[str] | None = None) -> dict[str, str]:
     """{normalised name: version} of the `wanted` distributions, from the `<name>-<version>.dist-info` (and
     `<name>-<version>[-pyX.Y].egg-info`) entries of `paths`, first match wins as for imports. The installer
     writes the version into the entry's name, so no METADATA file is read and importlib.metadata (~50 ms to
-    import, a third of the probe) is needed only for what this scan cannot see (zips, custom finders)."""
+    import, a third of the probe) is needed only for what this scan cannot see (zips, custom finders).
+    The scan stops after the first path entry by which all of `enough` (default: `wanted`) were found."""
+    enough = wanted if enough is None else enough
     found: dict[str, str] = {}
     for entry in paths:
         try:
@@ -932,16 +942,28 @@ def installed_from_paths(paths: list[str], wanted: set[str]) -> dict[str, str]:
             dist = _normalise("-".join(parts[:-1]))
             if dist in wanted and dist not in found:
                 found[dist] = parts[-1]
-        if len(found) == len(wanted):
+        if enough.issubset(found):
             break
     return found
 
 
-def package_versions() -> dict[str, str | None]:
+def scan_distributions() -> dict[str, str]:
+    """The dist-info scan of sys.path for mlx, mlx-lm and mlx's backend distributions (one pass). It ends with
+    the entry that holds mlx and mlx-lm: their backends are installed next to them."""
+    core = {_normalise(dist) for _, dist in WANTED_DISTRIBUTIONS}
+    return installed_from_paths(list(sys.path), core | set(BACKEND_DISTRIBUTIONS), enough=core)
+
+
+def backend_versions(found: dict[str, str]) -> dict[str, str]:
+    """{distribution: version} of the installed mlx backends (the `mlx_backends` answer), from the scan alone:
+    importlib.metadata would cost ~50 ms on every probe to ask about packages that are usually absent."""
+    return {dist: found[dist] for dist in BACKEND_DISTRIBUTIONS if dist in found}
+
+
+def package_versions(found: dict[str, str] | None = None) -> dict[str, str | None]:
     """Installed versions of the mlx and mlx-lm distributions (null when absent), from their dist-info entries
     on sys.path; importlib.metadata decides only those the scan did not find."""
-    wanted = {_normalise(dist) for _, dist in WANTED_DISTRIBUTIONS}
-    found = installed_from_paths(list(sys.path), wanted)
+    found = scan_distributions() if found is None else found
     out: dict[str, str | None] = {}
     for key, dist in WANTED_DISTRIBUTIONS:
         version = found.get(_normalise(dist))
@@ -988,7 +1010,9 @@ def run(args: dict[str, Any], stderr: IO[str] | None = None) -> dict[str, Any]:
     # Reachability waits on the network (up to `timeout`), hashing on the disk: overlap them.
     reach = Background(lambda: reach_peers(peers, float(timeout)))
     try:
-        out["packages"] = package_versions()
+        found = scan_distributions()
+        out["packages"] = package_versions(found)
+        out["mlx_backends"] = backend_versions(found)
     except Exception as exc:  # noqa: BLE001 - a broken metadata dir must not cost us the rest of the answer
         errors.append(f"package versions: {type(exc).__name__}: {exc}")
     try:

@@ -35,6 +35,18 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
     warns: list[str] = []
     remedies: list[str] = []
     evidence: dict[str, Any] = {"memory_total": total}
+    # On an NVIDIA node mlx trains in the GPU's own memory (one rank per node: mlx.launch gives each rank
+    # CUDA_VISIBLE_DEVICES=0), not in host RAM: the budget is that GPU's memory.
+    gpu = facts.gpu.devices[0] if facts.gpu is not None and facts.gpu.cuda else None
+    budget, where = total, "memory"
+    if gpu is not None and gpu.memory_total_bytes:
+        budget, where = gpu.memory_total_bytes, f"GPU memory ({gpu.name})"
+        evidence.update({"gpu": gpu.name, "gpu_memory_total": gpu.memory_total_bytes,
+                         "gpu_memory_used": gpu.memory_used_bytes})
+        if gpu.memory_used_bytes and gpu.memory_used_bytes > 0.1 * gpu.memory_total_bytes:
+            warns.append(f"{_gb(gpu.memory_used_bytes)} of GPU {gpu.index}'s {_gb(gpu.memory_total_bytes)} already "
+                         "in use by other processes")
+            remedies.append("stop what holds the GPU (`nvidia-smi` lists the processes)")
     pb = ctx.playbook
     shape = model_shape(facts.model_config, facts.model_params)
     if pb is not None and pb.kind == "train" and shape is not None:
@@ -43,14 +55,15 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
         est = estimate_training_memory(
             shape, method=t.fine_tune_type, batch_per_rank=per_rank * t.rows_per_example, seq_len=t.max_seq_length,
             layers_trained=t.num_layers, grad_checkpoint=t.grad_checkpoint, with_reference=t.method == "dpo",
+            fused_attention=is_mac or gpu is not None, lora_rank=t.lora.rank,
         )
-        usable = usable_memory(total, is_macos=is_mac)
+        usable = usable_memory(budget, is_macos=is_mac)
         evidence.update({"params": shape.params, "estimate": est.total, "usable": usable,
                          "breakdown": {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
                                        "activations": est.activations, "reference": est.reference},
                          "batch_per_rank": per_rank})
         need = f"~{_gb(est.total)} needed ({shape.params / 1e9:.2f}B params, {t.method}, batch {per_rank}/rank, " \
-               f"seq {t.max_seq_length}) of {_gb(usable)} usable"
+               f"seq {t.max_seq_length}) of {_gb(usable)} usable" + (f" {where}" if gpu is not None else "")
         if est.total > usable:
             fails.append(need)
             remedies.append("use LoRA, grad_checkpoint: true, a smaller batch_size or max_seq_length, or a node with "
@@ -100,6 +113,6 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
         return CheckResult("resources", node.name, Status.FAIL, "; ".join(fails + warns), "; ".join(remedies), evidence)
     if warns:
         return CheckResult("resources", node.name, Status.WARN, "; ".join(warns), "; ".join(remedies), evidence)
-    fit = evidence.get("fit", f"{_gb(total)} memory")
+    fit = evidence.get("fit", f"{_gb(budget)} {where}")
     disk = f", {_gb(facts.disk.available_bytes)} free disk" if facts.disk else ""
     return CheckResult("resources", node.name, Status.PASS, f"{fit}{disk}", evidence=evidence)

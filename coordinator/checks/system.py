@@ -7,7 +7,7 @@ from typing import Any
 
 from coordinator.checks.context import CheckContext, fact_error_result
 from coordinator.errors import TransportError
-from coordinator.facts.model import NodeFacts, version_tuple
+from coordinator.facts.model import Gpu, NodeFacts, version_tuple
 from coordinator.models import CheckResult, Connection, Node, Status
 from coordinator.probe import shell_path
 
@@ -107,6 +107,67 @@ def check_os(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
 INSTALL = 'python3 -m venv ~/venvs/mlx && ~/venvs/mlx/bin/pip install "mlx>=0.32.1" mlx-lm'
 
 
+# mlx's CUDA backends and the oldest Linux driver each CUDA major runs on (CUDA 12.0: 525.60.13, 13.0: 580.65.06;
+# CUDA minor-version compatibility keeps that floor for every 12.x / 13.x).
+CUDA_BACKENDS = {"mlx-cuda-12": ("cuda12", 525), "mlx-cuda-13": ("cuda13", 580)}
+
+
+def _driver_major(gpu: Gpu) -> int | None:
+    drivers = {version_tuple(d.driver_version)[:1] for d in gpu.devices if d.driver_version}
+    return next(iter(drivers))[0] if len(drivers) == 1 and () not in drivers else None
+
+
+def _cuda_extra(gpu: Gpu) -> str:
+    """The `mlx[...]` extra for this node's driver: cuda13 from driver 580 on (or when unknown), else cuda12."""
+    major = _driver_major(gpu)
+    return "cuda12" if major is not None and major < CUDA_BACKENDS["mlx-cuda-13"][1] else "cuda13"
+
+
+def evaluate_mlx_backend(facts: NodeFacts, python: str, mlx: str) -> tuple[Status, str, str] | None:
+    """(status, summary, remedy) when the node's mlx backend cannot work, None when it can or nothing is known.
+
+    Since mlx 0.32 the compute backend is its own distribution of mlx's exact version: without one `import
+    mlx.core` fails (libmlx.so missing). A node with an NVIDIA GPU needs mlx-cuda-12 or mlx-cuda-13 (`mlx[cuda12]`,
+    `mlx[cuda13]`) whose CUDA major its driver runs; another Linux node needs mlx-cpu (`mlx[cpu]`). macOS (plain
+    `mlx` pulls mlx-metal) and answers without the backend list (recorded before it existed) are not judged."""
+    backends = facts.software.mlx_backends if facts.software else None
+    if backends is None or facts.os is None or facts.os.is_macos:
+        return None
+    gpu = facts.gpu
+    pip = f'{python} -m pip install "mlx[{{extra}}]=={mlx}"'
+    if gpu is not None and gpu.cuda:
+        extra = _cuda_extra(gpu)
+        cuda = {d: v for d, v in backends.items() if d in CUDA_BACKENDS}
+        if not cuda:
+            cpu = " (mlx-cpu is installed: training would run on the CPU)" if "mlx-cpu" in backends else ""
+            return (Status.FAIL, f"{gpu.name} but mlx has no CUDA backend (mlx-cuda-12 / mlx-cuda-13){cpu}",
+                    pip.format(extra=extra))
+        odd = {d: v for d, v in cuda.items() if v != mlx}
+        if odd:
+            return (Status.FAIL, ", ".join(f"{d} {v}" for d, v in sorted(odd.items())) + f" differs from mlx {mlx} "
+                    "(the backend must be mlx's exact version)", pip.format(extra=CUDA_BACKENDS[min(odd)][0]))
+        major = _driver_major(gpu)
+        too_new = [d for d in cuda if major is not None and major < CUDA_BACKENDS[d][1]]
+        if len(cuda) == len(too_new):
+            d = too_new[0]
+            return (Status.FAIL, f"{d} needs NVIDIA driver {CUDA_BACKENDS[d][1]}+, the node has {major}",
+                    f"upgrade the NVIDIA driver, or {python} -m pip uninstall -y {d} && {pip.format(extra=extra)}")
+        if len(cuda) > 1:
+            return (Status.WARN, "both mlx-cuda-12 and mlx-cuda-13 installed (one libmlx wins arbitrarily)",
+                    f"{python} -m pip uninstall -y {'mlx-cuda-12' if extra == 'cuda13' else 'mlx-cuda-13'}")
+        return None
+    if "mlx-cpu" in backends:
+        if backends["mlx-cpu"] != mlx:
+            return (Status.FAIL, f"mlx-cpu {backends['mlx-cpu']} differs from mlx {mlx} (the backend must be mlx's "
+                    "exact version)", pip.format(extra="cpu"))
+        return None
+    if any(d in backends for d in CUDA_BACKENDS):
+        return (Status.WARN, "only mlx's CUDA backend is installed but no NVIDIA GPU was found (no nvidia-smi): "
+                "mlx cannot run on the CPU", pip.format(extra="cpu"))
+    return (Status.FAIL, "no mlx backend installed: `import mlx.core` fails (libmlx.so missing)",
+            pip.format(extra="cpu") + " (on an NVIDIA node: mlx[cuda13] or mlx[cuda12])")
+
+
 def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
     sw = facts.software
     if sw is None:
@@ -126,6 +187,24 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} < {_v(MIN_MLX)} (launcher and ring lost-peer fixes)",
                            f'{shell_path(sw.python)} -m pip install -U "mlx>=0.32.1"', evidence)
+    if facts.software is not None and facts.software.mlx_backends is not None:
+        evidence["mlx_backends"] = facts.software.mlx_backends
+    if facts.gpu is not None and facts.gpu.cuda:
+        evidence["gpus"] = [{"index": d.index, "name": d.name, "memory_total": d.memory_total_bytes,
+                             "driver": d.driver_version, "compute_cap": d.compute_cap} for d in facts.gpu.devices]
+    smi_errors = facts.errors_for("nvidia_smi")
+    if ctx.backend == "nccl" and not (facts.gpu is not None and facts.gpu.cuda):
+        why = f"nvidia-smi failed: {smi_errors[0].raw.strip()[:200]}" if smi_errors else "no nvidia-smi"
+        return CheckResult("software", node.name, Status.FAIL,
+                           f"backend nccl needs an NVIDIA GPU with mlx's CUDA backend; this node has none ({why})",
+                           "use `backend: ring` for fleets without NVIDIA GPUs (jaccl/jaccl-ring between Macs with "
+                           "RDMA over Thunderbolt)", evidence)
+    backend_finding = evaluate_mlx_backend(facts, sw.python, sw.mlx_version)
+    if smi_errors and backend_finding is None:
+        backend_finding = (Status.WARN, f"nvidia-smi is installed but failed ({smi_errors[0].message}): an NVIDIA GPU "
+                           "here cannot be used", "fix the NVIDIA driver until `nvidia-smi` lists the GPUs (a reboot "
+                           "after a driver update, or matching kernel module and user-space versions)")
+    # The fleet's version drift first: its remedy (the fleet's mlx version) also settles a backend mismatch.
     versions = ctx.mlx_versions
     ref, odd = ctx.mlx_majority
     if node.name in odd:
@@ -137,6 +216,8 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the fleet ({others})",
                            f"{shell_path(sw.python)} -m pip install {target}" if ref else f"install {target}", evidence)
+    if backend_finding is not None:  # a fail, or a warning that outranks the python minor versions'
+        return CheckResult("software", node.name, backend_finding[0], backend_finding[1], backend_finding[2], evidence)
     minors = ctx.python_minors
     if len(set(minors.values())) > 1:
         evidence["python_minors"] = minors
@@ -144,8 +225,13 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
                            f"python {sw.python_version}, mlx {sw.mlx_version}, mlx-lm {sw.mlx_lm_version}; python "
                            "minor versions differ: " + ", ".join(f"{n}={m}" for n, m in sorted(minors.items())),
                            "use the same python minor version on every node", evidence)
+    on = ""
+    if facts.gpu is not None and facts.gpu.cuda and sw.mlx_backends:
+        on = " on " + ", ".join(d for d in sorted(sw.mlx_backends) if d in CUDA_BACKENDS)
+    elif sw.mlx_backends and "mlx-cpu" in sw.mlx_backends and not (facts.os and facts.os.is_macos):
+        on = " (mlx-cpu)"
     return CheckResult("software", node.name, Status.PASS,
-                       f"python {sw.python_version}, mlx {sw.mlx_version}, mlx-lm {sw.mlx_lm_version}",
+                       f"python {sw.python_version}, mlx {sw.mlx_version}{on}, mlx-lm {sw.mlx_lm_version}",
                        evidence=evidence)
 
 

@@ -186,8 +186,15 @@ def _linux(b: _Builder, uname: tuple[str, str, str]) -> dict[str, Any]:
     out["net_links"] = b.parse("sys_class_net", linux.parse_sys_class_net, optional=True)
     ib = b.parse("infiniband", linux.parse_infiniband, optional=True) or ()
     out["rdma"] = Rdma(ctl_status=None, devices=tuple(RdmaDevice(d) for d in ib))
-    gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)
-    out["gpu"] = gpu
+    smi = b.sections.get("nvidia_smi")  # present only where nvidia-smi exists
+    if smi is not None and smi.rc != 0:
+        # nvidia-smi installed but failing (no driver loaded, driver/library mismatch, too old for the query):
+        # the node may have a GPU nobody can use. An error with the text, never silently "no GPU".
+        b.errors.append(FactError("nvidia_smi", f"nvidia-smi exited with status {smi.rc}", smi.text))
+        out["gpu"] = None
+    else:
+        gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)
+        out["gpu"] = gpu
     return out
 
 
@@ -237,6 +244,16 @@ def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
+def _backends(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    backends = _mapping(value, "mlx_backends")
+    for dist, version in backends.items():
+        if not isinstance(version, str):
+            raise ParseError(f"mlx_backends.{dist} must be a version string, got {version!r}")
+    return dict(backends)
+
+
 def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
     py = _mapping(data.get("python"), "python")
     pkgs = _mapping(data.get("packages"), "packages")
@@ -247,6 +264,7 @@ def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
             mlx_version=_str_or_none(pkgs.get("mlx"), "packages.mlx"),
             mlx_lm_version=_str_or_none(pkgs.get("mlx_lm"), "packages.mlx_lm"),
             errors=tuple(str(e) for e in data.get("errors") or ()),
+            mlx_backends=_backends(data.get("mlx_backends")),
         )
     }
     if "hashes" in data:

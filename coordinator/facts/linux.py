@@ -10,7 +10,7 @@ import re
 import shlex
 
 from coordinator.facts.common import excerpt, parse_df, parse_uname, require_text
-from coordinator.facts.model import Gpu, Memory, NetInterface, NetLink, ParseError
+from coordinator.facts.model import CudaDevice, Gpu, Memory, NetInterface, NetLink, ParseError
 
 __all__ = [
     "parse_df",
@@ -200,38 +200,58 @@ def _smi_number(field: str, what: str, row: str) -> float | None:
         raise ParseError(f"nvidia-smi: {what} {field!r} is not a number in row {excerpt(row)}") from None
 
 
-def parse_nvidia_smi(text: str) -> Gpu:
-    """`nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader,nounits` -> `Gpu`.
+NVIDIA_SMI_FIELDS = ("index", "name", "uuid", "memory.total", "memory.used", "utilization.gpu", "driver_version",
+                     "compute_cap")
+"""The `--query-gpu` fields of `coordinator.probe.NVIDIA_SMI`, in order (one CSV row per GPU)."""
 
-    One row per GPU, exactly three comma-separated fields (memory in MiB). With several GPUs the utilisation
-    is the busiest GPU's (any busy GPU means the node is in use), memory is the sum, and the name is the
-    common name prefixed with the count ("2 x NVIDIA A100") or the names joined with " + ". `[N/A]` and
-    `[Not Supported]` give None. Raises `ParseError` on no row (e.g. "No devices were found") or a row of
-    another shape (the output of a different query).
+MiB = 1024 * 1024
+
+
+def _smi_text(field: str) -> str | None:
+    return None if field in _NA or not field else field
+
+
+def parse_nvidia_smi(text: str) -> Gpu:
+    """`nvidia-smi --query-gpu=index,name,uuid,memory.total,memory.used,utilization.gpu,driver_version,compute_cap
+    --format=csv,noheader,nounits` -> `Gpu` with one `CudaDevice` per row.
+
+    nvidia-smi's documented CSV: one row per GPU, the queried fields in order, separated by ", ", numbers without
+    units (memory in MiB) under `nounits`; a field the GPU does not report is `[N/A]` or `[Not Supported]` (None).
+    The node-level summary: the busiest GPU's utilisation (any busy GPU means the node is in use), the summed
+    memory in use, and the name as "NVIDIA H100 80GB HBM3" (one GPU), "8 x NVIDIA H100 80GB HBM3" (several of
+    one model) or the names joined with " + ". Raises `ParseError` on no row (e.g. "No devices were found") or a
+    row of another shape (the output of a different query, an error message).
     """
     rows = [r for r in require_text(text, "nvidia-smi").splitlines() if r.strip()]
-    names: list[str] = []
-    utils: list[float] = []
-    memory: list[float] = []
+    devices: list[CudaDevice] = []
     for row in rows:
         fields = [f.strip() for f in row.split(",")]
-        if len(fields) != 3 or not fields[0]:
-            raise ParseError(f"nvidia-smi: expected 'name, utilization, memory.used' rows, got {excerpt(row)}")
-        names.append(fields[0])
-        util = _smi_number(fields[1], "utilization.gpu", row)
-        used = _smi_number(fields[2], "memory.used", row)
-        if util is not None:
-            utils.append(util)
-        if used is not None:
-            memory.append(used)
+        if len(fields) != len(NVIDIA_SMI_FIELDS) or not fields[1] or not fields[0].isdigit():
+            raise ParseError(f"nvidia-smi: expected '{', '.join(NVIDIA_SMI_FIELDS)}' rows, got {excerpt(row)}")
+        total = _smi_number(fields[3], "memory.total", row)
+        used = _smi_number(fields[4], "memory.used", row)
+        devices.append(CudaDevice(
+            index=int(fields[0]),
+            name=fields[1],
+            uuid=_smi_text(fields[2]),
+            memory_total_bytes=None if total is None else int(total * MiB),
+            memory_used_bytes=None if used is None else int(used * MiB),
+            utilization_pct=_smi_number(fields[5], "utilization.gpu", row),
+            driver_version=_smi_text(fields[6]),
+            compute_cap=_smi_text(fields[7]),
+        ))
+    names = [d.name for d in devices]
     if len(set(names)) == 1:
         name = names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
     else:
         name = " + ".join(names)
+    utils = [d.utilization_pct for d in devices if d.utilization_pct is not None]
+    used_all = [d.memory_used_bytes for d in devices if d.memory_used_bytes is not None]
     return Gpu(
         utilization_pct=max(utils) if utils else None,
-        in_use_memory_bytes=int(sum(memory) * 1024 * 1024) if memory else None,
+        in_use_memory_bytes=sum(used_all) if used_all else None,
         name=name,
+        devices=tuple(devices),
     )
 
 

@@ -195,10 +195,30 @@ class Disk:
 
 
 @dataclass(frozen=True)
+class CudaDevice:
+    """One NVIDIA GPU as `nvidia-smi --query-gpu=...` describes it (`coordinator.probe.NVIDIA_SMI`)."""
+
+    index: int  # nvidia-smi's enumeration index (what CUDA_VISIBLE_DEVICES names)
+    name: str  # "NVIDIA H100 80GB HBM3"
+    uuid: str | None  # "GPU-..."; stable across reboots, unlike the index
+    memory_total_bytes: int | None  # the GPU's own memory (nvidia-smi reports MiB)
+    memory_used_bytes: int | None  # in use now, by any process
+    utilization_pct: float | None
+    driver_version: str | None  # "580.65.06"
+    compute_cap: str | None  # "9.0"
+
+
+@dataclass(frozen=True)
 class Gpu:
     utilization_pct: float | None
     in_use_memory_bytes: int | None = None
     name: str | None = None
+    devices: tuple[CudaDevice, ...] = ()  # NVIDIA GPUs (from nvidia-smi); empty on a Mac
+
+    @property
+    def cuda(self) -> bool:
+        """An NVIDIA GPU is present: MLX runs on it through its CUDA backend (mlx-cuda-12/13)."""
+        return bool(self.devices)
 
 
 @dataclass(frozen=True)
@@ -208,6 +228,9 @@ class Software:
     mlx_version: str | None
     mlx_lm_version: str | None
     errors: tuple[str, ...] = ()
+    # mlx's installed backend distributions {"mlx-cuda-13": "0.32.4"} (mlx-metal, mlx-cpu, mlx-cuda-12/13);
+    # None when the probe did not report them (a recorded answer from before they were asked for).
+    mlx_backends: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from tests.factsutil import (
     OLD,
     PYTHON,
     STUDIO,
+    capture,
     facts_from,
     hashes_answer,
     linux_sections,
@@ -118,6 +119,27 @@ def test_linux_sys_class_net_is_optional_but_garbage_is_an_error() -> None:
     bad = facts_from("gpu1", full_sections(linux_sections(), replace={"sys_class_net": "eth0 type=1\n"}))
     assert bad.net_links is None
     assert [(e.source, e.raw) for e in bad.errors] == [("sys_class_net", "eth0 type=1\n")]
+
+
+def test_linux_gpu_facts_come_from_nvidia_smi_and_its_absence_is_no_gpu() -> None:
+    facts = facts_from("gpu1", full_sections(linux_sections()))
+    assert facts.gpu is None and facts.errors == ()  # no nvidia-smi on the node: no section, no GPU, no error
+    smi = capture("nvidia_smi/constructed-a100-x2.txt")
+    two = facts_from("gpu1", full_sections(linux_sections(), replace={"nvidia_smi": smi}))
+    assert two.errors == () and two.gpu is not None and two.gpu.cuda
+    assert [(d.index, d.memory_total_bytes, d.driver_version) for d in two.gpu.devices] == \
+        [(0, 81920 * 1024**2, "535.183.01"), (1, 81920 * 1024**2, "535.183.01")]
+
+
+def test_linux_failing_nvidia_smi_is_an_error_not_no_gpu() -> None:
+    text = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+            "NVIDIA driver is installed and running.\n")
+    sections = full_sections(linux_sections())
+    sections["nvidia_smi"] = Section("nvidia_smi", text, 9)
+    facts = facts_from("gpu1", sections)
+    assert facts.gpu is None
+    assert [(e.source, e.message, e.raw) for e in facts.errors] == \
+        [("nvidia_smi", "nvidia-smi exited with status 9", text)]
 
 
 # ------------------------------------------------------------------------------------------------- missing sections

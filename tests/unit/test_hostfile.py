@@ -9,6 +9,7 @@ import pytest
 from mlx._distributed_utils.common import Hostfile as MlxHostfile
 
 from coordinator.errors import ConfigError
+from coordinator.facts.linux import parse_nvidia_smi
 from coordinator.facts.model import HardwarePort, NodeFacts, Rdma, RdmaDevice, ThunderboltPort
 from coordinator.hostfile import build_hostfile, resolve_backend
 from coordinator.models import Connection, Node
@@ -103,3 +104,29 @@ def test_auto_resolves_by_topology() -> None:
 def test_nccl_round_trips(tmp_path: Path) -> None:
     parsed = roundtrip(build_hostfile(NODES[:2], "nccl"), tmp_path)
     assert parsed.backend == "nccl" and parsed.hosts[0].ips == ["10.0.0.1"]
+
+
+def cuda_node(name: str) -> NodeFacts:
+    return NodeFacts(node=name, gpu=parse_nvidia_smi(
+        "0, NVIDIA H100 80GB HBM3, GPU-1, 81559, 0, 0, 580.159.04, 9.0\n"))
+
+
+def test_nccl_hostfile_for_a_cuda_fleet_is_what_mlx_launch_accepts(tmp_path: Path) -> None:
+    """The dict form with backend nccl, the job env, and rank 0's IP first (mlx.launch's launch_nccl refuses a
+    rank 0 without IPs: `Rank 0 should have an IP reachable from all other ranks`)."""
+    hf = build_hostfile(NODES, "nccl", {n.name: cuda_node(n.name) for n in NODES},
+                        envs=["TOKENIZERS_PARALLELISM=false"])
+    parsed = roundtrip(hf, tmp_path)
+    assert parsed.backend == "nccl" and parsed.envs == ["TOKENIZERS_PARALLELISM=false"]
+    assert [(h.ssh_hostname, h.ips) for h in parsed.hosts] == [("a", ["10.0.0.1"]), ("b", ["10.0.0.2"]),
+                                                              ("c", ["10.0.0.3"])]
+    assert all(h.rdma == [] for h in parsed.hosts)  # no RDMA matrix: NCCL finds its own transports
+    local = build_hostfile([Node(name="gpu", host="localhost", connection=Connection.LOCAL)], "nccl")
+    assert roundtrip(local, tmp_path).hosts[0].ips == ["127.0.0.1"]
+
+
+def test_auto_picks_nccl_when_every_node_has_an_nvidia_gpu() -> None:
+    gpus = {n.name: cuda_node(n.name) for n in NODES}
+    assert resolve_backend("auto", gpus, NODES) == "nccl"
+    assert resolve_backend("auto", {**gpus, "c": NodeFacts(node="c")}, NODES) == "ring"  # c has none
+    assert resolve_backend("auto", {"a": gpus["a"]}, NODES[:1]) == "ring"  # one node

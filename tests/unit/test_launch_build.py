@@ -56,6 +56,13 @@ def test_launcher_argv_carries_no_env_values() -> None:
     assert argv[argv.index("--python") + 1] == "/bin/sh" and argv[argv.index("--cwd") + 1] == "/tmp/mlxc-r1"
 
 
+def test_launcher_argv_gives_nccl_the_runs_port() -> None:
+    """mlx.launch's --nccl-port defaults to 12345 for every job: two concurrent nccl jobs would collide."""
+    argv = build_launcher_argv(Path("/r/hostfile.json"), "nccl", "/tmp/mlxc-r1", 40000, {})
+    assert argv[argv.index("--nccl-port") + 1] == "40000" and argv[argv.index("--backend") + 1] == "nccl"
+    assert "--nccl-port" not in build_launcher_argv(Path("/r/h.json"), "ring", "/tmp/mlxc-r1", 40000, {})
+
+
 def test_ssh_config_carries_the_inventory_credentials_and_strict_keys() -> None:
     nodes = [Node(name="ultra", host="10.0.0.1", user="mlx", port=2222, identity="/k/id", known_hosts="/k/kh"),
              Node(name="here", host="127.0.0.1", connection=Connection.LOCAL)]

@@ -20,9 +20,9 @@ LAYERS = MODEL_CONFIG["num_hidden_layers"]  # 22
 
 
 def lint(train: dict[str, Any] | None = None, config: dict[str, Any] | None = MODEL_CONFIG,
-         **top: Any) -> dict[str, LintResult]:
+         cuda: dict[str, bool] | None = None, **top: Any) -> dict[str, LintResult]:
     value = {"name": "job", "model": "/m", "data": "/d", "train": train or {}, **top}
-    results = lint_playbook(parse_playbook(value, path="playbook.yaml"), config)
+    results = lint_playbook(parse_playbook(value, path="playbook.yaml"), config, cuda)
     for r in results:
         assert r.summary.strip()
         if r.status in (W, F, Status.ERROR):
@@ -158,3 +158,29 @@ def test_eval_cost_counts_the_final_eval() -> None:
     r = lint({"iters": 1000, "steps_per_eval": 300, "val_batches": 60, "save_every": 50})["eval_cost"]
     assert r.status is W, r
     assert "4 evals" in r.summary
+
+
+@pytest.mark.parametrize(("backend", "cuda", "expect"), [
+    # ring between NVIDIA GPUs: a suggestion to use nccl
+    ("ring", {"g1": True, "g2": True}, (W, "every node (2) has an NVIDIA GPU but backend ring", "`backend: nccl`")),
+    ("auto", {"g1": True, "g2": True}, (P, "auto resolves to nccl", "")),
+    ("nccl", {"g1": True, "g2": True}, (P, "nccl on 2 NVIDIA node(s)", "")),
+    # nccl where a node has no NVIDIA GPU: rejected, naming the node
+    ("nccl", {"g1": True, "mac": False}, (F, "backend nccl but mac has no NVIDIA GPU", "`backend: ring`")),
+    ("nccl", {"a": False, "b": False}, (F, "backend nccl but a, b have no NVIDIA GPU", "`backend: ring`")),
+])
+def test_backend_against_the_fleets_gpus(backend: str, cuda: dict[str, bool], expect: tuple[Status, str, str]) -> None:
+    status, summary, remedy = expect
+    finding = lint(backend=backend, cuda=cuda)["backend"]
+    assert finding.status is status and summary in finding.summary and remedy in finding.remedy
+
+
+@pytest.mark.parametrize(("backend", "cuda"), [
+    ("ring", {"g1": True}),  # one node: no collectives to speed up
+    ("ring", {"g1": True, "mac": False}),  # a mixed fleet cannot use nccl
+    ("ring", {"a": False, "b": False}),
+    ("jaccl", {"a": False, "b": False}),
+    ("nccl", None),  # no facts (lint without a fleet): nothing to say
+])
+def test_no_backend_finding_without_a_reason(backend: str, cuda: dict[str, bool] | None) -> None:
+    assert "backend" not in lint(backend=backend, cuda=cuda)

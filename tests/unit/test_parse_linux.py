@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.facts import linux
-from coordinator.facts.model import Disk, Gpu, Memory, NetInterface, NetLink, ParseError
+from coordinator.facts.model import CudaDevice, Disk, Gpu, Memory, NetInterface, NetLink, ParseError
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
 
@@ -22,6 +22,9 @@ def cap(rel: str) -> str:
 
 
 KiB = 1024
+MiB = 1024 * KiB
+H100 = CudaDevice(0, "NVIDIA H100 80GB HBM3", "GPU-00000000-0000-4000-8000-000000000001", 81559 * MiB, 0, 0.0,
+                  "580.65.06", "9.0")
 VNET = "/sys/devices/virtual/net/"
 VIRTIO_ETH0 = NetLink("eth0", 1, None, "up", has_device=True, wireless=False, driver="virtio_net",
                       path="/sys/devices/pci0000:00/0000:00:03.0/virtio2/net/eth0")
@@ -98,6 +101,35 @@ CASES: dict[str, tuple[Callable[[str], object], object]] = {
         lambda t: linux.parse_df(t, "/work/main"),
         Disk("/work/main", "/", 264212084 * KiB, 83278848 * KiB),
     ),
+    # Recorded on an H100 machine with the probe's exact query.
+    "nvidia_smi/h100-x1-driver-580.txt": (
+        linux.parse_nvidia_smi,
+        Gpu(0.0, 0, "NVIDIA H100 80GB HBM3", (
+            CudaDevice(0, "NVIDIA H100 80GB HBM3", "GPU-28b21d48-2549-0b80-0692-19a70ffbb369", 81559 * MiB, 0, 0.0,
+                       "580.159.04", "9.0"),
+        )),
+    ),
+    # Constructed in nvidia-smi's documented CSV format (SOURCES.md): no NVIDIA device was available to record.
+    "nvidia_smi/constructed-h100-x1.txt": (
+        linux.parse_nvidia_smi, Gpu(0.0, 0, "NVIDIA H100 80GB HBM3", (H100,)),
+    ),
+    "nvidia_smi/constructed-a100-x2.txt": (
+        linux.parse_nvidia_smi,
+        Gpu(97.0, 20004 * MiB, "2 x NVIDIA A100-SXM4-80GB", (  # the busiest GPU, the summed memory in use
+            CudaDevice(0, "NVIDIA A100-SXM4-80GB", "GPU-00000000-0000-4000-8000-00000000000a", 81920 * MiB, 4 * MiB,
+                       0.0, "535.183.01", "8.0"),
+            CudaDevice(1, "NVIDIA A100-SXM4-80GB", "GPU-00000000-0000-4000-8000-00000000000b", 81920 * MiB,
+                       20000 * MiB, 97.0, "535.183.01", "8.0"),
+        )),
+    ),
+    "nvidia_smi/constructed-mixed-na.txt": (
+        linux.parse_nvidia_smi,
+        Gpu(37.0, 1024 * MiB, "NVIDIA GeForce RTX 4090 + Tesla T4", (
+            CudaDevice(0, "NVIDIA GeForce RTX 4090", "GPU-00000000-0000-4000-8000-0000000000c0", 24564 * MiB,
+                       1024 * MiB, 37.0, "550.54.14", "8.9"),
+            CudaDevice(1, "Tesla T4", None, 15360 * MiB, None, None, "550.54.14", "7.5"),  # [N/A], [Not Supported]
+        )),
+    ),
     # GNU df without -P wraps a long device name; the numbers are on the next, indented line.
     "df/centos-5.2-df-ak-wrapped.txt": (
         lambda t: linux.parse_df(t, "/home/me"),
@@ -109,9 +141,11 @@ ERROR_CAPTURES: dict[str, Callable[[str], object]] = {
     # `ls` on a machine without RDMA devices: an error text, not a listing (the probe treats the section as
     # optional; the parser must still refuse it).
     "infiniband/absent-debian-12.txt": linux.parse_infiniband,
-    # Real nvidia-smi rows of other queries: a three-field reader must not misread them.
+    # Real nvidia-smi rows of other queries (7 and 12 fields): the eight-field reader must not misread them.
     "nvidia_smi/megaminer-235-gtx770-not-supported.txt": linux.parse_nvidia_smi,
     "nvidia_smi/i3pystatus-776-na.txt": linux.parse_nvidia_smi,
+    # A driver that does not know a queried field (exit 2): an error text, never a GPU.
+    "nvidia_smi/invalid-field-rc2.txt": linux.parse_nvidia_smi,
 }
 
 
@@ -133,24 +167,10 @@ def test_df_picks_the_file_system_holding_the_path() -> None:
     assert linux.parse_df(text, "/dev/shm/x").mount == "/dev/shm"
 
 
-# nvidia-smi: no public capture of exactly this query was found (see SOURCES.md). These rows follow the
-# documented csv,noheader,nounits format; the "[Not Supported]" and "[N/A]" values are the forms seen in the
-# real captures above.
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("NVIDIA GeForce RTX 4090, 37, 1024\n", Gpu(37.0, 1024 * 1024 * 1024, "NVIDIA GeForce RTX 4090")),
-        ("GeForce GTX 770, [Not Supported], 1917\n", Gpu(None, 1917 * 1024 * 1024, "GeForce GTX 770")),
-        ("GeForce GTX 960M, [N/A], [N/A]\n", Gpu(None, None, "GeForce GTX 960M")),
-        (
-            "NVIDIA A100-SXM4-80GB, 0, 10\nNVIDIA A100-SXM4-80GB, 97, 20000\n",
-            Gpu(97.0, 20010 * 1024 * 1024, "2 x NVIDIA A100-SXM4-80GB"),  # busiest GPU, summed memory
-        ),
-        ("Tesla T4, 5, 1\nTesla P100-PCIE-16GB, 0, 2\n", Gpu(5.0, 3 * 1024 * 1024, "Tesla T4 + Tesla P100-PCIE-16GB")),
-    ],
-)
-def test_nvidia_smi_rows(text: str, expected: Gpu) -> None:
-    assert linux.parse_nvidia_smi(text) == expected
+def test_nvidia_smi_summary_is_not_the_devices() -> None:
+    gpu = linux.parse_nvidia_smi(cap("nvidia_smi/constructed-h100-x1.txt"))
+    assert gpu.cuda and gpu.devices[0].memory_total_bytes == 81559 * MiB  # 85.5 GB: the GPU's, not the host's
+    assert not Gpu(3.0, None, "Apple M3 Ultra").cuda  # a Mac's accelerator has no CUDA devices
 
 
 def test_os_release_quoting_and_fallbacks() -> None:
@@ -206,7 +226,12 @@ GARBAGE: list[tuple[str, Callable[[str], object], str]] = [
     ("infiniband", linux.parse_infiniband, "ls: cannot access '/sys/class/infiniband': No such file or directory\n"),
     ("nvidia_smi", linux.parse_nvidia_smi, "No devices were found\n"),
     ("nvidia_smi-empty", linux.parse_nvidia_smi, "\n"),
-    ("nvidia_smi-units", linux.parse_nvidia_smi, "Tesla T4, 5 %, 1 MiB\n"),
+    ("nvidia_smi-units", linux.parse_nvidia_smi, "0, Tesla T4, GPU-1, 15360 MiB, 1 MiB, 5 %, 550.54.14, 7.5\n"),
+    ("nvidia_smi-old-query", linux.parse_nvidia_smi, "NVIDIA A100, 37, 1024\n"),
+    ("nvidia_smi-no-index", linux.parse_nvidia_smi, "GPU0, Tesla T4, GPU-1, 15360, 1, 5, 550.54.14, 7.5\n"),
+    ("nvidia_smi-driver", linux.parse_nvidia_smi,
+     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+     "NVIDIA driver is installed and running.\n"),
     ("loadavg", linux.parse_loadavg, "0.27 0.08\n"),
     ("df", lambda t: linux.parse_df(t, "/"), "df: /x: No such file or directory\n"),
     ("sys_class_net", linux.parse_sys_class_net, "sh: 1: cannot open /sys/class/net: No such file\n"),

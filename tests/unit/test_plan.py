@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import subprocess
 from dataclasses import replace
 from typing import Any
 
@@ -19,9 +21,11 @@ from coordinator.calibrate import (
     calibration_from_bench,
     calibration_to_json,
     compute_cache_key,
+    fingerprint_from_facts,
     parse_bench_stdout,
     parse_cache_record,
 )
+from coordinator.launch import build_rank_script
 from coordinator.models import Node
 from coordinator.plan import (
     CurvePoint,
@@ -34,6 +38,9 @@ from coordinator.plan import (
     isotonic,
     lift_dips,
 )
+from coordinator.probe import Section, shell_path
+from coordinator.transport import pythonpath_prepend
+from tests.factsutil import capture, facts_from, linux_sections, profile_sections, worker_answer
 
 GB = 1024**3
 L = 128  # seq_len used throughout
@@ -311,14 +318,36 @@ def test_cache_key_is_stable_and_covers_every_input() -> None:
         compute_cache_key("m4max", FP, SPEC, "sha256:abd"),
         *(compute_cache_key("m4max", replace(FP, **{f: None}), SPEC, "sha256:abc")
           for f in ("chip", "model_id", "memory_bytes", "cpu_count", "gpu_cores", "os_version", "mlx_version")),
+        *(compute_cache_key("m4max", replace(FP, **change), SPEC, "sha256:abc") for change in (
+            {"gpu_model": "NVIDIA H100 80GB HBM3"}, {"gpu_count": 8}, {"gpu_memory_bytes": 81559 * 2**20},
+            {"mlx_backends": ("mlx-cuda-13==0.32.4",)})),
         *(compute_cache_key("m4max", FP, replace(SPEC, **change), "sha256:abc") for change in (
             {"seq_len": 1024}, {"method": "dora"}, {"num_layers": -1}, {"grad_checkpoint": True},
-            {"max_batch": 32}, {"memory_fraction": 0.7})),
+            {"max_batch": 32}, {"memory_fraction": 0.7}, {"env": (("MLX_ENABLE_TF32", "0"),)})),
     ]
     assert key not in variants
     assert len(set(variants)) == len(variants)
     # The model's location is not part of it: the digest says which weights they are.
     assert compute_cache_key("m4max", FP, replace(SPEC, model="/other/path"), "sha256:abc") == key
+    # Nor the env that does not change what mlx does (logging, tokenizers).
+    assert compute_cache_key("m4max", FP, replace(SPEC, env=(("TOKENIZERS_PARALLELISM", "false"),)), "sha256:abc") == key
+
+
+def test_cache_key_follows_the_gpu_in_the_facts() -> None:
+    """A node whose GPU was swapped (model or count) is measured again: the fingerprint comes from nvidia-smi."""
+    def fingerprint(smi: str, backends: dict[str, str]) -> NodeFingerprint:
+        sections = {**linux_sections(), "nvidia_smi": Section("nvidia_smi", smi, 0)}
+        return fingerprint_from_facts(facts_from("gpu1", profile_sections(sections, worker=worker_answer(
+            backends=backends))))
+
+    h100 = fingerprint(capture("nvidia_smi/h100-x1-driver-580.txt"), {"mlx-cuda-13": "0.32.1"})
+    assert (h100.gpu_model, h100.gpu_count, h100.gpu_memory_bytes, h100.mlx_backends) == \
+        ("NVIDIA H100 80GB HBM3", 1, 81559 * 2**20, ("mlx-cuda-13==0.32.1",))
+    a100s = fingerprint(capture("nvidia_smi/constructed-a100-x2.txt"), {"mlx-cuda-13": "0.32.1"})
+    assert (a100s.gpu_model, a100s.gpu_count) == ("NVIDIA A100-SXM4-80GB", 2)
+    cpu_backend = fingerprint(capture("nvidia_smi/h100-x1-driver-580.txt"), {"mlx-cpu": "0.32.1"})
+    keys = {compute_cache_key("gpu1", fp, SPEC, "sha256:abc") for fp in (h100, a100s, cpu_backend)}
+    assert len(keys) == 3
 
 
 def test_unknown_fingerprint_is_not_cacheable() -> None:
@@ -329,10 +358,12 @@ def test_unknown_fingerprint_is_not_cacheable() -> None:
 
 def test_build_bench_argv() -> None:
     node = Node(name="m4max", host="m4max.local", python="~/venv/bin/python", env=(("MLX_X", "1"),))
-    argv = build_bench_argv(node, "/Users/me/mlx-work/.coordinator/worker-0123", replace(SPEC, grad_checkpoint=True),
-                            45.0, 300.0)
-    assert argv[:3] == ["env", "MLX_X=1", "PYTHONPATH=/Users/me/mlx-work/.coordinator/worker-0123"]
-    assert argv[3:5] == ["sh", "-c"]  # `~/` python goes through the node's shell
+    spec = replace(SPEC, grad_checkpoint=True, env=(("MLX_X", "0"), ("TOKENIZERS_PARALLELISM", "false")))
+    argv = build_bench_argv(node, "/Users/me/mlx-work/.coordinator/worker-0123", spec, 45.0, 300.0)
+    # The job env overlaid with the node's (as in the rank script), then the worker dir first on PYTHONPATH.
+    assert argv[:3] == ["env", "MLX_X=1", "TOKENIZERS_PARALLELISM=false"]
+    assert argv[3:5] == ["sh", "-c"] and argv[6:8] == ["sh", "/Users/me/mlx-work/.coordinator/worker-0123"]
+    assert argv[8:10] == ["sh", "-c"]  # `~/` python goes through the node's shell
     tail = argv[argv.index("-m"):]
     assert tail == ["-m", "worker.bench", "--model", "~/models/qwen", "--seq-len", "2048", "--method", "lora",
                     "--num-layers", "16", "--grad-checkpoint", "--seed", "0", "--optimizer", "adam",
@@ -341,6 +372,27 @@ def test_build_bench_argv() -> None:
     with_data = build_bench_argv(node, "/w", replace(SPEC, data="~/data", packing="on", global_batch=12), 45.0)
     assert with_data[with_data.index("--data"):with_data.index("--data") + 6] == [
         "--data", "~/data", "--packing", "on", "--global-batch", "12"]
+
+
+def _pythonpath(node_env: tuple[tuple[str, str], ...], own: str | None) -> str:
+    """PYTHONPATH as a process started by `build_bench_argv` sees it (`sh` stands in for the node's python)."""
+    node = Node(name="n", host="127.0.0.1", python="/bin/sh", env=node_env)
+    argv = build_bench_argv(node, "/w d/worker-1", SPEC, 1.0)
+    cut = argv.index("-m")  # what follows is for python; sh prints instead
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": own} if own else {})
+    done = subprocess.run([*argv[:cut], "-c", 'printf %s "$PYTHONPATH"'], env=env, capture_output=True, text=True,
+                          check=True)
+    return done.stdout
+
+
+def test_calibration_keeps_the_pythonpath_training_keeps() -> None:
+    """The worker dir goes first and the node's PYTHONPATH (inventory env, else its own) stays after it, exactly as
+    the rank script composes it (one helper, `pythonpath_prepend`): the bench imports what training imports."""
+    assert _pythonpath((), None) == "/w d/worker-1"
+    assert _pythonpath((), "/site/extra") == "/w d/worker-1:/site/extra"
+    assert _pythonpath((("PYTHONPATH", "/inv/site"),), "/site/extra") == "/w d/worker-1:/inv/site"
+    script = build_rank_script("r1", [(0, "/runs/r1/n", "/bin/python3", "/w d/worker-1")])
+    assert f"  {pythonpath_prepend(shell_path('/w d/worker-1'))}\n" in script
 
 
 BENCH_OK = {

@@ -115,7 +115,8 @@ def test_linux_row_has_loadavg_and_no_pressure_or_gpu() -> None:
 
 
 def test_linux_gpu_from_nvidia_smi() -> None:
-    row = build_node_status(LIN, lin_facts(nvidia_smi="NVIDIA A100, 37, 1024\n"), None, None, None)
+    smi = "0, NVIDIA A100, GPU-1, 81920, 1024, 37, 535.183.01, 8.0\n"
+    row = build_node_status(LIN, lin_facts(nvidia_smi=smi), None, None, None)
     assert row.gpu_utilization_pct == 37
 
 

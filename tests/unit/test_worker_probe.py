@@ -102,7 +102,7 @@ def test_script_from_stdin_answers_every_section(tmp_path: Path) -> None:
             "data_check": {"dir": str(tmp_path / "data"), "format": "sft", "files": [["train.jsonl", True]]}}
     rc, out, _ = run_script(args)
     assert rc == 0
-    assert set(out) == {"python", "packages", "errors", "hashes", "reach", "model", "data"}
+    assert set(out) == {"python", "packages", "mlx_backends", "errors", "hashes", "reach", "model", "data"}
     assert out["errors"] == []
     assert out["python"] == {"executable": sys.executable, "version": ".".join(map(str, sys.version_info[:3]))}
     assert out["model"] == {"config": {"model_type": "llama", "hidden_size": 8}, "params": 40, "error": None,
@@ -163,6 +163,8 @@ def test_package_versions_come_from_the_venv_metadata() -> None:
     _, out, _ = run_script({})
     assert out["packages"] == {"mlx": metadata.version("mlx"), "mlx_lm": metadata.version("mlx-lm")}
     assert probe.package_versions() == out["packages"]
+    # This Linux venv has mlx[cpu]: the backend distribution is reported next to mlx, at mlx's version.
+    assert out["mlx_backends"] == {"mlx-cpu": metadata.version("mlx-cpu")}
 
 
 def test_no_argument_means_defaults(tmp_path: Path) -> None:
@@ -774,6 +776,21 @@ def test_versions_come_from_dist_info_names_first_path_wins(tmp_path: Path) -> N
     found = probe.installed_from_paths([str(tmp_path / "missing"), str(first), str(second)], {"mlx", "mlx-lm"})
     # mlx-metal / mlx-cpu are other distributions; an egg-info's `-pyX.Y` tag is not part of the version.
     assert found == {"mlx-lm": "0.30.1", "mlx": "0.29.0"}
+
+
+def test_backend_distributions_are_found_next_to_mlx(tmp_path: Path) -> None:
+    site, later = tmp_path / "site", tmp_path / "later"
+    for d, names in ((site, ["mlx-0.32.4.dist-info", "mlx_lm-0.32.2.dist-info", "mlx_cuda_13-0.32.4.dist-info"]),
+                     (later, ["mlx_cpu-0.31.0.dist-info"])):
+        d.mkdir()
+        for n in names:
+            (d / n).mkdir()
+    wanted = {"mlx", "mlx-lm", *probe.BACKEND_DISTRIBUTIONS}
+    found = probe.installed_from_paths([str(site), str(later)], wanted, enough={"mlx", "mlx-lm"})
+    # The scan ends with the entry holding mlx and mlx-lm: a stray mlx-cpu further down sys.path is not theirs.
+    assert probe.backend_versions(found) == {"mlx-cuda-13": "0.32.4"}
+    everything = probe.installed_from_paths([str(site), str(later)], wanted)
+    assert probe.backend_versions(everything) == {"mlx-cpu": "0.31.0", "mlx-cuda-13": "0.32.4"}
 
 
 def test_in_threads_keeps_order_and_hands_back_errors() -> None:

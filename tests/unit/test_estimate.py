@@ -1,0 +1,43 @@
+"""The training-memory estimate's terms (their coefficients are fitted on measured peaks: benchmarks/bench_memory.py,
+docs/calibration.md). Shapes in, bytes out."""
+
+from __future__ import annotations
+
+from coordinator.estimate import ModelShape, estimate_training_memory, model_shape
+
+# Llama-3.2-1B-like: 16 layers, hidden 2048, MLP 8192, 32 heads (8 kv), vocab 128256.
+CFG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+       "num_key_value_heads": 8, "vocab_size": 128256}
+
+
+def shape() -> ModelShape:
+    s = model_shape(CFG, 1_235_814_400)
+    assert s is not None
+    return s
+
+
+def test_lora_adapters_are_float32_on_every_linear_of_the_trained_blocks() -> None:
+    s = shape()
+    # rank 8 x (in + out): q, o (2048+2048), k, v (2048+512), gate, up, down (2048+8192)
+    assert s.lora_params_per_layer() == 8 * (4096 * 2 + 2560 * 2 + 10240 * 3)
+    est = estimate_training_memory(s, method="lora", batch_per_rank=1, seq_len=128, layers_trained=4)
+    adapters = 4 * s.lora_params_per_layer()
+    assert (est.weights, est.grads, est.optimizer) == (2 * s.params + 4 * adapters, 4 * adapters, 8 * adapters)
+
+
+def test_logits_are_the_largest_term_for_a_large_vocabulary() -> None:
+    est = estimate_training_memory(shape(), method="lora", batch_per_rank=4, seq_len=2048)
+    logits = 10 * 4 * 2048 * 128256
+    assert est.activations > logits > est.weights  # 10.5 GB of logits against 2.5 GB of weights
+
+
+def test_grad_checkpoint_keeps_only_layer_inputs() -> None:
+    full = estimate_training_memory(shape(), method="full", batch_per_rank=4, seq_len=1024)
+    ckpt = estimate_training_memory(shape(), method="full", batch_per_rank=4, seq_len=1024, grad_checkpoint=True)
+    assert ckpt.activations < full.activations and ckpt.weights == full.weights
+
+
+def test_unfused_attention_adds_the_quadratic_scores() -> None:
+    fused = estimate_training_memory(shape(), method="lora", batch_per_rank=1, seq_len=4096)
+    cpu = estimate_training_memory(shape(), method="lora", batch_per_rank=1, seq_len=4096, fused_attention=False)
+    assert cpu.activations - fused.activations == 1 * 32 * 4096 * 4096 * 16  # 1 B x heads x seq^2 x layers
