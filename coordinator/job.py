@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,6 +48,7 @@ from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
 from coordinator.quarantine import QuarantineStore
 from coordinator.shards import MapRow
+from coordinator.supervision import NodeLocks, Supervision, acquire_nodes, acquire_run, clear_stop_request
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 
@@ -92,6 +93,7 @@ class JobOptions:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     accept_new_host_keys: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
+    allow_shared: bool = False  # run on nodes another live run holds (warned), instead of refusing
 
 
 class PreflightFailed(CoordinatorError):
@@ -196,31 +198,37 @@ def hostfile_for(inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -
 
 @dataclass
 class Attempt:
-    """One mlx.launch of the run (the first, or a relaunch after a fault)."""
+    """One mlx.launch of the run (the first, or a relaunch after a fault). `plan` is None for an attempt that
+    `coordinator attach` adopted (its split is its ranks' batches)."""
 
     number: int
     nodes: list[str]
     monitor: Monitor
     launch: Launch
-    plan: Plan
+    plan: Plan | None
 
 
 async def run_job(
-    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = ()
+    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = (),
+    supervision: Supervision | None = None,
 ) -> RunSummary:
-    """Run the playbook until it succeeds, fails for good or is interrupted; always tears down.
+    """Run the playbook until it succeeds, fails for good or is stopped; always tears down (unless a hangup
+    detaches: `Supervision.detach`).
 
     On a fault the attempt is stopped, the culprit node quarantined (persisted), and the run relaunched on the
     remaining nodes from their newest consistent checkpoint with a recomputed plan and hostfile, within
-    `faults.max_restarts` and down to `faults.min_nodes` nodes.
+    `faults.max_restarts` and down to `faults.min_nodes` nodes. The run lock and the nodes' locks are held
+    throughout (RunBusy when another live coordinator has them).
     """
     ui = ui or QuietUI()
+    sup = supervision or Supervision()
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv = usable_inventory(inv, pb, store, ui)
-    with run_context(inv, pb, opts, resume_marker=None) as (run_id, run_dir):
-        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir)
+    with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
+        sup.run_dir = run_dir
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, sup)
 
 
 def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI) -> Inventory:
@@ -238,23 +246,46 @@ def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: J
 
 @contextlib.contextmanager
 def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
-                resume_marker: str | None) -> Iterator[tuple[str, Path]]:
+                resume_marker: str | None, ui: JobUI | None = None) -> Iterator[tuple[str, Path]]:
     """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
-    when given), with the run's structured log open and secrets redacted, for the duration of the block."""
+    when given), with the run's lock and its nodes' locks held (RunBusy when a live coordinator has them) and
+    the run's structured log open, secrets redacted, for the duration of the block."""
     run_id = opts.resume or new_run_id(pb.name)
     run_dir = opts.run_root / run_id
     if opts.resume and not (run_dir / (resume_marker or "")).exists():
         raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
-               *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
-    logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
-    structlog.contextvars.bind_contextvars(run_id=run_id)
+    with supervised_run(run_dir, run_id, inv.nodes, verb="launch", allow_shared=opts.allow_shared, ui=ui):
+        secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
+                   *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
+        logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+        structlog.contextvars.bind_contextvars(run_id=run_id)
+        try:
+            yield run_id, run_dir
+        finally:
+            structlog.contextvars.unbind_contextvars("run_id")
+            logs.close()
+
+
+@contextlib.contextmanager
+def supervised_run(run_dir: Path, run_id: str, nodes: Sequence[Node], *, verb: str, allow_shared: bool,
+                   ui: JobUI | None = None) -> Iterator[NodeLocks]:
+    """Hold the run's lock, then its nodes' locks, for the block. A stop request left from an earlier holder
+    is dropped: it was addressed to a coordinator that is gone."""
+    lock = acquire_run(run_dir, verb, run_id)
     try:
-        yield run_id, run_dir
+        clear_stop_request(run_dir)
+        nodes_locked = acquire_nodes(nodes, verb, run_id, allow_shared=allow_shared)
+        try:
+            if nodes_locked.shared and ui is not None:
+                ui.message("warning: --allow-shared: sharing " + ", ".join(
+                    f"{n} with run {h.run_id if h else '?'}" for n, h in nodes_locked.shared.items()))
+            yield nodes_locked
+        finally:
+            nodes_locked.release()
     finally:
-        structlog.contextvars.unbind_contextvars("run_id")
-        logs.close()
+        clear_stop_request(run_dir)
+        lock.release()
 
 
 async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> FleetState:
@@ -273,81 +304,105 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
-                   store: QuarantineStore, run_id: str, run_dir: Path) -> RunSummary:
-    log = structlog.get_logger("coordinator.job")
-    attempts: list[Attempt] = []
-    recoveries: list[dict[str, Any]] = []
-    message = ""
+                   store: QuarantineStore, run_id: str, run_dir: Path, sup: Supervision) -> RunSummary:
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
-        nodes = list(inv.nodes)
-        resume = opts.resume is not None
-        while True:
-            number = len(attempts)
-            if number:
-                sub = Inventory(tuple(nodes), inv.path)
-                plan, cals = await calibrate_and_plan(fleet, sub, pb, state.facts, opts, ui)
-            attempt = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, number,
-                                         resume=resume, chaos=chaos if number == 0 else (), ui=ui,
-                                         inventory_path=str(Path(inv.path).resolve()) if inv.path else None)
-            attempts.append(attempt)
-            mon = attempt.monitor
-            log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
-                     step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
-            if recoveries and recoveries[-1].get("first_step_at") is None:
-                recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
-            if mon.stopped:
-                message = "interrupted"
-                break
-            if mon.outcome() is RunState.SUCCEEDED:
-                break
-            culprits = mon.culprits()
-            survivors = [n for n in nodes if n.name not in culprits]
-            for name, why in (await _unreachable(fleet, survivors)).items():
-                # Found by the connection check, not by the monitor: still an incident of this attempt.
-                incident = Incident("unreachable", name, None, mon.node_step(name), None,
-                                    {"reason": why, "found_by": "connection check before relaunch"},
-                                    "quarantine", time.monotonic())
-                mon.incidents.append(incident)
-                attempt.launch.record_incident(incident)
-                culprits.append(name)
-            for name in culprits:
-                inc = mon.culprit_incident(name)
-                assert inc is not None  # every culprit was named by one of its incidents
-                store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
-                log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
-                ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
-            survivors = [n for n in survivors if n.name not in culprits]
-            if number >= pb.faults.max_restarts:
-                message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
-                break
-            if len(survivors) < max(1, pb.faults.min_nodes):
-                message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
-                break
-            consistent = mon.last_consistent_step
-            if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
-                # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
-                limit = consistent or 0
-                await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
-                ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
-            failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
-            recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
-                               "detected_at": failed_at, "first_step_at": None,
-                               "nodes": [n.name for n in survivors]})
-            ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
-                       f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
-            nodes = survivors
-            resume = True
+        inventory_path = str(Path(inv.path).resolve()) if inv.path else None
+        first = await _run_attempt(fleet, pb, list(inv.nodes), plan, cals, state.facts, run_id, run_dir, 0,
+                                   resume=opts.resume is not None, chaos=chaos, ui=ui, inventory_path=inventory_path,
+                                   sup=sup)
+        return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup)
+
+
+async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI,
+                    store: QuarantineStore, run_id: str, run_dir: Path, first: Attempt,
+                    facts: dict[str, NodeFacts], sup: Supervision) -> RunSummary:
+    """The fault response after an attempt ended: quarantine its culprits, relaunch on the survivors (or give
+    up), until the run succeeds, fails for good or is stopped; then summary.json. `launch` and `attach` share
+    it, so an adopted attempt's fault is answered as a launched one's. `facts` may lack nodes (attach probes
+    none): they are gathered before a relaunch needs them."""
+    log = structlog.get_logger("coordinator.job")
+    attempts: list[Attempt] = [first]
+    recoveries: list[dict[str, Any]] = []
+    message = ""
+    inventory_path = str(Path(inv.path).resolve()) if inv.path else None
+    nodes = [n for n in inv.nodes if n.name in first.nodes]
+    while True:
+        attempt = attempts[-1]
+        number = attempt.number
+        mon = attempt.monitor
+        log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
+                 step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
+        if recoveries and recoveries[-1].get("first_step_at") is None:
+            recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
+        if mon.stopped:
+            message = sup.message()
+            break
+        if mon.outcome() is RunState.SUCCEEDED:
+            break
+        culprits = mon.culprits()
+        survivors = [n for n in nodes if n.name not in culprits]
+        for name, why in (await _unreachable(fleet, survivors)).items():
+            # Found by the connection check, not by the monitor: still an incident of this attempt.
+            incident = Incident("unreachable", name, None, mon.node_step(name), None,
+                                {"reason": why, "found_by": "connection check before relaunch"},
+                                "quarantine", time.monotonic())
+            mon.incidents.append(incident)
+            attempt.launch.record_incident(incident)
+            culprits.append(name)
+        for name in culprits:
+            inc = mon.culprit_incident(name)
+            assert inc is not None  # every culprit was named by one of its incidents
+            store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
+            log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
+            ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
+        survivors = [n for n in survivors if n.name not in culprits]
+        if sup.stop_reason() is not None:
+            # Asked to stop while this attempt failed: no relaunch.
+            mon.stopped = True
+            message = sup.message()
+            break
+        if number >= pb.faults.max_restarts:
+            message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+            break
+        if len(survivors) < max(1, pb.faults.min_nodes):
+            message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
+            break
+        consistent = mon.last_consistent_step
+        if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
+            # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
+            limit = consistent or 0
+            await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
+            ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
+        failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
+        recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
+                           "detected_at": failed_at, "first_step_at": None,
+                           "nodes": [n.name for n in survivors]})
+        ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
+                   f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
+        nodes = survivors
+        if any(n.name not in facts for n in nodes):
+            gathered = await gather_facts(fleet, pb)
+            facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
+        sub = Inventory(tuple(nodes), inv.path)
+        plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        attempts.append(await _run_attempt(fleet, pb, nodes, plan, cals, facts, run_id, run_dir, number + 1,
+                                           resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup))
     final = attempts[-1]
-    summary = summarize(final.launch, final.monitor, final.plan.split, message)
+    split = final.plan.split if final.plan is not None else final.launch.split()
+    summary = summarize(final.launch, final.monitor, split, message)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
-    summary.attempts = len(attempts)
+    summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
     summary.quarantined = sorted({n for a in attempts for n in a.monitor.culprits()}
                                  | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+    if sup.detach:
+        # The run goes on without us: no summary.json (it is not over); `attach` writes it when it is.
+        summary.state = RunState.RUNNING
+        return summary
     write_summary(run_dir, summary)
     return summary
 
@@ -379,7 +434,7 @@ def _first_step_after(attempt: Attempt, recovery: dict[str, Any]) -> float | Non
 async def _run_attempt(
     fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
-    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
+    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -387,27 +442,47 @@ async def _run_attempt(
     launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=run_id, run_dir=run_dir, resume=resume,
                     view=ui.progress, chaos=chaos, attempt=number)
     launch.inventory_path = inventory_path
+    launch.should_stop = sup.stop_reason
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
                                  "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,
                                  "backend": hostfile.backend, "attempt": number}
     local_hostfile = launch.write_local_files(plan_json)
-    monitor: Monitor | None = None
-    try:
+
+    async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
         await launch.prepare()
         ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
         launch.start_launcher(local_hostfile)
+
+    monitor = await watch(launch, sup, start)
+    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+
+
+async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[None]] | None = None) -> Monitor:
+    """Start the attempt (`start`; None for an adopted one) and monitor it to its end; tear down always, except
+    when a hangup detaches (`sup.detach`): then the ranks and mlx.launch are left running for `attach`.
+    A signal or a stop request ends it with the monitor `stopped`."""
+    monitor: Monitor | None = None
+    try:
+        if start is not None:
+            await start()
         monitor = await launch.monitor()
     except (KeyboardInterrupt, asyncio.CancelledError):
-        monitor = launch.current_monitor
-        if monitor is None:
-            monitor = launch.new_monitor()
+        # The signal handlers (cli.py) cancel the job; the teardown below is the answer, so the cancellation
+        # is consumed here (and the task's count of pending cancellations with it).
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        monitor = launch.current_monitor or launch.new_monitor()
         monitor.stopped = True
     finally:
-        await launch.teardown(monitor or launch.current_monitor)
+        if sup.detach:
+            launch.detach()
+        else:
+            await launch.teardown(monitor or launch.current_monitor)
     assert monitor is not None
-    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+    return monitor
 
 
 __all__ = ["JobOptions", "PreflightFailed", "QuietUI", "RunState", "run_job"]
