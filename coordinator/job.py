@@ -48,7 +48,14 @@ from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
 from coordinator.quarantine import QuarantineStore
 from coordinator.shards import MapRow
-from coordinator.supervision import NodeLocks, Supervision, acquire_nodes, acquire_run, clear_stop_request
+from coordinator.supervision import (
+    NodeLocks,
+    RunBusy,
+    Supervision,
+    acquire_nodes,
+    acquire_run,
+    clear_stop_request,
+)
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 
@@ -254,8 +261,17 @@ def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
     run_dir = opts.run_root / run_id
     if opts.resume and not (run_dir / (resume_marker or "")).exists():
         raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    with supervised_run(run_dir, run_id, inv.nodes, verb="launch", allow_shared=opts.allow_shared, ui=ui):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(supervised_run(run_dir, run_id, inv.nodes, verb="launch",
+                                               allow_shared=opts.allow_shared, ui=ui))
+        except RunBusy:
+            if created:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # a refused new run leaves no empty run dir behind
+            raise
         secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
                    *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
         logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
