@@ -73,6 +73,27 @@ def parse_skip(text: str) -> dict[int, int]:
     return out
 
 
+def read_events(tail: Tail, rank: int, skip: dict[int, int], pids: dict[int, int]) -> list[dict[str, Any]]:
+    """The messages for the new lines of one rank's file. The first `skip[rank]` lines were delivered by an
+    earlier follower: not sent again, but a `started` pid among them is still recorded in `pids`."""
+    out: list[dict[str, Any]] = []
+    for raw in tail.read():
+        delivered = skip.get(rank, 0) > 0
+        if delivered:
+            skip[rank] -= 1
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            if not delivered:
+                out.append({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
+            continue
+        if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
+            pids[rank] = event["pid"]
+        if not delivered:
+            out.append({"src": "event", "rank": rank, "event": event})
+    return out
+
+
 def emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
@@ -91,20 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     pids: dict[int, int] = {}
 
     def drain(rank: int) -> None:
-        for raw in tails[rank].read():
-            delivered = skip.get(rank, 0) > 0
-            if delivered:
-                skip[rank] -= 1
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                if not delivered:
-                    emit({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
-                continue
-            if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
-                pids[rank] = event["pid"]
-            if not delivered:
-                emit({"src": "event", "rank": rank, "event": event})
+        for msg in read_events(tails[rank], rank, skip, pids):
+            emit(msg)
 
     while True:
         for rank in tails:
