@@ -20,7 +20,7 @@ from typing import Any
 from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.hostfile import Hostfile
 from coordinator.inventory import load_inventory
-from coordinator.job import Attempt, JobOptions, JobUI, QuietUI, supervise, supervised_run, watch
+from coordinator.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.launch import Launch, RankPlan, RunSummary, ViewFn, summarize, write_summary
 from coordinator.models import Inventory
 from coordinator.monitor import RunState
@@ -85,7 +85,8 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     run_id = str(meta["run_id"])
     inv = _inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
-    with supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui):
+    with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
+          run_log(run_dir, run_id, inv, pb)):
         sup.run_dir = run_dir
         async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
             await fleet.connect_all()

@@ -272,15 +272,22 @@ def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
                 with contextlib.suppress(OSError):
                     run_dir.rmdir()  # a refused new run leaves no empty run dir behind
             raise
-        secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
-                   *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
-        logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
-        structlog.contextvars.bind_contextvars(run_id=run_id)
-        try:
+        with run_log(run_dir, run_id, inv, pb):
             yield run_id, run_dir
-        finally:
-            structlog.contextvars.unbind_contextvars("run_id")
-            logs.close()
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path, run_id: str, inv: Inventory, pb: Playbook) -> Iterator[None]:
+    """The run's structured log (its file in the run dir, never the terminal), secrets redacted."""
+    secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
+               *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
+    logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    structlog.contextvars.bind_contextvars(run_id=run_id)
+    try:
+        yield
+    finally:
+        structlog.contextvars.unbind_contextvars("run_id")
+        logs.close()
 
 
 @contextlib.contextmanager

@@ -557,7 +557,8 @@ class Launch:
                 if launcher_done_at is None and self._launcher_exited():
                     launcher_done_at = now
                     rc = self.launcher.returncode if self.launcher is not None else None
-                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": rc}))
+                    # An adopted launcher (attach) is not our child: its exit status is unknown (-1).
+                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": -1 if rc is None else rc}))
                 if self.view is not None:
                     self.view(mon, now)
                 outcome = mon.outcome()

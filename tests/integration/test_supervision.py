@@ -7,10 +7,20 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.integration.conftest import RunCli
-from tests.integration.test_faults import Job, jobs, no_rank_left, setup, write_playbook
+from tests.integration.test_faults import (
+    REPO,
+    Job,
+    assert_finished_on_survivors,
+    culprit_incident,
+    jobs,
+    no_rank_left,
+    setup,
+    write_playbook,
+)
 from tests.testbed import TestBed
 
 __all__ = ["jobs"]  # the fixture, shared with test_faults
@@ -125,4 +135,30 @@ def test_a_second_resume_of_a_supervised_run_and_a_launch_on_its_nodes_are_refus
     os.kill(job.proc.pid, signal.SIGTERM)
     rc, summary = job.finish(timeout=120)
     assert rc == 143 and summary["state"] == "stopped"
+    no_rank_left(run_id)
+
+
+def test_after_attach_a_rank_crash_is_quarantined_and_relaunched_as_in_launch(testbed: TestBed, tmp_path: Path,
+                                                                              jobs: list[Job]) -> None:
+    hosts, inv = setup(testbed, tmp_path, 3)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
+    jobs.append(job)
+    job.rank_pid_at_step(0, 3)
+    run_id = job.run_dir().name
+    os.killpg(job.proc.pid, signal.SIGKILL)  # the coordinator dies; mlx.launch and the ranks go on
+    job.proc.wait()
+    # From here on the job's process is `attach` (Job's helpers watch whatever `proc` is).
+    job.proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "attach", run_id, "--run-dir", str(job.runs), "--json"], cwd=REPO,
+        env=job.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lock = job.runs / run_id / "lock"
+    job.wait_for(lambda _: lock.exists() and f'"pid": {job.proc.pid}' in lock.read_text())
+    os.kill(job.rank_pid_at_step(1, 5), signal.SIGKILL)
+    rc, summary = job.finish()
+    crash = culprit_incident(summary, "crash")
+    assert crash["node"] == hosts[1].name and crash["rank"] == 1
+    assert_finished_on_survivors(summary, hosts[1].name)
+    assert rc == 0
+    state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
+    assert list(state["nodes"]) == [hosts[1].name]
     no_rank_left(run_id)
