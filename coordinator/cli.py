@@ -358,8 +358,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
                         allow_shared)
     sup = Supervision(detach_on_hangup=detach_on_hangup)
     if pb.kind == "map":
-        if chaos_specs or metrics_port is not None:
-            raise ConfigError("--chaos and --metrics-port are for training jobs (kind: train)", path=pb.path)
+        if chaos_specs or metrics_port is not None or detach_on_hangup:
+            raise ConfigError("--chaos, --metrics-port and --detach-on-hangup are for training jobs (kind: train)",
+                              path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]

@@ -162,3 +162,27 @@ def test_after_attach_a_rank_crash_is_quarantined_and_relaunched_as_in_launch(te
     state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
     assert list(state["nodes"]) == [hosts[1].name]
     no_rank_left(run_id)
+
+
+def test_sighup_with_detach_on_hangup_leaves_the_run_to_attach(testbed: TestBed, run_cli: RunCli, tmp_path: Path,
+                                                               jobs: list[Job]) -> None:
+    _, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=40), "--detach-on-hangup")
+    jobs.append(job)
+    job.rank_pid_at_step(0, 3)
+    run_id = job.run_dir().name
+    os.kill(job.proc.pid, signal.SIGHUP)
+    out, err = job.proc.communicate(timeout=60)
+    assert job.proc.returncode == 129, err[-3000:]
+    summary = json.loads(out)
+    assert summary["state"] == "running" and f"coordinator attach {run_id}" in err
+    assert not (tmp_path / "runs" / run_id / "summary.json").exists()
+    assert not (tmp_path / "runs" / run_id / "lock").exists()
+    assert any(e.get("what") == "detached" for e in job.events())
+    proc = run_cli("attach", run_id, "--run-dir", str(tmp_path / "runs"), "--json", env=state_env(tmp_path),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attached = json.loads(proc.stdout)
+    assert attached["state"] == "succeeded" and attached["steps"] == 40
+    assert_nothing_quarantined(attached, tmp_path)
+    no_rank_left(run_id)
