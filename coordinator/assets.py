@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -44,22 +45,31 @@ def place(target, make):
         return "present"
     return "created"
 
-data = spec.get("data")
-if data:
-    def write(tmp):
-        for rel, content in sorted(data["files"].items()):
-            path = os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(content)
-    result["data"] = place(data["path"], write)
+def write(tmp):
+    for rel, content in sorted(spec["data"]["files"].items()):
+        path = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(content)
 
-tiny = spec.get("tiny")
-if tiny:
-    from worker.tinymodel import build_tiny_model
-    vocab_from = Path(os.path.expanduser(tiny["data"])) if tiny.get("data") else None
-    result["model"] = place(tiny["path"], lambda tmp: build_tiny_model(
-        Path(tmp), vocab_from, layers=tiny["layers"], hidden=tiny["hidden"], seed=tiny["seed"]))
+def fail(**answer):
+    print(json.dumps(answer))
+    sys.exit(3)
+
+# One JSON line whatever happens: the coordinator shows a node's failure as one line, never a traceback.
+try:
+    if spec.get("data"):
+        result["data"] = place(spec["data"]["path"], write)
+    tiny = spec.get("tiny")
+    if tiny:
+        from worker.tinymodel import build_tiny_model  # numpy; tokenizers, mlx, mlx_lm when it builds
+        vocab_from = Path(os.path.expanduser(tiny["data"])) if tiny.get("data") else None
+        result["model"] = place(tiny["path"], lambda tmp: build_tiny_model(
+            Path(tmp), vocab_from, layers=tiny["layers"], hidden=tiny["hidden"], seed=tiny["seed"]))
+except ImportError as exc:
+    fail(error="missing_module", module=(exc.name or str(exc)).split(".")[0], python=sys.executable)
+except Exception as exc:
+    fail(error="failed", message=" ".join(("%s: %s" % (type(exc).__name__, exc)).split()), python=sys.executable)
 print(json.dumps(result))
 """
 
@@ -97,10 +107,37 @@ async def provision_node(transport: Transport, node: Node, spec: dict[str, Any])
     worker_dir = await ship_worker(transport, node)
     argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(node.python, "-c", _PROVISION)]
     result = await transport.run(argv, stdin=json.dumps(spec), timeout=300)
-    if not result.ok:
-        raise TransportError(node.name, f"could not provision assets: {result.stderr.strip()[-600:]}")
-    answer: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])
-    return answer
+    answer = _last_json(result.stdout)
+    if result.ok and answer is not None and "error" not in answer:
+        return {str(k): str(v) for k, v in answer.items()}
+    raise TransportError(node.name, describe_failure(answer, result.stderr, node.python))
+
+
+# Modules the tiny model needs whose pip package is named differently.
+_PIP_NAMES = {"mlx_lm": "mlx-lm"}
+
+
+def describe_failure(answer: dict[str, Any] | None, stderr: str, python: str) -> str:
+    """One line for a failed provisioning: the missing module and the command that installs it, the node's own
+    error, or the last line of its stderr (never a multi-line traceback)."""
+    exe = str((answer or {}).get("python") or python)
+    if answer is not None and answer.get("error") == "missing_module":
+        module = str(answer.get("module"))
+        return (f"cannot build assets.tiny_model: the node's python {exe} has no module {module!r} "
+                f"(install it: {shlex.quote(exe)} -m pip install {shlex.quote(_PIP_NAMES.get(module, module))})")
+    if answer is not None and answer.get("error"):
+        return f"could not provision assets with {exe}: {answer.get('message') or answer['error']}"
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "no output")
+    return f"could not provision assets with {exe}: {last[-400:]}"
+
+
+def _last_json(stdout: str) -> dict[str, Any] | None:
+    lines = stdout.strip().splitlines()
+    try:
+        value = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 async def provision(fleet: Fleet, pb: Playbook) -> dict[str, dict[str, str] | TransportError]:

@@ -7,11 +7,15 @@ its stderr for progress, parse the one JSON object it prints, and store it under
 the curve). A cached curve is reused unless `recalibrate`; a node whose hardware is unknown is never cached (two
 different machines could then share a key).
 
+Two allowances per node: `time_budget` bounds the timed steps only; `one_time_budget` bounds what a cold machine
+pays once (importing mlx, loading the model, the first, compiling, step of each batch shape). They are reported
+apart, so a first run on a machine whose MLX kernel cache is empty measures the same curve as a warm one.
+
 Failure semantics: one node's failure (ship failed, bench error JSON, no JSON, non-zero exit, timeout after
-`time_budget + TIMEOUT_SLACK_S`) is that node's result: a `CoordinatorError` value in the returned dict, never an
-exception that stops the other nodes. The bench bounds its own run with a watchdog, so a remote bench does not
-outlive its budget even when the SSH channel is dropped on our timeout. A cache file that cannot be read is a
-miss; one that cannot be written is reported through `progress` and otherwise ignored.
+`time_budget + one_time_budget + TIMEOUT_SLACK_S`) is that node's result: a `CoordinatorError` value in the
+returned dict, never an exception that stops the other nodes. The bench bounds its own run with a watchdog, so a
+remote bench does not outlive its budget even when the SSH channel is dropped on our timeout. A cache file that
+cannot be read is a miss; one that cannot be written is reported through `progress` and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from coordinator.transport import Fleet, Transport, python_argv
 CACHE_SCHEMA = 1
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
 TIMEOUT_SLACK_S = 30.0
+DEFAULT_ONE_TIME_BUDGET = 600.0  # imports, model load, first compile of each shape: a cold GPU took 85 s for 10 steps
 STDERR_TAIL_LINES = 20
 
 Progress = Callable[[str, str], None]  # (node name, progress line without its newline)
@@ -130,7 +135,8 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
-def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float) -> list[str]:
+def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
+                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET) -> list[str]:
     """The remote command. The node's inventory env is exported too, so the bench runs as training will."""
     env = [f"{k}={v}" for k, v in node.env if k != "PYTHONPATH"]
     return [
@@ -143,6 +149,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
             "--num-layers", str(spec.num_layers),
             *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
             "--time-budget", f"{time_budget:g}",
+            "--one-time-budget", f"{one_time_budget:g}",
             "--max-batch", str(spec.max_batch),
             "--memory-fraction", f"{spec.memory_fraction:g}",
         ),
@@ -194,6 +201,8 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
     seconds = _number(node, obj, "seconds", optional=True)
     limit = _number(node, obj, "memory_limit", optional=True)
     matmul = _number(node, obj, "matmul_gflops", optional=True)
+    one_time = _number(node, obj, "one_time_total_s", optional=True)
+    measuring = _number(node, obj, "measure_s", optional=True)
     try:
         return NodeCalibration(
             node=node,
@@ -204,6 +213,8 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
             method=str(obj["method"]) if obj.get("method") is not None else None,
             stopped_because=str(obj["stopped_because"]) if obj.get("stopped_because") is not None else None,
             seconds=seconds,
+            one_time_s=one_time,
+            measure_s=measuring,
             device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
             cached=cached,
         )
@@ -234,6 +245,22 @@ def calibration_to_json(
             ],
         })
     return {"nodes": nodes, "split": dict(plan.split)}
+
+
+def describe_bench_time(obj: Mapping[str, Any]) -> str:
+    """One line: how long measuring took and, apart, what the node paid once (import, load, first compiles)."""
+    curve = obj.get("curve") or []
+    parts = [f"measured {len(curve)} point(s) in {float(obj.get('measure_s') or 0):.1f}s of timed steps"]
+    one_time = obj.get("one_time_s")
+    total = obj.get("one_time_total_s")
+    if isinstance(one_time, dict) and isinstance(total, int | float):
+        firsts = one_time.get("first_steps") or {}
+        first_s = sum(v for v in firsts.values() if isinstance(v, int | float)) if isinstance(firsts, dict) else 0.0
+        details = [f"{k} {v:.1f}s" for k, v in one_time.items() if k != "first_steps" and isinstance(v, int | float)]
+        details.append(f"first step of each batch shape {first_s:.1f}s")
+        parts.append(f"one-time {total:.1f}s ({', '.join(details)})")
+    parts.append(f"stopped: {obj.get('stopped_because')}")
+    return "; ".join(parts)
 
 
 def build_cache_record(key: str, node: str, bench: Mapping[str, Any]) -> dict[str, Any]:
@@ -283,18 +310,19 @@ def _write_cache(cache_dir: Path, key: str, node: str, bench: Mapping[str, Any])
 
 
 async def run_bench(
-    transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float, progress: Progress | None = None
+    transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float,
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`).
 
     Raises TransportError (ship failed, timeout) or CalibrationError (no JSON, or a non-zero exit without an
     error JSON explaining it)."""
     worker_dir = await ship_worker(transport, node)
-    argv = build_bench_argv(node, worker_dir, spec, time_budget)
+    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget)
     stdout: list[str] = []
     stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
     status = None
-    async for kind, line in transport.stream(argv, timeout=time_budget + TIMEOUT_SLACK_S):
+    async for kind, line in transport.stream(argv, timeout=time_budget + one_time_budget + TIMEOUT_SLACK_S):
         if kind == "stdout":
             stdout.append(line)
         elif kind == "stderr":
@@ -327,6 +355,7 @@ async def calibrate(
     recalibrate: bool,
     cache_dir: Path,
     time_budget: float = 60.0,
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
     progress: Progress | None = None,
 ) -> dict[str, NodeCalibration | CoordinatorError]:
     """Calibrate every connected node of `fleet` in parallel (nodes that failed to connect keep their
@@ -335,10 +364,12 @@ async def calibrate(
 
     `fingerprints[node]` is the hardware/software fingerprint the caller gathered (see `fingerprint_from_facts`);
     a node without one, or with an unknown one, is measured and not cached. `model_digest` identifies the model's
-    weights. Raises ValueError only for a non-positive `time_budget`.
+    weights. `time_budget` bounds each node's timed steps, `one_time_budget` its one-time costs (see the module
+    docstring). Raises ValueError only for a non-positive budget.
     """
-    if not (time_budget > 0 and math.isfinite(time_budget)):
-        raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
+    for label, value in (("time_budget", time_budget), ("one_time_budget", one_time_budget)):
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{label} must be a positive number of seconds, got {value!r}")
 
     def say(node: str, message: str) -> None:
         if progress is not None:
@@ -353,13 +384,16 @@ async def calibrate(
             if cached is not None:
                 say(node.name, f"calibration cached ({key[:12]})")
                 return cached
-        say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, budget {time_budget:g}s)")
+        say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, {time_budget:g}s of timed steps; "
+                       f"one-time costs up to {one_time_budget:g}s)")
         try:
-            obj = await run_bench(transport, node, spec, time_budget=time_budget, progress=progress)
+            obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
+                                  progress=progress)
             calibration = calibration_from_bench(node.name, obj)
         except CoordinatorError as exc:
             say(node.name, f"calibration failed: {exc}")
             return exc
+        say(node.name, describe_bench_time(obj))
         if key is None:
             say(node.name, "not cached: the node's hardware fingerprint is unknown")
         else:

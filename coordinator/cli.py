@@ -304,11 +304,15 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 
 
 def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
-                 connect_timeout: float, accept_new_host_keys: bool, allow_shared: bool = False) -> JobOptions:
+                 connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False,
+                 allow_degraded: bool = False, allow_shared: bool = False) -> JobOptions:
     from coordinator.job import JobOptions
 
+    if restart_from_scratch and resume is None:
+        raise ConfigError("--restart-from-scratch applies to --resume RUN_ID only")
     return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
                       connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
+                      restart_from_scratch=restart_from_scratch, allow_degraded=allow_degraded,
                       allow_shared=allow_shared)
 
 
@@ -321,6 +325,9 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
 @click.option("--skip-preflight", is_flag=True, help="Launch even if preflight fails (findings are still shown).")
 @click.option("--recalibrate", is_flag=True, help="Measure every node again instead of using cached curves.")
 @click.option("--resume", metavar="RUN_ID", help="Continue RUN_ID from its newest checkpoint that is consistent.")
+@click.option("--restart-from-scratch", is_flag=True,
+              help="With --resume: when no checkpoint is valid, set the invalid ones aside and start at step 0 "
+                   "(without it such a resume refuses).")
 @click.option("--limit", help="Comma-separated node names to run on.")
 @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
 @click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
@@ -330,37 +337,38 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
               help="Address the metrics endpoint binds (0.0.0.0 exposes it to the network).")
 @click.option("--chaos", "chaos_specs", multiple=True, metavar="SPEC",
               help="Inject a fault for drills/tests, e.g. kill:rank=1,step=20 (docs/faults.md). Repeatable.")
+@click.option("--allow-degraded", is_flag=True,
+              help="Start even though quarantined nodes are left out (else: exit 1 unless faults.min_nodes is set).")
 @click.option("--allow-shared", is_flag=True, help="Run on nodes another live run holds (warned) instead of refusing.")
 @click.option("--detach-on-hangup", is_flag=True,
               help="On SIGHUP (a closed terminal) leave the run running for `coordinator attach` instead of stopping it.")
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
-           resume: str | None, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
-           metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...], allow_shared: bool,
-           detach_on_hangup: bool) -> None:
+           resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
+           connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
+           allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
-    from rich.console import Console
-
     from coordinator.chaos import parse_chaos
     from coordinator.job import JobUI, run_job
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.metrics import MetricsServer, MetricsUI
+    from coordinator.plan import describe_prediction
     from coordinator.render import dumps
     from coordinator.supervision import Supervision
 
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys,
-                        allow_shared)
+                        restart_from_scratch, allow_degraded, allow_shared)
     sup = Supervision(detach_on_hangup=detach_on_hangup)
     if pb.kind == "map":
-        if chaos_specs or metrics_port is not None or detach_on_hangup:
-            raise ConfigError("--chaos, --metrics-port and --detach-on-hangup are for training jobs (kind: train)",
-                              path=pb.path)
+        if chaos_specs or metrics_port is not None or restart_from_scratch or detach_on_hangup:
+            raise ConfigError("--chaos, --metrics-port, --restart-from-scratch and --detach-on-hangup are for "
+                              "training jobs (kind: train)", path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
@@ -375,9 +383,12 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         click.echo(dumps(summary.to_json()))
     else:
         style = "green" if summary.state == "succeeded" else "red"
-        console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps} steps, "
+        resumed = summary.resumed_from
+        console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
-                      + (f" ({summary.message})" if summary.message else ""))
+                      + (f"; resumed from step {resumed['step']}" if resumed else "") + _message_note(summary))
+        console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
+                      markup=False, highlight=False)
         _print_incidents(console, summary)
     _exit_for(summary, sup, console)
 
@@ -418,8 +429,30 @@ def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, cons
     sys.exit(0 if summary.state == "succeeded" else 1)
 
 
+def _message_note(summary: RunSummary) -> str:
+    """Why the run ended (a stop, a signal, giving up), for the one-line result; a job error is left to
+    `_print_incidents`, which prints it once with its cause and remedy."""
+    from rich.markup import escape
+
+    if not summary.message or any(i.kind == "job_error" for i in summary.incidents):
+        return ""
+    return escape(f" ({summary.message})")
+
+
 def _print_incidents(console: Console, summary: RunSummary) -> None:
+    from rich.markup import escape
+
+    job_error = next((i for i in summary.incidents if i.kind == "job_error"), None)
+    if job_error is not None:
+        # Printed once, with its remedy; the ranks' own copies of the message are not repeated below.
+        ev = job_error.evidence
+        console.print(f"  [red]job error[/red] ({ev.get('reason')}) on {job_error.node}: {escape(str(ev.get('message')))}",
+                      highlight=False)
+        console.print(escape(f"    cause: {ev.get('cause')}\n    remedy: {ev.get('remedy')}"), highlight=False)
+        console.print(f"    quarantined: {', '.join(summary.quarantined) or 'nobody'}", highlight=False)
     for inc in summary.incidents:
+        if job_error is not None and (inc is job_error or inc.evidence.get("job_error")):
+            continue
         after = "" if inc.detected_after_s is None else f" (detected after {inc.detected_after_s:.1f}s)"
         console.print(f"  [red]{inc.kind}[/red] node {inc.node} rank {inc.rank} step {inc.step}{after}: "
                       f"{inc.action}; {str(inc.evidence)[:300]}")
@@ -438,14 +471,12 @@ def _print_incidents(console: Console, summary: RunSummary) -> None:
 def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool, detach_on_hangup: bool) -> None:
     """Supervise RUN_ID again (after the coordinator that launched it died) until it ends, with the same fault
     response as `launch`. Refused (exit 2) while a live coordinator supervises it."""
-    from rich.console import Console
-
     from coordinator import control
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.render import dumps
     from coordinator.supervision import Supervision
 
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     ui = RichUI(console)
     sup = Supervision(detach_on_hangup=detach_on_hangup)
     try:
@@ -456,7 +487,7 @@ def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool, det
         click.echo(dumps(summary.to_json()))
     else:
         console.print(f"{summary.state} run {summary.run_id}: {summary.steps} steps"
-                      + (f" ({summary.message})" if summary.message else ""))
+                      + _message_note(summary))
         _print_incidents(console, summary)
     _exit_for(summary, sup, console)
 
@@ -486,33 +517,48 @@ def quarantine() -> None:
 
 
 @quarantine.command("list")
+@click.option("-i", "--inventory", help="Only the entries that apply to this inventory's nodes.")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def quarantine_list(as_json: bool) -> None:
-    """Show quarantined nodes and why."""
-    from coordinator.quarantine import QuarantineStore
+def quarantine_list(inventory: str | None, as_json: bool) -> None:
+    """Show quarantined machines: identity (node, address, inventory), reason, age and expiry."""
+    from coordinator.quarantine import QuarantineStore, format_age, inventory_key
     from coordinator.render import dumps
 
-    entries = QuarantineStore().load()
+    now = time.time()
+    state = QuarantineStore().read()
+    for note in state.notes:
+        click.echo(f"coordinator: note: {note}", err=True)
+    entries = state.active(now)
+    if inventory is not None:
+        scope = inventory_key(inventory)
+        entries = [e for e in entries if e.legacy or e.inventory == scope]
     if as_json:
-        click.echo(dumps({n: {"reason": e.reason, "run_id": e.run_id, "t": e.t} for n, e in entries.items()}))
+        click.echo(dumps({"entries": [e.to_json(now) for e in entries]}))
         return
     if not entries:
         click.echo("no node is quarantined")
-    for e in entries.values():
-        click.echo(f"{e.node}\t{e.reason}\trun {e.run_id}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.t))}")
+    for e in entries:
+        until = "until cleared" if e.expires is None else f"expires in {format_age(e.expires - now)}"
+        click.echo(f"{e.identity()}\t{e.reason}\trun {e.run_id}\t{format_age(now - e.t)} ago\t{until}"
+                   + (f"\thost key {e.host_key}" if e.host_key else ""))
 
 
 @quarantine.command("clear")
 @click.argument("node")
+@click.option("-i", "--inventory", help="Only NODE of this inventory (default: every machine named NODE).")
 @handle_errors
-def quarantine_clear(node: str) -> None:
-    """Let NODE take part in launches again."""
-    from coordinator.quarantine import QuarantineStore
+def quarantine_clear(node: str, inventory: str | None) -> None:
+    """Let NODE take part in launches again: by default every quarantined machine of that name, in any
+    inventory; with -i only that inventory's (old-format entries, which apply to any inventory, go too)."""
+    from coordinator.quarantine import QuarantineStore, inventory_key
 
-    if not QuarantineStore().clear(node):
-        raise ConfigError(f"{node} is not quarantined (`coordinator quarantine list`)")
-    click.echo(f"cleared {node}")
+    gone = QuarantineStore().clear(node, inventory=inventory_key(inventory) if inventory else None)
+    if not gone:
+        where = f" in {inventory}" if inventory else ""
+        raise ConfigError(f"{node} is not quarantined{where} (`coordinator quarantine list`)")
+    for e in gone:
+        click.echo(f"cleared {e.identity()}")
 
 
 @main.command()
@@ -525,19 +571,18 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
     """Measure each node's training throughput and split the playbook's global batch by speed (for a `kind: map`
     playbook: each node's examples/s of the task and the input's shards)."""
-    from rich.console import Console
     from rich.table import Table
 
     from coordinator.calibrate import calibration_to_json
     from coordinator.job import calibrate_fleet
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.mapjob import calibrate_map
     from coordinator.plan import format_split
     from coordinator.render import dumps
 
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     opts = _job_options(Path("runs"), False, recalibrate, None, connect_timeout, accept_new_host_keys)
     if pb.split != "calibrated":
         pb = pb.model_copy(update={"split": "calibrated"})  # `calibrate` always measures and shows the calibrated split
@@ -599,7 +644,10 @@ def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, conn
     if output is None:
         click.echo(text, nl=False)
     else:
-        output.write_text(text, encoding="utf-8")
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:  # a missing or unwritable directory is a usage error, not a traceback
+            raise ConfigError(f"-o {output}: cannot write the hostfile ({exc.strerror})") from None
         click.echo(f"wrote {output}", err=True)
 
 

@@ -59,6 +59,11 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: dict[str, Any], inv: Inventory, pb
     launch.remote_run_dirs = dict(meta.get("remote_run_dirs") or {})
     launch.launcher_pid = meta.get("launcher_pid")
     launch.inventory_path = meta.get("inventory")
+    launch.remote_tmp = str(meta.get("remote_tmp_dir") or launch.remote_tmp)
+    # What every attempt of the run carries on, whoever supervises it (`job.supervise`).
+    launch.left_out = list(meta.get("left_out") or [])
+    launch.drill = bool(meta.get("drill"))
+    launch.restart_from_scratch = bool(meta.get("restart_from_scratch"))
     return launch
 
 
@@ -86,7 +91,7 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     inv = _inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
     with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
-          run_log(run_dir, run_id, inv, pb)):
+          run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent)):
         sup.run_dir = run_dir
         async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
             await fleet.connect_all()
@@ -119,6 +124,7 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
         summary = summarize(launch, mon, launch.split(), "stopped by `coordinator stop`")
         summary.state = RunState.STOPPED
         summary.steps = max(summary.steps, int(previous.get("steps") or 0))
+        summary.left_out = list(launch.left_out)
         write_summary(run_dir, summary)
         return summary
 

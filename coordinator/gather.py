@@ -36,7 +36,19 @@ def worker_args(peers: Sequence[Node], playbook: Playbook | None) -> dict[str, A
     if playbook is not None:
         args["hash_dirs"] = [path for _, path in playbook.hashed_dirs()]
         args["model_dir"] = playbook.model
+        if playbook.kind == "train" and playbook.data:
+            args["data_check"] = data_check_args(playbook)
     return args
+
+
+def data_check_args(pb: Playbook) -> dict[str, Any]:
+    """What the trainer will read, for the probe to parse first: train.jsonl (required) and valid.jsonl (the
+    evals; the trainer runs without it, with a warning), and for SFT test.jsonl too, which mlx-lm's loader
+    reads whenever it exists (worker/data.py, worker/dpo.py)."""
+    files: list[list[Any]] = [["train.jsonl", True], ["valid.jsonl", False]]
+    if pb.train.method != "dpo":
+        files.append(["test.jsonl", False])
+    return {"dir": pb.data, "format": "dpo" if pb.train.method == "dpo" else "sft", "files": files}
 
 
 @dataclass(frozen=True)

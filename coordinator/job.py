@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,7 +34,9 @@ from coordinator.launch import (
     LaunchError,
     RankPlan,
     RunSummary,
+    check_run_id,
     new_run_id,
+    node_run_dir,
     set_aside_checkpoints_after,
     summarize,
     write_summary,
@@ -46,7 +48,18 @@ from coordinator.monitor import Incident, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
-from coordinator.quarantine import QuarantineStore
+from coordinator.quarantine import (
+    Entry,
+    LeftOut,
+    QuarantineStore,
+    check_degraded,
+    clear_command,
+    compute_left_out,
+    format_left_out,
+    inventory_key,
+    new_entry,
+)
+from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
 from coordinator.shards import MapRow
 from coordinator.supervision import (
     NodeLocks,
@@ -56,7 +69,7 @@ from coordinator.supervision import (
     acquire_run,
     clear_stop_request,
 )
-from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 
 
 def default_cache_dir() -> Path:
@@ -72,6 +85,9 @@ class JobUI(Protocol):
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None: ...
     def progress(self, monitor: Monitor, now: float) -> None: ...
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None: ...
+    # A launch on fewer nodes than the inventory names: `warning` is the block naming each, why, and the command
+    # that brings it back (shown before anything starts); `nodes` the left-out names (for the live view).
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None: ...
 
 
 class QuietUI:
@@ -90,6 +106,9 @@ class QuietUI:
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         return None
 
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class JobOptions:
@@ -97,9 +116,11 @@ class JobOptions:
     skip_preflight: bool = False
     recalibrate: bool = False
     resume: str | None = None  # run id to continue from its newest consistent checkpoint
+    restart_from_scratch: bool = False  # a resume with only invalid checkpoints sets them aside, starts at step 0
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     accept_new_host_keys: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
+    allow_degraded: bool = False  # a fresh launch may start without quarantined nodes (docs/faults.md)
     allow_shared: bool = False  # run on nodes another live run holds (warned), instead of refusing
 
 
@@ -156,7 +177,8 @@ async def calibrate_and_plan(
     results = await calibrate(
         fleet, bench_spec(pb), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
         model_digest=model_digest(facts), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
-        time_budget=pb.calibration.time_budget, progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
@@ -232,23 +254,56 @@ async def run_job(
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
-    inv = usable_inventory(inv, pb, store, ui)
+    inv, left_out = usable_inventory(inv, pb, store, ui, opts)
     with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
         sup.run_dir = run_dir
-        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, sup)
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
 
 
-def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI) -> Inventory:
-    """The inventory without quarantined nodes; LaunchError below `faults.min_nodes`."""
-    quarantined = store.load()
-    if quarantined:
-        ui.message("quarantined, left out: " + ", ".join(f"{n} ({e.reason})" for n, e in quarantined.items()
-                                                         if n in inv.names()))
-    inv = Inventory(tuple(n for n in inv.nodes if n.name not in quarantined), inv.path)
-    if len(inv.nodes) < max(1, pb.faults.min_nodes):
-        raise LaunchError(f"{len(inv.nodes)} usable node(s) (after quarantine) < faults.min_nodes "
-                          f"{pb.faults.min_nodes}: `coordinator quarantine list` / `clear NODE`")
-    return inv
+def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI,
+                     opts: JobOptions) -> tuple[Inventory, list[LeftOut]]:
+    """The inventory without the nodes this fleet's active quarantine entries leave out, and those (after a
+    warning block naming each). LaunchError (exit 1) below `faults.min_nodes`, or when a fresh launch would start
+    degraded without `--allow-degraded` or a written `faults.min_nodes` (`quarantine.check_degraded`)."""
+    state = store.read()
+    for note in state.notes:
+        ui.message(note)
+    now, scope = time.time(), inventory_key(inv.path)
+    left_out = compute_left_out(inv, scope, state.entries, now)
+    # The match is made without contacting a quarantined node; what known_hosts says about its address tells a
+    # replaced machine (another host key, accepted by the operator) from the one that failed.
+    by_name = {n.name: n for n in inv.nodes}
+    known = {lo.node: known_host_keys(known_hosts_path(by_name[lo.node]), by_name[lo.node].host,
+                                      by_name[lo.node].port or 22)
+             for lo in left_out if lo.entry is not None and lo.entry.host_key}
+    if known:
+        kept = compute_left_out(inv, scope, state.entries, now, known)
+        for lo in left_out:
+            if lo not in kept and lo.entry is not None:
+                ui.message(f"{lo.node}: not left out: its quarantine ({lo.entry.reason}) names host key "
+                           f"{lo.entry.host_key}, which {known_hosts_path(by_name[lo.node])} no longer lists for "
+                           f"{by_name[lo.node].host} (another machine now); "
+                           f"`{clear_command(lo.node, inv.path)}` forgets the entry")
+        left_out = kept
+    if left_out:
+        ui.degraded(format_left_out(left_out, len(inv.nodes), inv.path), [lo.node for lo in left_out])
+    gone = {lo.node for lo in left_out}
+    usable = Inventory(tuple(n for n in inv.nodes if n.name not in gone), inv.path)
+    problem = check_degraded(len(inv.nodes), len(usable.nodes), min_nodes=pb.faults.min_nodes,
+                             min_nodes_explicit="min_nodes" in pb.faults.model_fields_set,
+                             allow_degraded=opts.allow_degraded, fresh=opts.resume is None)
+    if problem is not None:
+        raise LaunchError(problem)
+    return usable, left_out
+
+
+def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str, *, inventory: str | None,
+                    run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
+    """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
+    info = fleet.connected.get(name)
+    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+                               host_key=info.host_key if info is not None else None, now=time.time(),
+                               quarantine_for=quarantine_for))
 
 
 @contextlib.contextmanager
@@ -257,12 +312,14 @@ def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
     """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
     when given), with the run's lock and its nodes' locks held (RunBusy when a live coordinator has them) and
     the run's structured log open, secrets redacted, for the duration of the block."""
+    if opts.resume:
+        check_run_id(opts.resume, what="--resume")
     run_id = opts.resume or new_run_id(pb.name)
     run_dir = opts.run_root / run_id
     if opts.resume and not (run_dir / (resume_marker or "")).exists():
         raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir, opts.run_root)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(supervised_run(run_dir, run_id, inv.nodes, verb="launch",
@@ -272,16 +329,22 @@ def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
                 with contextlib.suppress(OSError):
                     run_dir.rmdir()  # a refused new run leaves no empty run dir behind
             raise
-        with run_log(run_dir, run_id, inv, pb):
+        with run_log(run_dir, run_id, inv, pb, run_root=opts.run_root):
             yield run_id, run_dir
 
 
 @contextlib.contextmanager
-def run_log(run_dir: Path, run_id: str, inv: Inventory, pb: Playbook) -> Iterator[None]:
-    """The run's structured log (its file in the run dir, never the terminal), secrets redacted."""
+def run_log(run_dir: Path, run_id: str, inv: Inventory, pb: Playbook, *,
+            run_root: Path | None = None) -> Iterator[None]:
+    """The run's structured log (its file in the run dir, never the terminal), secrets redacted. ConfigError
+    (exit 2) when the run dir takes no log."""
     secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
                *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
-    logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    try:
+        logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_root or run_dir.parent}: cannot write the run log in {run_dir} "
+                          f"({exc.strerror})") from None
     structlog.contextvars.bind_contextvars(run_id=run_id)
     try:
         yield
@@ -311,6 +374,21 @@ def supervised_run(run_dir: Path, run_id: str, nodes: Sequence[Node], *, verb: s
         lock.release()
 
 
+def make_run_dir(run_dir: Path, run_root: Path) -> None:
+    """Create (or, on resume, reuse) `run_dir` 0700: its files name hosts, users, keys and paths and can quote
+    the job's env. ConfigError (a usage error, exit 2) when it cannot be made or is not this user's."""
+    try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = run_dir.stat().st_uid
+        if owner == os.geteuid():
+            run_dir.chmod(0o700)  # a run dir of an older version, resumed, is tightened too
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_root}: cannot create the run dir {run_dir} ({exc.strerror})") from None
+    if owner != os.geteuid():
+        raise ConfigError(f"--run-dir {run_root}: the run dir {run_dir} belongs to uid {owner}, not to this user "
+                          f"(uid {os.geteuid()}): refusing to write into it")
+
+
 async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> FleetState:
     """Connect, provision assets, probe and preflight; PreflightFailed unless `--skip-preflight`."""
     ui.message(f"connecting to {len(inv.nodes)} node(s)")
@@ -327,31 +405,58 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
-                   store: QuarantineStore, run_id: str, run_dir: Path, sup: Supervision) -> RunSummary:
+                   store: QuarantineStore, run_id: str, run_dir: Path, left_out: Sequence[LeftOut],
+                   sup: Supervision) -> RunSummary:
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
-        inventory_path = str(Path(inv.path).resolve()) if inv.path else None
-        first = await _run_attempt(fleet, pb, list(inv.nodes), plan, cals, state.facts, run_id, run_dir, 0,
-                                   resume=opts.resume is not None, chaos=chaos, ui=ui, inventory_path=inventory_path,
-                                   sup=sup)
-        return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup)
+        nodes = list(inv.nodes)
+        resumed: ResumeDecision | None = None
+        if opts.resume is not None:
+            # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
+            resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+        left = [lo.to_json() for lo in left_out]
+        first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
+                                   resume=opts.resume is not None, chaos=chaos, ui=ui,
+                                   inventory_path=str(Path(inv.path).resolve()) if inv.path else None, sup=sup,
+                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos))
+        return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
+                               resumed=resumed)
+
+
+async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
+                        restart_from_scratch: bool, ui: JobUI) -> ResumeDecision:
+    """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given."""
+    decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
+                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / "events.jsonl")
+    ui.message(decision.describe())
+    return decision
 
 
 async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI,
                     store: QuarantineStore, run_id: str, run_dir: Path, first: Attempt,
-                    facts: dict[str, NodeFacts], sup: Supervision) -> RunSummary:
-    """The fault response after an attempt ended: quarantine its culprits, relaunch on the survivors (or give
-    up), until the run succeeds, fails for good or is stopped; then summary.json. `launch` and `attach` share
-    it, so an adopted attempt's fault is answered as a launched one's. `facts` may lack nodes (attach probes
-    none): they are gathered before a relaunch needs them."""
+                    facts: dict[str, NodeFacts], sup: Supervision, *,
+                    resumed: ResumeDecision | None = None) -> RunSummary:
+    """The fault response after an attempt ended: stop on a job error (nobody quarantined; nodes this run
+    blamed for the same error released), else quarantine its culprits (a drill's only for this run) and
+    relaunch on the survivors after a resume check (or give up), until the run succeeds, fails for good or is
+    stopped; then summary.json. `launch` and `attach` share it, so an adopted attempt's fault is answered as a
+    launched one's. `facts` may lack nodes (attach probes none): they are gathered before a relaunch needs them.
+    `first.launch` carries what every attempt keeps: the left-out nodes, the drill flag, --restart-from-scratch."""
     log = structlog.get_logger("coordinator.job")
     attempts: list[Attempt] = [first]
     recoveries: list[dict[str, Any]] = []
     message = ""
+    earlier_errors: dict[str, frozenset[str]] = dict(first.launch.earlier_errors)  # signature -> nodes (Monitor)
+    blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
+    released: list[str] = []
     inventory_path = str(Path(inv.path).resolve()) if inv.path else None
+    scope = inventory_key(inv.path)
+    drill, left_out = first.launch.drill, first.launch.left_out
+    restart_from_scratch = first.launch.restart_from_scratch
     nodes = [n for n in inv.nodes if n.name in first.nodes]
     while True:
         attempt = attempts[-1]
@@ -366,6 +471,24 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             break
         if mon.outcome() is RunState.SUCCEEDED:
             break
+        if mon.job_error is not None:
+            # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
+            # the work to another node, are released.
+            signature = mon.job_error.evidence.get("signature")
+            released = [n for n, sig in blamed_for.items() if sig == signature]
+            for name in released:
+                store.clear(name, inventory=scope)
+                log.warning("released", node=name, reason="the same error followed the work: a job error")
+                for earlier in attempts[:-1]:
+                    _clear_blame(earlier.monitor, name)
+            message = job_error_message(mon.job_error, released)
+            log.error("job_error", **{k: v for k, v in mon.job_error.evidence.items() if k != "traceback"})
+            break
+        for err in mon.own_errors.values():
+            earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
+        if (fault := mon.job_fault()) is not None:
+            message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
+            break
         culprits = mon.culprits()
         survivors = [n for n in nodes if n.name not in culprits]
         for name, why in (await _unreachable(fleet, survivors)).items():
@@ -379,7 +502,17 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
         for name in culprits:
             inc = mon.culprit_incident(name)
             assert inc is not None  # every culprit was named by one of its incidents
-            store.add(name, f"{inc.kind} at step {inc.step}", run_id=run_id, incident=inc.to_json())
+            if drill:
+                # A drill's culprit is the fault it injected: left out of the rest of this run, never of
+                # later ones (nothing would mark such an entry as a drill).
+                log.warning("left_out_of_drill", node=name, kind=inc.kind, step=inc.step)
+                ui.message(f"left {name} out of this drill run: {inc.kind} at step {inc.step} "
+                           "(a --chaos drill persists no quarantine)")
+                continue
+            quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=scope,
+                            run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
+            if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
+                blamed_for[name] = inc.evidence["signature"]
             log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
             ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
         survivors = [n for n in survivors if n.name not in culprits]
@@ -412,22 +545,53 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
         sub = Inventory(tuple(nodes), inv.path)
         plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
+        try:
+            decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
+        except ResumeRefused as exc:
+            message = str(exc)
+            break
+        recoveries[-1]["resumed_from"] = decision.step or 0
         attempts.append(await _run_attempt(fleet, pb, nodes, plan, cals, facts, run_id, run_dir, number + 1,
-                                           resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup))
+                                           resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup,
+                                           earlier_errors=earlier_errors,
+                                           restart_from_scratch=restart_from_scratch, left_out=left_out,
+                                           drill=drill))
     final = attempts[-1]
     split = final.plan.split if final.plan is not None else final.launch.split()
-    summary = summarize(final.launch, final.monitor, split, message)
+    predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
+    summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
-    summary.quarantined = sorted({n for a in attempts for n in a.monitor.culprits()}
-                                 | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+    summary.resumed_from = resumed.to_json() if resumed is not None else None
+    summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
+                                  | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+                                 - set(released))
+    summary.left_out = list(left_out)
     if sup.detach:
         # The run goes on without us: no summary.json (it is not over); `attach` writes it when it is.
         summary.state = RunState.RUNNING
         return summary
     write_summary(run_dir, summary)
     return summary
+
+
+def _clear_blame(mon: Monitor, node: str) -> None:
+    """An earlier attempt's error incidents on `node` were the job's after all: no longer a culprit's."""
+    for idx, inc in enumerate(mon.incidents):
+        if inc.node == node and inc.kind == "error" and inc.action == "quarantine":
+            mon.incidents[idx] = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
+
+
+def job_error_message(incident: Incident, released: Sequence[str] = ()) -> str:
+    """The one message a job error ends the run with: what failed, why it is the job's, cause and remedy."""
+    ev = incident.evidence
+    text = (f"job error ({ev.get('reason')}): {ev.get('message')}; cause: {ev.get('cause')}; "
+            f"remedy: {ev.get('remedy')}; ")
+    if released:
+        return text + f"released from quarantine: {', '.join(released)} (the error was the job's)"
+    return text + "no node quarantined"
 
 
 async def _unreachable(fleet: Fleet, nodes: Sequence[Node]) -> dict[str, str]:
@@ -458,6 +622,8 @@ async def _run_attempt(
     fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
+    earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
+    left_out: Sequence[dict[str, str]] = (), drill: bool = False,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -465,6 +631,10 @@ async def _run_attempt(
     launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=run_id, run_dir=run_dir, resume=resume,
                     view=ui.progress, chaos=chaos, attempt=number)
     launch.inventory_path = inventory_path
+    launch.earlier_errors = dict(earlier_errors or {})
+    launch.restart_from_scratch = restart_from_scratch
+    launch.left_out = list(left_out)
+    launch.drill = drill
     launch.should_stop = sup.stop_reason
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,

@@ -32,11 +32,12 @@ from coordinator.facts.model import NodeFacts
 from coordinator.hostfile import Hostfile, build_hostfile
 from coordinator.logs import current_redactor
 from coordinator.models import Connection, Inventory, Node
-from coordinator.monitor import FaultPolicy, Incident, Monitor, Observation, RunState
+from coordinator.monitor import JOB_ERROR, FaultPolicy, Incident, Monitor, Observation, RunState
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
+from coordinator.yamlsrc import NAME_PATTERN
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -77,22 +78,53 @@ def new_run_id(name: str, now: datetime | None = None) -> str:
     return f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
+# A run id is a path component on both sides and part of the temp dir's name, `mlxc-<run id>-<16 hex>`: at
+# most 255 bytes in all. A new one is the playbook name (<= yamlsrc.MAX_NAME_LENGTH) plus 21 characters.
+MAX_RUN_ID_LENGTH = 255 - len("mlxc-") - 1 - 16
+
+
+def check_run_id(run_id: str, *, what: str = "run id") -> str:
+    """A run id given by a user (`--resume RUN_ID`): ConfigError unless it could be one of ours. It becomes a
+    path component here and on every node, and part of shell lines there."""
+    if not NAME_PATTERN.fullmatch(run_id) or run_id in (".", ".."):
+        raise ConfigError(f"{what} {run_id!r}: not a run id (letters, digits, '_', '.' and '-', as in "
+                          "runs/<run id>/)")
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        raise ConfigError(f"{what}: a run id of {len(run_id)} characters; at most {MAX_RUN_ID_LENGTH} (it is part "
+                          "of file names, which are limited to 255 bytes)")
+    return run_id
+
+
 def node_run_dir(node: Node, run_id: str) -> str:
     """The node's own dir for a run. The node name is part of it so that nodes sharing a filesystem (local
     nodes, an NFS home) never write into each other's checkpoints."""
     return f"{node.workdir.rstrip('/')}/runs/{run_id}/{node.name}"
 
 
-def remote_tmp_dir(run_id: str) -> str:
-    """Same path on every node: mlx.launch has ONE --cwd and ONE command for all ranks."""
-    return f"/tmp/mlxc-{run_id}"
+TMP_PREFIX = "/tmp/mlxc-"
+
+
+def remote_tmp_dir(run_id: str, token: str) -> str:
+    """An attempt's temp dir (the rank script), the same path on every node: mlx.launch has ONE --cwd and ONE
+    command for all ranks, so it cannot be each node's own mkdtemp. `token` is a fresh random per attempt: nobody
+    can create the path before the attempt does, and `worker.privatedir` refuses it unless it is a 0700 dir of
+    the SSH user (docs/faults.md, "Temp dirs")."""
+    return f"{TMP_PREFIX}{run_id}-{token}"
+
+
+def build_tmp_cleanup(run_id: str) -> str:
+    """sh: remove the run's temp dirs on a node, of every attempt (a coordinator that died leaves its own):
+    only real directories owned by the SSH user, never another user's dir that merely matches the name."""
+    parent, prefix = TMP_PREFIX.rsplit("/", 1)
+    return (f"find {shlex.quote(parent + '/')} -maxdepth 1 -type d -name {shlex.quote(prefix + run_id + '-*')} "
+            '-user "$(id -u)" -exec rm -rf {} + 2>/dev/null')
 
 
 # --- pure builders -------------------------------------------------------------------------------------------
 
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = ()) -> dict[str, Any]:
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> dict[str, Any]:
     """The worker's run.json (identical on every node; each rank finds its node's run dir by its rank)."""
     t = pb.train
     return {
@@ -106,6 +138,8 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "max_seq_length": t.max_seq_length,
         "grad_accumulation": t.grad_accumulation,
         "grad_checkpoint": t.grad_checkpoint,
+        "packing": t.packing,
+        "train_embeddings": t.train_embeddings,
         "num_layers": t.num_layers,
         "save_every": t.save_every,
         "steps_per_eval": t.steps_per_eval,
@@ -118,6 +152,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
         "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
         "resume": resume,
+        **({"restart_from_scratch": True} if restart_from_scratch else {}),
         "heartbeat_s": 1.0,
         "consistency_every": pb.faults.consistency_every,
         # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
@@ -130,7 +165,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
 
 def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
                       env: Mapping[int, Mapping[str, str]] | None = None) -> str:
-    """/tmp/mlxc-<run>/rank: (rank, node run dir, python, worker dir) for every rank, plus each rank's node
+    """/tmp/mlxc-<run>-<token>/rank: (rank, node run dir, python, worker dir) for every rank, plus each rank's node
     `env` from the inventory (mlx.launch's --env is global). mlx.launch runs `sh rank` for every rank with
     MLX_RANK set; the script picks that rank's python, dir and environment."""
     lines = [
@@ -241,6 +276,16 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def write_private(path: Path, text: str, *, mode: int = 0o600) -> None:
+    """Write a run-dir file atomically, `mode` from its creation on (never readable by others on the way)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fd, mode)  # a leftover tmp of a dead pid with the same number keeps its old mode otherwise
+        fh.write(text)
+    os.replace(tmp, path)
+
+
 # --- the summary -----------------------------------------------------------------------------------------------
 
 
@@ -253,19 +298,25 @@ class RunSummary:
     split: dict[str, float]
     incidents: list[Incident] = field(default_factory=list)
     checkpoint: str | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the run's: median over its steps of all ranks' tokens / step wall time
     run_dir: str = ""
     message: str = ""
     attempts: int = 1
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
+    iters: int | None = None
+    predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.resume.ResumeDecision)
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "nodes": self.nodes,
-                "split": self.split, "incidents": [i.to_json() for i in self.incidents],
-                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s, "run_dir": self.run_dir,
+        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
+                "nodes": self.nodes, "split": self.split, "incidents": [i.to_json() for i in self.incidents],
+                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
                 "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined}
+                "quarantined": self.quarantined, "resumed_from": self.resumed_from,
+                "degraded": bool(self.left_out), "left_out": self.left_out}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -273,25 +324,48 @@ class RunSummary:
 _WRITE_FILES = (
     "import json, os, sys\n"
     "spec = json.load(sys.stdin)\n"
+    "dir_mode = int(sys.argv[1], 8) if len(sys.argv) > 1 else None\n"
     "for path, (content, mode) in spec.items():\n"
     "    path = os.path.expanduser(path)\n"
     "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+    "    if dir_mode is not None:\n"
+    "        os.chmod(os.path.dirname(path), dir_mode)\n"
     "    tmp = '%s.tmp-%d-%s' % (path, os.getpid(), os.urandom(4).hex())  # writers may share a filesystem\n"
-    "    with open(tmp, 'w') as fh:\n"
+    "    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 'w') as fh:\n"
     "        fh.write(content)\n"
-    "    os.chmod(tmp, int(mode, 8))\n"
+    "        os.fchmod(fh.fileno(), int(mode, 8))\n"
     "    os.replace(tmp, path)\n"
     "print(json.dumps({p: os.path.realpath(os.path.expanduser(p)) for p in spec}))\n"
 )
 
 
-async def write_remote_files(transport: Transport, node: Node, files: Mapping[str, tuple[str, str]]) -> dict[str, str]:
-    """Write {path: (content, octal mode)} on the node atomically; returns the resolved absolute paths."""
-    result = await transport.run(python_argv(node.python, "-c", _WRITE_FILES), stdin=json.dumps(files), timeout=30)
+async def write_remote_files(transport: Transport, node: Node, files: Mapping[str, tuple[str, str]], *,
+                             dir_mode: str | None = None) -> dict[str, str]:
+    """Write {path: (content, octal mode)} on the node atomically (never readable by others on the way);
+    `dir_mode` also sets each file's directory's mode. Returns the resolved absolute paths."""
+    argv = python_argv(node.python, "-c", _WRITE_FILES, *([dir_mode] if dir_mode else []))
+    result = await transport.run(argv, stdin=json.dumps(files), timeout=30)
     if not result.ok:
         raise TransportError(node.name, f"could not write run files: {result.stderr.strip()[-400:]}")
     resolved: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])
     return resolved
+
+
+async def write_private_files(transport: Transport, node: Node, worker_dir: str, path: str,
+                              files: Mapping[str, tuple[str, str]]) -> None:
+    """Create (or accept only if already private to the SSH user) the dir `path` on the node and write
+    {name: (content, octal mode)} into it (`worker.privatedir`); TransportError naming why it was refused."""
+    argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(node.python, "-m", "worker.privatedir")]
+    result = await transport.run(argv, stdin=json.dumps({"dir": path, "files": files}), timeout=30)
+    lines = result.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if result.ok and isinstance(answer, dict) and answer.get("dir") == path:
+        return
+    why = answer.get("error") if isinstance(answer, dict) else None
+    raise TransportError(node.name, f"temp dir: {why or result.stderr.strip()[-400:] or f'exit {result.exit_status}'}")
 
 
 ViewFn = Callable[[Monitor, float], None]
@@ -327,8 +401,12 @@ class Launch:
         self.chaos = list(chaos)
         self.attempt = attempt
         self.inventory_path: str | None = None
+        self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
+        self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
+        self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
+        self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
         # Polled every tick: a reason (a signal, `coordinator stop`) ends the attempt as `stopped`.
         self.should_stop: Callable[[], str | None] | None = None
         f = playbook.faults
@@ -338,6 +416,8 @@ class Launch:
         self.nodes = list(dict.fromkeys(r.node.name for r in ranks))
         self.node_by_name = {r.node.name: r.node for r in ranks}
         self.remote_run_dirs: dict[str, str] = {}
+        self.worker_dirs: dict[str, str] = {}
+        self.remote_tmp = remote_tmp_dir(run_id, secrets.token_hex(8))  # this attempt's; see remote_tmp_dir
         self.launcher: subprocess.Popen[bytes] | None = None
         self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
@@ -359,13 +439,14 @@ class Launch:
     async def prepare(self) -> None:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
-        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos)
+        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
+                                  restart_from_scratch=self.restart_from_scratch)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:
             node = self.node_by_name[name]
             transport = self.fleet.transports[name]
-            worker_dir = await ship_worker(transport, node)
+            worker_dir = self.worker_dirs[name] = await ship_worker(transport, node)
             run_dir = node_run_dir(node, self.run_id)
             if self.resume:
                 # The follower reads rank files from the start: archive the previous attempt's events so its
@@ -373,10 +454,11 @@ class Launch:
                 rotate = (f"cd {shell_path(run_dir)}/events 2>/dev/null || exit 0; s=$(date +%s); "
                           'for f in rank*.jsonl; do [ -f "$f" ] && mv "$f" "$f.$s"; done; exit 0')
                 await transport.run(["sh", "-c", rotate], timeout=30)
+            # run.json holds the node's paths: 0600 in a 0700 dir, like everything the run writes there.
             written = await write_remote_files(transport, node, {
-                f"{run_dir}/run.json": (json.dumps({**config, "run_dir": run_dir}, indent=2), "644"),
-                f"{run_dir}/events/.keep": ("", "644"),
-            })
+                f"{run_dir}/run.json": (json.dumps({**config, "run_dir": run_dir}, indent=2), "600"),
+                f"{run_dir}/events/.keep": ("", "600"),
+            }, dir_mode="700")
             resolved = os.path.dirname(written[f"{run_dir}/run.json"])
             self.remote_run_dirs[name] = resolved
             return [(r.rank, resolved, self._python_for(node), worker_dir) for r in self.ranks if r.node.name == name]
@@ -389,34 +471,36 @@ class Launch:
             assert not isinstance(r, BaseException)
             entries += r
         # The job env travels only in this script (never mlx.launch's argv, which `ps` shows, nor the hostfile):
-        # it may hold secrets. The script is 0700 and deleted at teardown.
+        # it may hold secrets. The script is 0700 in this attempt's private temp dir, deleted at teardown.
         job_env = self.pb.job_env()
         script = build_rank_script(self.run_id, sorted(entries),
                                    {r.rank: {**job_env, **r.node.env_dict} for r in self.ranks})
-        tmp = remote_tmp_dir(self.run_id)
         results2 = await asyncio.gather(
-            *(write_remote_files(self.fleet.transports[n], self.node_by_name[n], {f"{tmp}/rank": (script, "700")})
+            *(write_private_files(self.fleet.transports[n], self.node_by_name[n], self.worker_dirs[n],
+                                  self.remote_tmp, {"rank": (script, "700")})
               for n in self.nodes), return_exceptions=True)
         errors = [r for r in results2 if isinstance(r, BaseException)]
         if errors:
             raise LaunchError("could not write rank scripts: " + "; ".join(str(e) for e in errors))
 
     def write_local_files(self, plan_json: Mapping[str, Any]) -> Path:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """The run dir's files, 0600 (0700 for the ssh wrapper) in the 0700 run dir: they name hosts, users,
+        keys and paths, and the hostfile carries the job's env."""
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.pb.path:
             text = current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8"))
-            (self.run_dir / "playbook.yaml").write_text(str(text), encoding="utf-8")
-        (self.run_dir / "plan.json").write_text(json.dumps(plan_json, indent=2) + "\n", encoding="utf-8")
+            write_private(self.run_dir / "playbook.yaml", str(text))
+        write_private(self.run_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
         hostfile = self.run_dir / "hostfile.json"
-        hostfile.write_text(json.dumps(self.hostfile.to_json(), indent=2) + "\n", encoding="utf-8")
+        write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
         ssh_config = self.run_dir / "ssh_config"
-        ssh_config.write_text(build_ssh_config([r.node for r in self.ranks]), encoding="utf-8")
+        write_private(ssh_config, build_ssh_config([r.node for r in self.ranks]))
         bindir = self.run_dir / "bin"
-        bindir.mkdir(exist_ok=True)
+        bindir.mkdir(mode=0o700, exist_ok=True)
         real_ssh = _which("ssh") or "/usr/bin/ssh"
-        wrapper = bindir / "ssh"
-        wrapper.write_text(build_ssh_wrapper(ssh_config.resolve(), real_ssh), encoding="utf-8")
-        wrapper.chmod(0o755)
+        write_private(bindir / "ssh", build_ssh_wrapper(ssh_config.resolve(), real_ssh), mode=0o700)
+        for name in ("events.jsonl", "launcher.log"):  # appended to later: created 0600 now
+            os.close(os.open(self.run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         return hostfile
 
     # running ------------------------------------------------------------------------------------------------
@@ -424,9 +508,9 @@ class Launch:
     def start_launcher(self, hostfile: Path) -> None:
         env = dict(os.environ)
         env["PATH"] = f"{(self.run_dir / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}"
-        argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, remote_tmp_dir(self.run_id),
+        argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, self.remote_tmp,
                                    pick_port(len(self.ranks) * 2), {})
-        (self.run_dir / "launcher.argv").write_text(shlex.join(argv) + "\n", encoding="utf-8")
+        write_private(self.run_dir / "launcher.argv", shlex.join(argv) + "\n")
         if self._launcher_stdin is not None:
             os.close(self._launcher_stdin)
         self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / "launcher.log", env)
@@ -439,12 +523,12 @@ class Launch:
             "playbook": str(Path(self.pb.path).resolve()) if self.pb.path else None,
             "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size,
                        "calibrated_tokens_per_s": r.calibrated_tokens_per_s} for r in self.ranks],
-            "remote_run_dirs": self.remote_run_dirs, "launcher_pid": self.launcher.pid if self.launcher else None,
+            "remote_run_dirs": self.remote_run_dirs, "remote_tmp_dir": self.remote_tmp,
+            "launcher_pid": self.launcher.pid if self.launcher else None,
             "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
+            "left_out": self.left_out, "drill": self.drill, "restart_from_scratch": self.restart_from_scratch,
         }
-        tmp = self.run_dir / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(self.run_dir / "meta.json")
+        write_private(self.run_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
         """Feed the monitor what `worker.follow` on the node reports, over the node's own connection. A channel
@@ -526,7 +610,7 @@ class Launch:
         plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
-                              * self.pb.train.rows_per_example)
+                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
@@ -569,8 +653,7 @@ class Launch:
                 if outcome is RunState.SUCCEEDED:
                     return mon
                 if outcome is not None and mon.settled(now):
-                    for incident in mon.resolve():
-                        self._record_incident(sink, incident, revised=True)
+                    self._resolve(sink, mon)
                     return mon
                 if launcher_done_at is None or now - launcher_done_at <= FINISH_GRACE_S:
                     continue
@@ -586,7 +669,13 @@ class Launch:
                 # A fault is known but not yet attributed (a node that vanished is found only by its silence):
                 # mlx.launch exiting after it is no news; `settled` is bounded by the heartbeat timeout.
                 if now - launcher_done_at > FINISH_GRACE_S + self.policy.heartbeat_timeout + 1.0:
+                    self._resolve(sink, mon)
                     return mon
+
+    def _resolve(self, sink: Any, mon: Monitor) -> None:
+        """Record the settled verdict: revised incidents (`revised: true`) and a new `job_error`, if any."""
+        for incident in mon.resolve():
+            self._record_incident(sink, incident, revised=incident.kind != JOB_ERROR)
 
     def _launcher_exited(self) -> bool:
         if self.launcher is not None:
@@ -664,7 +753,7 @@ class Launch:
             script = (f"for p in {kill}; do kill -CONT $p; kill -TERM $p; done 2>/dev/null; " if kill else "") + \
                 f"pkill -CONT -f {config}; pkill -TERM -f {config}; sleep 1; " + \
                 (f"for p in {kill}; do kill -KILL $p; done 2>/dev/null; " if kill else "") + \
-                f"pkill -KILL -f {config}; pkill -f {follower}; rm -rf {shlex.quote(remote_tmp_dir(self.run_id))}; exit 0"
+                f"pkill -KILL -f {config}; pkill -f {follower}; {build_tmp_cleanup(self.run_id)}; exit 0"
             with contextlib.suppress(TransportError):
                 await transport.run(["sh", "-c", script], timeout=15)
             del node
@@ -700,28 +789,29 @@ def _which(name: str) -> str | None:
     return shutil.which(name)
 
 
-def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "") -> RunSummary:
+def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
+              predicted_tokens_per_s: float | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
     nodes = []
-    tok = 0.0
     for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
         nodes.append({"name": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
                       "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory": view.peak_memory,
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
-        tok += view.tokens_per_s or 0.0
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
+    run_rate = mon.run_tokens_per_s()
     return RunSummary(run_id=launch.run_id, state=state, steps=mon.step(), nodes=nodes, split=dict(split),
-                      incidents=list(mon.incidents), checkpoint=ckpt, tokens_per_s=round(tok, 2) or None,
-                      run_dir=str(launch.run_dir), message=message)
+                      incidents=list(mon.incidents), checkpoint=ckpt,
+                      tokens_per_s=round(run_rate, 2) if run_rate is not None else None,
+                      run_dir=str(launch.run_dir), message=message, iters=mon.iters,
+                      predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
+                                              if predicted_tokens_per_s else None))
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:
     path = run_dir / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
     # Evidence can quote a traceback or an env: the active redactor blanks every secret the run knows of.
-    tmp.write_text(json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_private(path, json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n")
     return path
 
 

@@ -1,5 +1,7 @@
 """The live view of a run (rich): per rank node, step, loss, tok/s against its calibrated rate, memory, last
-heartbeat, ETA. Also the text printed when stdout is not a terminal (one line every few seconds)."""
+heartbeat, ETA. Also the text printed when stdout is not a terminal (CI logs, `| tee`, `nohup`): one plain line
+when the run has advanced by a tenth of its steps or PLAIN_EVERY_S passed, a line every PLAIN_IDLE_S while it
+stands still, and always a last line with the true final step and state when the view closes."""
 
 from __future__ import annotations
 
@@ -12,11 +14,22 @@ from rich.table import Table
 
 from coordinator.models import PreflightReport
 from coordinator.monitor import Monitor
-from coordinator.plan import NodeCalibration, Plan, format_split
+from coordinator.plan import PREDICTION_TOLERANCE, NodeCalibration, Plan, format_split, prediction_gap
 from coordinator.render import render_preflight
 from coordinator.shards import MapRow
 
 PLAIN_EVERY_S = 5.0
+PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for minutes looks like a hang
+PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """The console the verbs print to. Piped (not a terminal), lines are never wrapped at rich's default 80
+    columns: a log line must stay one line for grep and for whoever reads the CI log."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -27,15 +40,20 @@ def _fmt_s(seconds: float | None) -> str:
         f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def build_table(mon: Monitor, now: float) -> Table:
+def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
     eta = mon.eta_s(now)
-    table = Table(title=f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}", title_justify="left")
+    title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
     for col in ("rank", "node", "state", "step", "loss", "tok/s (calibrated)", "peak mem", "heartbeat"):
         table.add_column(col, justify="right" if col in ("rank", "step", "loss", "peak mem") else "left")
     for v in sorted(mon.ranks.values(), key=lambda r: r.rank):
         rate = "-" if v.tokens_per_s is None else f"{v.tokens_per_s:,.0f}"
         if v.calibrated_tokens_per_s:
-            rate += f" ({v.calibrated_tokens_per_s:,.0f})"
+            gap = prediction_gap(v.tokens_per_s, v.calibrated_tokens_per_s)
+            off = f", [yellow]{100 * gap:+.0f}%[/yellow]" if gap is not None and abs(gap) > PREDICTION_TOLERANCE else ""
+            rate += f" ({v.calibrated_tokens_per_s:,.0f}{off})"
         mem = "-" if v.peak_memory is None else f"{v.peak_memory / 1024**3:.2f} GiB"
         beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
         table.add_row(str(v.rank), v.node, str(v.state), str(v.step), "-" if v.loss is None else f"{v.loss:.4f}",
@@ -45,10 +63,13 @@ def build_table(mon: Monitor, now: float) -> Table:
     return table
 
 
-def build_map_table(rows: Sequence[MapRow]) -> Table:
+def build_map_table(rows: Sequence[MapRow], left_out: Sequence[str] = ()) -> Table:
     done, total = sum(r.done for r in rows), sum(r.rows for r in rows)
     etas = [r.eta_s for r in rows if r.eta_s is not None]
-    table = Table(title=f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}", title_justify="left")
+    title = f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}"
+    if left_out:
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
     for col in ("node", "state", "rows", "rows/s (calibrated)", "ETA", "last word"):
         table.add_column(col, justify="right" if col in ("rows", "ETA") else "left")
     for r in rows:
@@ -66,10 +87,17 @@ class RichUI:
         self.show_preflight = show_preflight
         self.live: Live | None = None
         self._last_plain = 0.0
+        self._plain_step = -1
+        self._monitor: Monitor | None = None  # the latest one shown (a relaunch brings a new one)
+        self.left_out: list[str] = []  # inventory nodes the run started without (`degraded`)
 
     def message(self, text: str) -> None:
         if self.live is None:
             self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        self.left_out = list(nodes)
+        self.console.print(warning, style="bold yellow", markup=False, highlight=False)
 
     def preflight(self, report: PreflightReport) -> None:
         if self.show_preflight and not report.ok():
@@ -87,32 +115,73 @@ class RichUI:
                            + (f"  ({cached} cached)" if cached else ""))
 
     def progress(self, mon: Monitor, now: float) -> None:
+        self._monitor = mon
         if self.console.is_terminal:
             if self.live is None:
-                self.live = Live(build_table(mon, now), console=self.console, refresh_per_second=4, transient=False)
+                self.live = Live(build_table(mon, now, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
                 self.live.start()
             else:
-                self.live.update(build_table(mon, now))
-        elif now - self._last_plain >= PLAIN_EVERY_S:
-            self._last_plain = now
-            ranks = " ".join(f"{v.node}:{v.step}" for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
-            loss = next((v.loss for v in mon.ranks.values() if v.loss is not None), None)
-            self.console.print(f"step {mon.step()}/{mon.iters} loss {loss if loss is None else round(loss, 4)} "
-                               f"[{ranks}] ETA {_fmt_s(mon.eta_s(now))}")
+                self.live.update(build_table(mon, now, self.left_out))
+            return
+        step = mon.step()
+        advanced = step != self._plain_step
+        every = max(1, mon.iters // PLAIN_STEPS)
+        due = self._plain_step < 0 or now - self._last_plain >= PLAIN_IDLE_S \
+            or (advanced and (step - self._plain_step >= every or now - self._last_plain >= PLAIN_EVERY_S))
+        if due:
+            self._print_plain(mon, now)
+
+    def _print_plain(self, mon: Monitor, now: float, final: bool = False) -> None:
+        self._last_plain, self._plain_step = now, mon.step()
+        self.console.print(plain_progress_line(mon, now, final=final, left_out=self.left_out), markup=False,
+                           highlight=False)
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         if self.console.is_terminal:
             if self.live is None:
-                self.live = Live(build_map_table(rows), console=self.console, refresh_per_second=4, transient=False)
+                self.live = Live(build_map_table(rows, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
                 self.live.start()
             else:
-                self.live.update(build_map_table(rows))
+                self.live.update(build_map_table(rows, self.left_out))
         elif now - self._last_plain >= PLAIN_EVERY_S:
             self._last_plain = now
             self.console.print("  ".join(f"{r.node} {r.done}/{r.rows}" + (f" ({r.rows_per_s:.1f}/s)" if r.rows_per_s
-                                                                           else "") + f" {r.state}" for r in rows))
+                                                                           else "") + f" {r.state}" for r in rows),
+                               markup=False, highlight=False)
 
     def close(self) -> None:
+        """Stop the live view with the run's TRUE last state: the table redrawn once more, or, piped, a last
+        plain line (the throttled lines may have missed the final steps)."""
+        mon, self._monitor = self._monitor, None
+        now = time.monotonic()
         if self.live is not None:
+            if mon is not None:
+                self.live.update(build_table(mon, now, self.left_out))
             self.live.stop()
             self.live = None
+        elif mon is not None and not self.console.is_terminal:
+            self._print_plain(mon, now, final=True)
+
+
+def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_out: Sequence[str] = ()) -> str:
+    """`step 10/30  loss 5.4456  3,214 tok/s  ETA 0:14  [local-a 10, local-b 10]`; the final line says the run's
+    outcome instead of an ETA; a degraded run ends with `DEGRADED (n2 left out)`. Plain text (no markup): it goes
+    to logs."""
+    loss = next((v.loss for v in sorted(mon.ranks.values(), key=lambda r: r.rank) if v.loss is not None), None)
+    rate = mon.last_tokens_per_s()
+    parts = [f"step {mon.step()}/{mon.iters}", "loss -" if loss is None else f"loss {loss:.4f}",
+             "- tok/s" if rate is None else f"{rate:,.0f} tok/s"]
+    if final:
+        parts.append(str(mon.outcome() or ("stopped" if mon.stopped else "ended")))
+    else:
+        parts.append(f"ETA {_fmt_s(mon.eta_s(now))}")
+    ranks = ", ".join(f"{v.node} {v.step}" + ("" if v.state in ("running", "finished") else f" {v.state}")
+                      for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
+    parts.append(f"[{ranks}]")
+    if left_out:
+        parts.append(f"DEGRADED ({', '.join(left_out)} left out)")
+    return "  ".join(parts)
+
+

@@ -35,6 +35,7 @@ from coordinator.job import (
     QuietUI,
     facts_for_calibration,
     model_digest,
+    quarantine_node,
     ready_fleet,
     run_context,
     usable_inventory,
@@ -42,7 +43,7 @@ from coordinator.job import (
 from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Incident
 from coordinator.playbook import Playbook
-from coordinator.quarantine import QuarantineStore
+from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
@@ -182,13 +183,15 @@ class MapSummary:
     message: str = ""
     quarantined: list[str] = field(default_factory=list)
     reassignments: list[dict[str, Any]] = field(default_factory=list)
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "kind": "map", "state": self.state, "rows": self.rows,
                 "rows_done": self.rows_done, "steps": self.rows_done, "nodes": self.nodes, "split": self.split,
                 "incidents": [i.to_json() for i in self.incidents], "output": self.output, "manifest": self.manifest,
                 "finish_spread": self.finish_spread, "run_dir": self.run_dir, "message": self.message,
-                "quarantined": self.quarantined, "reassignments": self.reassignments}
+                "quarantined": self.quarantined, "reassignments": self.reassignments,
+                "degraded": bool(self.left_out), "left_out": self.left_out}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -279,9 +282,10 @@ class MapRun:
     """Runs the work items of every node, watches each node's channel, re-splits a failed node's rows."""
 
     def __init__(self, fleet: Fleet, pb: Playbook, run_dir: Path, work: dict[str, NodeWork], *, ui: JobUI,
-                 store: QuarantineStore, run_id: str, debug: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 store: QuarantineStore, run_id: str, debug: Mapping[str, Mapping[str, Any]] | None = None,
+                 inventory: str | None = None) -> None:
         self.fleet, self.pb, self.run_dir, self.work, self.ui = fleet, pb, run_dir, work, ui
-        self.store, self.run_id = store, run_id
+        self.store, self.run_id, self.inventory = store, run_id, inventory  # inventory: its real path (scope)
         self.debug = dict(debug or {})
         self.incidents: list[Incident] = []
         self.reassignments: list[dict[str, Any]] = []
@@ -401,8 +405,9 @@ class MapRun:
     def _failed(self, w: NodeWork, fault: Incident) -> None:
         w.state = "failed"
         self.incident(fault)
-        self.store.add(w.name, f"{fault.kind} after {len(w.received)} rows", run_id=self.run_id,
-                       incident=fault.to_json())
+        quarantine_node(self.store, self.fleet, w.name, f"{fault.kind} after {len(w.received)} rows",
+                        inventory=self.inventory, run_id=self.run_id, incident=fault.to_json(),
+                        quarantine_for=self.pb.faults.quarantine_for)
         self.ui.message(f"quarantined {w.name}: {fault.kind} ({fault.evidence})")
         remainder = subtract(sorted(w.assigned), w.received)
         w.queue.clear()
@@ -444,13 +449,13 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
     if pb.kind != "map" or pb.map is None:
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
-    inv = usable_inventory(inv, pb, store, ui)
+    inv, left_out = usable_inventory(inv, pb, store, ui, opts)
     with run_context(inv, pb, opts, resume_marker="map.json", ui=ui) as (run_id, run_dir):
-        return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {})
+        return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {}, left_out)
 
 
 async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, store: QuarantineStore, run_id: str,
-                   run_dir: Path, debug: Mapping[str, Mapping[str, Any]]) -> MapSummary:
+                   run_dir: Path, debug: Mapping[str, Mapping[str, Any]], left_out: Sequence[LeftOut]) -> MapSummary:
     assert pb.map is not None
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
@@ -483,7 +488,8 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
                                                encoding="utf-8")
         ui.message("shards: " + ", ".join(f"{n} {sum(b - a for a, b in rs)} rows ({100 * split[n]:.1f}%)"
                                           for n, rs in given.items()))
-        runner = MapRun(fleet, pb, run_dir, work, ui=ui, store=store, run_id=run_id, debug=debug)
+        runner = MapRun(fleet, pb, run_dir, work, ui=ui, store=store, run_id=run_id, debug=debug,
+                        inventory=inventory_key(inv.path))
         stopped = False
         try:
             await runner.run()
@@ -491,11 +497,11 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
             stopped = True
         finally:
             await runner.close()
-        return _finish(pb, run_id, run_dir, total, work, runner, split, stopped)
+        return _finish(pb, run_id, run_dir, total, work, runner, split, stopped, left_out)
 
 
 def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[str, NodeWork], runner: MapRun,
-            split: dict[str, float], stopped: bool) -> MapSummary:
+            split: dict[str, float], stopped: bool, left_out: Sequence[LeftOut] = ()) -> MapSummary:
     parts = sorted((run_dir / "parts").glob("*.jsonl"))
     received = received_indices(parts)
     nodes = [{"name": w.name, "state": w.state, "rows": w.rows, "rows_done": len(w.received),
@@ -509,6 +515,7 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
                          rows_done=len(received & set(range(total))), nodes=nodes, split=split,
                          incidents=runner.incidents, run_dir=str(run_dir), reassignments=runner.reassignments,
                          quarantined=sorted({i.node for i in runner.incidents if i.action == "quarantine"}),
+                         left_out=[lo.to_json() for lo in left_out],
                          finish_spread=round(Spread(finish).spread, 4) if len(finish) > 1 else None)
     if not stopped and summary.rows_done == total:
         lines, origin = gather_output(parts, total)

@@ -100,6 +100,7 @@ class RunStatus:
     nodes: tuple[str, ...] = ()
     incident_counts: Mapping[str, int] = field(default_factory=dict)
     incidents: tuple[IncidentNote, ...] = ()  # the newest few
+    left_out: tuple[tuple[str, str], ...] = ()  # (node, reason): inventory nodes the run started without
 
     @property
     def step(self) -> int:
@@ -112,7 +113,8 @@ class RunStatus:
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "active": self.active, "state": self.state, "step": self.step,
                 "iters": self.iters, "nodes": list(self.nodes), "ranks": [r.to_json() for r in self.ranks],
-                "incident_counts": dict(self.incident_counts), "incidents": [i.to_json() for i in self.incidents]}
+                "incident_counts": dict(self.incident_counts), "incidents": [i.to_json() for i in self.incidents],
+                "degraded": bool(self.left_out), "left_out": [{"node": n, "reason": r} for n, r in self.left_out]}
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,9 @@ class MetricsUI:
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         self.inner.map_progress(rows, now)
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        self.inner.degraded(warning, nodes)
 
     def close(self) -> None:
         """Close the inner UI (when it has `close`); the server is the caller's to close."""

@@ -7,15 +7,22 @@ events are only accepted from the node that rank was planned on.
 
 Worker states: PENDING -> RUNNING -> FINISHED, or -> FAILED from any state. A run SUCCEEDED when every rank
 FINISHED; FAILED as soon as one rank FAILED or an incident says stop.
+
+Job error or node fault: a rank's own error (not an echo of another fault) is compared with the other ranks' own
+errors by signature (coordinator.signatures). The same error on every rank, or on ranks of several nodes, or
+the same error as a culprit of an earlier attempt on another node (it followed the work), is the job's: a
+`job_error` incident, action stop, and nobody is a culprit (`classify_errors`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from coordinator.signatures import error_signature, explain_error
 from worker.events import RecentSteps
 
 
@@ -120,6 +127,68 @@ class FaultPolicy:
 CULPRIT_KINDS = frozenset({"crash", "hang", "unreachable", "nan", "implausible_progress", "inconsistent",
                            "checkpoint_mismatch", "error"})
 SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so the cause is told from its echoes
+# After a rank's own error, wait up to this long for every other rank to report too (its own error, or an echo
+# once mlx.launch kills it): a job error is the same error on every rank, and ranks fail a moment apart.
+ERROR_GRACE_S = 5.0
+JOB_ERROR = "job_error"
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A rank's own first error: not an echo of another fault (a lost peer, mlx.launch's signals, a fence)."""
+
+    rank: int
+    node: str
+    signature: str  # coordinator.signatures.error_signature of `message`
+    message: str
+    at: float
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class JobErrorVerdict:
+    """Why a failure is the job's and not a node's."""
+
+    signature: str
+    message: str
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    reason: str
+    earlier_nodes: tuple[str, ...] = ()  # where the same error was blamed on a node in an earlier attempt
+
+
+def classify_errors(own: list[RankError], world: int, *, node_evidence: bool,
+                    earlier: dict[str, frozenset[str]] | None = None) -> JobErrorVerdict | None:
+    """Is this attempt's failure a job error? Pure.
+
+    `own`: the ranks' own first errors; `world`: the number of ranks; `node_evidence`: another incident ties
+    the failure to a node (a crash, hang, silence, NaN, a digest that disagrees...), which always wins;
+    `earlier`: signature -> nodes an earlier attempt's own errors of that signature came from.
+
+    A job error when every own error has one signature and either every rank reported it, or ranks on two or
+    more nodes did (independent machines do not fail identically by chance), or an earlier attempt saw it on a
+    different node (it followed the work). Otherwise None: the monitor's usual attribution applies."""
+    if not own or node_evidence:
+        return None
+    signatures = {e.signature for e in own}
+    if len(signatures) != 1:
+        return None
+    first = min(own, key=lambda e: e.at)
+    ranks = tuple(sorted({e.rank for e in own}))
+    nodes = tuple(sorted({e.node for e in own}))
+    if len(ranks) >= world:
+        return JobErrorVerdict(first.signature, first.message, ranks, nodes,
+                               "every rank failed with the same error" if world > 1 else
+                               "the only rank failed: no other node to compare with, nothing to quarantine")
+    if len(nodes) >= 2:
+        return JobErrorVerdict(first.signature, first.message, ranks, nodes,
+                               f"ranks on {len(nodes)} nodes failed with the same error")
+    before = sorted((earlier or {}).get(first.signature, frozenset()) - set(nodes))
+    if before:
+        return JobErrorVerdict(first.signature, first.message, ranks, nodes,
+                               f"the same error followed the work from {', '.join(before)} to {', '.join(nodes)}",
+                               tuple(before))
+    return None
 
 
 @dataclass
@@ -131,6 +200,9 @@ class Monitor:
     policy: FaultPolicy = field(default_factory=FaultPolicy)
     step_locals: dict[int, dict[int, tuple[float | None, float | None, bool]]] = field(default_factory=dict)
     step_rates: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> compute tok/s
+    # step -> the whole run's tokens/s at that step (all ranks' tokens / the step's wall time), from the first
+    # rank to report it: what the run delivers, as opposed to what one rank computes.
+    step_totals: dict[int, float] = field(default_factory=dict)
     digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
     last_consistent_step: int | None = None
@@ -141,19 +213,25 @@ class Monitor:
     stopped: bool = False
     launcher_rc: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    own_errors: dict[int, RankError] = field(default_factory=dict)  # rank -> its own first error
+    # signature -> nodes that earlier attempts of this run blamed for an own error with it ("follows the work")
+    earlier_errors: dict[str, frozenset[str]] = field(default_factory=dict)
+    job_error: Incident | None = None
 
     @classmethod
     def create(cls, plan: list[tuple[int, str, int, float | None]], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
-               max_tokens_per_row: int | None = None) -> Monitor:
+               max_tokens_per_row: int | None = None,
+               earlier_errors: dict[str, frozenset[str]] | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
-        (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound."""
+        (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
+        `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`)."""
         ranks = {r: RankView(rank=r, node=n, batch_size=b, calibrated_tokens_per_s=c,
                              max_tokens_per_step=b * max_tokens_per_row if max_tokens_per_row else None)
                  for r, n, b, c in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
-                  policy=policy)
+                  policy=policy, earlier_errors=dict(earlier_errors or {}))
         for view in ranks.values():
             mon.node_seen_at[view.node] = now
         return mon
@@ -226,10 +304,24 @@ class Monitor:
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
             echo = self.first_fatal_at is not None or is_echo(view.error)
-            return self._add(Incident("error", obs.node, rank, view.step, 0.0,
-                                      {"message": view.error, "traceback": str(event.get("traceback", ""))[-2000:],
-                                       "echo": echo},
-                                      "stop" if echo else "quarantine", obs.at))
+            # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
+            job = event.get("fault") == "job"
+            evidence: dict[str, Any] = {"message": view.error, "traceback": str(event.get("traceback", ""))[-2000:],
+                                        "echo": echo}
+            if job:
+                evidence["fault"] = "job"
+            elif not is_echo(view.error) and not event.get("fenced"):
+                # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
+                # with the same signature is the same failure, not an echo of the first).
+                sig = error_signature(view.error, {v.node for v in self.ranks.values()})
+                self.own_errors.setdefault(view.rank, RankError(view.rank, obs.node, sig, view.error, obs.at,
+                                                                evidence["traceback"]))
+                evidence["signature"] = sig
+            known = explain_error(view.error)
+            if known is not None:
+                evidence["explanation"] = known.to_json()
+            return self._add(Incident("error", obs.node, rank, view.step, 0.0, evidence,
+                                      "stop" if echo or job else "quarantine", obs.at))
         return []
 
     def _step(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
@@ -272,6 +364,9 @@ class Monitor:
                                                             finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
             self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
+        total, wall = _int(event.get("total_tokens")), _float(event.get("step_time_s"))
+        if total is not None and total > 0 and wall is not None and wall > 0:
+            self.step_totals.setdefault(step, total / wall)
         found += self._stragglers(step, obs)
         found += self._outliers(step, obs)
         return found
@@ -318,7 +413,7 @@ class Monitor:
         of 2)."""
         rel = {r: rate / refs[r] for r, rate in rates.items()}
         values = sorted(rel.values())
-        fleet = _median(values) if len(values) >= 3 else values[-1]
+        fleet = statistics.median(values) if len(values) >= 3 else values[-1]
         return {r: (v, fleet) for r, v in rel.items()}
 
     def _own_baseline(self, rank: int) -> float | None:
@@ -329,7 +424,7 @@ class Monitor:
         first = sorted(s for s, rates in self.step_rates.items() if rank in rates)
         if len(first) < window + 1:
             return None
-        return _median([self.step_rates[s][rank] for s in first[1:window + 1]])
+        return statistics.median([self.step_rates[s][rank] for s in first[1:window + 1]])
 
     def _outliers(self, step: int, obs: Observation) -> list[Incident]:
         """Robust statistics over the ranks' LOCAL loss and grad norm at one step (median/MAD, needs 3+
@@ -524,9 +619,55 @@ class Monitor:
                     out.append(inc.node)
         return primary or secondary
 
+    def classify(self) -> JobErrorVerdict | None:
+        """`classify_errors` over this attempt's observations: is the failure the job's?"""
+        node_evidence = any(i.action == "quarantine" and i.kind in CULPRIT_KINDS and i.kind != "error"
+                            and not self._secondary(i) for i in self.incidents)
+        return classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
+                               earlier=self.earlier_errors)
+
+    def _judge_job_error(self) -> list[Incident]:
+        """When the failure is the job's: every incident that would quarantine a node, and every rank's own copy of
+        the error, is revised to `stop` with evidence `job_error: true`, and one `job_error` incident carries the
+        message, its cause and remedy.
+        Returns the revised incidents followed by the new one."""
+        verdict = self.classify()
+        if verdict is None or self.job_error is not None:
+            return []
+        revised: list[Incident] = []
+        for idx, inc in enumerate(self.incidents):
+            # Whatever would quarantine a node, and every rank's own copy of the error (marked, so that it is
+            # shown once: with the job_error incident).
+            if inc.action == "quarantine" or (inc.kind == "error" and inc.evidence.get("signature") == verdict.signature):
+                new = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
+                self.incidents[idx] = new
+                revised.append(new)
+        first = min(self.own_errors.values(), key=lambda e: e.at)
+        last = max(e.at for e in self.own_errors.values())
+        known = explain_error(first.message)
+        evidence: dict[str, Any] = {
+            "message": first.message, "signature": verdict.signature, "reason": verdict.reason,
+            "ranks": list(verdict.ranks), "nodes": list(verdict.nodes), "traceback": first.traceback,
+            "cause": known.cause if known else "the same failure on every node: the playbook, model or data",
+            "remedy": known.remedy if known else ("fix what the message names (the traceback is in this incident "
+                                                  "and runs/<id>/events.jsonl), then relaunch; no node is at fault"),
+        }
+        if known is not None:
+            evidence["code"] = known.code
+        if verdict.earlier_nodes:
+            evidence["earlier_nodes"] = list(verdict.earlier_nodes)
+        self.job_error = Incident(JOB_ERROR, ",".join(verdict.nodes), None, self.step(), last - first.at, evidence,
+                                  "stop", last)
+        self.incidents.append(self.job_error)
+        return [*revised, self.job_error]
+
     def resolve(self) -> list[Incident]:
-        """Once the verdict has settled: secondary crashes on nodes that are not culprits become echoes (action
-        `stop`, evidence says why). Returns the revised incidents (the caller records them)."""
+        """Once the verdict has settled: a job error is judged (`classify`: nobody is a culprit; the `job_error`
+        incident is returned last, new, the others revised); otherwise secondary crashes on nodes that are not
+        culprits become echoes (action `stop`, evidence says why). Returns the incidents the caller records."""
+        judged = self._judge_job_error()
+        if judged:
+            return judged
         blamed = set(self.culprits())
         revised: list[Incident] = []
         for idx, inc in enumerate(self.incidents):
@@ -555,7 +696,22 @@ class Monitor:
         # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
         # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
         heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
-        return bool(blamed) and waited >= SETTLE_S and heard
+        return (bool(blamed) or self.job_fault() is not None) and waited >= SETTLE_S and heard and self._errors_in(now)
+
+    def job_fault(self) -> Incident | None:
+        """The first error that every rank hit because of the job itself (`fault: job`), not because of a node:
+        relaunching cannot help, and nobody is quarantined for it."""
+        return next((i for i in self.incidents if i.kind == "error" and i.evidence.get("fault") == "job"), None)
+
+    def _errors_in(self, now: float) -> bool:
+        """After a rank's own error: every other rank has reported an error or ended (a job error is the same
+        error on every rank, a moment apart), or ERROR_GRACE_S has passed since the first own error."""
+        if not self.own_errors:
+            return True
+        first = min(e.at for e in self.own_errors.values())
+        if now - first >= ERROR_GRACE_S:
+            return True
+        return all(v.state in (WorkerState.FAILED, WorkerState.FINISHED) for v in self.ranks.values())
 
     def outcome(self) -> RunState | None:
         if self.stopped:
@@ -570,6 +726,16 @@ class Monitor:
 
     def step(self) -> int:
         return min((v.step for v in self.ranks.values()), default=0)
+
+    def run_tokens_per_s(self) -> float | None:
+        """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
+        median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
+        does the last step alone."""
+        return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+
+    def last_tokens_per_s(self) -> float | None:
+        """The whole run's tokens/s at its latest reported step."""
+        return self.step_totals[max(self.step_totals)] if self.step_totals else None
 
     def eta_s(self, now: float) -> float | None:
         done = self.step()
@@ -602,19 +768,14 @@ def robust_outliers(values: dict[int, float], mads: float, rel: float) -> set[in
     if len(values) < 3:
         return set()
     xs = sorted(values.values())
-    median = _median(xs)
-    mad = _median(sorted(abs(x - median) for x in xs)) * 1.4826
+    median = statistics.median(xs)
+    mad = statistics.median(sorted(abs(x - median) for x in xs)) * 1.4826
     out: set[int] = set()
     for key, x in values.items():
         dist = abs(x - median)
         if dist > rel * max(abs(median), 1e-12) and (mad == 0 or dist > mads * mad):
             out.add(key)
     return out
-
-
-def _median(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _int(value: Any) -> int | None:

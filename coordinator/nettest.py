@@ -5,8 +5,13 @@ measured link is as fast as its kind should be. No I/O here (the verb in `coordi
 Link kind: the interface holding the node's data IP (`NodeFacts.interfaces`) -> its networksetup hardware port
 (`NodeFacts.hardware_ports`): "Thunderbolt N" (and "Thunderbolt Bridge", through its members) is Thunderbolt, with
 the negotiated speed of receptacle N from `NodeFacts.thunderbolt` (80 Gb/s on TB5, 40 Gb/s on TB4); "Wi-Fi" is
-Wi-Fi; a port naming Ethernet or LAN is Ethernet. Linux nodes (no networksetup) and IPs found on no interface are
-`unknown`. A pair's link is the slower of its two ends (a TB5 Mac cabled to a TB4 Mac negotiates TB4).
+Wi-Fi; a port naming Ethernet or LAN is Ethernet. On Linux the interface's /sys/class/net entry
+(`NodeFacts.net_links`) says it: wireless (or DEVTYPE wlan) is Wi-Fi; the `thunderbolt-net` driver is Thunderbolt;
+an interface with no hardware behind it (veth, bridge, loopback, tunnel: no `device` link, or a path under
+/sys/devices/virtual) is `virtual`, unless it sits on hardware through its `lower_*` links (a bridge's ports, a
+VLAN's parent), which then decide; other ARPHRD_ETHER hardware is Ethernet at its `speed` (Mb/s; -1 = not
+known). IPs found on no interface, and Linux interfaces of another type (InfiniBand, ...), are `unknown`. A
+pair's link is the slower of its two ends (a TB5 Mac cabled to a TB4 Mac negotiates TB4).
 
 Thresholds (`LINK_SPECS`): a link is expected to carry `efficiency` x its nominal speed as one TCP stream of
 Python `sendall`s (IP over Thunderbolt reaches roughly 40% of the signalling rate; Ethernet ~94% after
@@ -14,8 +19,9 @@ TCP/IP framing; Wi-Fi about half its PHY rate). Measured throughput (the slower 
 `WARN_FRACTION` (50%) of that expected goodput warns, below `FAIL_FRACTION` (10%) fails: the IP is probably
 routed over another interface, the cable is a USB one, or the port renegotiated down. Median RTT above the
 kind's `rtt_warn_ms`/`rtt_fail_ms` warns/fails likewise. A Wi-Fi data plane is at best `warn` (jittery and
-slow for gradient all-reduce). `unknown` links have no nominal speed: they pass on any positive throughput and
-are judged on RTT only. Zero throughput always fails.
+slow for gradient all-reduce). `unknown` and `virtual` links have no nominal speed (a veth's or bridge's
+`speed` is a made-up 10000): they pass on any positive throughput and are judged on RTT only. Zero throughput
+always fails.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from coordinator.facts.model import HardwarePort, NodeFacts
+from coordinator.facts.model import HardwarePort, NetLink, NodeFacts
 from coordinator.models import STATUS_SEVERITY, Status, worst
 
 WARN_FRACTION = 0.5
@@ -38,6 +44,7 @@ class LinkKind(StrEnum):
     THUNDERBOLT = "thunderbolt"
     ETHERNET = "ethernet"
     WIFI = "wifi"
+    VIRTUAL = "virtual"  # Linux: no hardware behind the interface (veth, bridge, loopback, tunnel)
     UNKNOWN = "unknown"
 
 
@@ -58,11 +65,18 @@ LINK_SPECS: dict[LinkKind, LinkSpec] = {
     LinkKind.ETHERNET: LinkSpec(default_gbps=1.0, efficiency=0.94, rtt_warn_ms=1.0, rtt_fail_ms=10.0),
     # Wi-Fi 6 class PHY rate; the air is shared and half duplex.
     LinkKind.WIFI: LinkSpec(default_gbps=1.0, efficiency=0.5, rtt_warn_ms=10.0, rtt_fail_ms=100.0),
+    # Software links carry whatever the host's CPU and the path beyond them allow (a tunnel may cross a WAN):
+    # judged like `unknown`.
+    LinkKind.VIRTUAL: LinkSpec(default_gbps=None, efficiency=1.0, rtt_warn_ms=5.0, rtt_fail_ms=100.0),
     LinkKind.UNKNOWN: LinkSpec(default_gbps=None, efficiency=1.0, rtt_warn_ms=5.0, rtt_fail_ms=100.0),
 }
 
 # Slowest first: the order used to pick a pair's bottleneck end when speeds are not known.
-_KIND_RANK = {LinkKind.WIFI: 0, LinkKind.ETHERNET: 1, LinkKind.THUNDERBOLT: 2, LinkKind.UNKNOWN: 3}
+_KIND_RANK = {LinkKind.WIFI: 0, LinkKind.ETHERNET: 1, LinkKind.THUNDERBOLT: 2, LinkKind.VIRTUAL: 3,
+              LinkKind.UNKNOWN: 4}
+
+# ARPHRD_* names for the notes (include/uapi/linux/if_arp.h).
+_ARPHRD = {1: "ether", 32: "infiniband", 772: "loopback", 776: "sit", 778: "gre", 65534: "none"}
 
 
 def _gbps(bps: float) -> str:
@@ -122,14 +136,15 @@ class LinkEnd:
     node: str
     ip: str
     kind: LinkKind = LinkKind.UNKNOWN
-    speed_gbps: float | None = None  # negotiated (Thunderbolt) speed, when the facts say
+    speed_gbps: float | None = None  # negotiated speed (Thunderbolt; Linux /sys/class/net), when the facts say
     interface: str | None = None
     port: str | None = None  # networksetup hardware port, e.g. "Thunderbolt 1"
     note: str = ""
+    driver: str | None = None  # Linux: the interface's driver or DEVTYPE ("e1000e", "bridge"), when known
 
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "ip": self.ip, "kind": str(self.kind), "speed_gbps": self.speed_gbps,
-                "interface": self.interface, "port": self.port, "note": self.note}
+                "interface": self.interface, "port": self.port, "driver": self.driver, "note": self.note}
 
 
 def _port_kind(port: HardwarePort) -> LinkKind:
@@ -151,6 +166,52 @@ def _receptacle_speed(facts: NodeFacts, receptacle: str) -> float | None:
     return None
 
 
+def _slowness(kind: LinkKind, speed_gbps: float | None) -> tuple[float, int]:
+    """Sort key, slowest first: nominal speed (none known: last), then the kind's rank."""
+    nominal = nominal_gbps(kind, speed_gbps)
+    return (nominal if nominal is not None else float("inf"), _KIND_RANK[kind])
+
+
+def _describe(link: NetLink) -> str:
+    what = link.driver or link.devtype or ("wireless" if link.wireless else None)
+    arphrd = "?" if link.arphrd_type is None else _ARPHRD.get(link.arphrd_type, str(link.arphrd_type))
+    speed = f"{link.speed_mbps} Mb/s" if link.speed_mbps is not None else "speed not known"
+    return f"{link.name}: {what + ', ' if what else ''}type {arphrd}, {speed}" + (", virtual" if link.virtual else "")
+
+
+def classify_linux_link(name: str, links: Sequence[NetLink]) -> tuple[LinkKind, float | None, str | None, str]:
+    """(kind, speed Gb/s, driver or DEVTYPE, note) of Linux interface `name` from its /sys/class/net entries.
+
+    See the module docstring for the rules. A virtual interface over hardware (a bridge with a NIC among its
+    ports, a VLAN on a NIC) takes the slowest of the hardware kinds below it: the traffic to a peer leaves by
+    one of them, and we cannot tell which. The speed of a virtual interface itself is never used (veth and
+    bridges report a fixed 10000 Mb/s whatever carries them). Never raises."""
+    by_name = {link.name: link for link in links}
+
+    def kind_of(link: NetLink, seen: frozenset[str]) -> tuple[LinkKind, float | None, list[str]]:
+        speed = link.speed_mbps / 1000 if link.speed_mbps is not None else None
+        if link.wireless or link.devtype == "wlan":
+            return LinkKind.WIFI, None, [_describe(link)]
+        if link.driver == "thunderbolt-net":
+            return LinkKind.THUNDERBOLT, speed, [_describe(link)]
+        if link.virtual:
+            below = [kind_of(by_name[n], seen | {n}) for n in link.lower if n in by_name and n not in seen]
+            hardware = [b for b in below if b[0] not in (LinkKind.VIRTUAL, LinkKind.UNKNOWN)]
+            if hardware:
+                slow = min(hardware, key=lambda b: _slowness(b[0], b[1]))
+                return slow[0], slow[1], [_describe(link), *slow[2]]
+            return LinkKind.VIRTUAL, None, [_describe(link)]
+        if link.arphrd_type == 1:
+            return LinkKind.ETHERNET, speed, [_describe(link)]
+        return LinkKind.UNKNOWN, None, [_describe(link)]
+
+    link = by_name.get(name)
+    if link is None:
+        return LinkKind.UNKNOWN, None, None, f"{name} is not in /sys/class/net"
+    kind, speed, notes = kind_of(link, frozenset({name}))
+    return kind, speed, link.driver or link.devtype, " over ".join(notes)
+
+
 def classify_endpoint(node: str, ip: str, facts: NodeFacts | None) -> LinkEnd:
     """Which link `ip` rides on, from the node's facts. Never raises: missing facts give `unknown` with a note."""
     if facts is None:
@@ -158,8 +219,12 @@ def classify_endpoint(node: str, ip: str, facts: NodeFacts | None) -> LinkEnd:
     iface = next((i for i in facts.interfaces or () if ip in i.ipv4), None)
     if iface is None:
         return LinkEnd(node, ip, note=f"{ip} is on no interface of the node")
+    if facts.net_links is not None:  # only Linux nodes have them
+        lk, lspeed, driver, note = classify_linux_link(iface.name, facts.net_links)
+        return LinkEnd(node, ip, kind=lk, speed_gbps=lspeed, interface=iface.name, note=note, driver=driver)
     if facts.hardware_ports is None:
-        return LinkEnd(node, ip, interface=iface.name, note="no networksetup (Linux?)")
+        linux = facts.os is not None and facts.os.system == "Linux"
+        return LinkEnd(node, ip, interface=iface.name, note="no /sys/class/net facts" if linux else "no networksetup")
     ports = {p.device: p for p in facts.hardware_ports}
     port = ports.get(iface.name)
     if port is None:
@@ -181,12 +246,7 @@ def combine_ends(a: LinkEnd, b: LinkEnd) -> tuple[LinkKind, float | None]:
     known = [e for e in (a, b) if e.kind is not LinkKind.UNKNOWN]
     if not known:
         return LinkKind.UNKNOWN, None
-
-    def key(e: LinkEnd) -> tuple[float, int]:
-        nominal = nominal_gbps(e.kind, e.speed_gbps)
-        return (nominal if nominal is not None else float("inf"), _KIND_RANK[e.kind])
-
-    slow = min(known, key=key)
+    slow = min(known, key=lambda e: _slowness(e.kind, e.speed_gbps))
     return slow.kind, slow.speed_gbps
 
 

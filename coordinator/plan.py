@@ -82,6 +82,8 @@ class NodeCalibration:
     seconds: float | None = None
     device: tuple[tuple[str, Any], ...] = ()
     cached: bool = False
+    one_time_s: float | None = None  # import, model load, first (compiling) step of each shape: paid once
+    measure_s: float | None = None  # the timed steps
 
     def __post_init__(self) -> None:
         if not self.curve:
@@ -135,6 +137,34 @@ class Plan:
         if node not in self.per_node_step_s:
             return None
         return self.batch[node] * self.seq_len / self.per_node_step_s[node]
+
+
+# A run's tokens/s further than this from calibration's prediction is said plainly (the run's summary, the live
+# view): every decision built on calibration (the split, "slower than calibrated", the ETA) rests on it.
+PREDICTION_TOLERANCE = 0.25
+
+
+def prediction_gap(actual: float | None, predicted: float | None) -> float | None:
+    """(actual - predicted) / predicted: -0.6 is a run 60% slower than predicted. None when either is unknown."""
+    if actual is None or not predicted or predicted <= 0 or not math.isfinite(actual):
+        return None
+    return (actual - predicted) / predicted
+
+
+def describe_prediction(actual: float | None, predicted: float | None) -> str:
+    """The run's tokens/s next to the prediction, in words; a gap over PREDICTION_TOLERANCE is said loudly."""
+    if actual is None:
+        return "no step finished: no tokens/s"
+    text = f"{actual:,.0f} tok/s (median of the run's steps)"
+    gap = prediction_gap(actual, predicted)
+    if gap is None or predicted is None:
+        return text + ", no prediction (uncalibrated split)"
+    text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
+    if abs(gap) > PREDICTION_TOLERANCE:
+        side = "slower" if gap < 0 else "faster"
+        text += (f": MORE THAN {100 * PREDICTION_TOLERANCE:.0f}% {side.upper()} than calibration predicted; the "
+                 "split and ETA rest on that prediction (docs/calibration.md)")
+    return text
 
 
 def lift_dips(batches: Sequence[int], rates: Sequence[float]) -> list[float]:

@@ -20,10 +20,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.errors import ConfigError
 from coordinator.models import CHECK_IDS
+from coordinator.quarantine import DEFAULT_QUARANTINE_FOR
 from coordinator.yamlsrc import (
     EnvName,
     EnvValue,
@@ -80,6 +90,20 @@ def to_number(value: Any) -> Any:
     return value
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def to_duration(value: Any) -> Any:
+    """Seconds as a number, or a string with a unit: `90`, `"30m"`, `"24h"`, `"7d"`."""
+    text = value.strip() if isinstance(value, str) else None
+    unit = _DURATION_UNITS.get(text[-1:].lower(), 0) if text else 0
+    try:
+        number = to_number(text[:-1] if unit and text else value)
+    except ValueError:
+        raise ValueError(f"must be a duration like 3600, 30m, 24h or 7d (got {format_value(value)})") from None
+    return number * unit if unit else number
+
+
 def _non_empty(value: Any) -> Any:
     if isinstance(value, str) and not value.strip():
         raise ValueError("must not be empty")
@@ -107,7 +131,11 @@ class LoraConfig(_Strict):
 class CalibrationConfig(_Strict):
     """`calibration:`: how `coordinator calibrate` measures each node (docs/calibration.md)."""
 
-    time_budget: PositiveFloat = 60.0  # seconds per node
+    time_budget: PositiveFloat = 60.0  # seconds of timed steps per node
+    # Seconds per node for what a cold machine pays once: importing mlx, loading the model, and the first step of
+    # each batch shape, which JIT-compiles its kernels while MLX's kernel cache is empty (85 s for the first 10
+    # steps on a fresh GPU machine). Generous on purpose: it only bounds a node that hangs while loading.
+    one_time_budget: PositiveFloat = 600.0
     max_batch: PositiveInt = 64
     memory_fraction: Annotated[float, BeforeValidator(to_number), Field(gt=0, le=1)] = 0.8
 
@@ -144,7 +172,10 @@ class FaultsConfig(_Strict):
     # Each rank stops itself after 3x that window (for a partitioned node or a lost coordinator); false: never.
     fence: bool = True
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2
-    min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes
+    min_nodes: PositiveInt = 1  # elastic shrink never goes below this many nodes (written: a fresh launch may too)
+    # How long a culprit stays left out of later launches of the same fleet (seconds, or 30m / 24h / 7d); 0 = until
+    # `coordinator quarantine clear`.
+    quarantine_for: Annotated[float, BeforeValidator(to_duration), Field(ge=0)] = DEFAULT_QUARANTINE_FOR
 
 
 class DpoConfig(_Strict):
@@ -170,6 +201,12 @@ class TrainConfig(_Strict):
     val_batches: PositiveInt = 25
     num_layers: Int | None = None  # None (or -1 in the file) = all layers; N = the last N layers
     grad_checkpoint: bool = False
+    # auto: each rank's SFT rows are packed into as few sequences as they fit in (attention per row): the same
+    # rows, loss and gradient without the padding, when that saves >= 10% of the computed positions and is exact
+    # on the model.
+    packing: Literal["auto", "on", "off"] = "auto"
+    # full on all layers only: train embeddings, lm_head and the final norm too (mlx-lm's full does not).
+    train_embeddings: bool = False
     optimizer: Optimizer = "adam"
     seed: Int = 0
     keep_checkpoints: PositiveInt = 2  # newest N checkpoints kept on every node
@@ -185,6 +222,12 @@ class TrainConfig(_Strict):
     def rows_per_example(self) -> int:
         """Sequences per batch row: a DPO pair is two (chosen and rejected)."""
         return 2 if self.method == "dpo" else 1
+
+    @model_validator(mode="after")
+    def _embeddings(self) -> TrainConfig:
+        if self.train_embeddings and (self.fine_tune_type != "full" or self.num_layers is not None):
+            raise ValueError("train_embeddings needs full fine-tuning of all layers (num_layers unset or -1)")
+        return self
 
     @field_validator("num_layers")
     @classmethod

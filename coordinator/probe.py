@@ -41,6 +41,28 @@ MACOS_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ioreg", ("ioreg", "-r", "-d", "1", "-w", "0", "-c", "IOAccelerator")),
 )
 
+# One line per interface of /sys/class/net: what kind of link it is, for `nettest` (the Linux counterpart of
+# networksetup + system_profiler). Shell builtins only (read, cd, test, printf: no process per file), and errors
+# silenced: an unreadable file is an empty field (e.g. `speed` raises EINVAL on a down or virtual interface),
+# which the parser reads as "not known". `cd -P` gives the real path (devices/virtual/net/... for veth, bridges).
+SYS_CLASS_NET = r"""exec 2>/dev/null
+for d in /sys/class/net/*; do
+  [ -r "$d/type" ] || continue
+  t=; s=; o=; dt=; dr=; p=; l=; dv=0; w=0
+  read -r t < "$d/type"
+  read -r s < "$d/speed"
+  read -r o < "$d/operstate"
+  [ -e "$d/device" ] && dv=1
+  [ -d "$d/wireless" ] && w=1
+  cd -P "$d" && p=$PWD
+  while IFS== read -r k v; do [ "$k" = DEVTYPE ] && dt=$v; done < "$d/uevent"
+  [ -r "$d/device/uevent" ] && while IFS== read -r k v; do [ "$k" = DRIVER ] && dr=$v; done < "$d/device/uevent"
+  for x in "$d"/lower_*; do [ -e "$x" ] && l=$l${l:+,}${x##*/lower_}; done
+  printf '%s type=%s speed=%s operstate=%s device=%s wireless=%s devtype=%s driver=%s lower=%s path=%s\n' \
+    "${d##*/}" "$t" "$s" "$o" "$dv" "$w" "$dt" "$dr" "$l" "$p"
+done
+exit 0"""
+
 LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("os_release", ("cat", "/etc/os-release")),
     ("cpuinfo", ("grep", "-m1", "-i", "^model name", "/proc/cpuinfo")),
@@ -49,12 +71,14 @@ LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loadavg", ("cat", "/proc/loadavg")),
     ("ip_addr", ("ip", "-o", "-4", "addr", "show")),
     ("infiniband", ("ls", "-1", "/sys/class/infiniband")),
+    ("sys_class_net", ("sh", "-c", SYS_CLASS_NET)),
 )
 
 NVIDIA_SMI = ("nvidia-smi", "--query-gpu=name,utilization.gpu,memory.used", "--format=csv,noheader,nounits")
 
 # Sections whose absence is normal on a node (a command that only exists on some machines).
-OPTIONAL_SECTIONS = frozenset({"nvidia_smi", "infiniband", "cpuinfo"})
+# `sys_class_net` only informs nettest's link kinds: without it a link is `unknown`, which no check fails on.
+OPTIONAL_SECTIONS = frozenset({"nvidia_smi", "infiniband", "cpuinfo", "sys_class_net"})
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class FileLock:
         """The lock, or the live holder (None when its file says nothing readable yet)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # like every run-dir file: it names a host
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -218,8 +218,9 @@ def holding(run_dir: Path, verb: str, run_id: str) -> Iterator[FileLock]:
 def request_stop(run_dir: Path) -> Path:
     path = run_dir / STOP_REQUEST_NAME
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}) + "\n",
-                   encoding="utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}) + "\n")
     tmp.replace(path)
     return path
 

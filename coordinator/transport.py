@@ -136,6 +136,17 @@ def is_host_known(path: str, host: str, port: int) -> bool:
     return bool(matches[0] or matches[1])
 
 
+def known_host_keys(path: str, host: str, port: int) -> frozenset[str]:
+    """The keys known_hosts lists for host[:port], as ConnectInfo names them ("ssh-ed25519 SHA256:..."); empty
+    when there are none or the file cannot be read."""
+    try:
+        known = asyncssh.read_known_hosts(path)
+    except (OSError, ValueError, asyncssh.KeyImportError):
+        return frozenset()
+    keys = known.match(host, host, port if port != 22 else None)[0]
+    return frozenset(f"{k.get_algorithm()} {k.get_fingerprint()}" for k in keys)
+
+
 class SshTransport:
     """asyncssh connection to one node. `~/.ssh/config` and the agent are honoured by asyncssh's defaults."""
 

@@ -408,6 +408,9 @@ def scalar_to_str(value: Any) -> Any:
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 """Node and playbook names: safe in file names, shell words and ssh_config `Host` lines."""
+MAX_NAME_LENGTH = 200
+"""Names become parts of file names (a run id is the playbook name plus 21 characters; the temp dir's name adds
+22 more), and a file name is at most 255 bytes."""
 
 ENV_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -417,6 +420,9 @@ def check_name(value: Any) -> Any:
         value = str(value)  # `name: 2024` is a fine name that YAML happens to read as a number
     if isinstance(value, str) and not NAME_PATTERN.fullmatch(value):
         raise ValueError(f"invalid name {format_value(value)}: use only letters, digits, '_', '.' and '-'")
+    if isinstance(value, str) and len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"name of {len(value)} characters; at most {MAX_NAME_LENGTH} (names become parts of file "
+                         "names, which are limited to 255 bytes)")
     return value
 
 

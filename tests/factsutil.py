@@ -96,6 +96,7 @@ def linux_sections() -> dict[str, Section]:
         "nproc": capture("nproc/debian-12-2cpu.txt"),
         "loadavg": capture("loadavg/debian-12.txt"),
         "ip_addr": capture("ip_addr/debian-12-eth0.txt"),
+        "sys_class_net": capture("sys_class_net/debian-12-vm-virtio.txt"),
         "df": capture("df/debian-12-gnu-root.txt"),
     }
     out = {k: Section(k, v, 0) for k, v in texts.items()}
@@ -200,7 +201,8 @@ def reach_answer(node: Node, nodes: Sequence[Node], *, down: Mapping[str, str] |
 def worker_answer(*, python: str = PYTHON, version: str = "3.12.8", mlx: str | None = "0.32.1",
                   mlx_lm: str | None = "0.31.0", hashes: list[dict[str, Any]] | None = None,
                   reach: list[dict[str, Any]] | None = None, config: Mapping[str, Any] | None = None,
-                  params: int | None = MODEL_PARAMS, errors: Sequence[str] = ()) -> dict[str, Any]:
+                  params: int | None = MODEL_PARAMS, errors: Sequence[str] = (), model_error: str | None = None,
+                  data: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What worker/probe.py prints (keys it omits without a playbook are omitted when None)."""
     out: dict[str, Any] = {
         "python": {"executable": python, "version": version},
@@ -211,8 +213,20 @@ def worker_answer(*, python: str = PYTHON, version: str = "3.12.8", mlx: str | N
         out["hashes"] = hashes
     if reach is not None:
         out["reach"] = reach
-    out["model"] = {"config": dict(MODEL_CONFIG if config is None else config), "params": params, "error": None}
+    out["model"] = {"config": dict(MODEL_CONFIG if config is None else config), "params": params,
+                    "error": model_error}
+    if data is not None:
+        out["data"] = data
     return out
+
+
+def data_answer(**files: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker's `data` section for the data dir: {file name: overrides of a good file's entry}."""
+    good = {"required": False, "exists": True, "rows": 10, "bytes": 400, "checked_bytes": 400, "format": "text",
+            "error": None}
+    return {"dir": DATA_DIR, "error": None,
+            "files": [{"name": f"{name}.jsonl", **good, "required": name == "train", **over}
+                      for name, over in files.items()]}
 
 
 def profile_sections(profile: str | Mapping[str, Section], *, env: str | None = ENV_TEXT,

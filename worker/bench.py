@@ -2,7 +2,7 @@
 
 Run by the coordinator on each node (the worker package is shipped alone: stdlib + mlx + mlx_lm only):
     python -m worker.bench --model DIR --seq-len N --method lora|dora|full [--num-layers K] [--grad-checkpoint]
-                           [--time-budget 60] [--max-batch 64] [--memory-fraction 0.8]
+                           [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
 
 What is measured: real optimizer steps of the given model (loaded with `mlx_lm.utils.load_model`: no tokenizer is
 needed), LoRA/DoRA adapters from `mlx_lm.tuner.utils.linear_to_lora_layers` on the last K layers or full
@@ -16,21 +16,29 @@ the first quartile of the step times (noise only ever slows a step), peak memory
 The sweep stops at the first of: throughput below FALL_RATIO x the best so far at two points in a row (past the
 knee: `throughput_fell`; one low point may be noise, so the next batch is measured too);
 the next batch's peak memory, extrapolated linearly from the last two points, over `memory_fraction` of the
-device's memory (`memory`); --max-batch measured (`max_batch`); the next point's predicted cost over the time left
-(`time_budget`).
+device's memory (`memory`); --max-batch measured (`max_batch`); the next point's predicted timed steps over the
+measuring time left (`time_budget`); the one-time allowance spent (`one_time_budget`).
+
+Two clocks, two allowances (`Budget`). A cold machine pays once for importing mlx, loading the model and, above all,
+for JIT-compiling the kernels of each new batch shape on its first step (MLX caches them, on the CPU backend under
+/tmp/mlx/<version>/: seconds per shape while that cache is empty, nothing once it is warm). Those one-time costs are
+bounded by --one-time-budget and reported apart (`one_time_s`); --time-budget bounds the timed steps only, so the
+same budget measures the same curve on a cold machine and on a warm one.
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "peak_memory", "step_time_s", "steps"}], "best_batch",
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
-     "stopped_because": "throughput_fell|memory|max_batch|time_budget", "seconds", "seq_len", "method",
-     "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version"}
+     "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
+     "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
+     "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s"}
 `seconds` counts from the start of `main` (imports of mlx and the model load included).
 
-Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread bounds the
-whole run by --time-budget: if loading or one step overruns it, the watchdog prints the points measured so far
-(`stopped_because: time_budget`, exit 0) or an error when there are none (exit 1), and ends the process. So the
-bench never hangs and never outlives its budget by more than the output takes. A step that fails to allocate after
-at least one point was measured ends the sweep with `memory` instead of an error.
+Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread holds each
+clock to its allowance: when one is spent while the main thread is still busy (a step, a load), the watchdog prints
+the points measured so far (`stopped_because: time_budget` or `one_time_budget`, exit 0) or, when there are none,
+an error that says which allowance ran out, during what, and what to set (exit 1), and ends the process. So the
+bench never hangs and never outlives --time-budget + --one-time-budget by more than the output takes. A step that
+fails to allocate after at least one point was measured ends the sweep with `memory` instead of an error.
 
 Compatibility: Python 3.9+ (annotations only under `from __future__ import annotations`); mlx is imported lazily so
 the pure decision functions import without it.
@@ -47,7 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -56,7 +64,9 @@ MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one o
 MAX_STEPS = 20
 MATMUL_N = 1024
 LORA_PARAMETERS = {"rank": 8, "dropout": 0.0, "scale": 20.0}  # mlx-lm's defaults
-STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget")
+STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
+ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
+WATCHDOG_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,11 +128,10 @@ def predict_peak_memory(curve: list[Point], batch: int) -> float:
 
 
 def predict_point_cost(last: Point, batch: int) -> float:
-    """Seconds the point at `batch` needs at least: warm-up (compile overhead + a step) and MIN_STEPS steps.
-    Step time scales with the rows (pessimistic before the knee, right after it)."""
-    step = last.step_time_s * batch / last.batch
-    compile_overhead = max(0.0, last.warmup_s - last.step_time_s)
-    return compile_overhead + step * (1 + MIN_STEPS)
+    """Measuring seconds the point at `batch` needs at least: MIN_STEPS timed steps. Its warm-up step (the
+    compile of the new shape) is a one-time cost, charged to the other allowance. Step time scales with the rows
+    (pessimistic before the knee, right after it)."""
+    return last.step_time_s * batch / last.batch * MIN_STEPS
 
 
 def decide_stop(
@@ -152,27 +161,26 @@ def decide_stop(
 
 
 def sweep(
-    measure: Callable[[int, float], tuple[Point | None, bool]],
+    measure: Callable[[int], tuple[Point | None, bool]],
     *,
     max_batch: int,
     memory_limit: float,
-    deadline: float,
-    clock: Callable[[], float],
+    seconds_left: Callable[[], float],
     on_point: Callable[[Point], None] = lambda p: None,
 ) -> tuple[list[Point], str]:
-    """Measure batch 1, 2, 4, ... until `decide_stop` says why not. `measure(batch, deadline)` returns the point
-    (None when not even one timed step fitted before the deadline) and whether it was cut short by the deadline.
-    Returns the curve (possibly empty) and the stop reason."""
+    """Measure batch 1, 2, 4, ... until `decide_stop` says why not. `measure(batch)` returns the point (None when
+    not even one timed step fitted in the measuring time left) and whether it was cut short by that allowance;
+    `seconds_left()` is the measuring time left. Returns the curve (possibly empty) and the stop reason."""
     curve: list[Point] = []
     batch = 1
     while True:
-        point, truncated = measure(batch, deadline)
+        point, truncated = measure(batch)
         if point is None:
             return curve, "time_budget"
         curve.append(point)
         on_point(point)
         reason = decide_stop(
-            curve, max_batch=max_batch, memory_limit=memory_limit, seconds_left=deadline - clock(),
+            curve, max_batch=max_batch, memory_limit=memory_limit, seconds_left=seconds_left(),
             truncated=truncated,
         )
         if reason is not None:
@@ -198,6 +206,69 @@ def build_result(
         "seconds": round(seconds, 3),
         **meta,
     }
+
+
+class Budget:
+    """Two allowances on one clock: `one_time` (imports, the matmul probe, the model load and the first, compiling,
+    step of each batch shape) and `measure` (the timed steps). Exactly one is running at a time; `enter` switches.
+    Thread-safe: the watchdog reads it while the main thread works. The clock is injected (tests drive it)."""
+
+    def __init__(self, *, one_time_s: float, measure_s: float, clock: Callable[[], float]) -> None:
+        self.limits = {ONE_TIME: float(one_time_s), MEASURE: float(measure_s)}
+        self.spent = {ONE_TIME: 0.0, MEASURE: 0.0}
+        self.clock = clock
+        self.running = ONE_TIME
+        self.since = clock()
+        self.lock = threading.Lock()
+
+    def enter(self, kind: str) -> None:
+        """Charge the time since the last switch to the running allowance, then run `kind`."""
+        with self.lock:
+            now = self.clock()
+            self.spent[self.running] += now - self.since
+            self.running, self.since = kind, now
+
+    def used(self, kind: str) -> float:
+        with self.lock:
+            extra = self.clock() - self.since if kind == self.running else 0.0
+            return self.spent[kind] + extra
+
+    def left(self, kind: str) -> float:
+        return self.limits[kind] - self.used(kind)
+
+    def overrun(self) -> str | None:
+        """The allowance that is spent (only the running one can run out), or None."""
+        with self.lock:
+            kind = self.running
+        return kind if self.left(kind) <= 0 else None
+
+
+def _round_up(seconds: float) -> int:
+    """A value worth typing into a playbook: 10 s steps up to a minute, then whole minutes."""
+    step = 10 if seconds <= 60 else 60
+    return int(math.ceil(seconds / step) * step)
+
+
+def advise_no_point(kind: str, *, limit: float, phase: str, step_s: float | None, one_time: dict[str, Any]) -> str:
+    """Why no point was measured and what to set, in words a user acts on.
+
+    `kind` is the allowance that ran out (`one_time` or `measure`), `phase` what the bench was doing, `step_s`
+    the best guess of one training step of batch 1 (None when no step ran), `one_time` the one-time costs so far."""
+    if kind == ONE_TIME:
+        spent = ", ".join(f"{k} {v:.1f}s" for k, v in one_time.items() if isinstance(v, (int, float)))
+        return (f"one-time costs (importing mlx, loading the model, compiling the first step of each batch shape) "
+                f"took more than calibration.one_time_budget of {limit:g}s, spent while {phase}"
+                + (f" (so far: {spent})" if spent else "")
+                + f"; raise calibration.one_time_budget (to at least {_round_up(2 * limit)}) or warm the node's "
+                  "MLX kernel cache with one run")
+    need = ""
+    if step_s is not None and step_s > 0:
+        need = (f" (one step of batch 1 takes about {step_s:.1f}s here and a point needs {MIN_STEPS} timed steps)"
+                f"; set calibration.time_budget to at least {_round_up(max(2 * limit, (MIN_STEPS + 1) * step_s))}")
+    else:
+        need = f"; set calibration.time_budget to at least {_round_up(2 * limit)}"
+    return (f"calibration.time_budget of {limit:g}s (timed steps only) ran out while {phase}, before one point "
+            f"of batch 1 was measured{need}, or a smaller train.max_seq_length")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,11 +299,22 @@ class _State:
 
     started: float
     curve: list[Point]
+    budget: Budget
     memory_limit: int = 0
     matmul: tuple[float, str] | None = None
     device: dict[str, Any] | None = None
     meta: dict[str, Any] | None = None
     phase: str = "starting"
+    one_time: dict[str, Any] = field(default_factory=dict)  # import, matmul, load (s); first_steps {batch: s}
+    step_s: float | None = None  # the latest single-step time seen (the warm-up's until a timed step ran)
+
+    def extra(self) -> dict[str, Any]:
+        """The one-time costs and measuring time, as the result reports them."""
+        first = self.one_time.get("first_steps") or {}
+        one_time = {k: round(v, 3) for k, v in self.one_time.items() if k != "first_steps"}
+        one_time["first_steps"] = {str(b): round(v, 3) for b, v in first.items()}
+        return {"one_time_s": one_time, "one_time_total_s": round(self.budget.used(ONE_TIME), 3),
+                "measure_s": round(self.budget.used(MEASURE), 3)}
 
 
 def _log(message: str) -> None:
@@ -378,21 +460,30 @@ def fast_quartile(times: list[float]) -> float:
     return sorted(times)[(len(times) - 1) // 4]
 
 
-def _measure(trainer: _Trainer, batch: int, deadline: float, window: float) -> tuple[Point | None, bool]:
-    """Warm up once, then time steps: at least MIN_STEPS, more until `window` seconds of timed steps (or
-    MAX_STEPS). A step that would end past `deadline` is not started: the point is cut short (truncated)."""
-    mx = trainer.mx
+def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tuple[Point | None, bool]:
+    """Warm up once (the one-time allowance: it compiles the new shape), then time steps on the measuring
+    allowance: at least MIN_STEPS, more until `window` seconds of timed steps (or MAX_STEPS). A step expected to
+    end past the measuring allowance is not started (the point is cut short: truncated); the first timed step
+    always runs, since a compiling warm-up says nothing of a step's real length (the watchdog bounds it)."""
+    mx, budget = trainer.mx, state.budget
+    budget.enter(ONE_TIME)
     tokens = trainer.batch(batch)
     mx.reset_peak_memory()
     warmup = trainer.step(tokens)
+    state.one_time.setdefault("first_steps", {})[batch] = warmup
+    if state.step_s is None:
+        state.step_s = warmup
+    _log(f"bench batch={batch} first step {warmup:.2f}s (compile included: one-time)")
+    budget.enter(MEASURE)
     times: list[float] = []
     truncated = False
     while len(times) < MAX_STEPS and (len(times) < MIN_STEPS or sum(times) < window):
-        expected = statistics.median(times) if times else warmup
-        if time.monotonic() + expected > deadline:
+        if times and budget.left(MEASURE) < statistics.median(times):
             truncated = True
             break
         times.append(trainer.step(tokens))
+        state.step_s = times[-1] if batch == 1 else state.step_s
+    budget.enter(ONE_TIME)
     if not times:
         return None, True
     step_time = fast_quartile(times)
@@ -407,6 +498,11 @@ def _measure(trainer: _Trainer, batch: int, deadline: float, window: float) -> t
     return point, truncated
 
 
+def _positive(value: float, flag: str) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise BenchError(f"{flag} must be a positive number of seconds, got {value}")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="worker.bench", description="Measure training tokens/s per batch size.")
     parser.add_argument("--model", required=True, help="model directory on this node (config.json + safetensors)")
@@ -414,7 +510,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", choices=("lora", "dora", "full"), required=True)
     parser.add_argument("--num-layers", type=int, default=16, help="layers to train, -1 = all (mlx-lm default 16)")
     parser.add_argument("--grad-checkpoint", action="store_true")
-    parser.add_argument("--time-budget", type=float, default=60.0, help="seconds for the whole run")
+    parser.add_argument("--time-budget", type=float, default=60.0, help="seconds of timed steps")
+    parser.add_argument("--one-time-budget", type=float, default=600.0,
+                        help="seconds for imports, the model load and the first (compiling) step of each shape")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--memory-fraction", type=float, default=0.8)
     args = parser.parse_args(argv)
@@ -422,8 +520,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise BenchError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.num_layers == 0 or args.num_layers < -1:
         raise BenchError(f"--num-layers must be -1 (all) or positive, got {args.num_layers}")
-    if not (args.time_budget > 0 and math.isfinite(args.time_budget)):
-        raise BenchError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    _positive(args.time_budget, "--time-budget")
+    _positive(args.one_time_budget, "--one-time-budget")
     if args.max_batch < 1:
         raise BenchError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 < args.memory_fraction <= 1:
@@ -431,38 +529,46 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _watchdog(state: _State, out: _Output, budget: float) -> None:
-    """Runs when the budget is spent and the main thread is still busy (mlx releases the GIL while it
-    evaluates, so this thread does run): answer with what was measured and end the process."""
-    seconds = time.monotonic() - state.started
-    if state.curve and state.device is not None and state.meta is not None:
-        result = build_result(list(state.curve), "time_budget", memory_limit=state.memory_limit,
-                              matmul=state.matmul, device=state.device, meta=state.meta, seconds=seconds)
-        code = 0
-    else:
-        result = {"error": f"time budget of {budget:g}s spent while {state.phase}, before any point was measured",
-                  "seconds": round(seconds, 3)}
-        code = 1
-    if out.emit(result):
-        _log(f"bench watchdog: time budget {budget:g}s spent while {state.phase}")
-        # os._exit: the main thread is inside an mlx call that cannot be interrupted; nothing is left to flush.
-        os._exit(code)
+def _watchdog(state: _State, out: _Output, stop: threading.Event) -> None:
+    """Polls the two allowances while the main thread works (mlx releases the GIL while it evaluates, so this
+    thread does run). When one is spent: answer with what was measured and end the process."""
+    while not stop.wait(WATCHDOG_POLL_S):
+        kind = state.budget.overrun()
+        if kind is None:
+            continue
+        seconds = time.monotonic() - state.started
+        reason = "time_budget" if kind == MEASURE else "one_time_budget"
+        if state.curve and state.device is not None and state.meta is not None:
+            result = build_result(list(state.curve), reason, memory_limit=state.memory_limit, matmul=state.matmul,
+                                  device=state.device, meta={**state.meta, **state.extra()}, seconds=seconds)
+            code = 0
+        else:
+            message = advise_no_point(kind, limit=state.budget.limits[kind], phase=state.phase, step_s=state.step_s,
+                                      one_time={k: v for k, v in state.one_time.items() if k != "first_steps"})
+            result = {"error": message, "phase": state.phase, "seconds": round(seconds, 3), **state.extra()}
+            code = 1
+        if out.emit(result):
+            _log(f"bench watchdog: {reason.replace('_', ' ')} of {state.budget.limits[kind]:g}s spent while "
+                 f"{state.phase}")
+            # os._exit: the main thread is inside an mlx call that cannot be interrupted; nothing is left to flush.
+            os._exit(code)
+        return
 
 
 def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
-    budget = float(args.time_budget)
-    # Keep a little of the budget for the output; the deadline is what the sweep plans against.
-    deadline = state.started + budget - min(1.0, 0.05 * budget)
+    budget = state.budget
     # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
     # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
-    window = max(0.5, 0.05 * budget)
+    window = max(0.5, 0.05 * float(args.time_budget))
 
     model_path(args.model)
     state.phase = "importing mlx"
+    mark = time.monotonic()
     import mlx.core as mx
     import mlx_lm
 
     device, memory = _device(mx)
+    state.one_time["import"] = time.monotonic() - mark
     memory_limit = int(memory * args.memory_fraction)
     state.device, state.memory_limit = device, memory_limit
     state.meta = {
@@ -471,12 +577,16 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
         "mlx_lm_version": getattr(mlx_lm, "__version__", None),
     }
     state.phase = "measuring the matmul rate"
+    mark = time.monotonic()
     state.matmul = _matmul_gflops(mx, device["backend"] == "gpu")
+    state.one_time["matmul"] = time.monotonic() - mark
     _log(f"bench matmul_gflops={state.matmul[0]:.1f} dtype={state.matmul[1]}")
 
     state.phase = "loading the model"
+    mark = time.monotonic()
     trainer = _Trainer(args.model, method=args.method, num_layers=args.num_layers,
                        grad_checkpoint=args.grad_checkpoint, seq_len=args.seq_len)
+    state.one_time["load"] = time.monotonic() - mark
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s")
 
     def on_point(p: Point) -> None:
@@ -484,10 +594,10 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
         _log(f"bench batch={p.batch} tokens_per_s={p.tokens_per_s:.1f} step_s={p.step_time_s:.4f} "
              f"peak_memory={p.peak_memory} steps={p.steps}")
 
-    def measure(batch: int, until: float) -> tuple[Point | None, bool]:
+    def measure(batch: int) -> tuple[Point | None, bool]:
         state.phase = f"measuring batch {batch}"
         try:
-            return _measure(trainer, batch, until, window)
+            return _measure(trainer, batch, state, window)
         except (RuntimeError, MemoryError) as exc:
             # The memory prediction should have stopped us first; if it did not, what was measured still stands.
             if state.curve and looks_like_oom(exc):
@@ -496,15 +606,17 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
             raise
 
     try:
-        curve, reason = sweep(measure, max_batch=args.max_batch, memory_limit=memory_limit, deadline=deadline,
-                              clock=time.monotonic, on_point=on_point)
+        curve, reason = sweep(measure, max_batch=args.max_batch, memory_limit=memory_limit,
+                              seconds_left=lambda: budget.left(MEASURE), on_point=on_point)
     except _OutOfMemory:
         curve, reason = list(state.curve), "memory"
     if not curve:
-        raise BenchError(f"time budget of {budget:g}s spent before one step of batch 1 could be timed")
-    _log(f"bench stopped_because={reason}")
+        raise BenchError(advise_no_point(MEASURE, limit=budget.limits[MEASURE], phase=state.phase,
+                                         step_s=state.step_s, one_time={}))
+    _log(f"bench stopped_because={reason} measuring {budget.used(MEASURE):.1f}s, one-time "
+         f"{budget.used(ONE_TIME):.1f}s")
     return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
-                        meta=state.meta, seconds=time.monotonic() - state.started)
+                        meta={**state.meta, **state.extra()}, seconds=time.monotonic() - state.started)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,29 +628,32 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     out = _Output(real_stdout)
-    state = _State(started=started, curve=[])
+    state: _State | None = None
     try:
         args = _parse_args(argv)
-        timer = threading.Timer(max(0.0, started + args.time_budget - time.monotonic()), _watchdog,
-                                (state, out, args.time_budget))
-        timer.daemon = True
-        timer.start()
+        budget = Budget(one_time_s=args.one_time_budget, measure_s=args.time_budget, clock=time.monotonic)
+        budget.since = started  # python's own start-up until here is one-time too
+        state = _State(started=started, curve=[], budget=budget)
+        stop = threading.Event()
+        watchdog = threading.Thread(target=_watchdog, args=(state, out, stop), name="bench-watchdog", daemon=True)
+        watchdog.start()
         try:
             result = _run(args, state)
         finally:
-            timer.cancel()
+            stop.set()
     except SystemExit as exc:  # argparse: its message (or --help) is already on stderr
         if exc.code == 0:
             return 0
         out.emit({"error": f"bad arguments (exit {exc.code})", "seconds": round(time.monotonic() - started, 3)})
         return 1
     except BenchError as exc:
-        out.emit({"error": str(exc), "seconds": round(time.monotonic() - started, 3)})
+        extra = state.extra() if state is not None else {}
+        out.emit({"error": str(exc), "seconds": round(time.monotonic() - started, 3), **extra})
         return 1
     except Exception as exc:  # noqa: BLE001 - the contract is a JSON error for ANY failure (mlx raises plain
         # RuntimeError/ValueError from C++), never a bare traceback the coordinator would have to parse.
         _log(f"bench error: {type(exc).__name__}: {exc}")
-        out.emit({"error": f"{type(exc).__name__}: {exc}", "phase": state.phase,
+        out.emit({"error": f"{type(exc).__name__}: {exc}", "phase": state.phase if state else "starting",
                   "seconds": round(time.monotonic() - started, 3)})
         return 1
     out.emit(result)

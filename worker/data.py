@@ -18,7 +18,7 @@ import types
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,7 +50,10 @@ def stream_rows(position: int, count: int, n: int, seed: int) -> list[int]:
     return [int(epoch_permutation(n, seed, p // n)[p % n]) for p in range(position, position + count)]
 
 
-def rank_slice(global_rows: Sequence[int], offset: int, size: int) -> list[int]:
+T = TypeVar("T")
+
+
+def rank_slice(global_rows: Sequence[T], offset: int, size: int) -> list[T]:
     """This rank's part of one global batch (may be shorter, or empty, for a short last eval batch)."""
     return list(global_rows[offset:offset + size])
 

@@ -36,7 +36,8 @@ class EventKind(_StrEnum):
     STARTED = "started"  # world_size, node, batch_size, global_batch, method, num_layers (resolved count),
     #                      trainable_params, total_params, trainable_pct (percent), trainable (text: "trainable
     #                      0.54% (a/b parameters)"), resumed_from (step or null), data_position, iters, pid, host,
-    #                      checkpoint_writer (bool), checkpoint_dir, train_rows, valid_rows
+    #                      checkpoint_writer (bool), checkpoint_dir, train_rows, valid_rows, packing (bool),
+    #                      packing_reason (text: why the run packs rows into sequences, or why not)
     STEP = "step"  # step, loss (global mean per token), tokens (this rank), total_tokens (all ranks), tok_s (this
     #                rank, per second of step wall time), step_time_s, peak_memory (bytes), grad_norm, lr,
     #                data_position (global rows consumed), epoch; and this rank's own values before the
@@ -57,7 +58,8 @@ class EventKind(_StrEnum):
     WARNING = "warning"  # code, message
     HEARTBEAT = "heartbeat"  # step, phase, pid
     FINISHED = "finished"  # step, checkpoint (path), loss
-    ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself
+    ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself;
+    #                  fault ("job") when every rank fails together because of the job, not of its node
 
 
 class Phase(_StrEnum):

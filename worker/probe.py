@@ -14,7 +14,10 @@ Input: at most one argv argument, a JSON object; every key is optional:
      "model_dir": "/srv/model",                   dir with config.json and *.safetensors
      "jobs": 0,                                   hashing threads; 0 = min(8, cpu count)
      "progress": true,                            `progress <done> <total>` lines on stderr for big jobs
-     "timeout": 2.0}                              per-peer TCP connect timeout, seconds
+     "timeout": 2.0,                              per-peer TCP connect timeout, seconds
+     "data_check": {"dir": "/srv/data", "format": "sft" | "dpo",      the trainer's data files, parsed row by
+                    "files": [["train.jsonl", true], ["valid.jsonl", false]],   row as it will load them
+                    "max_bytes": 268435456}}      ([name, required]); rows past max_bytes are not read
 
 Output: exactly one JSON object (ASCII) on stdout; diagnostics and progress go to stderr:
     {"python": {"executable": str, "version": "3.11.7"},
@@ -26,7 +29,11 @@ Output: exactly one JSON object (ASCII) on stdout; diagnostics and progress go t
                  "cached_files": int, "hashed_bytes": int}],      answered from the cache / bytes read now
      "reach": [{"peer": str, "ip": str, "ok": bool, "rtt_ms": float | null, "error": str | null,
                 "method": "icmp" | "tcp" | null}],
-     "model": {"config": object | null, "params": int | null, "error": str | null}}
+     "model": {"config": object | null, "params": int | null, "error": str | null,
+               "weights": [str], "tokenizer": [str]},                 *.safetensors and tokenizer files found
+     "data": {"dir": str, "error": str | null,                         only with `data_check`
+              "files": [{"name": str, "required": bool, "exists": bool, "rows": int, "bytes": int,
+                         "checked_bytes": int, "format": str | null, "error": str | null ("line N: ...")}]}}
 `hashes` is one entry per `hash_dirs` item, in order; it is absent only if hashing failed in an unexpected
 way (the reason is in `errors`), so that a crash can never look like an empty, matching dir. Nothing raises
 out of `run`; the exit status is 0 unless the arguments are unusable (then 2, still with a JSON answer).
@@ -65,7 +72,10 @@ PROGRESS_INTERVAL = 0.25  # seconds between progress lines (at most ~4 a second)
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit; a bigger length means "not safetensors"
 CACHE_VERSION = 1
 MAX_NAMED_ERRORS = 5  # a dir's `error` names this many problems, then counts the rest
-KNOWN_ARGS = frozenset({"hash_dirs", "peers", "cache", "model_dir", "jobs", "progress", "timeout"})
+KNOWN_ARGS = frozenset({"hash_dirs", "peers", "cache", "model_dir", "jobs", "progress", "timeout", "data_check"})
+DATA_CHECK_MAX_BYTES = 256 * 1024 * 1024  # per file: JSON parsing runs at ~100-300 MB/s; a bigger file is sampled
+# Any of these in the model dir lets transformers' AutoTokenizer (mlx-lm's load) build a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
 
 
 class FileEntry:
@@ -747,7 +757,129 @@ def model_info(model_dir: str) -> dict[str, Any]:
             bad = True
     if weights and not bad:
         out["params"] = total
+    if not weights and not any(p.startswith("cannot list") for p in problems):
+        problems.append("no *.safetensors weights")
+    out["weights"] = weights
+    out["tokenizer"] = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(top, n))]
+    if not out["tokenizer"]:
+        problems.append(f"no tokenizer ({', '.join(TOKENIZER_FILES)})")
     out["error"] = "; ".join(problems) or None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def sft_format(row: Any) -> str | None:
+    """mlx-lm's format detection (`create_dataset`, on the first row): completions | chat | text, else None."""
+    if not isinstance(row, dict):
+        return None
+    if "prompt" in row and "completion" in row:
+        return "completions"
+    if "messages" in row:
+        return "chat"
+    if "text" in row:
+        return "text"
+    return None
+
+
+def row_problem(row: Any, fmt: str) -> str | None:
+    """Why one parsed row cannot be used in a file of format `fmt` (sft formats, or "dpo"); None when it can."""
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    if fmt == "text":
+        return None if isinstance(row.get("text"), str) else '"text" is missing or not a string'
+    if fmt == "chat":
+        return None if _is_messages(row.get("messages")) else \
+            '"messages" is missing or not a list of {"role", "content"} messages'
+    if fmt == "completions":
+        missing = [k for k in ("prompt", "completion") if k not in row]
+        return f"{' and '.join(repr(k) for k in missing)} missing (the file's first row is prompt/completion)" \
+            if missing else None
+    # dpo (worker/dpo.py encode_pair)
+    if "chosen" not in row or "rejected" not in row:
+        return 'a preference row needs "chosen" and "rejected"'
+    if "prompt" not in row and not (_is_messages(row["chosen"]) and _is_messages(row["rejected"])):
+        return 'no "prompt" (only chat conversations sharing their first messages may leave it out)'
+    return None
+
+
+def check_data_file(path: str, fmt: str, max_bytes: int) -> dict[str, Any]:
+    """Parse `path` row by row the way the trainer will (UTF-8, one JSON object per line, the format's keys):
+    {"exists", "rows", "bytes", "checked_bytes", "format", "error"}. `fmt`: "sft" (format detected from the
+    first row, as mlx-lm does; a blank line fails mlx-lm's loader) or "dpo" (blank lines skipped). Stops at
+    the first problem, or after `max_bytes` (then checked_bytes < bytes)."""
+    out: dict[str, Any] = {"exists": False, "rows": 0, "bytes": 0, "checked_bytes": 0, "format": None, "error": None}
+    if not os.path.exists(path):
+        return out
+    out["exists"] = True
+    detected = "dpo" if fmt == "dpo" else None
+    rows = 0
+    checked = 0
+    try:
+        with open(path, "rb") as fh:
+            out["bytes"] = os.fstat(fh.fileno()).st_size
+            for lineno, raw in enumerate(fh, 1):
+                if checked >= max_bytes:
+                    break
+                checked += len(raw)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    out["error"] = f"line {lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                    break
+                if not line.strip():
+                    if fmt == "dpo":
+                        continue
+                    out["error"] = f"line {lineno}: blank (mlx-lm parses every line as JSON)"
+                    break
+                try:
+                    row = json.loads(line.rstrip("\r\n"))
+                except ValueError as exc:
+                    where = f" at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+                    out["error"] = f"line {lineno}: not JSON ({getattr(exc, 'msg', exc)}{where})"
+                    break
+                if detected is None:
+                    detected = sft_format(row)
+                    if detected is None:
+                        keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+                        out["error"] = (f"line {lineno}: unsupported format (has {keys or 'no keys'}; needs "
+                                        '"text", "messages", or "prompt" and "completion")')
+                        break
+                problem = row_problem(row, detected)
+                if problem is not None:
+                    out["error"] = f"line {lineno}: {problem}"
+                    break
+                rows += 1
+    except OSError as exc:
+        out["error"] = f"cannot read: {exc.strerror or exc}"
+    out.update(rows=rows, checked_bytes=min(checked, out["bytes"]), format=detected)
+    if out["error"] is None and rows == 0 and checked >= out["bytes"]:
+        out["error"] = "no rows (an empty file fails the loader)"
+    return out
+
+
+def check_data(spec: Any) -> dict[str, Any]:
+    """The `data` section for a `data_check` argument (see the module docstring)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("dir"), str):
+        return {"dir": None, "files": [], "error": "data_check needs {\"dir\": str, ...}"}
+    top = os.path.abspath(os.path.expanduser(spec["dir"]))
+    out: dict[str, Any] = {"dir": spec["dir"], "files": [], "error": None}
+    if not os.path.isdir(top):
+        out["error"] = f"no such directory: {top}"
+        return out
+    fmt = "dpo" if spec.get("format") == "dpo" else "sft"
+    limit = spec.get("max_bytes")
+    limit = limit if type(limit) is int and limit > 0 else DATA_CHECK_MAX_BYTES
+    for item in spec.get("files") or []:
+        name, required = (item[0], bool(item[1])) if isinstance(item, list) and len(item) == 2 else (str(item), True)
+        entry = check_data_file(os.path.join(top, str(name)), fmt, limit)
+        out["files"].append({"name": str(name), "required": required, **entry})
     return out
 
 
@@ -845,6 +977,7 @@ def run(args: dict[str, Any], stderr: IO[str] | None = None) -> dict[str, Any]:
     jobs = _arg(args, "jobs", (int,), 0, errors)
     progress = _arg(args, "progress", (bool,), False, errors)
     timeout = _arg(args, "timeout", (int, float), DEFAULT_TIMEOUT, errors)
+    data_check = _arg(args, "data_check", (dict, type(None)), None, errors)
     if timeout <= 0:
         errors.append(f"argument 'timeout' must be > 0, not {timeout}")
         timeout = DEFAULT_TIMEOUT
@@ -862,6 +995,11 @@ def run(args: dict[str, Any], stderr: IO[str] | None = None) -> dict[str, Any]:
         out["model"] = model_info(model_dir) if model_dir else {"config": None, "params": None, "error": None}
     except Exception as exc:  # noqa: BLE001 - reported, the rest of the probe goes on
         out["model"] = {"config": None, "params": None, "error": f"{type(exc).__name__}: {exc}"}
+    if data_check is not None:
+        try:
+            out["data"] = check_data(data_check)
+        except Exception as exc:  # noqa: BLE001 - reported as the section's error, the rest goes on
+            out["data"] = {"dir": None, "files": [], "error": f"{type(exc).__name__}: {exc}"}
     try:
         out["hashes"] = hash_dirs(dirs, cache or None, jobs, progress, stderr, errors)
     except Exception as exc:  # noqa: BLE001 - no `hashes` key: the coordinator must not see "no files"

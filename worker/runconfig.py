@@ -14,6 +14,12 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     learning_rate     (1e-5)       optimizer   "adam" | "adamw" | "sgd" ("adam")
     max_seq_length    (2048)       grad_accumulation  micro-batches per optimizer step (1)
     grad_checkpoint   (false)      mask_prompt        (false; chat/completions only, as in mlx-lm)
+    packing           "auto" | "on" | "off" ("auto"): a rank's SFT rows packed into as few sequences as they fit
+                      in, block-diagonal attention per row (worker.step): the same rows, loss and gradient
+                      without the padding; auto packs when that saves >= 10% of the computed positions and is
+                      exact on the model
+    train_embeddings  (false)      full on all layers only: also train embeddings, lm_head and the final norm
+                      (mlx-lm's full trains the transformer layers only, and so do we by default)
     num_layers        null | -1 | N (null): the last N transformer layers are adapted (lora/dora) or trained
                       (full); null and -1 mean ALL layers (mlx-lm's CLI silently defaults to 16: we do not)
     lora              {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": null}
@@ -24,6 +30,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     ranks             required: [{"rank": 0, "node": "a", "batch_size": 3}, ...], ranks 0..N-1 exactly once
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
+    restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
+                      aside and start at step 0 (without it every rank refuses: worker.train.ResumeRefused)
     consistency_every replica-consistency digests every N steps and at the last step, 0 = off (50): every rank
                       emits a `digest` event (SHA256 of all its parameters and of its optimizer state, see
                       `worker.chaos.arrays_sha256`); honest data-parallel replicas give identical digests
@@ -65,6 +73,7 @@ METHODS = ("lora", "dora", "full", "dpo")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+PACKING = ("auto", "on", "off")
 MAX_HEARTBEAT_S = 2.0
 
 
@@ -134,6 +143,8 @@ class RunConfig:
     grad_accumulation: int = 1
     grad_checkpoint: bool = False
     mask_prompt: bool = False
+    packing: str = "auto"
+    train_embeddings: bool = False
     num_layers: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
     dpo: DpoSpec = field(default_factory=DpoSpec)
@@ -143,6 +154,7 @@ class RunConfig:
     seed: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    restart_from_scratch: bool = False
     heartbeat_s: float = 1.0
     consistency_every: int = 50
     fence: tuple[float, float] | None = None  # (factor, min_s)
@@ -192,6 +204,11 @@ class RunConfig:
             "grad_accumulation": self.grad_accumulation, "mask_prompt": self.mask_prompt,
             "num_layers": self.num_layers, "lora": asdict(self.lora), "seed": self.seed,
         }
+        # Written only when not the default, so the digest of runs from before these keys is unchanged.
+        if self.packing != "auto":
+            math["packing"] = self.packing
+        if self.train_embeddings:
+            math["train_embeddings"] = True
         if self.method == "dpo":
             math["dpo"] = asdict(self.dpo)
         return hashlib.sha256(json.dumps(math, sort_keys=True, default=list).encode()).hexdigest()
@@ -204,9 +221,9 @@ class RunConfig:
 
 _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
-    "grad_accumulation", "grad_checkpoint", "mask_prompt", "num_layers", "lora", "save_every", "steps_per_eval",
-    "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume", "heartbeat_s", "consistency_every",
-    "chaos", "debug", "dpo", "fence",
+    "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "train_embeddings", "num_layers", "lora",
+    "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
+    "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -374,7 +391,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         raise ConfigError("run_dir is empty and there is no config file to take it from")
     ranks = _parse_ranks(raw.get("ranks"))
     method = _choice(raw, "method", "lora", METHODS)
-    return RunConfig(
+    config = RunConfig(
         run_id=_str(raw, "run_id"),
         model=os.path.expanduser(_str(raw, "model")),
         data=os.path.expanduser(_str(raw, "data")),
@@ -389,6 +406,8 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         grad_accumulation=_int(raw, "grad_accumulation", 1, minimum=1),
         grad_checkpoint=_bool(raw, "grad_checkpoint", False),
         mask_prompt=_bool(raw, "mask_prompt", False),
+        packing=_choice(raw, "packing", "auto", PACKING),
+        train_embeddings=_bool(raw, "train_embeddings", False),
         num_layers=num_layers,
         lora=_parse_lora(raw.get("lora")),
         save_every=_int(raw, "save_every", 100, minimum=0),
@@ -397,12 +416,16 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         seed=_int(raw, "seed", 0),
         keep_checkpoints=_int(raw, "keep_checkpoints", 2, minimum=1),
         resume=_bool(raw, "resume", False),
+        restart_from_scratch=_bool(raw, "restart_from_scratch", False),
         heartbeat_s=min(_float(raw, "heartbeat_s", 1.0, positive=True), MAX_HEARTBEAT_S),
         consistency_every=_int(raw, "consistency_every", 50, minimum=0),
         fence=_parse_fence(raw.get("fence")),
         chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
         debug=_parse_debug(raw.get("debug")),
     )
+    if config.train_embeddings and (config.fine_tune_type != "full" or config.num_layers not in (None, -1)):
+        raise ConfigError("train_embeddings needs full fine-tuning of all layers (num_layers null or -1)")
+    return config
 
 
 def _parse_fence(raw: Any) -> tuple[float, float] | None:

@@ -29,10 +29,12 @@ Contract
   the run dir, so only one writes; every node still holds a full copy, so losing a node loses no state). All
   ranks wait for all writers (a barrier) before reporting the `checkpoint` event.
 * Resume (`resume: true`): each rank finds its node's newest checkpoint that verifies (reporting every skipped
-  one as `checkpoint_invalid`); the ranks agree on the newest step any of them has; when every rank holds
-  byte-identical copies each loads its own, otherwise the lowest rank holding it broadcasts weights, optimizer
-  state and state.json to all. Training continues at step+1 at the saved global data position, whatever the new
-  world or split. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
+  one as `checkpoint_invalid`, and the node's writer sets each aside as `step-N.invalid-<code>`, never deleted);
+  the ranks agree on the newest step any of them has; when every rank holds byte-identical copies each loads its
+  own, otherwise the lowest rank holding it broadcasts weights, optimizer state and state.json to all. Training
+  continues at step+1 at the saved global data position, whatever the new world or split. When checkpoints exist
+  but none is valid on any rank, every rank raises `ResumeRefused` (an error event with `fault: job`) unless
+  `restart_from_scratch` is set. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
 * Exit: 0 only after `finished`; any exception -> `error` event (message, traceback) and exit 1; SIGTERM/SIGINT/
   SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective.
 """
@@ -59,11 +61,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.nn.losses import cross_entropy
-from mlx.nn.utils import value_and_grad as nn_value_and_grad
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
-from worker.chaos import RankChaos, arrays_sha256, lie_about, perturb, poisoned, signal_self
+from worker.chaos import RankChaos, arrays_sha256, lie_about, perturb, signal_self
 from worker.checkpoint import (
     ADAPTER_CONFIG,
     MANIFEST,
@@ -72,10 +72,10 @@ from worker.checkpoint import (
     WEIGHTS,
     Checkpoint,
     checkpoints_dir,
-    discard_newer,
-    find_valid_checkpoint,
     list_checkpoints,
     remove_stale_temporaries,
+    scan_checkpoints,
+    set_aside_invalid,
     step_dir_name,
     write_checkpoint,
     writer_lock,
@@ -85,18 +85,33 @@ from worker.dpo import STATS as DPO_STATS
 from worker.dpo import build_pair_batch, dpo_loss_sum, load_preference_datasets
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
+from worker.step import (
+    TrainStep,
+    all_sum_arrays,
+    decide_packing,
+    pack_rows,
+    packed_loss_sum,
+    sft_weight,
+    token_loss_sum,
+)
 from worker.tensorfile import sha256_file, write_safetensors
 
 STATE_FORMAT = "mlx-coordinator-checkpoint/1"
-ALL_REDUCE_BYTES = 32 * 1024**2  # gradient buckets per all_sum call (as mlx's average_gradients)
 REPLICA_RTOL = 1e-5
 
-AllSum = Callable[[mx.array], mx.array]
-Batch = tuple[mx.array, mx.array]
 
 
 class TrainingError(RuntimeError):
     """A condition that makes continuing pointless or wrong (bad world, diverged loss, replicas differ...)."""
+
+
+class ResumeRefused(TrainingError):
+    """Resume found checkpoints but none valid on any rank: starting from step 0 over them would lose the run.
+
+    A fault of the job, not of a node (every rank raises it together): its error event says `fault: job`, so
+    the coordinator stops the run without quarantining anyone."""
+
+    fault = "job"
 
 
 def flatten(tree: Any) -> dict[str, mx.array]:
@@ -126,183 +141,55 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
-# --- loss and the exact combination of gradients (no I/O; unit-tested in-process) -----------------------------
-
-
-def token_loss_sum(model: Any, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
-    """(sum of per-token cross-entropy, number of tokens) with mlx-lm's `default_loss` mask, which returns
-    their quotient instead. Targets at positions `offset <= j+1 <= length` count (mlx-lm's convention)."""
-    inputs = batch[:, :-1]
-    targets = batch[:, 1:]
-    logits = model(inputs)
-    steps = mx.arange(1, targets.shape[1] + 1)
-    mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
-    ce = cross_entropy(logits, targets) * mask
-    return ce.astype(mx.float32).sum(), mask.sum().astype(mx.int32)
+# --- objectives: what a micro-batch is and what its loss is (the step itself is worker.step) --------------------
 
 
 @dataclass(frozen=True)
-class Contribution:
-    """Sums over some tokens: gradient of the loss SUM (float32, flat names), loss sum, token count."""
+class Micro:
+    """One micro-batch of a step as every rank sees it: this rank's inputs, and the counts of the whole global
+    micro-batch, known on every rank without a collective (the data order and the split are functions of the
+    config). `tokens`/`total_tokens` None: counted on the device (DPO's completion tokens)."""
 
-    grads: dict[str, mx.array]
-    loss_sum: mx.array
-    tokens: mx.array
-
-    @classmethod
-    def zeros(cls, params: Mapping[str, mx.array]) -> Contribution:
-        return cls({k: mx.zeros(v.shape, mx.float32) for k, v in params.items()},
-                   mx.array(0.0, mx.float32), mx.array(0, mx.int32))
-
-    @classmethod
-    def from_tree(cls, grads: Any, loss_sum: mx.array, tokens: mx.array) -> Contribution:
-        return cls({k: v.astype(mx.float32) for k, v in flatten(grads).items()}, loss_sum.astype(mx.float32),
-                   tokens.astype(mx.int32))
-
-    def add(self, other: Contribution) -> Contribution:
-        if self.grads.keys() != other.grads.keys():
-            raise ValueError("contributions over different parameters")
-        return Contribution({k: v + other.grads[k] for k, v in self.grads.items()},
-                            self.loss_sum + other.loss_sum, self.tokens + other.tokens)
-
-    def arrays(self) -> list[mx.array]:
-        return [*self.grads.values(), self.loss_sum, self.tokens]
-
-    def poisoned(self) -> Contribution:
-        """The same contribution with a NaN loss sum and NaN gradients (chaos `nan`); tokens unchanged."""
-        return Contribution({k: poisoned(v) for k, v in self.grads.items()}, poisoned(self.loss_sum), self.tokens)
-
-    def local_stats(self) -> tuple[mx.array, mx.array]:
-        """(loss sum / tokens, L2 norm of grads / tokens) of this contribution alone, i.e. what this rank would
-        have computed without its peers. No per-parameter temporaries are kept: sqrt(sum g^2) / tokens."""
-        denom = mx.maximum(self.tokens, 1).astype(mx.float32)
-        sq = sum((mx.sum(g * g) for g in self.grads.values()), mx.array(0.0, mx.float32))
-        return self.loss_sum / denom, mx.sqrt(sq) / denom
-
-
-def bucket_names(sizes: Mapping[str, int], bucket_bytes: int, itemsize: int = 4) -> list[list[str]]:
-    """Sorted names grouped into buckets of about `bucket_bytes` (a bucket closes once it reaches the size)."""
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    nbytes = 0
-    for name in sorted(sizes):
-        current.append(name)
-        nbytes += sizes[name] * itemsize
-        if nbytes >= bucket_bytes:
-            buckets.append(current)
-            current, nbytes = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
-                   bucket_bytes: int = ALL_REDUCE_BYTES) -> dict[str, mx.array]:
-    """`all_sum` every array, concatenating same-dtype arrays into buckets: few large collectives instead of
-    one per parameter. Shapes and names are preserved."""
-    out: dict[str, mx.array] = {}
-    by_dtype: dict[Any, dict[str, int]] = {}
-    for name, arr in arrays.items():
-        by_dtype.setdefault(arr.dtype, {})[name] = arr.size
-    # Every rank must issue the same collectives in the same order: iterate in a rank-independent order.
-    for _, sizes in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-        for bucket in bucket_names(sizes, bucket_bytes):
-            flat = mx.concatenate([arrays[n].reshape(-1) for n in bucket]) if len(bucket) > 1 \
-                else arrays[bucket[0]].reshape(-1)
-            summed = all_sum(flat)
-            bounds = np.cumsum([arrays[n].size for n in bucket])[:-1].tolist()
-            parts = mx.split(summed, bounds) if bounds else [summed]
-            if len(parts) != len(bucket):  # zip(strict=True) is 3.10+: the worker runs on 3.9 too
-                raise AssertionError(f"split gave {len(parts)} parts for {len(bucket)} arrays")
-            for name, part in zip(bucket, parts):
-                out[name] = part.reshape(arrays[name].shape)
-    return out
-
-
-# Reserved names (a parameter name never starts with a space) under which the loss sum and the token count ride
-# in the gradients' float32 bucket.
-_LOSS_KEY, _TOKENS_HI_KEY, _TOKENS_LO_KEY = " loss_sum", " tokens_hi", " tokens_lo"
-TOKENS_SPLIT = 4096  # tokens = hi * TOKENS_SPLIT + lo, both parts exact in float32 up to 2^36 tokens
-
-
-def reduce_contribution(local: Contribution, all_sum: AllSum) -> Contribution:
-    """The global sums: every rank's contribution added up (identical on all ranks).
-
-    ONE collective per bucket: the loss sum and the token count travel in the gradients' float32 bucket instead
-    of two more all_sums. Every collective is a synchronous round trip through the slowest rank, and a rank on
-    a throttled or busy machine answers each one late. The count is split into two float32 parts (hi, lo) that
-    stay exact integers when summed, so the weighting is still exact."""
-    tokens = local.tokens.astype(mx.int32)
-    arrays = dict(local.grads)
-    arrays[_LOSS_KEY] = local.loss_sum.astype(mx.float32).reshape(1)
-    arrays[_TOKENS_HI_KEY] = (tokens // TOKENS_SPLIT).astype(mx.float32).reshape(1)
-    arrays[_TOKENS_LO_KEY] = (tokens % TOKENS_SPLIT).astype(mx.float32).reshape(1)
-    summed = all_sum_arrays(arrays, all_sum)
-    total = (summed.pop(_TOKENS_HI_KEY).astype(mx.int32) * TOKENS_SPLIT
-             + summed.pop(_TOKENS_LO_KEY).astype(mx.int32)).reshape(())
-    loss_sum = summed.pop(_LOSS_KEY).reshape(())
-    return Contribution(summed, loss_sum, total)
-
-
-@dataclass(frozen=True)
-class Combined:
-    grads: dict[str, mx.array]  # mean gradient per token, in each parameter's dtype
-    loss: mx.array  # mean loss per token (float32 scalar)
-    tokens: mx.array  # total tokens (int32 scalar)
-    grad_norm: mx.array  # L2 norm of the mean gradient (float32 scalar)
-
-
-def finalize(total: Contribution, dtypes: Mapping[str, Any] | None = None) -> Combined:
-    """Divide the global sums by the global token count: sum_i(tokens_i * meangrad_i) / sum_i(tokens_i).
-    With no tokens at all the gradient is zero (and the loss 0) rather than NaN."""
-    denom = mx.maximum(total.tokens, 1).astype(mx.float32)
-    grads = {k: v / denom for k, v in total.grads.items()}
-    norm = mx.sqrt(sum((mx.sum(g * g) for g in grads.values()), mx.array(0.0, mx.float32)))
-    if dtypes is not None:
-        grads = {k: v.astype(dtypes[k]) for k, v in grads.items()}
-    return Combined(grads, total.loss_sum / denom, total.tokens, norm)
-
-
-# --- objectives: what a micro-batch's loss is ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MicroResult:
-    """One micro-batch on one rank: its Contribution (gradient and loss SUMS over its weight units: tokens for
-    SFT, pairs for DPO), the sequence tokens it processed, and the objective's extra sums (None: no extras)."""
-
-    contribution: Contribution
-    tokens: mx.array
-    stats: mx.array | None
+    inputs: tuple[mx.array, ...]
+    weight: int
+    total_weight: int
+    tokens: int | None
+    total_tokens: int | None
+    consumed: int  # stream rows the global micro-batch used
 
 
 class SftObjective:
-    """Next-token cross-entropy; the weight unit is the token (mlx-lm's loss, combined exactly)."""
+    """Next-token cross-entropy; the weight unit is the scored target (mlx-lm's `default_loss`, combined
+    exactly). A rank's rows are padded as mlx-lm pads them, or packed (`packing`, worker.step.pack_rows): the
+    same rows, loss and gradient, without the padding."""
 
     stats: tuple[str, ...] = ()
 
-    def __init__(self, model: Any, max_seq_length: int) -> None:
+    def __init__(self, max_seq_length: int, packing: bool) -> None:
         self.max_seq_length = max_seq_length
-        self.value_and_grad = nn_value_and_grad(model, token_loss_sum)
+        self.packing = packing
+        self.loss: Callable[..., Any] = packed_loss_sum if packing else token_loss_sum
 
-    def batch(self, dataset: Any, rows: Sequence[int]) -> Batch:
-        return build_batch([dataset[i] for i in rows], self.max_seq_length)
-
-    def micro(self, model: Any, dataset: Any, rows: Sequence[int]) -> MicroResult:
-        (loss_sum, tokens), grads = self.value_and_grad(model, *self.batch(dataset, rows))
-        return MicroResult(Contribution.from_tree(grads, loss_sum, tokens), tokens.astype(mx.int32), None)
+    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
+        length = self.max_seq_length
+        items = [dataset[i] for i in stream_rows(position, global_batch, len(dataset), seed)]
+        mine = rank_slice(items, offset, size)
+        (weight, tokens), (total_weight, total_tokens) = sft_weight(mine, length), sft_weight(items, length)
+        inputs = pack_rows(mine, length).arrays() if self.packing else build_batch(mine, length)
+        return Micro(inputs, weight, total_weight, tokens, total_tokens, global_batch)
 
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
-        loss_sum, tokens = token_loss_sum(model, *self.batch(dataset, rows))
-        return loss_sum, tokens, None
+        loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
+        return loss_sum, weight, None
 
 
 class DpoObjective:
     """DPO (worker.dpo) against a frozen reference model; the weight unit is the preference pair."""
 
     stats: tuple[str, ...] = DPO_STATS
+    packing = False
 
-    def __init__(self, model: Any, reference: Any, beta: float, max_seq_length: int) -> None:
+    def __init__(self, reference: Any, beta: float, max_seq_length: int) -> None:
         self.reference = reference
         self.beta = beta
         self.max_seq_length = max_seq_length
@@ -310,16 +197,17 @@ class DpoObjective:
         def loss(m: Any, batch: mx.array, lengths: mx.array, ref: mx.array) -> tuple[mx.array, ...]:
             return dpo_loss_sum(m, batch, lengths, ref, beta)
 
-        self.value_and_grad = nn_value_and_grad(model, loss)
+        self.loss: Callable[..., Any] = loss
 
     def _inputs(self, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
         batch, lengths = build_pair_batch([dataset[i] for i in rows], self.max_seq_length)
         ref, _ = sequence_logps(self.reference, batch, lengths)
         return batch, lengths, mx.stop_gradient(ref)
 
-    def micro(self, model: Any, dataset: Any, rows: Sequence[int]) -> MicroResult:
-        (loss_sum, pairs, tokens, stats), grads = self.value_and_grad(model, *self._inputs(dataset, rows))
-        return MicroResult(Contribution.from_tree(grads, loss_sum, pairs), tokens.astype(mx.int32), stats)
+    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
+        rows = stream_rows(position, global_batch, len(dataset), seed)
+        mine = rank_slice(rows, offset, size)
+        return Micro(self._inputs(dataset, mine), len(mine), len(rows), None, None, global_batch)
 
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, pairs, _, stats = dpo_loss_sum(model, *self._inputs(dataset, rows), self.beta)
@@ -338,11 +226,13 @@ def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, pre
 # --- model setup -------------------------------------------------------------------------------------------------
 
 
-def apply_method(model: Any, method: str, num_layers: int | None, lora: LoraSpec) -> int:
+def apply_method(model: Any, method: str, num_layers: int | None, lora: LoraSpec, *,
+                 train_embeddings: bool = False) -> int:
     """Make the model trainable according to `method`; return the number of layers adapted/trained.
 
-    num_layers None = all layers (never mlx-lm's CLI default of 16). full + all layers = every parameter
-    (embeddings and final norm too); full + N = the last N transformer blocks. lora/dora: mlx-lm's
+    num_layers None = all layers (never mlx-lm's CLI default of 16). full = the last N transformer blocks, as
+    `mlx_lm lora --fine-tune-type full` trains them (embeddings, lm_head and the final norm stay frozen);
+    `train_embeddings` (full + all layers only) trains every parameter. lora/dora: mlx-lm's
     linear_to_lora_layers on the last N blocks (base weights frozen)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -350,9 +240,11 @@ def apply_method(model: Any, method: str, num_layers: int | None, lora: LoraSpec
     count = total if num_layers is None else num_layers
     if not 1 <= count <= total:
         raise ValueError(f"num_layers={num_layers} but the model has {total} layers")
+    if train_embeddings and (method != "full" or count != total):
+        raise ValueError("train_embeddings needs method full on all layers (num_layers null or -1)")
     model.freeze()
     if method == "full":
-        if count == total:
+        if train_embeddings:
             model.unfreeze()
         else:
             for layer in model.layers[total - count:]:
@@ -483,6 +375,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
         self.objective: Any = None  # SftObjective | DpoObjective, set in load()
+        self.packing: tuple[bool, str] = (False, "")  # (packed?, why), set in load()
+        self.step: TrainStep | None = None  # built after restore: it captures the model and optimizer state
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -518,7 +412,8 @@ class Trainer:
         self.model, tokenizer = loaded[0], loaded[1]
         # Adapters are initialised from mx.random: the same seed on every rank gives the same initial state.
         mx.random.seed(cfg.seed)
-        self.num_layers = apply_method(self.model, cfg.fine_tune_type, cfg.num_layers, cfg.lora)
+        self.num_layers = apply_method(self.model, cfg.fine_tune_type, cfg.num_layers, cfg.lora,
+                                       train_embeddings=cfg.train_embeddings)
         if cfg.grad_checkpoint:
             from mlx_lm.tuner.trainer import grad_checkpoint
 
@@ -530,11 +425,15 @@ class Trainer:
             reference = load(reference_dir)[0]
             reference.freeze()
             reference.eval()
-            self.objective = DpoObjective(self.model, reference, cfg.dpo.beta, cfg.max_seq_length)
+            self.objective = DpoObjective(reference, cfg.dpo.beta, cfg.max_seq_length)
             self.train_set, self.valid_set = load_preference_datasets(Path(cfg.data), tokenizer)
+            self.packing = (False, "DPO pairs are not packed")
         else:
-            self.objective = SftObjective(self.model, cfg.max_seq_length)
             self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
+            self.model.train()
+            self.packing = decide_packing(cfg.packing, self.model, self.train_set, max_seq_length=cfg.max_seq_length,
+                                          global_batch=cfg.global_batch, seed=cfg.seed)
+            self.objective = SftObjective(cfg.max_seq_length, self.packing[0])
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
@@ -556,21 +455,39 @@ class Trainer:
                 raise TrainingError(f"ranks {existing} already have checkpoints under their run dir "
                                     f"({self.root} here): set resume, or use a new run id")
             return None
-        local = find_valid_checkpoint(self.root, self._on_invalid)
-        steps = [s for (s,) in self.comm.gather_ints([local.step if local else -1])]
+        verdicts = scan_checkpoints(self.root)
+        invalid = [v for v in verdicts if not v.valid]
+        for v in invalid:
+            self._on_invalid(v.step, v.path, v.reason)
+        valid = [v for v in verdicts if v.valid]
+        local = Checkpoint(valid[0].step, valid[0].path, valid[0].manifest_sha256 or "") if valid else None
+        gathered = self.comm.gather_ints([local.step if local else -1, len(invalid)])
+        steps = [s for s, _ in gathered]
         best = max(steps)
+        if best < 0 and any(n for _, n in gathered) and not cfg.restart_from_scratch:
+            # Every rank gets here together (same gathered values): none starts over checkpoints it cannot read.
+            raise ResumeRefused(
+                "no rank has a valid checkpoint to resume from, and these are invalid: "
+                + ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(gathered) if n)
+                + (f" (here: {'; '.join(f'{v.path}: {v.reason}' for v in invalid)})" if invalid else "")
+                + ": refusing to start from step 0 over them (restart_from_scratch sets them aside and starts over)")
+        # Every invalid checkpoint of this node is set aside, kept for inspection: it must not shadow, nor make
+        # pruning delete, what this run writes next. (All of them are newer than this node's newest valid one,
+        # so none is the checkpoint any rank is about to load.)
+        if self.is_writer and invalid:
+            moved = [str(set_aside_invalid(self.root, v.step, v.code)) for v in invalid]
+            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
+                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
         if best < 0:
             self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but no rank has a valid checkpoint: starting at step 0")
+                          message="resume requested but no rank has a valid checkpoint: starting at step 0"
+                                  + (" (restart_from_scratch)" if any(n for _, n in gathered) else ""))
             return None
         digest = bytes.fromhex(local.manifest_sha256) if local and local.step == best else bytes(32)
         digests = self.comm.gather_ints(list(digest))
         holders = [r for r, s in enumerate(steps) if s == best]
         source = holders[0]
         everyone_same = len(holders) == self.comm.size and all(d == digests[source] for d in digests)
-        if self.is_writer and (dropped := discard_newer(self.root, best)):
-            self.log.emit(EventKind.WARNING, code="discarded_newer",
-                          message=f"removed checkpoints newer than the resume point: {[str(p) for p in dropped]}")
         payload = self._read_checkpoint(local.path) if local is not None and local.step == best else None
         if everyone_same:
             if payload is None:  # everyone_same implies this rank verified the agreed checkpoint
@@ -649,37 +566,40 @@ class Trainer:
         spec = self.config.rank_spec(self.rank)
         return rank_slice(global_rows, self.config.rank_offset(self.rank), spec.batch_size)
 
-    def train_step(self, step: int, dtypes: Mapping[str, Any]) -> dict[str, Any]:
+    def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step; returns the TRUE fields of its step event (a lying rank inflates them later).
 
-        Timeline: [chaos kill/hang] -> forward/backward of every micro-batch -> [chaos nan] -> local stats ->
-        [chaos slow / debug slow sleep / chaos stall] -> compute_s ends -> gradient all_sum -> update -> [chaos diverge]."""
+        Timeline: [chaos kill/hang] -> forward/backward of every micro-batch (compiled, worker.step) -> [chaos
+        nan] -> local stats -> [chaos slow / debug slow sleep / chaos stall] -> compute_s ends -> scale by the
+        global weight, gradient all_sum, update (compiled) -> [chaos diverge]."""
         cfg = self.config
         if cfg.debug.crash_at_step == step:
             raise RuntimeError(f"debug.crash_at_step={step}")
         sig = self.chaos.signal_at(step)
         if sig is not None:
             signal_self(sig)  # kill: never returns; hang: returns only if someone sends SIGCONT
+        if self.step is None:
+            self.step = TrainStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
+                                  world_size=self.comm.size)
         mx.random.seed(step_seed(cfg.seed, step))
         tic = time.perf_counter()
-        local: Contribution | None = None
-        seq_tokens = mx.array(0, mx.int32)
-        stats: mx.array | None = None
+        spec = cfg.rank_spec(self.rank)
+        micros = []
         for _ in range(cfg.grad_accumulation):
-            rows = self._my_rows(stream_rows(self.position, cfg.global_batch, len(self.train_set), cfg.seed))
-            part = self.objective.micro(self.model, self.train_set, rows)
-            local = part.contribution if local is None else local.add(part.contribution)
-            seq_tokens = seq_tokens + part.tokens
-            if part.stats is not None:
-                stats = part.stats if stats is None else stats + part.stats
-            mx.eval(local.arrays(), seq_tokens, *([stats] if stats is not None else []))  # one micro-batch at a time
-            self.position += cfg.global_batch
-        assert local is not None
+            micro = self.objective.micro(self.train_set, self.position, cfg.global_batch, cfg.seed,
+                                         cfg.rank_offset(self.rank), spec.batch_size)
+            micros.append(micro)
+            self.position += micro.consumed
+        local = self.step.local([m.inputs for m in micros])
+        weight = sum(m.weight for m in micros)
+        if int(scalar(local.weight)) != weight:
+            # The global weight is counted on the host; a disagreement would make the weighting inexact.
+            raise TrainingError(f"the loss scored {int(scalar(local.weight))} units, the host counted {weight}")
         if self.chaos.poisons(step):
-            local = local.poisoned()
+            local = TrainStep.poison(local)
         local_loss, local_norm = local.local_stats()
         # Evaluated before the all_sum: these are this rank's own numbers, and the eval ends its compute.
-        mx.eval(local_loss, local_norm, local.arrays())
+        mx.eval(local_loss, local_norm, local.grad_sq)
         factor = self.chaos.slow_factor(step)
         if factor > 1.0:
             time.sleep((factor - 1.0) * (time.perf_counter() - tic))
@@ -690,34 +610,36 @@ class Trainer:
         # Everything so far was this rank alone (a slowdown included, as a slower machine would be); from here
         # on the step waits for the slowest peer.
         compute_s = time.perf_counter() - tic
-        combined = finalize(reduce_contribution(local, self.comm.all_sum), dtypes)
-        # An objective with extras (DPO) sums its sequence tokens and statistics in ONE more collective; for SFT
-        # the weight unit is the token, so the contribution's count already is the token count.
+        total_weight = sum(m.total_weight for m in micros)
+        loss_arr, norm_arr = self.step.apply(local, total_weight)
+        # An objective with extras (DPO) sums its completion tokens and statistics in ONE more collective; for SFT
+        # every count is known on the host.
         extras = None
-        if stats is not None:
-            extras = self.comm.all_sum(mx.concatenate([seq_tokens.astype(mx.float32).reshape(1), stats]))
-        self.optimizer.update(self.model, tree_unflatten(list(combined.grads.items())))
-        mx.eval(self.model.parameters(), self.optimizer.state, combined.loss, combined.tokens, combined.grad_norm,
+        if local.stats is not None:
+            extras = self.comm.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
+        mx.eval(self.model.parameters(), self.optimizer.state, loss_arr, norm_arr,
                 *([extras] if extras is not None else []))
         if self.chaos.diverges(step):
             self.model.load_weights(list(perturb(self.trainable_flat()).items()), strict=False)
             mx.eval(self.model.parameters())
         elapsed = time.perf_counter() - tic
-        my_tokens = int(scalar(seq_tokens)) if extras is not None else int(scalar(local.tokens))
-        total_tokens = int(scalar(extras[0])) if extras is not None else int(scalar(combined.tokens))
-        loss = scalar(combined.loss)
+        if extras is not None:
+            my_tokens, total_tokens = int(scalar(local.tokens)), int(scalar(extras[0]))
+        else:
+            my_tokens = sum(m.tokens or 0 for m in micros)
+            total_tokens = sum(m.total_tokens or 0 for m in micros)
+        loss = scalar(loss_arr)
         self.last_loss = loss
         local_loss_value = scalar(local_loss)
         record: dict[str, Any] = {}
         if extras is not None:
-            pairs = scalar(combined.tokens)
-            record.update({"pairs": int(scalar(local.tokens)), "total_pairs": int(pairs),
-                           **stats_fields(self.objective.stats, np.asarray(extras[1:]).tolist(), pairs)})
+            record.update({"pairs": weight, "total_pairs": total_weight,
+                           **stats_fields(self.objective.stats, np.asarray(extras[1:]).tolist(), total_weight)})
         return {
             **record,
             "step": step, "loss": loss, "tokens": my_tokens, "total_tokens": total_tokens,
             "tok_s": my_tokens / elapsed if elapsed > 0 else None, "step_time_s": elapsed,
-            "peak_memory": int(mx.get_peak_memory()), "grad_norm": scalar(combined.grad_norm),
+            "peak_memory": int(mx.get_peak_memory()), "grad_norm": scalar(norm_arr),
             "lr": scalar(mx.array(self.optimizer.learning_rate)), "data_position": self.position,
             "epoch": self.position // len(self.train_set),
             "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),
@@ -842,7 +764,7 @@ class Trainer:
         trainable, total = count_parameters(self.model)
         spec = cfg.rank_spec(self.rank)
         print(f"worker.train rank {self.rank}/{self.comm.size} on {spec.node}: {trainable_text(trainable, total)}, "
-              f"resumed from {resumed.step if resumed else None}", file=sys.stderr, flush=True)
+              f"resumed from {resumed.step if resumed else None}; {self.packing[1]}", file=sys.stderr, flush=True)
         self.log.emit(
             EventKind.STARTED, world_size=self.comm.size, node=spec.node, batch_size=spec.batch_size,
             global_batch=cfg.global_batch, method=cfg.method, num_layers=self.num_layers,
@@ -851,15 +773,15 @@ class Trainer:
             data_position=self.position, iters=cfg.iters, pid=os.getpid(), host=socket.gethostname(),
             checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
             valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
+            packing=self.packing[0], packing_reason=self.packing[1],
         )
 
     def _loop(self, start: int) -> None:
         cfg = self.config
-        dtypes = {k: v.dtype for k, v in self.trainable_flat().items()}
         self.model.train()
         for step in range(start + 1, cfg.iters + 1):
             self.hb.set(step=step, phase=Phase.STEP)
-            record = self.train_step(step, dtypes)
+            record = self.train_step(step)
             self.hb.set(step_time=record["step_time_s"])
             # Emitted before the finiteness check: with a NaN loss every rank still reports its local values,
             # which name the rank the NaN came from.
@@ -977,8 +899,11 @@ def main(argv: list[str] | None = None) -> int:
         # included, which could carry code 0) becomes an error event and exit 1
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
+        # `fault: job` marks an error every rank hits together because of the job itself (ResumeRefused): the
+        # coordinator stops the run instead of quarantining nodes.
+        fault = {"fault": exc.fault} if isinstance(exc, ResumeRefused) else {}
         log.emit(EventKind.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=tb, step=heartbeat.step,
-                 phase=str(heartbeat.phase), exit_code=1)
+                 phase=str(heartbeat.phase), exit_code=1, **fault)
         return 1
     finally:
         heartbeat.stop()

@@ -5,6 +5,7 @@ Ids are stable (`coordinator.models.CHECK_IDS`) and used by `checks.skip`, JSON 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 
 from coordinator.checks.context import CheckContext, CheckFn
@@ -40,7 +41,7 @@ def evaluate_node(ctx: CheckContext, name: str, skip: frozenset[str] = frozenset
         elif facts is None:
             why = str(ctx.probe_errors.get(name, "the probe did not answer"))
             results.append(CheckResult(check_id, name, Status.ERROR, f"not evaluated: {why}",
-                                       f"run `coordinator facts --limit {name}` to see the node's raw answers",
+                                       f"run `coordinator facts --limit {shlex.quote(name)}` to see the node's raw answers",
                                        {"probe_error": why}))
         else:
             results.append(fn(ctx, node, facts))

@@ -1,5 +1,11 @@
 """Check `model`: the playbook's model and data dirs (and DPO's reference model) hold byte-identical files on
-every node.
+every node, and the trainer can load them.
+
+Loadable: the model dir has config.json, *.safetensors weights and tokenizer files; every data file the trainer
+reads (train.jsonl required; valid.jsonl for the evals, a warning when absent; test.jsonl, which mlx-lm's loader
+reads whenever it exists) parses row by row as valid UTF-8 JSON with the keys the trainer needs (worker/probe.py
+`check_data`). Such a problem is the same on every node: launched anyway, every rank would fail the same way
+(a job error, docs/faults.md), so preflight fails it first, with file:line.
 
 Each node's files are hashed (SHA256, streamed, cached by path/size/mtime/inode on the node) and compared
 with a reference: the manifest given in the playbook, else the majority of nodes. With no majority (two nodes
@@ -8,11 +14,13 @@ that disagree) every disagreeing node fails: we cannot tell which copy is right.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 
 from coordinator.checks.context import CheckContext, fact_error_result, majority, manifest_digest, node_manifest
 from coordinator.facts.model import NodeFacts
 from coordinator.models import CheckResult, Node, Status
+from coordinator.playbook import Playbook
 
 
 def diff_manifests(mine: Mapping[str, str], ref: Mapping[str, str]) -> dict[str, list[str]]:
@@ -32,7 +40,63 @@ def _describe(diff: dict[str, list[str]], limit: int = 5) -> str:
     return "; ".join(parts)
 
 
+def loadable_problems(pb: Playbook, facts: NodeFacts) -> tuple[list[str], list[str], list[str]]:
+    """(failures, warnings, notes): what mlx-lm's load and the trainer's data loading would trip over on this
+    node, and what was not proven (a file parsed only up to the probe's byte bound). A missing dir is left to
+    the hashes (one message for it, not two)."""
+    fails: list[str] = []
+    warns: list[str] = []
+    notes: list[str] = []
+    if facts.model_error and not facts.model_error.startswith("no such directory"):
+        fails.append(f"model {pb.model}: {facts.model_error}")
+    data = facts.data
+    if data is None:
+        return fails, warns, notes
+    if data.error and not data.error.startswith("no such directory"):
+        fails.append(f"data {data.dir}: {data.error}")
+    for f in data.files:
+        where = f"{(data.dir or '').rstrip('/')}/{f.name}"
+        if not f.exists:
+            if f.required:
+                fails.append(f"{where} is missing (the trainer needs it)")
+            elif f.name == "valid.jsonl":
+                warns.append(f"{where} is missing: the run will have no eval events")
+        elif f.error:
+            fails.append(f"{where} {f.error}")
+        elif f.checked_bytes < f.bytes:
+            notes.append(f"{f.name}: the first {f.rows} rows ({f.checked_bytes / 1e6:.0f} of {f.bytes / 1e6:.0f} MB) "
+                         "parsed")
+    return fails, warns, notes
+
+
+def _data_evidence(facts: NodeFacts) -> list[dict[str, object]] | None:
+    if facts.data is None:
+        return None
+    return [{"name": f.name, "exists": f.exists, "rows": f.rows, "format": f.format, "error": f.error,
+             "checked_bytes": f.checked_bytes, "bytes": f.bytes} for f in facts.data.files]
+
+
 def check_model(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
+    """Identical copies (`_check_copies`), and loadable ones (`loadable_problems`)."""
+    result = _check_copies(ctx, node, facts)
+    pb = ctx.playbook
+    if pb is None or facts.hashes is None or result.status is not Status.PASS:
+        return result
+    fails, warns, notes = loadable_problems(pb, facts)
+    evidence = {**result.evidence, "data_files": _data_evidence(facts), "model_params": facts.model_params}
+    if fails:
+        return CheckResult("model", node.name, Status.FAIL, "; ".join(fails),
+                           "fix the files named (the same on every node: launched, every rank would fail loading "
+                           "them); data rows are one JSON object per line, UTF-8, with the keys of the first row",
+                           {**evidence, "loadable": fails})
+    summary = "; ".join([result.summary, *warns, *notes])
+    if warns:
+        return CheckResult("model", node.name, Status.WARN, summary, "add valid.jsonl to the data dir for evals",
+                           evidence)
+    return CheckResult("model", node.name, Status.PASS, summary, result.remedy, evidence)
+
+
+def _check_copies(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
     pb = ctx.playbook
     if pb is None:
         return CheckResult("model", node.name, Status.SKIP, "no playbook: no model or data dir to verify")
@@ -53,7 +117,9 @@ def check_model(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
     def copy_from(good: str, paths: list[str] | None = None) -> str:
         """rsync commands for the dirs that hold the bad files (both dirs when we cannot tell)."""
         labels = sorted({p.split("/", 1)[0] for p in paths}) if paths else list(labels_all)
-        return "; ".join(f"rsync -a --delete {good}:{dirs[lb]}/ {node.name}:{dirs[lb]}/" for lb in labels if dirs.get(lb))
+        # Quoted: the dirs come from the playbook and are pasted into a shell by whoever follows the remedy.
+        return "; ".join(f"rsync -a --delete {shlex.quote(f'{good}:{dirs[lb]}/')} {shlex.quote(f'{node.name}:{dirs[lb]}/')}"
+                         for lb in labels if dirs.get(lb))
 
     labels_all = labels
     copy = copy_from("GOOD_NODE")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from coordinator.checks.context import CheckContext, fact_error_result
@@ -173,7 +174,7 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
                 iface = next((i for i in facts.interfaces or () if i.name == lk.interface), None)
                 if lk.interface and (iface is None or not iface.ipv4):
                     fails.append(f"{lk.interface} (to {peer}) has no IPv4 address (JACCL needs one)")
-                    remedies.append(f"sudo ifconfig {lk.interface} inet 169.254.X.Y netmask 255.255.0.0 alias "
+                    remedies.append(f"sudo ifconfig {shlex.quote(lk.interface)} inet 169.254.X.Y netmask 255.255.0.0 alias "
                                     "(a distinct address per link)")
         evidence["links"] = links_ev
         if unknown and not fails:

@@ -15,6 +15,7 @@ from coordinator.estimate import (
 )
 from coordinator.facts.model import NodeFacts
 from coordinator.models import CheckResult, Node, Status
+from coordinator.probe import shell_path
 
 WATCHDOG_PARAMS = 4_000_000_000
 
@@ -83,7 +84,7 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
         remedies.append("check the model dir holds config.json and *.safetensors")
     if facts.disk is None:
         warns.append("free disk unknown")
-        remedies.append(f"check that `df -k {node.workdir}` works on the node (see `coordinator facts` errors)")
+        remedies.append(f"check that `df -k {shell_path(node.workdir)}` works on the node (see `coordinator facts` errors)")
     if facts.power is not None:
         p = facts.power
         evidence["power"] = {"sleep_minutes": p.sleep_minutes, "on_battery": p.on_battery,

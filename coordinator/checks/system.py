@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from coordinator.checks.context import CheckContext, fact_error_result
 from coordinator.errors import TransportError
 from coordinator.facts.model import NodeFacts, version_tuple
 from coordinator.models import CheckResult, Connection, Node, Status
+from coordinator.probe import shell_path
 
 MIN_MACOS_RING = (14, 0)
 MIN_MACOS_JACCL = (26, 2)
@@ -36,9 +38,10 @@ def check_ssh(ctx: CheckContext, node: Node) -> CheckResult:
     if isinstance(outcome, TransportError):
         remedy = {
             "host_key": f"verify the node's fingerprint out of band (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`"
-            f" on it); if it was reinstalled: `ssh-keygen -R {node.host}`; for a first contact rerun with "
+            f" on it); if it was reinstalled: `ssh-keygen -R {shlex.quote(node.host)}`; for a first contact rerun with "
             "--accept-new-host-keys",
-            "auth": f"install your key: `ssh-copy-id -i {node.identity or '~/.ssh/id_ed25519'} {node.ssh_target}`, "
+            "auth": f"install your key: `ssh-copy-id -i {shell_path(node.identity) if node.identity else '~/.ssh/id_ed25519'} "
+            f"{shlex.quote(node.ssh_target)}`, "
             "or fix `user`/`identity` in the inventory",
             "timeout": f"is the node on, awake and on the network? (`pmset -g`; a sleeping Mac does not answer); "
             f"enable {REMOTE_LOGIN}",
@@ -118,20 +121,22 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
     if sw.mlx_version is None or sw.mlx_lm_version is None:
         missing = " and ".join(p for p, v in (("mlx", sw.mlx_version), ("mlx-lm", sw.mlx_lm_version)) if v is None)
         return CheckResult("software", node.name, Status.FAIL, f"{missing} not installed for {sw.python}",
-                           f'{sw.python} -m pip install "mlx>=0.32.1" mlx-lm', evidence)
+                           f'{shell_path(sw.python)} -m pip install "mlx>=0.32.1" mlx-lm', evidence)
     if version_tuple(sw.mlx_version) < MIN_MLX:
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} < {_v(MIN_MLX)} (launcher and ring lost-peer fixes)",
-                           f'{sw.python} -m pip install -U "mlx>=0.32.1"', evidence)
+                           f'{shell_path(sw.python)} -m pip install -U "mlx>=0.32.1"', evidence)
     versions = ctx.mlx_versions
     ref, odd = ctx.mlx_majority
     if node.name in odd:
         evidence["fleet"] = {n: {"mlx": v[0], "mlx_lm": v[1]} for n, v in versions.items()}
         others = ", ".join(f"{n}: mlx {v[0]} / mlx-lm {v[1]}" for n, v in sorted(versions.items()) if n != node.name)
-        target = f"mlx=={ref[0]} mlx-lm=={ref[1]}" if ref else "the same mlx and mlx-lm versions on every node"
+        # The versions are what the other nodes reported: quoted, as everything a remedy pastes into a shell line.
+        target = (f"{shlex.quote(f'mlx=={ref[0]}')} {shlex.quote(f'mlx-lm=={ref[1]}')}" if ref
+                  else "the same mlx and mlx-lm versions on every node")
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the fleet ({others})",
-                           f"{sw.python} -m pip install {target}" if ref else f"install {target}", evidence)
+                           f"{shell_path(sw.python)} -m pip install {target}" if ref else f"install {target}", evidence)
     minors = ctx.python_minors
     if len(set(minors.values())) > 1:
         evidence["python_minors"] = minors

@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 
 from coordinator.facts import linux, macos
 from coordinator.facts.model import (
+    DataCheck,
+    DataFile,
     DirHashes,
     FactError,
     FileHash,
@@ -181,6 +183,7 @@ def _linux(b: _Builder, uname: tuple[str, str, str]) -> dict[str, Any]:
         out["hardware"] = Hardware(chip=chip, model_id=None, model_name=None,
                                    memory_bytes=mem.total_bytes if mem else None, cpu_total=cores)
     out["interfaces"] = b.parse("ip_addr", linux.parse_ip_addr)
+    out["net_links"] = b.parse("sys_class_net", linux.parse_sys_class_net, optional=True)
     ib = b.parse("infiniband", linux.parse_infiniband, optional=True) or ()
     out["rdma"] = Rdma(ctl_status=None, devices=tuple(RdmaDevice(d) for d in ib))
     gpu: Gpu | None = b.parse("nvidia_smi", linux.parse_nvidia_smi, optional=True)
@@ -268,4 +271,25 @@ def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
         out["model_config"] = model["config"]
     if isinstance(model.get("params"), int):
         out["model_params"] = model["params"]
+    out["model_error"] = _str_or_none(model.get("error"), "model.error")
+    if "data" in data:
+        out["data"] = parse_data_check(_mapping(data["data"], "data"))
     return out
+
+
+def parse_data_check(data: Mapping[str, Any]) -> DataCheck:
+    """The worker's `data` section (worker/probe.py `check_data`)."""
+    files = data.get("files") or []
+    if not isinstance(files, list):
+        raise ParseError(f"data.files must be a list, got {files!r}")
+    return DataCheck(
+        dir=_str_or_none(data.get("dir"), "data.dir"),
+        files=tuple(
+            DataFile(name=str(f["name"]), required=bool(f.get("required", True)), exists=bool(f["exists"]),
+                     rows=int(f.get("rows") or 0), bytes=int(f.get("bytes") or 0),
+                     checked_bytes=int(f.get("checked_bytes") or 0),
+                     format=_str_or_none(f.get("format"), "data.files.format"),
+                     error=_str_or_none(f.get("error"), "data.files.error"))
+            for f in (_mapping(f, "data.files[]") for f in files)),
+        error=_str_or_none(data.get("error"), "data.error"),
+    )

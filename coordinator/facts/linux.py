@@ -10,7 +10,7 @@ import re
 import shlex
 
 from coordinator.facts.common import excerpt, parse_df, parse_uname, require_text
-from coordinator.facts.model import Gpu, Memory, NetInterface, ParseError
+from coordinator.facts.model import Gpu, Memory, NetInterface, NetLink, ParseError
 
 __all__ = [
     "parse_df",
@@ -21,6 +21,7 @@ __all__ = [
     "parse_nproc",
     "parse_nvidia_smi",
     "parse_os_release",
+    "parse_sys_class_net",
     "parse_uname",
 ]
 
@@ -112,6 +113,63 @@ def parse_ip_addr(text: str) -> tuple[NetInterface, ...]:
             addrs[match["name"]] = []
         addrs[match["name"]].append(match["addr"])
     return tuple(NetInterface(name=n, ipv4=tuple(addrs[n]), up=True) for n in order)
+
+
+_NET_FIELDS = ("type", "speed", "operstate", "device", "wireless", "devtype", "driver", "lower", "path")
+_NET_NAME = re.compile(r"^[^\s/=]+$")
+
+
+def _net_int(value: str, what: str, line: str) -> int | None:
+    if value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ParseError(f"/sys/class/net: {what} {value!r} is not a number in {excerpt(line)}") from None
+
+
+def _net_flag(value: str, what: str, line: str) -> bool:
+    if value not in ("0", "1"):
+        raise ParseError(f"/sys/class/net: {what} must be 0 or 1, got {value!r} in {excerpt(line)}")
+    return value == "1"
+
+
+def parse_sys_class_net(text: str) -> tuple[NetLink, ...]:
+    """The `sys_class_net` section (`coordinator.probe.SYS_CLASS_NET`) -> one `NetLink` per interface, in order.
+
+    Each line is `NAME type=T speed=S operstate=O device=0|1 wireless=0|1 devtype=D driver=R lower=A,B path=P`,
+    every field present, empty where the file was absent or unreadable. A speed of -1 (the kernel's
+    SPEED_UNKNOWN), 0 or empty is None. Empty output is valid (no /sys/class/net). Raises `ParseError` on a line
+    of another shape, a missing field or a non-numeric type or speed.
+    """
+    links: list[NetLink] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, *pairs = line.split()
+        fields: dict[str, str] = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in _NET_FIELDS:
+                raise ParseError(f"/sys/class/net: unexpected field {pair!r} in {excerpt(line)}")
+            fields[key] = value
+        missing = [f for f in _NET_FIELDS if f not in fields]
+        if not _NET_NAME.match(name) or missing:
+            raise ParseError(f"/sys/class/net: expected 'NAME type=... path=...', got {excerpt(line)}")
+        speed = _net_int(fields["speed"], "speed", line)
+        links.append(NetLink(
+            name=name,
+            arphrd_type=_net_int(fields["type"], "type", line),
+            speed_mbps=speed if speed is not None and speed > 0 else None,
+            operstate=fields["operstate"] or None,
+            has_device=_net_flag(fields["device"], "device", line),
+            wireless=_net_flag(fields["wireless"], "wireless", line),
+            devtype=fields["devtype"] or None,
+            driver=fields["driver"] or None,
+            lower=tuple(x for x in fields["lower"].split(",") if x),
+            path=fields["path"] or None,
+        ))
+    return tuple(links)
 
 
 _IB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

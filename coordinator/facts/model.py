@@ -132,6 +132,27 @@ class NetInterface:
 
 
 @dataclass(frozen=True)
+class NetLink:
+    """One Linux interface as the kernel describes it in /sys/class/net/<name> (the `sys_class_net` section)."""
+
+    name: str
+    arphrd_type: int | None  # `type`: ARPHRD_* (1 Ethernet, 32 InfiniBand, 772 loopback, 65534 none)
+    speed_mbps: int | None  # `speed`; None when the kernel does not know it (-1, or unreadable while down)
+    operstate: str | None  # "up", "down", "unknown" (loopback and most virtual interfaces)
+    has_device: bool  # a `device` link: backed by a bus device (PCI, USB, virtio, Thunderbolt)
+    wireless: bool  # a `wireless` directory (cfg80211)
+    devtype: str | None = None  # uevent DEVTYPE: "bridge", "vlan", "bond", "wlan", ...; None for plain ones
+    driver: str | None = None  # DRIVER of the device's uevent: "e1000e", "virtio_net", "thunderbolt-net"
+    lower: tuple[str, ...] = ()  # `lower_*` links: a bridge's ports, a VLAN's or bond's underlying interfaces
+    path: str | None = None  # the real sysfs path
+
+    @property
+    def virtual(self) -> bool:
+        """No hardware behind it: veth, bridge, loopback, tunnels (the kernel puts them in devices/virtual)."""
+        return not self.has_device or (self.path or "").startswith("/sys/devices/virtual/")
+
+
+@dataclass(frozen=True)
 class RdmaDevice:
     name: str  # "rdma_en2"
     port_state: str | None = None  # "PORT_ACTIVE", "PORT_DOWN"; None when ibv_devinfo did not list it
@@ -207,6 +228,27 @@ class DirHashes:
 
 
 @dataclass(frozen=True)
+class DataFile:
+    """One data file the trainer reads, parsed row by row on the node (worker/probe.py `check_data_file`)."""
+
+    name: str  # "train.jsonl", relative to the data dir
+    required: bool
+    exists: bool
+    rows: int  # rows that parsed and have the keys the trainer needs (up to the first problem)
+    bytes: int
+    checked_bytes: int  # < bytes: only the first checked_bytes were read (a bounded sample)
+    format: str | None  # text | chat | completions (mlx-lm's detection, first row) | dpo
+    error: str | None  # "line N: ..." or why the file could not be read
+
+
+@dataclass(frozen=True)
+class DataCheck:
+    dir: str | None
+    files: tuple[DataFile, ...] = ()
+    error: str | None = None  # the dir is missing or the check could not run
+
+
+@dataclass(frozen=True)
 class Reach:
     peer: str
     ip: str
@@ -223,6 +265,7 @@ class NodeFacts:
     thunderbolt: tuple[ThunderboltPort, ...] | None = None
     hardware_ports: tuple[HardwarePort, ...] | None = None
     interfaces: tuple[NetInterface, ...] | None = None
+    net_links: tuple[NetLink, ...] | None = None  # Linux: /sys/class/net
     rdma: Rdma | None = None
     memory: Memory | None = None
     power: Power | None = None
@@ -234,6 +277,8 @@ class NodeFacts:
     env: dict[str, str] | None = None  # the non-interactive SSH environment ranks inherit
     model_config: dict[str, Any] | None = None  # the model dir's config.json, when present
     model_params: int | None = None  # parameter count from safetensors headers
+    model_error: str | None = None  # what the model dir lacks for mlx-lm's load (config, weights, tokenizer)
+    data: DataCheck | None = None  # the training data files parsed as the trainer loads them; None: not asked
     errors: tuple[FactError, ...] = ()
     raw: dict[str, str] = field(default_factory=dict)  # section -> output, as the node printed it
     raw_rc: dict[str, int] = field(default_factory=dict)  # section -> exit status

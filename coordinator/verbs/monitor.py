@@ -132,7 +132,7 @@ async def watch(inv: Inventory, run_dir: Path, store: QuarantineStore, *, interv
             await prober.first(stop)
             while not stop.is_set():
                 tick = time.monotonic()
-                quarantine, problem = load_quarantine(store)
+                quarantine, problem = load_quarantine(store, inv)
                 runs = watcher.scan()
                 report = build_report(inv, prober.facts, prober.errors, runs, quarantine, [problem] if problem else [])
                 if server is not None:

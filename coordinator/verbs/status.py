@@ -32,7 +32,7 @@ from coordinator.gather import gather_facts
 from coordinator.inventory import load_inventory
 from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, RunStatus
 from coordinator.models import Inventory, Node
-from coordinator.quarantine import Entry, QuarantineStore
+from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
 from coordinator.transport import Fleet
 
@@ -251,7 +251,16 @@ def build_run_status(run_id: str, meta: Mapping[str, Any], summary: Mapping[str,
     nodes = tuple(str(n) for n in meta.get("nodes") or dict.fromkeys(node for _, node in planned))
     state = str(summary.get("state", "unknown")) if summary is not None else "running"
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
-                     incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents))
+                     incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
+                     left_out=parse_left_out(summary if summary is not None and "left_out" in summary else meta))
+
+
+def parse_left_out(doc: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """`left_out: [{node, reason}]` of a summary.json or meta.json -> ((node, reason), ...); anything else: ()."""
+    raw = doc.get("left_out")
+    if not isinstance(raw, list):
+        return ()
+    return tuple((str(x["node"]), str(x.get("reason", ""))) for x in raw if isinstance(x, Mapping) and "node" in x)
 
 
 def _int(value: Any) -> int | None:
@@ -347,12 +356,17 @@ class RunWatcher:
         return runs
 
 
-def load_quarantine(store: QuarantineStore) -> tuple[dict[str, Entry], str | None]:
-    """Quarantine entries, or ({}, why) when the state file is unreadable (status still shows every node)."""
+def load_quarantine(store: QuarantineStore, inv: Inventory) -> tuple[dict[str, Entry], str | None]:
+    """The active entries that leave out this inventory's nodes (by node name), and a note for the operator: ({},
+    why) when the state file is unreadable or of the wrong shape (status still shows every node), or the old-format
+    note."""
     try:
-        return store.load(), None
+        state = store.read()
     except ConfigError as exc:
         return {}, exc.location_message()
+    now, scope = time.time(), inventory_key(inv.path)
+    found = {n.name: e for n in inv.nodes if (e := matching_entry(state.entries, scope, n, now)) is not None}
+    return found, "; ".join(state.notes) or None
 
 
 # --- I/O: the fleet --------------------------------------------------------------------------------------------
@@ -408,7 +422,7 @@ async def collect_status(inv: Inventory, run_dir: Path, store: QuarantineStore, 
     async with Fleet(inv.nodes, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys) as fleet:
         await fleet.connect_all()
         facts, errors = await probe_fleet(fleet, probe_timeout=probe_timeout)
-    quarantine, problem = load_quarantine(store)
+    quarantine, problem = load_quarantine(store, inv)
     runs = RunWatcher(run_dir).scan()
     return build_report(inv, facts, errors, runs, quarantine, [problem] if problem else [])
 
@@ -462,7 +476,8 @@ def _quarantine_cell(row: NodeStatus) -> str:
 def render_run_table(run: RunStatus) -> Table:
     """An active run's per-rank progress and its newest incidents."""
     of = f"/{run.iters}" if run.iters else ""
-    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}", title_justify="left")
+    degraded = f"  [yellow]DEGRADED: {', '.join(n for n, _ in run.left_out)} left out[/yellow]" if run.left_out else ""
+    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}{degraded}", title_justify="left")
     for col in ("rank", "node", "state", "step", "loss", "tok/s", "heartbeat"):
         table.add_column(col)
     for r in run.ranks:

@@ -176,3 +176,12 @@ def test_bad_flag_value_is_a_usage_error(tmp_path: Path, run_cli: RunCli) -> Non
     cp = run_cli("preflight", "-i", str(inventory), "--connect-timeout", "0", timeout=60)
     assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr
     assert "--connect-timeout" in cp.stderr
+
+
+def test_restart_from_scratch_without_resume_is_a_usage_error(tmp_path: Path, run_cli: RunCli) -> None:
+    inventory, playbook = tmp_path / "inv.yaml", tmp_path / "pb.yaml"
+    inventory.write_text(GOOD_INVENTORY)
+    playbook.write_text(GOOD_PLAYBOOK)
+    cp = run_cli("launch", "-i", str(inventory), str(playbook), "--restart-from-scratch", timeout=60)
+    assert cp.returncode == 2 and "Traceback" not in cp.stderr, cp.stderr
+    assert cp.stderr == "coordinator: error: --restart-from-scratch applies to --resume RUN_ID only\n"

@@ -156,8 +156,10 @@ def test_kill_9_of_a_rank_is_a_crash_and_the_run_finishes_on_the_survivors(testb
     # The peers' "lost peer" errors are echoes, not culprits.
     assert all(i["node"] == hosts[1].name for i in summary["incidents"] if i["action"] == "quarantine")
     no_rank_left(summary["run_id"])
-    state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
-    assert list(state["nodes"]) == [hosts[1].name]
+    # Quarantined for a cooldown, scoped to this inventory's machine (with the host key seen).
+    [entry] = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())["entries"]
+    assert (entry["node"], entry["inventory"], entry["host"]) == (hosts[1].name, str(inv.resolve()), f"{hosts[1].ip}:22")
+    assert entry["host_key"].startswith("ssh-") and entry["expires"] == entry["t"] + 24 * 3600
 
 
 def test_sigstop_is_a_hang_detected_within_the_heartbeat_timeout(testbed: TestBed, tmp_path: Path,
@@ -263,10 +265,68 @@ def test_truncated_checkpoint_is_skipped_and_the_resume_continues(testbed: TestB
     assert invalid and invalid[0]["node"] == hosts[0].name and invalid[0]["step"] == 6
     starts = [e for e in evs if e.get("event") == "started"][-2:]
     assert {e["resumed_from"] for e in starts} == {6}  # the intact copy on the other node wins
+    assert summary["resumed_from"]["step"] == 6 and summary["resumed_from"]["node"] == hosts[1].name
+    assert f"resumed from step 6 (checkpoint {hosts[1].name}:" in resumed.stderr
+    # the truncated copy is kept, set aside, and never resumed from again
+    listing = testbed.exec(hosts[0], ["ls", f"/srv/work/runs/{run_id}/{hosts[0].name}/checkpoints"], check=True)
+    assert "step-000006.invalid-sha256-mismatch" in listing.stdout.split()
     # Both nodes end with identical, valid final checkpoints.
     manifests = {testbed.exec(h, ["cat", f"/srv/work/runs/{run_id}/{h.name}/checkpoints/step-000010/manifest.sha256"],
                               check=True).stdout for h in hosts}
     assert len(manifests) == 1
+
+
+def test_resume_with_only_invalid_checkpoints_refuses_and_a_restart_from_scratch_sets_them_aside(
+        testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    pb = write_playbook(tmp_path / "pb.yaml", iters=4)  # checkpoints at steps 2 and 4 on both nodes
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"), *extra,
+                       env=env, timeout=300)
+
+    first = launch()
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_id = json.loads(first.stdout)["run_id"]
+    root = {h.name: f"/srv/work/runs/{run_id}/{h.name}/checkpoints" for h in hosts}
+    # Every checkpoint on every node damaged: truncated weights, and one manifest gone.
+    for h in hosts:
+        testbed.exec(h, ["truncate", "-s", "100", f"{root[h.name]}/step-000004/weights.safetensors"], check=True)
+    testbed.exec(hosts[0], ["truncate", "-s", "100", f"{root[hosts[0].name]}/step-000002/weights.safetensors"],
+                 check=True)
+    testbed.exec(hosts[1], ["rm", f"{root[hosts[1].name]}/step-000002/manifest.sha256"], check=True)
+
+    refused = launch("--resume", run_id)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    for h in hosts:
+        for step in (2, 4):
+            assert f"{h.name}: {root[h.name]}/step-{step:06d}: " in refused.stderr, refused.stderr[-3000:]
+    assert "truncated or corrupt" in refused.stderr and "manifest.sha256 missing" in refused.stderr
+    assert "--restart-from-scratch" in refused.stderr and "Traceback" not in refused.stderr
+    for h in hosts:  # a refusal changes nothing on the nodes
+        listing = testbed.exec(h, ["ls", root[h.name]], check=True).stdout.split()
+        assert {"step-000002", "step-000004"} <= set(listing) and not [n for n in listing if ".invalid-" in n]
+
+    again = launch("--resume", run_id, "--restart-from-scratch")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["state"] == "succeeded" and summary["steps"] == 4 and summary["quarantined"] == []
+    assert summary["resumed_from"]["step"] == 0 and summary["resumed_from"]["from_scratch"]
+    assert len(summary["resumed_from"]["set_aside"]) == 4
+    assert "restarted from scratch at step 0" in again.stderr
+    for h in hosts:
+        listing = set(testbed.exec(h, ["ls", root[h.name]], check=True).stdout.split())
+        code = "no-manifest" if h is hosts[1] else "sha256-mismatch"
+        # The invalid ones moved aside (kept); the new checkpoints survived pruning (keep_checkpoints 2).
+        assert {f"step-000002.invalid-{code}", "step-000004.invalid-sha256-mismatch"} <= listing, listing
+        assert {"step-000002", "step-000004"} <= listing, listing
+    manifests = {testbed.exec(h, ["cat", f"{root[h.name]}/step-000004/manifest.sha256"], check=True).stdout
+                 for h in hosts}
+    assert len(manifests) == 1
+    evs = [json.loads(line) for line in (tmp_path / "runs" / run_id / "events.jsonl").read_text().splitlines()]
+    assert [e["resumed_from"] for e in evs if e.get("event") == "started"][-2:] == [None, None]
+    assert len([e for e in evs if e.get("event") == "checkpoint_invalid"]) == 4
 
 
 def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run_cli: RunCli, tmp_path: Path,
@@ -302,7 +362,7 @@ def test_stop_ends_a_running_job_cleanly(testbed: TestBed, run_cli: RunCli, tmp_
     assert summary["state"] == "stopped"
     no_rank_left(run_id)
     for h in hosts:
-        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id} 2>/dev/null || true"]).stdout.strip() == ""
+        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id}-* 2>/dev/null || true"]).stdout.strip() == ""
 
 
 @pytest.mark.parametrize(("spec", "kind", "victim"), [
@@ -366,3 +426,58 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
     assert summary["quarantined"] == [] and sorted(n["name"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
     no_rank_left(summary["run_id"])
+
+
+def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbed: TestBed, run_cli: RunCli,
+                                                                          tmp_path: Path) -> None:
+    """An undecodable line fails every rank the same way: launched anyway (--skip-preflight) the run stops as
+    one job error with its remedy and quarantines nobody; preflight fails it (and a data dir without train.jsonl,
+    and a model dir without weights) before launch, with file:line."""
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    rows = [f'{{"text": "row {i} of the data"}}\\n' for i in range(8)]  # printf's escapes: \n, \351 = 0xe9
+    bad = "".join([*rows[:2], '{"text": "caf\\351"}\\n', *rows[2:]])  # line 3 is Latin-1, not UTF-8
+    good = "".join(rows)
+    pb = write_playbook(tmp_path / "pb.yaml", iters=4, data="/srv/bad",
+                        assets={"tiny_model": {"layers": 2, "hidden": 32, "seed": 0}})
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"mkdir -p /srv/bad && printf '{good}' > /srv/bad/train.jsonl && "
+                                     f"printf '{rows[0]}' > /srv/bad/valid.jsonl"], check=True)
+    # The tiny model's vocabulary is built from the data: provision it from good rows (a fixed split: no bench).
+    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), env=env, timeout=300)
+    assert ready.returncode == 0, ready.stderr[-3000:]
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"printf '{bad}' > /srv/bad/train.jsonl"], check=True)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), "--skip-preflight",
+                   env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    assert (run / "summary.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    [job] = [i for i in summary["incidents"] if i["kind"] == "job_error"]
+    assert job["action"] == "stop" and job["evidence"]["code"] == "data_not_utf8", json.dumps(job, indent=1)
+    assert job["evidence"]["message"].startswith("UnicodeDecodeError")
+    assert summary["state"] == "failed" and summary["message"].startswith("job error")
+    assert summary["quarantined"] == [] and not [i for i in summary["incidents"] if i["action"] == "quarantine"]
+    state = tmp_path / "state" / "mlx-coordinator" / "quarantine.json"
+    assert not state.exists() or json.loads(state.read_text())["nodes"] == {}
+    assert (proc.stdout + proc.stderr).count("can't decode byte") == 1, proc.stdout[-3000:]
+    assert "remedy: fix or remove the line" in proc.stdout
+
+    def model_check(expect: str) -> None:
+        report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
+        assert report.returncode == 1, report.stdout[-2000:] + report.stderr[-2000:]
+        for node in json.loads(report.stdout)["nodes"]:
+            [model] = [c for c in node["checks"] if c["id"] == "model"]
+            assert model["status"] == "fail" and expect in model["summary"], model
+
+    model_check("/srv/bad/train.jsonl line 3: not UTF-8 (byte 0xe9")
+    for h in hosts:
+        testbed.exec(h, ["rm", "/srv/bad/train.jsonl"], check=True)
+    model_check("/srv/bad/train.jsonl is missing (the trainer needs it)")
+    for h in hosts:
+        testbed.exec(h, ["sh", "-c", f"printf '{good}' > /srv/bad/train.jsonl && mv /srv/model/model.safetensors "
+                                     "/srv/model.safetensors.away"], check=True)
+    model_check("model /srv/model: no *.safetensors weights")
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert proc.returncode == 1 and "preflight failed" in proc.stderr, proc.stderr[-3000:]

@@ -58,7 +58,7 @@ def manifest(bed: TestBed, host: Host, run_id: str, step: int) -> str:
 
 def no_leftovers(bed: TestBed, hosts: list[Host], run_id: str) -> None:
     for host in hosts:
-        assert bed.exec(host, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id} 2>/dev/null || true"]).stdout.strip() == ""
+        assert bed.exec(host, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id}-* 2>/dev/null || true"]).stdout.strip() == ""
     ps = subprocess.run(["pgrep", "-f", f"runs/{run_id}/run.json"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", f"rank processes left: {ps.stdout}"
 

@@ -1,9 +1,10 @@
 """`coordinator nettest` end to end: the real CLI over real SSH between test-bed hosts (tests/testbed.py).
 
-Bed hosts are Linux network namespaces on one bridge, so every link is `unknown` (no networksetup) and judged
-on positive throughput and RTT only; what is checked here is that every pair is measured for real (bytes went
-from each data IP to the other in both directions) and that an unreachable host fails its pairs without
-stopping the others.
+Bed hosts are Linux network namespaces on one bridge: each data IP sits on `eth0`, the namespace end of a veth
+pair, which /sys/class/net shows as virtual, so every link is `virtual` and judged on positive throughput and RTT
+only. What is checked here is that the link kind comes from the hosts' kernels, that every pair is measured for
+real (bytes went from each data IP to the other in both directions) and that an unreachable host fails its
+pairs without stopping the others.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def test_nettest_measures_every_pair(testbed: TestBed, tmp_path: Path, run_cli: 
         m = p["measurement"]
         assert m["a_to_b_bps"] > 0 and m["b_to_a_bps"] > 0, p
         assert 0 < m["rtt_min_ms"] <= m["rtt_ms"] <= m["rtt_max_ms"], p
-        assert p["link"]["kind"] == "unknown"  # Linux hosts: no networksetup to name the port
+        assert p["link"]["kind"] == "virtual" and p["link"]["speed_gbps"] is None, p["link"]  # veth: no speed
+        for end in p["link"]["ends"]:
+            assert (end["kind"], end["interface"]) == ("virtual", "eth0"), end
+            # "eth0: type ether, 10000 Mb/s, virtual": the speed a veth reports is made up, and not used.
+            assert end["note"].startswith("eth0: type ether, ") and end["note"].endswith(", virtual"), end
+        assert "virtual" in p["summary"]
 
 
 def test_nettest_table_output(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
@@ -49,6 +55,7 @@ def test_nettest_table_output(testbed: TestBed, tmp_path: Path, run_cli: RunCli)
     cp = run_cli("nettest", "-i", str(inv), "--seconds", SECONDS)
     assert cp.returncode == 0, cp.stderr + cp.stdout
     assert "h1 ↔ h2" in cp.stdout and "0 fail" in cp.stdout and "ok:" in cp.stdout
+    assert "virtual" in cp.stdout  # the link column
 
 
 def test_nettest_unreachable_host_fails_only_its_pairs(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:

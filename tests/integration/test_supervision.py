@@ -36,7 +36,7 @@ def assert_nothing_quarantined(summary: dict, tmp: Path) -> None:
     assert summary["quarantined"] == [], json.dumps(summary["incidents"], indent=1)[:3000]
     assert not [i for i in summary["incidents"] if i["action"] == "quarantine"]
     store = tmp / "state" / "mlx-coordinator" / "quarantine.json"
-    assert not store.exists() or json.loads(store.read_text()).get("nodes", {}) == {}
+    assert not store.exists() or json.loads(store.read_text())["entries"] == []
 
 
 def test_stop_asks_the_live_coordinator_which_stops_the_run_and_quarantines_nothing(
@@ -162,8 +162,9 @@ def test_after_attach_a_rank_crash_is_quarantined_and_relaunched_as_in_launch(te
     assert crash["node"] == hosts[1].name and crash["rank"] == 1
     assert_finished_on_survivors(summary, hosts[1].name)
     assert rc == 0
-    state = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())
-    assert list(state["nodes"]) == [hosts[1].name]
+    # Quarantined as launch would: scoped to the run's inventory (which attach read from meta.json).
+    [entry] = json.loads((tmp_path / "state" / "mlx-coordinator" / "quarantine.json").read_text())["entries"]
+    assert (entry["node"], entry["inventory"]) == (hosts[1].name, str(inv.resolve()))
     no_rank_left(run_id)
 
 

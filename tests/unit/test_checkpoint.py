@@ -19,13 +19,18 @@ from worker.checkpoint import (
     CheckpointError,
     CheckpointInvalid,
     build_manifest,
-    discard_newer,
+    compute_prune,
     find_valid_checkpoint,
+    invalid_name,
     list_checkpoints,
+    main,
     parse_manifest,
     parse_step_dir,
+    prune_checkpoints,
     read_latest,
     remove_stale_temporaries,
+    scan_checkpoints,
+    set_aside_invalid,
     step_dir_name,
     verify_checkpoint,
     write_checkpoint,
@@ -130,14 +135,19 @@ def test_truncated_file_fails_verification_and_discovery_falls_back(tmp_path: Pa
     found = find_valid_checkpoint(root, lambda step, _path, reason: skipped.append((step, reason)))
     assert found is not None and found.step == 10
     assert [s for s, _ in skipped] == [20] and "weights.safetensors" in skipped[0][1]
-    # rewriting the same step (after resuming from 10) replaces the corrupt dir with a complete one
+    # rewriting the same step (after resuming from 10) replaces the corrupt dir with a complete one; the corrupt
+    # one is kept under a name nothing resumes from
     again = write_checkpoint(root, 20, files_for(20, 2.0), keep=3)  # type: ignore[arg-type]
     assert verify_checkpoint(again.path) == again.manifest_sha256
     assert not [p for p in root.iterdir() if ".old-" in p.name]
+    assert (root / "step-000020.invalid-superseded").is_dir()
+    assert [s for s, _ in list_checkpoints(root)] == [20, 10]
 
 
-@pytest.mark.parametrize("damage", ["no_manifest", "extra_file", "missing_file", "bad_state_step", "bad_alias"])
-def test_other_damage_is_detected(tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize(("damage", "code"), [("no_manifest", "no-manifest"), ("extra_file", "unlisted-file"),
+                                              ("missing_file", "missing-file"), ("bad_state_step", "step-mismatch"),
+                                              ("bad_alias", "bad-alias")])
+def test_other_damage_is_detected(tmp_path: Path, damage: str, code: str) -> None:
     ckpt = write_checkpoint(tmp_path / "c", 10, files_for(10), keep=1)  # type: ignore[arg-type]
     p = ckpt.path
     if damage == "no_manifest":
@@ -155,16 +165,124 @@ def test_other_damage_is_detected(tmp_path: Path, damage: str) -> None:
     elif damage == "bad_alias":
         (p / ADAPTER_ALIAS).unlink()
         os.symlink(OPTIMIZER, p / ADAPTER_ALIAS)
-    with pytest.raises(CheckpointInvalid):
+    with pytest.raises(CheckpointInvalid) as info:
         verify_checkpoint(p)
+    assert info.value.code == code
 
 
-def test_discard_newer_and_writer_lock(tmp_path: Path) -> None:
+def test_writer_lock(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    for step in (10, 20, 30):
-        write_checkpoint(root, step, files_for(step), keep=5)  # type: ignore[arg-type]
-    assert [p.name for p in discard_newer(root, 20)] == ["step-000030"]
     with writer_lock(root), pytest.raises(CheckpointError, match="share a node name"), writer_lock(root):
         pass
     with writer_lock(root):  # released again
         pass
+
+
+# --- pruning: the newest valid checkpoint is never deleted, whatever else the directory holds --------------------
+
+
+P = Path("/c")
+
+
+def ckpts(*steps: int) -> list[tuple[int, Path]]:
+    return [(s, P / step_dir_name(s)) for s in steps]
+
+
+@pytest.mark.parametrize(("present", "keep", "newest", "doomed"), [
+    ((30, 20, 10), 2, 30, [10]),        # the ordinary case: the new one plus keep-1 older ones
+    ((30, 20, 10), 1, 30, [20, 10]),
+    ((30, 20, 10), 5, 30, []),
+    ((30, 20, 10), 1, 10, []),          # 30 and 20 are newer than what was just written: not this timeline's
+    ((40, 30, 12, 10, 4), 2, 12, [4]),  # ... and they do not count towards keep
+    ((12,), 1, 12, []),
+])
+def test_compute_prune_keeps_the_newest_and_never_counts_newer_dirs(present: tuple[int, ...], keep: int,
+                                                                   newest: int, doomed: list[int]) -> None:
+    assert compute_prune(ckpts(*present), keep, newest) == [P / step_dir_name(s) for s in doomed]
+
+
+def test_compute_prune_rejects_keep_below_one() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        compute_prune(ckpts(10), 0, 10)
+
+
+def test_a_new_checkpoint_survives_invalid_newer_dirs_and_ignores_set_aside_ones(tmp_path: Path) -> None:
+    # What made a restarted run fail on every node: invalid step-30 and step-40 left in place, so keep=1 pruning
+    # deleted each new checkpoint right after it was written.
+    root = tmp_path / "checkpoints"
+    for step in (30, 40):
+        (root / step_dir_name(step)).mkdir(parents=True)
+        (root / step_dir_name(step) / WEIGHTS).write_bytes(b"garbage")
+    aside = root / "step-000002.invalid-sha256-mismatch"
+    aside.mkdir()
+    (root / "set-aside-step-000001").mkdir()
+    (root / "notes").mkdir()
+    for step in (2, 4):
+        ckpt = write_checkpoint(root, step, files_for(step), keep=1)  # type: ignore[arg-type]
+        assert verify_checkpoint(ckpt.path) == ckpt.manifest_sha256
+    assert [s for s, _ in list_checkpoints(root)] == [40, 30, 4]  # step 2 pruned (older), 4 kept, 30/40 untouched
+    assert aside.is_dir() and (root / "set-aside-step-000001").is_dir() and (root / "notes").is_dir()
+    assert read_latest(root) == root / "step-000004"
+
+
+def test_prune_refuses_when_the_newest_is_missing(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 10, files_for(10), keep=5)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match="step-000020 is not there"):
+        prune_checkpoints(root, 1, 20)
+    assert [s for s, _ in list_checkpoints(root)] == [10]
+
+
+# --- resume: scanning and setting aside -------------------------------------------------------------------------
+
+
+def corrupt(path: Path) -> None:
+    weights = path / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:10])
+
+
+def test_scan_reports_invalid_ones_down_to_the_newest_valid(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        write_checkpoint(root, step, files_for(step), keep=5)  # type: ignore[arg-type]
+    corrupt(root / "step-000030")
+    (root / "step-000020" / MANIFEST).unlink()
+    verdicts = scan_checkpoints(root)
+    assert [(v.step, v.valid, v.code) for v in verdicts] == [(30, False, "sha256-mismatch"),
+                                                            (20, False, "no-manifest"), (10, True, "")]
+    assert scan_checkpoints(tmp_path / "nowhere") == []
+
+
+def test_set_aside_renames_never_deletes_and_hides_from_discovery(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        write_checkpoint(root, step, files_for(step), keep=5)  # type: ignore[arg-type]
+    corrupt(root / "step-000020")
+    moved = set_aside_invalid(root, 20, "sha256-mismatch")
+    assert moved == root / "step-000020.invalid-sha256-mismatch" and (moved / WEIGHTS).exists()
+    assert [s for s, _ in list_checkpoints(root)] == [10]
+    assert not (root / "latest").exists()  # it named the dir set aside
+    found = find_valid_checkpoint(root)
+    assert found is not None and found.step == 10
+    # a second invalid copy of the same step gets its own name; a code unfit for a name becomes "invalid"
+    (root / "step-000020").mkdir()
+    assert set_aside_invalid(root, 20, "sha256-mismatch").name == "step-000020.invalid-sha256-mismatch-2"
+    assert invalid_name(5, "../x y") == "step-000005.invalid-invalid"
+    with pytest.raises(CheckpointError):
+        set_aside_invalid(root, 99, "x")
+
+
+def test_command_line_scan_and_set_aside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 10, files_for(10), keep=5)  # type: ignore[arg-type]
+    corrupt(root / "step-000010")
+    assert main(["scan", str(root)]) == 0
+    [item] = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert (item["step"], item["valid"], item["code"]) == (10, False, "sha256-mismatch") and item["sha256"] is None
+    assert main(["set-aside", str(root), "step-000010:sha256-mismatch"]) == 0
+    assert json.loads(capsys.readouterr().out)["moved"] == {"step-000010": str(root / "step-000010.invalid-sha256-mismatch")}
+    with writer_lock(root):  # a live writer: nothing is moved
+        (root / "step-000020").mkdir()
+        assert main(["set-aside", str(root), "step-000020:x"]) == 1
+    assert "lock held" in capsys.readouterr().err and (root / "step-000020").is_dir()
+    assert main(["set-aside", str(root), "latest:x"]) == 1

@@ -42,6 +42,7 @@ from tests.factsutil import (
     PYTHON,
     STUDIO,
     WORKDIR,
+    data_answer,
     edit,
     edit_block,
     facts_from,
@@ -719,6 +720,32 @@ def test_model_three_way_disagreement_fails_all() -> None:
     ])
 
 
+@pytest.mark.parametrize(("worker", "status", "in_summary"), [
+    ({"data": data_answer(train={"rows": 2, "error": "line 3: not UTF-8 (byte 0xff at column 11)"}, valid={})},
+     F, f"{DATA_DIR}/train.jsonl line 3: not UTF-8 (byte 0xff at column 11)"),
+    ({"data": data_answer(train={"exists": False, "rows": 0}, valid={})},
+     F, f"{DATA_DIR}/train.jsonl is missing (the trainer needs it)"),
+    ({"data": data_answer(train={}, valid={}, test={"error": "no rows (an empty file fails the loader)"})},
+     F, f"{DATA_DIR}/test.jsonl no rows"),
+    ({"model_error": "no *.safetensors weights"}, F, f"model {MODEL_DIR}: no *.safetensors weights"),
+    ({"data": data_answer(train={}, valid={"exists": False})}, W, f"{DATA_DIR}/valid.jsonl is missing: the run "
+                                                                  "will have no eval events"),
+    ({"data": data_answer(train={"checked_bytes": 100}, valid={})}, P, "train.jsonl: the first 10 rows (0 of 0 MB) parsed"),
+    ({"data": data_answer(train={}, valid={})}, P, "identical on 3/3 nodes"),
+])
+def test_model_check_proves_the_trainer_can_load_model_and_data(worker: dict[str, Any], status: Status,
+                                                               in_summary: str) -> None:
+    """The same on every node, so every node fails (launched, every rank would fail the same way)."""
+    members = [m.but(worker={**_hashes(), **worker}) for m in trio()]
+    remedy = ("every rank would fail",) if status is F else ()
+    report, results = preflight(members, playbook(backend="ring"))
+    check_expectations(results, [(m.name, "model", status, (in_summary,), remedy) for m in members])
+    assert report.ok() is (status is not F)
+    if "data" in worker:
+        assert [f["name"] for f in results[("s0", "model")].evidence["data_files"]] == \
+            [f["name"] for f in worker["data"]["files"]]
+
+
 def _manifest(model: Mapping[str, str] = MODEL_FILES, data: Mapping[str, str] = DATA_FILES) -> dict[str, str]:
     return {**{f"model/{k}": v for k, v in model.items()}, **{f"data/{k}": v for k, v in data.items()}}
 
@@ -1066,3 +1093,24 @@ def test_a_large_ring_fleet_is_judged_on_its_ring_neighbours_only() -> None:
     unreachable, ev = _reachability(ctx, nodes[0], facts)  # type: ignore[arg-type]
     assert unreachable == [f"n2 ({nodes[2].data_ip}): timed out"]
     assert set(ev) == {"n98", "n99", "n1", "n2"}
+
+
+# =================================================================================================== remedies
+
+
+def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
+    """Paths from the playbook and inventory, and what a node reports (its python), may hold spaces or `;`: a
+    remedy is copied into a shell, so each value is one quoted word (a leading `~/` still means the home)."""
+    hostile = "/Users/me/my models/llama;id"
+    members = trio()
+    members[1] = members[1].but(worker=_hashes(model={**MODEL_FILES, "model.safetensors": BAD}))
+    _, results = preflight(members, playbook(backend="ring", model=hostile))
+    assert results[("s1", "model")].remedy == (f"copy the good files: rsync -a --delete 's0:{hostile}/' 's1:{hostile}/'")
+    _, results = preflight((MBP_M, STUDIO_M.but(node={"identity": "~/.ssh/my key"})), playbook(),
+                           connect={"studio": TransportError("studio", "denied", kind="auth")})
+    assert "`ssh-copy-id -i \"$HOME\"/'.ssh/my key' studio.local`" in results[("studio", "ssh")].remedy
+    _, results = preflight((MBP_M.but(worker={"python": "/opt/my venv/python;id", "mlx": None}), STUDIO_M), playbook())
+    assert results[("mbp", "software")].remedy == "'/opt/my venv/python;id' -m pip install \"mlx>=0.32.1\" mlx-lm"
+    _, results = preflight((MBP_M.but(worker={"python": "/opt/py;id", "mlx_lm": "0.30.0"}), STUDIO_M, STUDIO_M.but(name="s3")),
+                           playbook())
+    assert results[("mbp", "software")].remedy == "'/opt/py;id' -m pip install mlx==0.32.1 mlx-lm==0.31.0"

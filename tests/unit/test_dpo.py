@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from tests.trainutil import sgd_step, split_step
 from worker.data import sequence_logps
 from worker.dpo import (
     Pair,
@@ -23,7 +24,7 @@ from worker.dpo import (
 )
 from worker.runconfig import ConfigError, LoraSpec, parse_run_config
 from worker.tinymodel import build_tiny_model
-from worker.train import Contribution, DpoObjective, apply_method, finalize, flatten, stats_fields
+from worker.train import DpoObjective, apply_method, flatten, stats_fields
 
 REPO = Path(__file__).resolve().parents[2]
 DPO_DATA = REPO / "playbooks" / "data" / "dpo"
@@ -137,29 +138,30 @@ def test_sequence_logps_sum_only_the_completion(tiny: Path) -> None:
 
 @pytest.mark.parametrize("fine_tune_type", ["lora", "full"])
 def test_split_pairs_give_the_update_of_one_rank_with_all(tiny: Path, fine_tune_type: str) -> None:
-    """A 3/1 split of 4 pairs, combined as worker.train does (sums over pairs / total pairs), equals 4 on one rank;
-    the loss of the untrained policy against itself as reference is exactly log 2 per pair."""
-    model, tokenizer = load_tiny(tiny)
-    reference, _ = load_tiny(tiny)
+    """A 3/1 split of 4 pairs through the compiled step (sums over pairs, scaled by 1/total pairs before the
+    all_sum) makes the update of 4 pairs on one rank; the loss of the untrained policy against itself as reference
+    is exactly log 2 per pair."""
+    reference, tokenizer = load_tiny(tiny)
     reference.freeze()
-    mx.random.seed(0)
-    apply_method(model, fine_tune_type, None, LoraSpec())
+
+    def policy() -> Any:
+        model, _ = load_tiny(tiny)
+        mx.random.seed(0)
+        apply_method(model, fine_tune_type, None, LoraSpec())
+        return model
+
     pairs = load_pairs(DPO_DATA / "train.jsonl", tokenizer)[:4]
-    obj = DpoObjective(model, reference, 0.1, 64)
-    whole = obj.micro(model, pairs, range(4))
-    parts = [obj.micro(model, pairs, rows) for rows in ([0, 1, 2], [3])]
-    total: Contribution = parts[0].contribution.add(parts[1].contribution)
-    a, b = finalize(whole.contribution), finalize(total)
-    assert a.loss.item() == pytest.approx(math.log(2), rel=1e-4)  # LoRA starts as a no-op: policy == reference
-    assert int(b.tokens.item()) == 4
-    assert a.loss.item() == pytest.approx(b.loss.item(), rel=1e-6)
-    worst = max(mx.max(mx.abs(a.grads[k] - b.grads[k])).item() for k in a.grads)
-    scale = max(mx.max(mx.abs(g)).item() for g in a.grads.values())
+    obj = DpoObjective(reference, 0.1, 64)
+    model = policy()
+    whole, loss_whole = sgd_step(model, obj.loss, obj._inputs(pairs, range(4)), lambda x: x, 1, 4)
+    _, split, loss_split = split_step(policy, obj.loss, obj._inputs(pairs, [0, 1, 2]), obj._inputs(pairs, [3]), 4)
+    assert loss_whole == pytest.approx(math.log(2), rel=1e-4)  # LoRA starts as a no-op: policy == reference
+    assert loss_whole == pytest.approx(loss_split, rel=1e-6)
+    worst = max(mx.max(mx.abs(whole[k] - split[k])).item() for k in whole)
+    scale = max(mx.max(mx.abs(g)).item() for g in whole.values())
     assert scale > 0 and worst <= 1e-5 * scale
-    assert set(a.grads) == set(flatten(model.trainable_parameters()))
-    assert (whole.stats is not None and parts[0].stats is not None and parts[1].stats is not None)
-    assert whole.stats.tolist() == pytest.approx((parts[0].stats + parts[1].stats).tolist(), abs=1e-5)
-    assert int(whole.tokens.item()) == int(parts[0].tokens.item()) + int(parts[1].tokens.item())
+    assert set(whole) == set(flatten(model.trainable_parameters()))
+    model = policy()
     loss_sum, n, _, _ = dpo_loss_sum(model, *build_pair_batch(pairs, 64), sequence_logps(reference,
                                      *build_pair_batch(pairs, 64))[0], 0.1)
     assert int(n.item()) == 4 and loss_sum.item() == pytest.approx(4 * math.log(2), rel=1e-4)

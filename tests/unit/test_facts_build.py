@@ -107,6 +107,17 @@ def test_linux_node_builds_without_fact_errors() -> None:
     assert facts.interfaces is not None and ("192.0.2.2",) in [i.ipv4 for i in facts.interfaces]
     ib = facts_from("gpu1", full_sections(linux_sections(), replace={"infiniband": "mlx5_0\n"}))
     assert ib.rdma == Rdma(ctl_status=None, devices=(RdmaDevice("mlx5_0"),))
+    assert facts.net_links is not None and [n.name for n in facts.net_links] == ["eth0", "ifb0", "ifb1", "lo"]
+
+
+def test_linux_sys_class_net_is_optional_but_garbage_is_an_error() -> None:
+    sections = full_sections(linux_sections())
+    del sections["sys_class_net"]
+    facts = facts_from("gpu1", sections)
+    assert facts.net_links is None and facts.errors == ()  # nettest then says `unknown`, no check fails
+    bad = facts_from("gpu1", full_sections(linux_sections(), replace={"sys_class_net": "eth0 type=1\n"}))
+    assert bad.net_links is None
+    assert [(e.source, e.raw) for e in bad.errors] == [("sys_class_net", "eth0 type=1\n")]
 
 
 # ------------------------------------------------------------------------------------------------- missing sections

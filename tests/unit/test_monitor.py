@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.monitor import FaultPolicy, Monitor, Observation, RunState, WorkerState
+from coordinator.monitor import FaultPolicy, Monitor, Observation, RankError, RunState, WorkerState, classify_errors
+from coordinator.signatures import error_signature
 
 PLAN = [(0, "a", 3, 300.0), (1, "b", 1, 100.0)]
 
@@ -46,6 +47,20 @@ def test_error_event_fails_the_run_with_an_incident() -> None:
     assert (inc.kind, inc.node, inc.rank, inc.action) == ("error", "b", 1, "quarantine")
     assert mon.culprits() == ["b"]
     assert mon.outcome() is RunState.FAILED
+
+
+def test_a_job_fault_error_stops_the_run_without_a_culprit_and_settles() -> None:
+    # Every rank refuses a resume with no valid checkpoint (worker.train.ResumeRefused): nobody is to blame.
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    started(mon)
+    [a] = mon.observe(ev("a", 0, 1.0, event="error", message="ResumeRefused: no rank has a valid", fault="job"))
+    [b] = mon.observe(ev("b", 1, 1.1, event="error", message="ResumeRefused: no rank has a valid", fault="job"))
+    assert (a.action, b.action) == ("stop", "stop") and a.evidence["fault"] == "job"
+    assert mon.culprits() == [] and mon.job_fault() == a
+    assert mon.outcome() is RunState.FAILED
+    mon.observe(Observation("tick", "a", 1.5))
+    mon.observe(Observation("tick", "b", 1.5))
+    assert not mon.settled(2.0) and mon.settled(3.1)  # SETTLE_S after the first, both nodes heard since
 
 
 def test_dead_process_is_a_crash_attributed_to_its_node() -> None:
@@ -285,3 +300,148 @@ def test_with_no_minimum_time_the_window_is_a_step_count() -> None:
         found += mon.observe(ev("b", 1, t, event="step", step=k + 1, tokens=10, compute_tok_s=30.0))
     [inc] = [i for i in found if i.kind == "straggler"]
     assert (inc.node, inc.step) == ("b", 5)
+
+
+# --- job error or node fault --------------------------------------------------------------------------------------
+
+UNDECODABLE = "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position {pos}: invalid start byte"
+PEER_LOST = "RuntimeError: [ring] connection to a peer was lost"
+
+
+def ticks(mon: Monitor, *times: float, nodes: tuple[str, ...] = ("a", "b", "c")) -> None:
+    for t in times:
+        for node in nodes:
+            mon.observe(Observation("tick", node, t))
+
+
+def test_the_same_error_on_every_rank_is_a_job_error_and_nobody_is_quarantined() -> None:
+    mon = three_started()
+    # Each rank's own error, a moment apart, with its own path and byte position: one signature.
+    [first] = mon.observe(ev("a", 0, 1.0, event="error", message=UNDECODABLE.format(pos=7), traceback="tb0"))
+    assert first.action == "quarantine" and first.evidence["explanation"]["code"] == "data_not_utf8"
+    mon.observe(ev("b", 1, 1.3, event="error", message=UNDECODABLE.format(pos=7)))
+    ticks(mon, 2.0, 3.0)
+    assert not mon.settled(3.1)  # c is still running: its own error may be on the way
+    mon.observe(ev("c", 2, 3.2, event="error", message=UNDECODABLE.format(pos=12)))
+    ticks(mon, 3.3)
+    assert mon.settled(3.4)
+    judged = mon.resolve()
+    assert [(i.kind, i.node, i.action) for i in judged] == [("error", "a", "stop"), ("error", "b", "stop"),
+                                                             ("error", "c", "stop"), ("job_error", "a,b,c", "stop")]
+    assert all(i.evidence["job_error"] for i in judged[:-1])
+    job = mon.job_error
+    assert job is judged[-1] and job.rank is None and job.node == "a,b,c"
+    assert job.evidence["reason"] == "every rank failed with the same error"
+    assert job.evidence["ranks"] == [0, 1, 2] and job.evidence["message"] == UNDECODABLE.format(pos=7)
+    assert job.evidence["code"] == "data_not_utf8" and "preflight" in job.evidence["remedy"]
+    assert job.evidence["traceback"] == "tb0"
+    assert mon.culprits() == [] and mon.culprit_incident("a") is None
+    assert not [i for i in mon.incidents if i.action == "quarantine"]
+    assert mon.outcome() is RunState.FAILED
+    assert mon.resolve() == []  # judged once
+
+
+def test_a_rank_whose_error_came_first_and_whose_peers_only_echo_is_the_culprit() -> None:
+    """One rank fails; mlx.launch kills the others (SIGTERM) and the ring loses its peer: echoes, not the same
+    error. The evidence ties the failure to that rank's node."""
+    mon = three_started()
+    mon.observe(ev("b", 1, 1.0, event="error", message=UNDECODABLE.format(pos=7)))
+    mon.observe(ev("a", 0, 1.2, event="error", message=PEER_LOST))
+    mon.observe(ev("c", 2, 1.4, event="error", message="terminated by SIGTERM"))
+    ticks(mon, 2.0, 3.1)
+    assert mon.settled(3.2)
+    assert mon.resolve() == []
+    assert mon.job_error is None and mon.culprits() == ["b"]
+
+
+def test_the_verdict_waits_a_short_grace_for_the_other_ranks_errors() -> None:
+    mon = three_started()
+    mon.observe(ev("a", 0, 1.0, event="error", message=UNDECODABLE.format(pos=7)))
+    ticks(mon, 2.0, 3.5, 5.9)
+    assert not mon.settled(5.9)  # b and c are still running, within ERROR_GRACE_S of the first error
+    assert mon.settled(6.0)  # the grace is over: decide on what arrived
+    assert mon.resolve() == [] and mon.culprits() == ["a"]
+
+
+def test_different_own_errors_are_no_job_error() -> None:
+    mon = three_started()
+    mon.observe(ev("a", 0, 1.0, event="error", message=UNDECODABLE.format(pos=7)))
+    mon.observe(ev("b", 1, 1.1, event="error", message="MemoryError: out of memory"))
+    mon.observe(ev("c", 2, 1.2, event="error", message=PEER_LOST))
+    ticks(mon, 2.0, 3.1)
+    assert mon.settled(3.2) and mon.resolve() == []
+    assert mon.job_error is None and mon.culprits() == ["a"]
+
+
+def test_the_same_error_after_a_relaunch_on_another_node_followed_the_work() -> None:
+    """Attempt 1 blamed a for this error (its peers were killed before they got to it); the relaunch on b and c
+    fails the same way on b: the error is the job's."""
+    sig = error_signature(UNDECODABLE.format(pos=7), {"a", "b", "c"})
+    mon = Monitor.create([(0, "b", 3, None), (1, "c", 3, None)], iters=9, now=0.0, heartbeat_timeout=6.0,
+                         earlier_errors={sig: frozenset({"a"})})
+    for rank, node in ((0, "b"), (1, "c")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+    mon.observe(ev("b", 0, 1.0, event="error", message=UNDECODABLE.format(pos=9)))
+    mon.observe(ev("c", 1, 1.1, event="error", message="terminated by SIGTERM"))
+    ticks(mon, 2.0, 3.1, nodes=("b", "c"))
+    assert mon.settled(3.2)
+    *revised, job = mon.resolve()
+    assert [(i.node, i.action) for i in revised] == [("b", "stop")]
+    assert job.kind == "job_error" and job.evidence["earlier_nodes"] == ["a"]
+    assert job.evidence["reason"] == "the same error followed the work from a to b"
+    assert mon.culprits() == []
+
+
+def test_the_same_error_again_on_the_same_node_stays_that_nodes() -> None:
+    sig = error_signature(UNDECODABLE.format(pos=7), {"a", "b"})
+    mon = Monitor.create(PLAN, iters=9, now=0.0, heartbeat_timeout=6.0, earlier_errors={sig: frozenset({"b"})})
+    started(mon)
+    mon.observe(ev("b", 1, 1.0, event="error", message=UNDECODABLE.format(pos=7)))
+    mon.observe(ev("a", 0, 1.1, event="error", message=PEER_LOST))
+    ticks(mon, 2.0, 3.1, nodes=("a", "b"))
+    assert mon.settled(3.2) and mon.resolve() == [] and mon.culprits() == ["b"]
+
+
+def test_node_evidence_wins_over_matching_errors() -> None:
+    """A rank died without an error (a crash) before the others' errors: the crash names the node."""
+    mon = three_started()
+    mon.observe(Observation("proc", "c", 0.9, 2, {"alive": False, "pid": 12, "state": "gone"}))
+    mon.observe(ev("a", 0, 1.0, event="error", message="ValueError: bad thing"))
+    mon.observe(ev("b", 1, 1.1, event="error", message="ValueError: bad thing"))
+    ticks(mon, 2.0, 3.1)
+    assert mon.settled(3.2) and mon.resolve() == []
+    assert mon.job_error is None and mon.culprits() == ["c"]
+
+
+def test_a_fenced_rank_is_no_evidence_of_a_job_error() -> None:
+    mon = Monitor.create([(0, "a", 1, None)], iters=9, now=0.0)
+    mon.observe(ev("a", 0, 0.1, event="started", pid=10))
+    mon.observe(ev("a", 0, 1.0, event="error", message="fenced: step 5 ran 90 s", fenced=True))
+    assert mon.classify() is None and mon.culprits() == ["a"]
+
+
+def test_the_only_rank_failing_is_a_job_error_not_a_quarantine_of_the_last_node() -> None:
+    mon = Monitor.create([(0, "a", 4, None)], iters=9, now=0.0, heartbeat_timeout=6.0)
+    mon.observe(ev("a", 0, 0.1, event="started", pid=10))
+    mon.observe(ev("a", 0, 1.0, event="error", message="ValueError: /srv/data/train.jsonl is missing or empty"))
+    ticks(mon, 3.1, nodes=("a",))
+    assert mon.settled(3.2)
+    *_, job = mon.resolve()
+    assert job.kind == "job_error" and job.evidence["code"] == "data_missing" and mon.culprits() == []
+
+
+def rank_error(rank: int, node: str, signature: str, at: float) -> RankError:
+    return RankError(rank, node, signature, f"E: {signature}", at)
+
+
+def test_classify_errors_table() -> None:
+    same = [rank_error(0, "a", "S", 1.0), rank_error(1, "b", "S", 1.2)]
+    assert classify_errors([], 2, node_evidence=False) is None
+    assert classify_errors(same, 2, node_evidence=True) is None
+    verdict = classify_errors(same, 3, node_evidence=False)  # two of three, on two nodes: still the job's
+    assert verdict is not None and verdict.reason == "ranks on 2 nodes failed with the same error"
+    assert classify_errors([*same, rank_error(2, "c", "T", 1.1)], 3, node_evidence=False) is None
+    assert classify_errors(same[:1], 3, node_evidence=False) is None
+    assert classify_errors(same[:1], 3, node_evidence=False, earlier={"S": frozenset({"a"})}) is None
+    moved = classify_errors(same[1:], 3, node_evidence=False, earlier={"S": frozenset({"a"}), "T": frozenset({"c"})})
+    assert moved is not None and moved.earlier_nodes == ("a",) and moved.nodes == ("b",)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.facts.model import HardwarePort, NetInterface, NodeFacts, ThunderboltPort
+from coordinator.facts.model import HardwarePort, NetInterface, NetLink, NodeFacts, ThunderboltPort
 from coordinator.models import Connection, Inventory, Node, Status
 from coordinator.nettest import (
     FAIL_FRACTION,
@@ -29,14 +29,26 @@ from coordinator.nettest import (
     NettestReport,
     ParseError,
     classify_endpoint,
+    classify_linux_link,
     combine_ends,
     evaluate_pair,
     judge_link,
     parse_client_output,
     plan_pairs,
 )
+from coordinator.probe import Section
 from coordinator.verbs.nettest import run_nettest
-from tests.factsutil import MBP, NODEV, OLD, STUDIO, facts_from, linux_sections, profile_sections, studio_mesh
+from tests.factsutil import (
+    MBP,
+    NODEV,
+    OLD,
+    STUDIO,
+    capture,
+    facts_from,
+    linux_sections,
+    profile_sections,
+    studio_mesh,
+)
 from worker import nettest as wn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +76,10 @@ JUDGE_CASES = [
     ("wifi", None, 0.4, 3.0, Status.WARN, "Wi-Fi data plane"),
     ("wifi", None, 0.01, 3.0, Status.FAIL, ""),
     ("wifi", None, 0.4, 150.0, Status.FAIL, "> 100 ms"),
-    # Unknown (Linux): any positive throughput passes; RTT still judged.
+    # Unknown and virtual (veth, bridge): any positive throughput passes; RTT still judged.
     ("unknown", None, 0.001, 0.2, Status.PASS, "no nominal speed"),
+    ("virtual", None, 0.001, 0.2, Status.PASS, "virtual: "),
+    ("virtual", None, 5.0, 6.0, Status.WARN, "> 5 ms"),
     ("unknown", None, 5.0, 6.0, Status.WARN, "> 5 ms"),
     # Nothing got through: always a failure.
     ("unknown", None, 0.0, 0.2, Status.FAIL, "no data got through"),
@@ -121,11 +135,79 @@ def test_classify_endpoint_studio_mesh_receptacles() -> None:
 
 
 def test_classify_endpoint_unknowns_say_why() -> None:
-    linux = facts_from("l", linux_sections())
-    end = classify_endpoint("l", "192.0.2.2", linux)
-    assert (end.kind, end.interface) == (LinkKind.UNKNOWN, "eth0") and "Linux" in end.note
+    sections = linux_sections()
+    del sections["sys_class_net"]
+    end = classify_endpoint("l", "192.0.2.2", facts_from("l", sections))
+    assert (end.kind, end.interface, end.note) == (LinkKind.UNKNOWN, "eth0", "no /sys/class/net facts")
     assert "on no interface" in classify_endpoint("m", "10.9.9.9", facts_from("m", profile_sections(OLD))).note
     assert classify_endpoint("x", "10.0.0.1", None).note == "no facts"
+
+
+def test_classify_endpoint_linux_from_recorded_sys_class_net() -> None:
+    # This VM's NIC: virtio hardware (a `device` link) whose speed the kernel does not know (-1).
+    end = classify_endpoint("l", "192.0.2.2", facts_from("l", linux_sections()))
+    assert (end.kind, end.speed_gbps, end.interface, end.driver) == (LinkKind.ETHERNET, None, "eth0", "virtio_net")
+    assert end.note == "eth0: virtio_net, type ether, speed not known"
+    # A test-bed host: the namespace end of a veth pair; and a bridge whose only port is another veth.
+    sections = {**linux_sections(), "ip_addr": Section("ip_addr", capture("ip_addr/netns-veth-bridge.txt"), 0),
+                "sys_class_net": Section("sys_class_net", capture("sys_class_net/netns-veth-bridge.txt"), 0)}
+    facts = facts_from("h1", sections)
+    veth = classify_endpoint("h1", "10.77.0.2", facts)
+    assert (veth.kind, veth.speed_gbps, veth.driver) == (LinkKind.VIRTUAL, None, None)  # its 10000 Mb/s is not used
+    assert veth.note == "eth0: type ether, 10000 Mb/s, virtual"
+    bridge = classify_endpoint("h1", "10.78.0.1", facts)
+    assert (bridge.kind, bridge.driver) == (LinkKind.VIRTUAL, "bridge")
+
+
+def _nic(name: str, speed: int | None = None, **kw: Any) -> NetLink:
+    kw.setdefault("path", f"/sys/devices/pci0000:00/0000:00:1c.0/net/{name}")
+    return NetLink(name, kw.pop("arphrd_type", 1), speed, "up", has_device=kw.pop("has_device", True),
+                   wireless=kw.pop("wireless", False), **kw)
+
+
+def _virt(name: str, *lower: str, devtype: str | None = None) -> NetLink:
+    return NetLink(name, 1, 10000, "up", has_device=False, wireless=False, devtype=devtype, lower=lower,
+                   path=f"/sys/devices/virtual/net/{name}")
+
+
+LINUX_LINKS = (
+    _nic("enp3s0", 1000, driver="e1000e"),
+    _nic("enp4s0", 10000, driver="ixgbe"),
+    _nic("eno1", None, driver="igb"),
+    _nic("wlp2s0", None, wireless=True, devtype="wlan", driver="iwlwifi"),
+    _nic("thunderbolt0", 20000, driver="thunderbolt-net"),
+    _nic("ib0", 100000, arphrd_type=32, driver="mlx5_core"),
+    _virt("veth1"),
+    _virt("br0", "enp4s0", "veth1", devtype="bridge"),  # a VM host's bridge: a 10 GbE uplink and a guest
+    _virt("br1", "enp3s0", "enp4s0", devtype="bridge"),
+    _virt("br2", "veth1", devtype="bridge"),
+    _virt("vlan5", "br1", devtype="vlan"),
+    _virt("loop1", "loop2"),
+    _virt("loop2", "loop1"),
+    _nic("odd0", None, has_device=False, path="/sys/devices/platform/odd0"),  # no `device` link: virtual
+)
+
+
+@pytest.mark.parametrize(("name", "kind", "speed", "driver", "note"), [
+    ("enp3s0", LinkKind.ETHERNET, 1.0, "e1000e", "enp3s0: e1000e, type ether, 1000 Mb/s"),
+    ("enp4s0", LinkKind.ETHERNET, 10.0, "ixgbe", ""),
+    ("eno1", LinkKind.ETHERNET, None, "igb", "speed not known"),  # judged against the 1 GbE default
+    ("wlp2s0", LinkKind.WIFI, None, "iwlwifi", ""),
+    ("thunderbolt0", LinkKind.THUNDERBOLT, 20.0, "thunderbolt-net", ""),
+    ("ib0", LinkKind.UNKNOWN, None, "mlx5_core", "type infiniband"),
+    ("veth1", LinkKind.VIRTUAL, None, None, "virtual"),
+    ("br0", LinkKind.ETHERNET, 10.0, "bridge", "br0: bridge, type ether, 10000 Mb/s, virtual over enp4s0: ixgbe"),
+    ("br1", LinkKind.ETHERNET, 1.0, "bridge", "over enp3s0"),  # the slower port
+    ("br2", LinkKind.VIRTUAL, None, "bridge", ""),
+    ("vlan5", LinkKind.ETHERNET, 1.0, "vlan", "vlan5: vlan, type ether, 10000 Mb/s, virtual over br1"),
+    ("loop1", LinkKind.VIRTUAL, None, None, ""),  # a cycle of lower links ends
+    ("odd0", LinkKind.VIRTUAL, None, None, ""),
+    ("nope0", LinkKind.UNKNOWN, None, None, "nope0 is not in /sys/class/net"),
+])  # fmt: skip
+def test_classify_linux_link(name: str, kind: LinkKind, speed: float | None, driver: str | None, note: str) -> None:
+    got = classify_linux_link(name, LINUX_LINKS)
+    assert got[:3] == (kind, speed, driver)
+    assert note in got[3]
 
 
 def _bridge_facts(speeds: dict[str, float | None]) -> NodeFacts:
@@ -155,6 +237,9 @@ def test_classify_endpoint_thunderbolt_bridge_uses_slowest_connected_member() ->
     ((LinkKind.UNKNOWN, None), (LinkKind.UNKNOWN, None), (LinkKind.UNKNOWN, None)),
     ((LinkKind.ETHERNET, None), (LinkKind.WIFI, None), (LinkKind.WIFI, None)),  # same 1 Gb/s: Wi-Fi is slower
     ((LinkKind.THUNDERBOLT, None), (LinkKind.ETHERNET, None), (LinkKind.ETHERNET, None)),
+    ((LinkKind.VIRTUAL, None), (LinkKind.ETHERNET, 10.0), (LinkKind.ETHERNET, 10.0)),  # hardware sets the pace
+    ((LinkKind.VIRTUAL, None), (LinkKind.UNKNOWN, None), (LinkKind.VIRTUAL, None)),
+    ((LinkKind.VIRTUAL, None), (LinkKind.VIRTUAL, None), (LinkKind.VIRTUAL, None)),
 ])  # fmt: skip
 def test_combine_ends_takes_the_slower_end(a: tuple[LinkKind, float | None], b: tuple[LinkKind, float | None],
                                            want: tuple[LinkKind, float | None]) -> None:

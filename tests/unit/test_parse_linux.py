@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.facts import linux
-from coordinator.facts.model import Disk, Gpu, Memory, NetInterface, ParseError
+from coordinator.facts.model import Disk, Gpu, Memory, NetInterface, NetLink, ParseError
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
 
@@ -22,6 +22,20 @@ def cap(rel: str) -> str:
 
 
 KiB = 1024
+VNET = "/sys/devices/virtual/net/"
+VIRTIO_ETH0 = NetLink("eth0", 1, None, "up", has_device=True, wireless=False, driver="virtio_net",
+                      path="/sys/devices/pci0000:00/0000:00:03.0/virtio2/net/eth0")
+VM_LINKS = (
+    VIRTIO_ETH0,
+    NetLink("ifb0", 1, None, "down", has_device=False, wireless=False, path=VNET + "ifb0"),
+    NetLink("ifb1", 1, None, "down", has_device=False, wireless=False, path=VNET + "ifb1"),
+    NetLink("lo", 772, None, "unknown", has_device=False, wireless=False, path=VNET + "lo"),
+)
+
+
+def _veth(name: str) -> NetLink:
+    return NetLink(name, 1, 10000, "up", has_device=False, wireless=False, path=VNET + name)
+
 
 CASES: dict[str, tuple[Callable[[str], object], object]] = {
     "uname/linux-6.18-x86_64-debian-12.txt": (linux.parse_uname, ("Linux", "6.18.44-fc-v657", "x86_64")),
@@ -42,6 +56,37 @@ CASES: dict[str, tuple[Callable[[str], object], object]] = {
             NetInterface("lo", ("127.0.0.1",), up=True),
             NetInterface("veth1", ("10.0.0.5",), up=True),
             NetInterface("veth0", ("192.168.10.1", "192.168.10.2"), up=True),  # primary + secondary, grouped
+        ),
+    ),
+    "ip_addr/netns-veth-bridge.txt": (
+        linux.parse_ip_addr,
+        (
+            NetInterface("lo", ("127.0.0.1",), up=True),
+            NetInterface("eth0", ("10.77.0.2",), up=True),
+            NetInterface("br0", ("10.78.0.1",), up=True),
+        ),
+    ),
+    # speed -1 (SPEED_UNKNOWN) and an unreadable speed (down, loopback) are both None.
+    "sys_class_net/debian-12-vm-virtio.txt": (linux.parse_sys_class_net, VM_LINKS),
+    "sys_class_net/debian-12-vm-testbed-bridge.txt": (
+        linux.parse_sys_class_net,
+        (
+            *VM_LINKS,
+            NetLink("mxfa661cbr", 1, 10000, "up", has_device=False, wireless=False, devtype="bridge",
+                    lower=("mxfa661cv1", "mxfa661cv2"), path=VNET + "mxfa661cbr"),
+            _veth("mxfa661cv1"),
+            _veth("mxfa661cv2"),
+        ),
+    ),
+    "sys_class_net/netns-veth-bridge.txt": (
+        linux.parse_sys_class_net,
+        (
+            NetLink("br0", 1, 10000, "up", has_device=False, wireless=False, devtype="bridge", lower=("va",),
+                    path=VNET + "br0"),
+            _veth("eth0"),
+            NetLink("lo", 772, None, "unknown", has_device=False, wireless=False, path=VNET + "lo"),
+            _veth("va"),
+            _veth("vb"),
         ),
     ),
     "infiniband/mlx5-single-openshift-doc.txt": (linux.parse_infiniband, ("mlx5_0",)),
@@ -121,6 +166,31 @@ def test_meminfo_without_memavailable() -> None:
 def test_ip_addr_empty_is_no_address() -> None:
     assert linux.parse_ip_addr("") == ()
     assert linux.parse_infiniband("") == ()
+    assert linux.parse_sys_class_net("") == ()
+
+
+def test_sys_class_net_virtual_means_no_hardware_behind_it() -> None:
+    eth0, ifb0, _, lo = linux.parse_sys_class_net(cap("sys_class_net/debian-12-vm-virtio.txt"))
+    assert not eth0.virtual and ifb0.virtual and lo.virtual
+    veths = linux.parse_sys_class_net(cap("sys_class_net/netns-veth-bridge.txt"))
+    assert all(link.virtual for link in veths)
+
+
+# A physical NIC, a Wi-Fi card and a bridge over a NIC in the section's format (this VM has none of them):
+# the values are the kernel's documented forms (speed in Mb/s, DRIVER of the PCI device's uevent, DEVTYPE wlan).
+def test_sys_class_net_hardware_lines() -> None:
+    text = (
+        "enp3s0 type=1 speed=1000 operstate=up device=1 wireless=0 devtype= driver=e1000e lower= "
+        "path=/sys/devices/pci0000:00/0000:00:1c.0/0000:03:00.0/net/enp3s0\n"
+        "wlp2s0 type=1 speed= operstate=up device=1 wireless=1 devtype=wlan driver=iwlwifi lower= "
+        "path=/sys/devices/pci0000:00/0000:00:1c.2/0000:02:00.0/net/wlp2s0\n"
+        "br0 type=1 speed=0 operstate=up device=0 wireless=0 devtype=bridge driver= lower=enp3s0,veth1 "
+        "path=/sys/devices/virtual/net/br0\n"
+    )
+    nic, wifi, br = linux.parse_sys_class_net(text)
+    assert (nic.speed_mbps, nic.driver, nic.virtual) == (1000, "e1000e", False)
+    assert (wifi.wireless, wifi.devtype, wifi.speed_mbps) == (True, "wlan", None)
+    assert (br.speed_mbps, br.lower, br.virtual) == (None, ("enp3s0", "veth1"), True)  # speed 0 = not known
 
 
 GARBAGE: list[tuple[str, Callable[[str], object], str]] = [
@@ -139,6 +209,12 @@ GARBAGE: list[tuple[str, Callable[[str], object], str]] = [
     ("nvidia_smi-units", linux.parse_nvidia_smi, "Tesla T4, 5 %, 1 MiB\n"),
     ("loadavg", linux.parse_loadavg, "0.27 0.08\n"),
     ("df", lambda t: linux.parse_df(t, "/"), "df: /x: No such file or directory\n"),
+    ("sys_class_net", linux.parse_sys_class_net, "sh: 1: cannot open /sys/class/net: No such file\n"),
+    ("sys_class_net-missing-field", linux.parse_sys_class_net, "eth0 type=1 speed=1000\n"),
+    ("sys_class_net-speed", linux.parse_sys_class_net,
+     "eth0 type=1 speed=fast operstate=up device=1 wireless=0 devtype= driver= lower= path=/x\n"),
+    ("sys_class_net-flag", linux.parse_sys_class_net,
+     "eth0 type=1 speed=1 operstate=up device=yes wireless=0 devtype= driver= lower= path=/x\n"),
 ]
 
 
@@ -148,7 +224,7 @@ def test_garbage_raises_parse_error(parse: Callable[[str], object], text: str) -
         parse(text)
 
 
-LINUX_DIRS = ("os_release", "meminfo", "nproc", "loadavg", "ip_addr", "infiniband", "nvidia_smi")
+LINUX_DIRS = ("os_release", "meminfo", "nproc", "loadavg", "ip_addr", "infiniband", "nvidia_smi", "sys_class_net")
 
 
 def test_every_linux_capture_has_an_expectation() -> None:

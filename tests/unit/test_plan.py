@@ -319,13 +319,13 @@ def test_unknown_fingerprint_is_not_cacheable() -> None:
 def test_build_bench_argv() -> None:
     node = Node(name="m4max", host="m4max.local", python="~/venv/bin/python", env=(("MLX_X", "1"),))
     argv = build_bench_argv(node, "/Users/me/mlx-work/.coordinator/worker-0123", replace(SPEC, grad_checkpoint=True),
-                            45.0)
+                            45.0, 300.0)
     assert argv[:3] == ["env", "MLX_X=1", "PYTHONPATH=/Users/me/mlx-work/.coordinator/worker-0123"]
     assert argv[3:5] == ["sh", "-c"]  # `~/` python goes through the node's shell
     tail = argv[argv.index("-m"):]
     assert tail == ["-m", "worker.bench", "--model", "~/models/qwen", "--seq-len", "2048", "--method", "lora",
-                    "--num-layers", "16", "--grad-checkpoint", "--time-budget", "45", "--max-batch", "64",
-                    "--memory-fraction", "0.8"]
+                    "--num-layers", "16", "--grad-checkpoint", "--time-budget", "45", "--one-time-budget", "300",
+                    "--max-batch", "64", "--memory-fraction", "0.8"]
 
 
 BENCH_OK = {

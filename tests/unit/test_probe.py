@@ -35,6 +35,15 @@ def test_linux_probe_has_every_section_and_worker_json() -> None:
     assert data["python"]["version"].startswith("3.")
 
 
+def test_linux_probe_reads_sys_class_net() -> None:
+    from coordinator.facts.linux import parse_sys_class_net
+
+    section = run_probe()["sys_class_net"]
+    assert section.rc == 0
+    links = {link.name: link for link in parse_sys_class_net(section.text)}
+    assert links["lo"].arphrd_type == 772 and links["lo"].virtual  # every Linux machine has a loopback
+
+
 def test_missing_python_is_reported_not_crashed() -> None:
     sections = run_probe(python="/nonexistent/python")
     assert sections["worker"].rc == 127

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from coordinator.errors import ConfigError
 from coordinator.facts.model import ParseError
@@ -25,18 +26,20 @@ from coordinator.metrics import (
     build_metric_families,
     run_status_from_monitor,
 )
-from coordinator.models import Node
+from coordinator.models import Inventory, Node
 from coordinator.monitor import Monitor, Observation
-from coordinator.quarantine import Entry
+from coordinator.quarantine import Entry, QuarantineStore, inventory_key, new_entry
 from coordinator.verbs.status import (
     RunEvents,
     RunWatcher,
     build_node_status,
     build_rows,
     build_run_status,
+    load_quarantine,
     node_run,
     parse_vm_loadavg,
     read_new_lines,
+    render_run_table,
 )
 from tests.factsutil import MBP, OLD, facts_from, linux_sections, load_profile, profile_sections, worker_answer
 
@@ -339,3 +342,33 @@ def test_metrics_ui_forwards_and_exports_the_run() -> None:
 def test_the_recorded_sysctl_lacks_vm_loadavg() -> None:
     """The vm.loadavg cases append to the recording: it must not have the key already."""
     assert "vm.loadavg" not in load_profile(MBP)["sysctl"].text
+
+
+def test_a_degraded_run_says_what_it_runs_without() -> None:
+    left = [{"node": "ultra", "reason": "quarantined: crash at step 5 (run r0, 1h ago; expires in 23h)"}]
+    running = build_run_status("r1", {**META, "left_out": left}, None, RunEvents(), NOW)
+    assert running.left_out == (("ultra", left[0]["reason"]),)
+    assert running.to_json()["degraded"] is True and running.to_json()["left_out"] == left
+    done = build_run_status("r1", META, {"state": "succeeded", "degraded": True, "left_out": left}, RunEvents(), NOW)
+    assert done.left_out == running.left_out
+    whole = build_run_status("r1", {**META, "left_out": "garbage"}, None, RunEvents(), NOW)
+    assert whole.left_out == () and whole.to_json()["degraded"] is False
+    console = Console(width=200, record=True)
+    console.print(render_run_table(running))
+    assert "DEGRADED: ultra left out" in console.export_text()
+
+
+def test_status_shows_only_this_inventorys_quarantine_and_notes_a_bad_file(tmp_path: Path) -> None:
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text("nodes: []\n")
+    inv = Inventory((MAC, LIN), str(inv_path))
+    store = QuarantineStore(tmp_path / "q.json")
+    store.add(new_entry(LIN, inventory_key(str(inv_path)), "hang at step 3", run_id="r0", incident={}, host_key=None,
+                        now=time.time(), quarantine_for=3600))
+    store.add(new_entry(MAC, "/another/inventory.yaml", "crash", run_id="r9", incident={}, host_key=None,
+                        now=time.time(), quarantine_for=3600))
+    found, note = load_quarantine(store, inv)
+    assert list(found) == ["lin"] and found["lin"].reason == "hang at step 3" and note is None
+    store.path.write_text('{"version": 2, "entries": "lin"}')
+    found, note = load_quarantine(store, inv)
+    assert found == {} and note is not None and note.startswith(f"{store.path}: quarantine state has the wrong shape")

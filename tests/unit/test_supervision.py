@@ -152,3 +152,28 @@ def test_a_reopened_follower_skips_what_was_delivered_but_still_learns_the_pid(t
     assert pids == {1: 77} and skip == {1: 0}
     fresh = read_events(Tail(str(path)), 1, {}, {})
     assert [m["src"] for m in fresh] == ["event", "event", "bad", "event"]
+
+
+def test_attach_adopts_what_the_launch_decided_for_the_whole_run_from_meta_json(tmp_path: Path) -> None:
+    """The nodes left out at start, the drill flag and --restart-from-scratch outlive the coordinator: attach's
+    summary (`job.supervise`) still names the left-out nodes, and its relaunches answer faults as the launch's
+    would have."""
+    from coordinator.control import _adopt, read_meta
+    from coordinator.hostfile import Hostfile
+    from coordinator.launch import Launch, RankPlan
+    from coordinator.models import Inventory
+    from coordinator.playbook import parse_playbook
+    from coordinator.transport import Fleet
+
+    node = Node("a", "127.0.0.1", Connection.LOCAL, workdir=str(tmp_path / "w"))
+    pb = parse_playbook({"name": "t", "model": "/m", "data": "/d"}, path="pb.yaml").model_copy(update={"path": None})
+    run_dir = tmp_path / "runs" / "t-1"
+    launched = Launch(Fleet([node]), pb, [RankPlan(0, node, 4)], Hostfile("ring", ()), {}, run_id="t-1",
+                      run_dir=run_dir)
+    launched.left_out = [{"node": "b", "reason": "crash at step 3"}]
+    launched.drill, launched.restart_from_scratch = True, True
+    launched.write_local_files({"batch": {}})
+    launched.write_meta()
+    adopted = _adopt(Fleet([node]), run_dir, read_meta(run_dir), Inventory((node,)), pb, None)
+    assert adopted.left_out == launched.left_out and adopted.drill and adopted.restart_from_scratch
+    assert adopted.remote_tmp == launched.remote_tmp

@@ -415,3 +415,33 @@ def test_sigterm_gives_error_event_and_exit_143(runs: Runs) -> None:
     events = read_events(runs.sigterm, 0)
     assert events[-1]["event"] == "error" and events[-1]["message"] == "terminated by SIGTERM"
     assert events[-1]["step"] == 2 and events[-1]["phase"] == "step"
+
+
+def test_a_rank_resume_with_only_invalid_checkpoints_refuses_unless_restarting_from_scratch(tmp_path: Path) -> None:
+    # The ranks' own check (the coordinator's runs first, coordinator.resume): a job fault, not a node's.
+    model = build_tiny_model(tmp_path / "model", SMOKE)
+    run_dir = tmp_path / "run"
+    cfg = {"model": str(model), "data": str(SMOKE), "max_seq_length": 64, "val_batches": 1, "iters": 4,
+           "save_every": 2, "steps_per_eval": 0, "keep_checkpoints": 1, "heartbeat_s": 0.5, "run_id": "r",
+           "run_dir": str(run_dir), "ranks": [{"rank": 0, "node": "local", "batch_size": 2}],
+           "lora": {"rank": 4, "scale": 20.0, "dropout": 0.0}}
+    first = run_direct(write_config(tmp_path / "a.json", **cfg))
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = run_dir / "checkpoints"
+    (root / "step-000002").mkdir()  # keep_checkpoints 1 pruned it: an invalid (empty) one in its place
+    (root / "step-000004" / MANIFEST).write_text("garbage\n")
+
+    refused = run_direct(write_config(tmp_path / "b.json", **cfg, resume=True))
+    assert refused.returncode == 1
+    error = kinds(read_events(run_dir, 0), "error")[-1]
+    assert error["fault"] == "job" and error["message"].startswith("ResumeRefused: no rank has a valid checkpoint")
+    assert "step-000004: manifest line 1 is malformed" in error["message"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-000002", "step-000004"]
+
+    again = run_direct(write_config(tmp_path / "c.json", **cfg, resume=True, restart_from_scratch=True))
+    assert again.returncode == 0, again.stderr[-3000:]
+    events = read_events(run_dir, 0)
+    assert kinds(events, "started")[-1]["resumed_from"] is None and events[-1]["event"] == "finished"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        "step-000002.invalid-no-manifest", "step-000004", "step-000004.invalid-bad-manifest"]
+    assert verify_checkpoint(root / "step-000004")

@@ -14,22 +14,30 @@ import mlx.core as mx
 import pytest
 from mlx.nn.utils import value_and_grad
 
+from tests.trainutil import sgd_step, split_step
 from worker.data import build_batch, eval_batches, rank_slice, stream_rows
 from worker.events import EventKind, EventLog, Heartbeat
 from worker.runconfig import ConfigError, LoraSpec, parse_run_config
+from worker.step import (
+    all_sum_arrays,
+    build_packed,
+    decide_packing,
+    pack_rows,
+    packed_loss_sum,
+    packing_is_exact,
+    packing_saving,
+    plan_packing,
+    sft_weight,
+    token_loss_sum,
+)
 from worker.tinymodel import build_tiny_model
 from worker.train import (
-    Contribution,
-    all_sum_arrays,
     apply_method,
     count_parameters,
-    finalize,
     flatten,
     main,
-    reduce_contribution,
     scalar,
     step_seed,
-    token_loss_sum,
     trainable_text,
 )
 
@@ -105,40 +113,46 @@ def test_token_loss_sum_is_mlx_lm_default_loss_times_tokens(tiny: Path) -> None:
     from mlx_lm.tuner.trainer import default_loss
 
     model, tok = load_tiny(tiny)
-    batch, lengths = build_batch(rows_of(tok, 4), 64)
-    loss_sum, ntoks = token_loss_sum(model, batch, lengths)
+    rows = rows_of(tok, 4)
+    batch, lengths = build_batch(rows, 64)
+    loss_sum, ntoks, real = token_loss_sum(model, batch, lengths)
     mean, ntoks_ref = default_loss(model, batch, lengths)  # type: ignore[no-untyped-call]
     assert int(scalar(ntoks)) == int(scalar(ntoks_ref)) > 0
     assert math.isclose(scalar(loss_sum) / scalar(ntoks), scalar(mean), rel_tol=1e-6)
+    # The host counts the same weight without building the mask (what makes the weighting collective-free).
+    assert sft_weight(rows, 64) == (int(scalar(ntoks)), int(scalar(real)))
+    for width in (16, 23):  # truncated rows and a prompt offset too
+        cut = [(t, 3) for t, _ in rows]
+        _, n, r = token_loss_sum(model, *build_batch(cut, width))
+        assert sft_weight(cut, width) == (int(scalar(n)), int(scalar(r)))
 
 
 def test_weighted_combination_equals_one_rank_with_the_global_batch(tiny: Path) -> None:
-    """The 3/1 split, combined as sum(tokens_i * meangrad_i) / sum(tokens_i), is the 4-row batch's gradient."""
+    """A 3/1 split through the compiled step, each rank scaling its gradient SUM by 1/(global weight) before the
+    all_sum, makes the update of one rank with the 4-row batch (mlx-lm's default_loss gradient)."""
     from mlx_lm.tuner.trainer import default_loss
+
+    def full_model() -> Any:
+        model, _ = load_tiny(tiny)
+        apply_method(model, "full", None, LoraSpec())
+        return model
 
     model, tok = load_tiny(tiny)
     apply_method(model, "full", None, LoraSpec())
     rows = rows_of(tok, 4)
-    vg = value_and_grad(model, token_loss_sum)
-
-    def contribution(part: list[tuple[list[int], int]]) -> Contribution:
-        (loss_sum, ntoks), grads = vg(model, *build_batch(part, 64))
-        return Contribution.from_tree(grads, loss_sum, ntoks)
-
-    rank0, rank1 = contribution(rows[:3]), contribution(rows[3:])
-    assert int(scalar(rank0.tokens)) != 3 * int(scalar(rank1.tokens))  # unequal token counts: weighting matters
-    split = finalize(rank0.add(rank1))
-    whole = finalize(contribution(rows))
     (ref_loss, _), ref_grads = value_and_grad(model, default_loss)(model, *build_batch(rows, 64))
     ref = flatten(ref_grads)
-    assert int(scalar(split.tokens)) == int(scalar(whole.tokens))
-    assert math.isclose(scalar(split.loss), scalar(ref_loss), rel_tol=1e-5)
+    total = sft_weight(rows, 64)[0]
+    assert sft_weight(rows[:3], 64)[0] != 3 * sft_weight(rows[3:], 64)[0]  # unequal counts: weighting matters
+    _, applied, loss = split_step(full_model, token_loss_sum, build_batch(rows[:3], 64), build_batch(rows[3:], 64),
+                                  total)
+    assert math.isclose(loss, scalar(ref_loss), rel_tol=1e-5)
     for name, g in ref.items():
-        assert mx.allclose(split.grads[name], g, atol=1e-6, rtol=1e-4), name
-        assert mx.allclose(whole.grads[name], g, atol=1e-6, rtol=1e-4), name
+        assert mx.allclose(applied[name], g, atol=1e-6, rtol=1e-3), name
     # negative control: the plain average of the two ranks' mean gradients (mlx-lm's average_gradients) is not it
-    naive = {k: (finalize(rank0).grads[k] + finalize(rank1).grads[k]) / 2 for k in ref}
-    assert any(not mx.allclose(naive[k], ref[k], atol=1e-6, rtol=1e-4) for k in ref)
+    m0, m1 = (flatten(value_and_grad(model, default_loss)(model, *build_batch(part, 64))[1])
+              for part in (rows[:3], rows[3:]))
+    assert any(not mx.allclose((m0[k] + m1[k]) / 2, ref[k], atol=1e-6, rtol=1e-3) for k in ref)
 
 
 def test_all_sum_buckets_preserve_names_and_shapes() -> None:
@@ -155,32 +169,127 @@ def test_all_sum_buckets_preserve_names_and_shapes() -> None:
     for name, arr in arrays.items():
         assert out[name].shape == arr.shape and out[name].dtype == arr.dtype
         assert mx.array_equal(out[name], arr * 2), name
-    local = Contribution({"w": mx.array([2.0, 4.0])}, mx.array(6.0), mx.array(3, mx.int32))
-    combined = finalize(reduce_contribution(local, fake_all_sum))
-    assert mx.allclose(combined.grads["w"], mx.array([2.0 / 3, 4.0 / 3]))
-    assert math.isclose(scalar(combined.loss), 2.0) and int(scalar(combined.tokens)) == 6
 
 
-def test_a_step_reduces_in_one_collective_and_counts_tokens_exactly() -> None:
+def test_a_step_reduces_in_one_collective_with_the_loss_riding_along(tiny: Path) -> None:
+    model, tok = load_tiny(tiny)
+    apply_method(model, "lora", None, LoraSpec(rank=4))
+    rows = rows_of(tok, 2)
     calls: list[int] = []
 
     def two_ranks(x: mx.array) -> mx.array:
         calls.append(x.size)
         return x * 2
 
-    # More tokens than float32 counts exactly (2^24): the split count must still add up to the integer.
-    local = Contribution({"w": mx.array([2.0, 4.0]), "b": mx.ones((3,))}, mx.array(6.0), mx.array(20_000_001, mx.int32))
-    out = reduce_contribution(local, two_ranks)
-    assert calls == [2 + 3 + 3]  # gradients, loss sum and the count's two parts: ONE all_sum
-    assert out.tokens.dtype == mx.int32 and int(scalar(out.tokens)) == 40_000_002
-    assert scalar(out.loss_sum) == 12.0 and set(out.grads) == {"w", "b"}
-    assert out.grads["w"].shape == (2,) and mx.array_equal(out.grads["b"], mx.full((3,), 2.0))
+    trainable = sum(v.size for v in flatten(model.trainable_parameters()).values())
+    _, loss = sgd_step(model, token_loss_sum, build_batch(rows, 64), two_ranks, 2, 2 * sft_weight(rows, 64)[0])
+    assert calls == [trainable + 1]  # float32 gradients and the loss: ONE all_sum, no count collective
+    assert math.isfinite(loss)
 
 
-def test_finalize_without_tokens_gives_zero_gradient_not_nan() -> None:
-    out = finalize(Contribution.zeros({"w": mx.ones((3,))}), {"w": mx.bfloat16})
-    assert out.grads["w"].dtype == mx.bfloat16 and scalar(out.grad_norm) == 0.0
-    assert scalar(out.loss) == 0.0
+def test_a_step_without_weight_gives_zero_gradient_not_nan(tiny: Path) -> None:
+    model, tok = load_tiny(tiny)
+    apply_method(model, "lora", None, LoraSpec(rank=4))
+    rows = [(t, 10_000) for t, _ in rows_of(tok, 2)]  # a prompt offset past the row: nothing is scored
+    applied, loss = sgd_step(model, token_loss_sum, build_batch(rows, 64), lambda x: x, 1, sft_weight(rows, 64)[0])
+    assert loss == 0.0 and all(float(mx.abs(g).max().item()) == 0.0 for g in applied.values())
+
+
+# --- packing ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_packing_fills_in_stream_order() -> None:
+    assert plan_packing([5, 4, 3, 7, 2, 9], 10, 3) == ([[0, 1], [2, 3], [4]], 5)  # 9 opens a 4th: not taken
+    assert plan_packing([10, 10], 10, 3) == ([[0], [1], []], 2)
+    assert plan_packing([3, 3, 3, 3], 10, 1) == ([[0, 1, 2]], 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_packing([11], 10, 1)
+
+
+def test_packing_saving_comes_from_variable_lengths_in_a_batch() -> None:
+    # Rows of very different lengths: the unpacked batch pads all 8 to the longest (127 positions).
+    assert packing_saving([16, 120, 30, 20, 100, 18, 25, 40] * 4, 512, 8) > 0.4
+    assert packing_saving([20, 25, 30, 22] * 8, 512, 4) == 0.0  # similar lengths: nothing to save
+    assert packing_saving([512] * 16, 512, 4) == 0.0
+
+
+def test_pack_rows_keeps_the_padded_width_and_every_row(tiny: Path) -> None:
+    _, tok = load_tiny(tiny)
+    rows = rows_of(tok, 8)
+    packed = pack_rows(rows, 128)
+    width = build_batch(rows, 128)[0].shape[1] - 1
+    assert packed.inputs.shape[1] == width and packed.inputs.shape[0] < len(rows)
+    assert int(packed.segments.max().item()) >= 2 and int((packed.segments > 0).sum().item()) == sft_weight(rows, 128)[1]
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_packed_loss_equals_unpacked_loss_on_the_same_rows(tiny: Path, offset: int) -> None:
+    """Exactness of packing: the same rows' loss sum, weight and tokens, packed into one sequence with
+    block-diagonal attention, equal the unpacked batch's (float tolerance), and so does the update."""
+    model, tok = load_tiny(tiny)
+    rows = [(t, offset) for t, _ in rows_of(tok, 6)]
+    length = 128
+    seqs, used = plan_packing([min(len(t), length - 1) for t, _ in rows], length - 1, 2)
+    assert used == 6 and sum(len(s) > 1 for s in seqs) >= 1  # several rows share a sequence
+    packed = build_packed([[rows[k] for k in seq] for seq in seqs], length)
+    p_sum, p_w, p_tok = packed_loss_sum(model, *packed.arrays())
+    u_sum, u_w, u_tok = token_loss_sum(model, *build_batch(rows, length))
+    assert (int(scalar(p_w)), int(scalar(p_tok))) == (int(scalar(u_w)), int(scalar(u_tok))) == sft_weight(rows, length)
+    assert math.isclose(scalar(p_sum), scalar(u_sum), rel_tol=1e-5)
+    assert packing_is_exact(model, rows[:3], length) is None
+    # ... and the gradient: one SGD step each way from the same weights.
+    packed_model, _ = load_tiny(tiny)
+    apply_method(packed_model, "lora", None, LoraSpec(rank=4))
+    apply_method(model, "lora", None, LoraSpec(rank=4))
+    mx.eval(model.parameters())
+    packed_model.update(model.parameters())
+    weight = sft_weight(rows, length)[0]
+    g_packed, l_packed = sgd_step(packed_model, packed_loss_sum, pack_rows(rows, length).arrays(), lambda x: x, 1,
+                                  weight)
+    g_plain, l_plain = sgd_step(model, token_loss_sum, build_batch(rows, length), lambda x: x, 1, weight)
+    assert math.isclose(l_packed, l_plain, rel_tol=1e-5)
+    for name, g in g_plain.items():
+        assert mx.allclose(g_packed[name], g, atol=1e-6, rtol=1e-3), name
+
+
+def test_packing_is_refused_for_a_model_that_ignores_the_mask(tiny: Path) -> None:
+    model, tok = load_tiny(tiny)
+    rows = rows_of(tok, 3)
+
+    class NoHook:  # attention that never asks the cache for a mask: packed documents would see each other
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.layers, self.training = inner, inner.layers, True
+
+        def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+            return self.inner(inputs)
+
+        def eval(self) -> None: ...
+
+        def train(self, mode: bool = True) -> None: ...
+
+        def trainable_parameters(self) -> Any:
+            return self.inner.trainable_parameters()
+
+        def update(self, params: Any) -> None:
+            self.inner.update(params)
+
+        def parameters(self) -> Any:
+            return self.inner.parameters()
+
+    why = packing_is_exact(NoHook(model), rows, 128)
+    assert why is not None and ("!=" in why or "does not take" in why)
+
+
+def test_decide_packing_follows_the_setting_and_the_data(tiny: Path) -> None:
+    model, tok = load_tiny(tiny)
+    dataset = rows_of(tok, 40)  # the demo's rows: 5 to 30-odd tokens, in batches of 4
+    assert decide_packing("off", model, dataset, max_seq_length=128, global_batch=4, seed=0) == \
+        (False, "train.packing is off")
+    packs, why = decide_packing("auto", model, dataset, max_seq_length=128, global_batch=4, seed=0)
+    assert packs and why.startswith("packed: saves")
+    full = [(list(range(1, 130)), 0)] * 8  # every row as long as the batch: nothing to save
+    packs, why = decide_packing("auto", model, full, max_seq_length=128, global_batch=4, seed=0)
+    assert not packs and "< 10%" in why
 
 
 # --- method setup ------------------------------------------------------------------------------------------------
@@ -188,10 +297,21 @@ def test_finalize_without_tokens_gives_zero_gradient_not_nan() -> None:
 
 def test_num_layers_default_is_all_layers_and_share_is_reported(tiny: Path) -> None:
     model, _ = load_tiny(tiny)
-    assert apply_method(model, "full", None, LoraSpec()) == 2
+    assert apply_method(model, "full", None, LoraSpec()) == 2  # all layers, not mlx-lm's 16-layer default
     trainable, total = count_parameters(model)
-    assert trainable == total  # full + all layers: embeddings and final norm too, not mlx-lm's 16-layer default
+    names = flatten(model.trainable_parameters())
+    # full trains what `mlx_lm lora --fine-tune-type full` trains: the transformer blocks, not the embeddings,
+    # lm_head or final norm.
+    assert trainable < total and names and all(n.startswith("model.layers.") for n in names)
+    assert trainable_text(trainable, total).startswith("trainable ")
+
+    model, _ = load_tiny(tiny)
+    apply_method(model, "full", None, LoraSpec(), train_embeddings=True)
+    trainable, total = count_parameters(model)
+    assert trainable == total  # the explicit option: every parameter
     assert trainable_text(trainable, total).startswith("trainable 100.00% (")
+    with pytest.raises(ValueError, match="train_embeddings"):
+        apply_method(load_tiny(tiny)[0], "full", 1, LoraSpec(), train_embeddings=True)
 
     model, _ = load_tiny(tiny)
     apply_method(model, "full", 1, LoraSpec())

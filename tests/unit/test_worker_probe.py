@@ -95,19 +95,27 @@ def test_script_from_stdin_answers_every_section(tmp_path: Path) -> None:
     model = tmp_path / "model"
     write(model / "config.json", json.dumps({"model_type": "llama", "hidden_size": 8}).encode())
     safetensors(model / "model.safetensors", {"w": [4, 8], "b": [8]})
+    write(model / "tokenizer.json", b"{}")
+    write(tmp_path / "data" / "train.jsonl", b'{"text": "a"}\n{"text": "b"}\n')
     args = {"hash_dirs": [str(model)], "peers": [], "cache": str(tmp_path / "cache.json"),
-            "model_dir": str(model), "jobs": 2, "progress": True, "timeout": 1.0}
+            "model_dir": str(model), "jobs": 2, "progress": True, "timeout": 1.0,
+            "data_check": {"dir": str(tmp_path / "data"), "format": "sft", "files": [["train.jsonl", True]]}}
     rc, out, _ = run_script(args)
     assert rc == 0
-    assert set(out) == {"python", "packages", "errors", "hashes", "reach", "model"}
+    assert set(out) == {"python", "packages", "errors", "hashes", "reach", "model", "data"}
     assert out["errors"] == []
     assert out["python"] == {"executable": sys.executable, "version": ".".join(map(str, sys.version_info[:3]))}
-    assert out["model"] == {"config": {"model_type": "llama", "hidden_size": 8}, "params": 40, "error": None}
+    assert out["model"] == {"config": {"model_type": "llama", "hidden_size": 8}, "params": 40, "error": None,
+                            "weights": ["model.safetensors"], "tokenizer": ["tokenizer.json"]}
+    [train] = out["data"]["files"]
+    assert train == {"name": "train.jsonl", "required": True, "exists": True, "rows": 2, "bytes": 28,
+                     "checked_bytes": 28, "format": "text", "error": None}
     [entry] = out["hashes"]
     assert entry["path"] == str(model) and entry["exists"] and entry["error"] is None
     assert manifest(entry) == {
         "config.json": sha((model / "config.json").read_bytes()),
         "model.safetensors": sha((model / "model.safetensors").read_bytes()),
+        "tokenizer.json": sha(b"{}"),
     }
     assert out["reach"] == []
 
@@ -161,7 +169,7 @@ def test_no_argument_means_defaults(tmp_path: Path) -> None:
     rc, out, _ = run_script(None)
     assert rc == 0
     assert out["hashes"] == [] and out["reach"] == [] and out["errors"] == []
-    assert out["model"] == {"config": None, "params": None, "error": None}
+    assert out["model"] == {"config": None, "params": None, "error": None} and "data" not in out
 
 
 @pytest.mark.parametrize("argv", [["not json"], ["[1, 2]"], ["{}", "{}"]])
@@ -675,14 +683,75 @@ def test_sharded_model_sums_every_shard(tmp_path: Path) -> None:
     safetensors(tmp_path / "model-00001-of-00002.safetensors", {"x": [10, 10]})
     safetensors(tmp_path / "model-00002-of-00002.safetensors", {"y": [3, 3]})
     write(tmp_path / "model.safetensors.index.json", b'{"weight_map": {}}')
-    assert probe.model_info(str(tmp_path)) == {"config": {"num_hidden_layers": 2}, "params": 109, "error": None}
+    write(tmp_path / "tokenizer.model", b"sp")
+    assert probe.model_info(str(tmp_path)) == {
+        "config": {"num_hidden_layers": 2}, "params": 109, "error": None, "tokenizer": ["tokenizer.model"],
+        "weights": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]}
 
 
-def test_model_without_weights_or_config(tmp_path: Path) -> None:
-    assert probe.model_info(str(tmp_path)) == {"config": None, "params": None, "error": "no config.json"}
+def test_model_without_weights_config_or_tokenizer(tmp_path: Path) -> None:
+    info = probe.model_info(str(tmp_path))
+    assert (info["config"], info["params"], info["weights"], info["tokenizer"]) == (None, None, [], [])
+    assert info["error"] == ("no config.json; no *.safetensors weights; no tokenizer (tokenizer.json, "
+                             "tokenizer.model, vocab.json, tiktoken.model, vocab.txt)")
     write(tmp_path / "config.json", b"[1]")
-    assert probe.model_info(str(tmp_path))["error"] == "config.json is not a JSON object"
+    assert probe.model_info(str(tmp_path))["error"].startswith("config.json is not a JSON object; ")
     assert "no such directory" in probe.model_info(str(tmp_path / "nope"))["error"]
+
+
+# ---------------------------------------------------------------------------------------------- data files
+
+
+def data_file(tmp_path: Path, content: bytes, fmt: str = "sft", limit: int = 1 << 20) -> dict[str, object]:
+    return probe.check_data_file(str(write(tmp_path / "d" / "train.jsonl", content)), fmt, limit)
+
+
+@pytest.mark.parametrize(("content", "fmt", "error"), [
+    (b'{"text": "a"}\n{"text": "\xff\xfe"}\n', "sft", "line 2: not UTF-8 (byte 0xff at column 11)"),
+    (b'{"text": "a"}\n{"text": "b"\n', "sft", "line 2: not JSON (Expecting ',' delimiter at column 13)"),
+    (b'{"text": "a"}\n\n{"text": "b"}\n', "sft", "line 2: blank (mlx-lm parses every line as JSON)"),
+    (b'{"txt": "a"}\n', "sft", 'line 1: unsupported format (has txt; needs "text", "messages", or "prompt" and '
+                               '"completion")'),
+    (b'{"text": "a"}\n{"messages": []}\n', "sft", 'line 2: "text" is missing or not a string'),
+    (b'{"prompt": "p", "completion": "c"}\n{"prompt": "p"}\n', "sft",
+     "line 2: 'completion' missing (the file's first row is prompt/completion)"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}\n{"messages": "x"}\n', "sft",
+     'line 2: "messages" is missing or not a list of {"role", "content"} messages'),
+    (b'[1, 2]\n', "sft", "line 1: unsupported format (has list; needs \"text\", \"messages\", or \"prompt\" and "
+                         '"completion")'),
+    (b"", "sft", "no rows (an empty file fails the loader)"),
+    (b'{"prompt": "p", "chosen": "a"}\n', "dpo", 'line 1: a preference row needs "chosen" and "rejected"'),
+    (b'{"chosen": "a", "rejected": "b"}\n', "dpo",
+     'line 1: no "prompt" (only chat conversations sharing their first messages may leave it out)'),
+])
+def test_a_data_file_fails_on_its_first_unusable_line(tmp_path: Path, content: bytes, fmt: str, error: str) -> None:
+    assert data_file(tmp_path, content, fmt)["error"] == error
+
+
+def test_good_data_files_count_their_rows(tmp_path: Path) -> None:
+    chat = b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n'
+    assert data_file(tmp_path, chat * 3) == {"exists": True, "rows": 3, "bytes": 3 * len(chat),
+                                              "checked_bytes": 3 * len(chat), "format": "chat", "error": None}
+    # DPO's loader skips blank lines; chat conversations may leave out the prompt.
+    dpo = b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n\n{"chosen": [], "rejected": []}\n'
+    assert data_file(tmp_path, dpo, "dpo")["rows"] == 2 and data_file(tmp_path, dpo, "dpo")["error"] is None
+    assert probe.check_data_file(str(tmp_path / "nope.jsonl"), "sft", 100)["exists"] is False
+
+
+def test_a_big_data_file_is_parsed_up_to_the_limit(tmp_path: Path) -> None:
+    row = b'{"text": "abc"}\n'  # 16 bytes
+    out = data_file(tmp_path, row * 100 + b"not json\n", limit=16 * 10)
+    assert (out["rows"], out["checked_bytes"], out["bytes"], out["error"]) == (10, 160, 1609, None)
+
+
+def test_check_data_reports_each_asked_file(tmp_path: Path) -> None:
+    write(tmp_path / "train.jsonl", b'{"text": "a"}\n')
+    out = probe.check_data({"dir": str(tmp_path), "format": "sft",
+                            "files": [["train.jsonl", True], ["valid.jsonl", False]]})
+    assert out["error"] is None and [(f["name"], f["exists"], f["required"]) for f in out["files"]] == [
+        ("train.jsonl", True, True), ("valid.jsonl", False, False)]
+    assert probe.check_data({"dir": str(tmp_path / "nope"), "files": []})["error"].startswith("no such directory")
+    assert "needs" in probe.check_data({"files": []})["error"]
 
 
 def test_bad_safetensors_file_is_named(tmp_path: Path) -> None:

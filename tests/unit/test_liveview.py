@@ -1,0 +1,100 @@
+"""The live view when piped (CI logs, `| tee`, `nohup`): throttled plain lines, and always a true last line; the
+run's tokens/s next to calibration's prediction. Scripted monitors, a console writing to a string."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from coordinator.liveview import RichUI, plain_progress_line
+from coordinator.monitor import Monitor, Observation
+from coordinator.plan import describe_prediction, prediction_gap
+
+
+def ev(node: str, rank: int, at: float, **data: object) -> Observation:
+    return Observation("event", node, at, rank, {"rank": rank, **data})
+
+
+def piped() -> tuple[RichUI, io.StringIO]:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=80, soft_wrap=True)
+    assert not console.is_terminal
+    return RichUI(console), out
+
+
+def run_steps(ui: RichUI, mon: Monitor, steps: range, *, dt: float, t0: float = 1.0) -> float:
+    t = t0
+    for step in steps:
+        for rank, node in ((0, "a"), (1, "b")):
+            mon.observe(ev(node, rank, t, event="step", step=step, loss=5.0 - step / 100, tok_s=800.0,
+                           total_tokens=1600, step_time_s=0.5))
+        ui.progress(mon, t)
+        t += dt
+    return t
+
+
+def started(iters: int) -> Monitor:
+    mon = Monitor.create([(0, "a", 4, 1000.0), (1, "b", 4, 1000.0)], iters=iters, now=0.0)
+    for rank, node in ((0, "a"), (1, "b")):
+        mon.observe(ev(node, rank, 0.1, event="started", pid=10 + rank))
+    return mon
+
+
+def test_piped_fast_run_prints_a_tenth_of_its_steps_and_a_true_last_line() -> None:
+    ui, out = piped()
+    mon = started(30)
+    t = run_steps(ui, mon, range(1, 31), dt=0.01)  # 30 steps in 0.3 s: the 5 s throttle alone would print one line
+    for rank, node in ((0, "a"), (1, "b")):
+        mon.observe(ev(node, rank, t, event="finished", step=30))
+    ui.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines[:-1]] == [f"{s}/30" for s in (1, 4, 7, 10, 13, 16, 19, 22, 25, 28)]
+    assert lines[-1].startswith("step 30/30  loss 4.7000  3,200 tok/s  succeeded")
+    assert lines[-1].endswith("[a 30, b 30]")  # plain text: the brackets are not eaten as markup
+
+
+def test_piped_slow_run_prints_every_few_seconds_and_while_it_stands_still() -> None:
+    ui, out = piped()
+    mon = started(1000)
+    t = run_steps(ui, mon, range(1, 5), dt=6.0)  # a step every 6 s: a line for each
+    assert len(out.getvalue().splitlines()) == 4
+    ui.progress(mon, t + 10)  # no progress, 16 s after the last line: nothing yet
+    assert len(out.getvalue().splitlines()) == 4
+    ui.progress(mon, t + 31)  # 30 s of silence get a line: a quiet log must not look like a hang
+    assert len(out.getvalue().splitlines()) == 5
+
+
+def test_last_line_says_a_failure() -> None:
+    ui, out = piped()
+    mon = started(30)
+    run_steps(ui, mon, range(1, 4), dt=1.0)
+    mon.observe(ev("b", 1, 9.0, event="error", message="boom"))
+    ui.close()
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("step 3/30") and "failed" in last and "ETA" not in last
+
+
+def test_plain_line_before_any_step() -> None:
+    mon = started(30)
+    assert plain_progress_line(mon, 1.0) == "step 0/30  loss -  - tok/s  ETA -  [a 0, b 0]"
+
+
+def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
+    mon = started(30)
+    for step, wall in enumerate((5.0, 0.5, 0.5, 0.4, 2.0), start=1):  # a compiling first step, a slow last one
+        for rank, node in ((0, "a"), (1, "b")):
+            mon.observe(ev(node, rank, float(step), event="step", step=step, loss=1.0, tok_s=1.0,
+                           total_tokens=1000, step_time_s=wall))
+    assert mon.run_tokens_per_s() == 2000.0
+    assert mon.last_tokens_per_s() == 500.0
+
+
+def test_prediction_is_said_plainly_when_far_off() -> None:
+    assert prediction_gap(3214, 11039) is not None
+    far = describe_prediction(3214, 11039)
+    assert "3,214 tok/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 25% SLOWER" in far
+    near = describe_prediction(10000, 11039)
+    assert "-9%" in near and "MORE THAN" not in near
+    assert "no prediction" in describe_prediction(1000, None)
+    assert describe_prediction(None, 5000) == "no step finished: no tokens/s"

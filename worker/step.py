@@ -1,0 +1,450 @@
+"""The training step: ONE compiled program, used by the run (`worker.train`) and by calibration (`worker.bench`), so
+that what calibration times is what the run executes.
+
+    local(batch) ──compiled──► loss sum, weight, gradient of the loss SUM (in the parameters' dtype)
+        [grad_accumulation: more micro-batches added inside the compiled graph]
+        [the caller evaluates here: compute_s ends; chaos and the Byzantine checks read the local values]
+    apply(grads, loss sum, 1/W) ──compiled──► scale by 1/W ─► all_sum over the ranks (buckets, evaluated on its own)
+        ──compiled──► grad norm, optimizer update (one rank: scale and update are one compiled graph)
+
+Exact weighting without a count collective: every rank knows every rank's rows (the data order and the split are
+functions of the config), so the global weight W (scored tokens for SFT, pairs for DPO) is computed on the host
+from the rows' lengths (`sft_weight`). Each rank scales its gradient SUM by 1/W before the all_sum, so the sum over
+ranks is sum_i(W_i * meangrad_i) / W: a 3/1 split makes the same update as one rank with the global batch. The
+loss sum rides in the gradients' bucket (float32 models) or one more scalar collective (others). Gradients keep
+the parameters' dtype, as mlx-lm keeps them: no float32 copy of the gradients, no second copy of the parameters.
+
+Packing (`pack_rows`): a rank's rows of a step are packed into as few sequences as they fit in, each as wide as
+the padded batch mlx-lm would build from the same rows (so attention is never wider than unpacked), instead of
+one padded sequence per row. Attention is block-diagonal causal per row (through mlx-lm's cache hook
+`make_mask`) and each row keeps exactly its unpacked inputs, targets and loss mask (mlx-lm's `default_loss`
+convention, including its target after the last token), so the packed step computes the unpacked step's loss
+and gradient on the same rows, up to float rounding: rotary position embeddings depend only on position
+differences, which packing keeps within a row. Rows per step, the data order and the split are those of the
+unpacked run; only the padding is gone. `packing_is_exact` checks this on the actual model before a run packs (a
+model without the mask hook, or with absolute positions, is not packed).
+
+Compatibility: Python 3.9+ (the nodes' python); numpy and mlx only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.nn.losses import cross_entropy
+from mlx.nn.utils import value_and_grad as nn_value_and_grad
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+ALL_REDUCE_BYTES = 32 * 1024**2  # gradient buckets per all_sum call (as mlx's average_gradients)
+PACK_MIN_SAVING = 0.10  # pack only when it saves at least this share of the computed positions
+PACK_EXACT_RTOL = 2e-4  # packed vs unpacked loss on the real model, relative (float32 rounding of attention)
+
+AllSum = Callable[[mx.array], mx.array]
+_LOSS_KEY = " loss"  # a parameter name never starts with a space
+
+
+def _number(x: mx.array) -> float:
+    value = x.item()
+    return float(value) if isinstance(value, (int, float)) else float("nan")
+
+
+def flatten(tree: Any) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    tree_flatten(tree, destination=out)
+    return out
+
+
+# --- weights: what the loss is averaged over, counted on the host ----------------------------------------------
+
+
+def input_positions(n_tokens: int, max_seq_length: int) -> int:
+    """Input positions a row of `n_tokens` occupies: mlx-lm truncates to `max_seq_length` tokens and feeds all
+    but the last token of the padded row, so a full row gives `max_seq_length - 1` and a shorter one `n_tokens`
+    (its last token's target is the padding after it)."""
+    return min(n_tokens, max_seq_length - 1)
+
+
+def scored_targets(n_tokens: int, offset: int, max_seq_length: int) -> int:
+    """Targets mlx-lm's `default_loss` mask scores for one row: positions j with offset <= j+1 <= length within
+    the input width (`token_loss_sum`'s mask, counted without building it)."""
+    return max(0, input_positions(n_tokens, max_seq_length) - max(offset - 1, 0))
+
+
+def sft_weight(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -> tuple[int, int]:
+    """(scored targets, real tokens) of some rows: the SFT loss's weight and the tokens/s numerator (mlx-lm
+    counts a row's length, capped at max_seq_length)."""
+    weight = tokens = 0
+    for row, offset in items:
+        n = min(len(row), max_seq_length)
+        weight += scored_targets(n, offset, max_seq_length)
+        tokens += n
+    return weight, tokens
+
+
+# --- the SFT losses ----------------------------------------------------------------------------------------------
+
+
+def token_loss_sum(model: Any, batch: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """(sum of per-token cross-entropy, scored targets, real tokens) with mlx-lm's `default_loss` mask, which
+    returns their quotient instead. Targets at positions `offset <= j+1 <= length` count (mlx-lm's convention)."""
+    inputs = batch[:, :-1]
+    targets = batch[:, 1:]
+    logits = model(inputs)
+    steps = mx.arange(1, targets.shape[1] + 1)
+    mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+    ce = cross_entropy(logits, targets) * mask
+    return ce.astype(mx.float32).sum(), mask.sum().astype(mx.int32), lengths[:, 1].sum().astype(mx.int32)
+
+
+class PackCache:
+    """mlx-lm's per-layer cache interface, used only for its hook: `create_attention_mask` asks the cache for the
+    mask, so a packed batch gets block-diagonal causal attention without touching the model. No offset, nothing
+    stored: keys and values pass through."""
+
+    offset = 0
+
+    def __init__(self, mask: mx.array) -> None:
+        self.mask = mask
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        if window_size is None:
+            return self.mask
+        pos = mx.arange(n)
+        return mx.logical_and(self.mask, (pos[:, None] - pos[None, :]) < window_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+
+def packed_loss_sum(model: Any, inputs: mx.array, targets: mx.array, scored: mx.array,
+                    segments: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The SFT loss of a packed batch: (loss sum, scored targets, real tokens). `segments` [b, P] numbers each
+    position's document (1, 2, ...; 0 = padding); a position attends to earlier positions of its own document."""
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    pos = mx.arange(inputs.shape[1])
+    mask = mx.logical_and(same, pos[:, None] >= pos[None, :])
+    caches = [PackCache(mask) for _ in range(len(model.layers))]
+    logits = model(inputs, cache=caches)
+    ce = cross_entropy(logits, targets) * scored
+    return (ce.astype(mx.float32).sum(), scored.sum().astype(mx.int32),
+            (segments > 0).sum().astype(mx.int32))
+
+
+# --- packing (pure: lengths in, layout out) ----------------------------------------------------------------------
+
+
+def plan_packing(lengths: Sequence[int], width: int, count: int) -> tuple[list[list[int]], int]:
+    """First fit, in stream order: each row (of `lengths[k]` positions) goes into the first of at most `count`
+    sequences of `width` positions with room for it; a row that fits none when all `count` are open ends the
+    plan. Returns (row positions in `lengths` per sequence, rows placed). Deterministic: every rank plans the same."""
+    if width < 1 or count < 1:
+        raise ValueError(f"width and count must be positive, got {width}, {count}")
+    seqs: list[list[int]] = []
+    room: list[int] = []
+    for k, size in enumerate(lengths):
+        if size > width:
+            raise ValueError(f"row of {size} positions does not fit a sequence of {width}")
+        slot = next((i for i, free in enumerate(room) if free >= size), None)
+        if slot is None:
+            if len(seqs) == count:
+                return seqs + [[] for _ in range(count - len(seqs))], k
+            seqs.append([])
+            room.append(width)
+            slot = len(seqs) - 1
+        seqs[slot].append(k)
+        room[slot] -= size
+    return seqs + [[] for _ in range(count - len(seqs))], len(lengths)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed batch's arrays: inputs, targets, scored (0/1), segments, all [b, width]."""
+
+    inputs: mx.array
+    targets: mx.array
+    scored: mx.array
+    segments: mx.array
+
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        return self.inputs, self.targets, self.scored, self.segments
+
+
+def build_packed(seqs: Sequence[Sequence[tuple[Sequence[int], int]]], max_seq_length: int,
+                 width: int | None = None) -> Packed:
+    """The arrays of packed sequences (each a list of (tokens, prompt offset) rows) of `width` positions
+    (default max_seq_length - 1). Each row keeps exactly its unpacked inputs, targets and scored targets: inputs
+    t[0..m-1], targets (t + [pad])[1..m] (the pad is what the unpacked row's last scored target reads), scored
+    from offset-1 on."""
+    width = max_seq_length - 1 if width is None else width
+    shape = (len(seqs), width)
+    inputs, targets = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    scored, segments = np.zeros(shape, np.float32), np.zeros(shape, np.int32)
+    for b, seq in enumerate(seqs):
+        at = 0
+        for d, (row, offset) in enumerate(seq):
+            tokens = list(row[:max_seq_length])
+            m = input_positions(len(tokens), max_seq_length)
+            padded = [*tokens, 0]
+            inputs[b, at:at + m] = padded[:m]
+            targets[b, at:at + m] = padded[1:m + 1]
+            first = max(offset - 1, 0)
+            if first < m:
+                scored[b, at + first:at + m] = 1.0
+            segments[b, at:at + m] = d + 1
+            at += m
+    return Packed(mx.array(inputs), mx.array(targets), mx.array(scored), mx.array(segments))
+
+
+def padded_width(lengths: Sequence[int], max_seq_length: int) -> int:
+    """Input positions of mlx-lm's padded batch of rows of these token lengths: 1 + 32k tokens, capped."""
+    return min(1 + 32 * ((max(lengths) + 31) // 32), max_seq_length) - 1
+
+
+def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -> Packed:
+    """One rank's rows packed into as few sequences as they fit in, each as wide as their padded batch."""
+    width = padded_width([len(t) for t, _ in items], max_seq_length)
+    seqs, used = plan_packing([input_positions(len(t), max_seq_length) for t, _ in items], width, len(items))
+    if used != len(items):
+        raise AssertionError(f"packed {used} of {len(items)} rows")
+    return build_packed([[items[k] for k in seq] for seq in seqs if seq], max_seq_length, width)
+
+
+def packing_saving(lengths: Sequence[int], max_seq_length: int, batch: int) -> float:
+    """Share of the computed positions packing saves over mlx-lm's padded batches, for rows in this order,
+    `batch` per batch: what decides whether a run packs (pure; the same on every rank)."""
+    padded = packed = 0
+    for i in range(0, len(lengths), batch):
+        chunk = lengths[i:i + batch]
+        width = padded_width(chunk, max_seq_length)
+        seqs, _ = plan_packing([input_positions(n, max_seq_length) for n in chunk], width, len(chunk))
+        padded += len(chunk) * width
+        packed += sum(1 for seq in seqs if seq) * width
+    return max(0.0, 1.0 - packed / padded) if padded else 0.0
+
+
+def packing_is_exact(model: Any, items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -> str | None:
+    """None when packing `items` (2+ short rows) into one sequence gives the unpacked loss on this model (and
+    its gradient can be taken, gradient checkpointing included); else why not. Run on the real model before a
+    run packs: a model whose attention ignores the cache's mask, or that adds absolute positions, fails here and
+    trains unpacked. In eval mode: dropout would make the two losses differ for another reason."""
+    from worker.data import build_batch
+
+    training = bool(getattr(model, "training", True))
+    model.eval()
+    try:
+        packed = build_packed([list(items)], max_seq_length)
+        (loss_p, weight_p, _), grads = nn_value_and_grad(model, packed_loss_sum)(model, *packed.arrays())
+        loss_u, weight_u, _ = token_loss_sum(model, *build_batch(list(items), max_seq_length))
+        mx.eval(loss_p, weight_p, loss_u, weight_u, grads)
+    except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        return f"the model does not take a packed batch ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(training)
+    if _number(weight_p) != _number(weight_u):
+        return f"packed batch scores {_number(weight_p):g} targets, unpacked {_number(weight_u):g}"
+    a, b = _number(loss_p), _number(loss_u)
+    if not abs(a - b) <= PACK_EXACT_RTOL * max(abs(b), 1e-6):
+        return f"packed loss {a:.6g} != unpacked {b:.6g} (absolute positions, or a mask the model ignores)"
+    return None
+
+
+def decide_packing(setting: str, model: Any, dataset: Any, *, max_seq_length: int, global_batch: int,
+                   seed: int, sample: int = 1024) -> tuple[bool, str]:
+    """Whether a run packs, and why, from `train.packing` (`auto` | `on` | `off`), the data and the model. The
+    same inputs give the same answer on every rank and in calibration. `auto` packs when it saves at least
+    PACK_MIN_SAVING of the computed positions (short or variable rows) and is exact on this model; `on` packs
+    whenever it is exact and raises ValueError when it is not."""
+    from worker.data import stream_rows
+
+    if setting == "off":
+        return False, "train.packing is off"
+    rows = [dataset[i] for i in stream_rows(0, min(len(dataset), sample), len(dataset), seed)]
+    sizes = [input_positions(len(tokens), max_seq_length) for tokens, _ in rows]
+    saving = packing_saving([len(t) for t, _ in rows], max_seq_length, global_batch)
+    if setting == "auto" and saving < PACK_MIN_SAVING:
+        return False, f"packing would save {saving:.0%} of the computed positions (< {PACK_MIN_SAVING:.0%})"
+    pair: list[tuple[Sequence[int], int]] = []
+    used = 0
+    for (tokens, offset), size in sorted(zip(rows, sizes), key=lambda r: r[1]):
+        if used + size > max_seq_length - 1 or len(pair) == 3:
+            break
+        pair.append((tokens, offset))
+        used += size
+    why = "no two rows fit in one sequence" if len(pair) < 2 else packing_is_exact(model, pair, max_seq_length)
+    if why is not None:
+        if setting == "on":
+            raise ValueError(f"train.packing is on, but packing is not exact here: {why}")
+        return False, f"not packed: {why}"
+    return True, f"packed: saves {saving:.0%} of the computed positions"
+
+
+# --- buckets for the all_sum ---------------------------------------------------------------------------------------
+
+
+def bucket_names(sizes: Mapping[str, int], bucket_bytes: int, itemsize: int = 4) -> list[list[str]]:
+    """Sorted names grouped into buckets of about `bucket_bytes` (a bucket closes once it reaches the size)."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    nbytes = 0
+    for name in sorted(sizes):
+        current.append(name)
+        nbytes += sizes[name] * itemsize
+        if nbytes >= bucket_bytes:
+            buckets.append(current)
+            current, nbytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
+                   bucket_bytes: int = ALL_REDUCE_BYTES) -> dict[str, mx.array]:
+    """`all_sum` every array, concatenating same-dtype arrays into buckets: few large collectives instead of
+    one per parameter. Shapes and names are preserved. Every rank issues the same collectives in the same
+    (rank-independent, sorted) order."""
+    out: dict[str, mx.array] = {}
+    by_dtype: dict[Any, dict[str, int]] = {}
+    for name, arr in arrays.items():
+        by_dtype.setdefault(arr.dtype, {})[name] = arr.size
+    for _, sizes in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        for bucket in bucket_names(sizes, bucket_bytes):
+            flat = mx.concatenate([arrays[n].reshape(-1) for n in bucket]) if len(bucket) > 1 \
+                else arrays[bucket[0]].reshape(-1)
+            summed = all_sum(flat)
+            bounds = np.cumsum([arrays[n].size for n in bucket])[:-1].tolist()
+            parts = mx.split(summed, bounds) if bounds else [summed]
+            if len(parts) != len(bucket):  # zip(strict=True) is 3.10+: the worker runs on 3.9 too
+                raise AssertionError(f"split gave {len(parts)} parts for {len(bucket)} arrays")
+            for name, part in zip(bucket, parts):
+                out[name] = part.reshape(arrays[name].shape)
+    return out
+
+
+# --- the step ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Local:
+    """One rank's sums over its micro-batches, before any collective: the gradient of the loss SUM (a tree in
+    the parameters' dtype), the loss sum (float32), the weight (scored targets or pairs), real tokens, the
+    objective's extra sums (or None), and the squared norm of the gradient sum (float32)."""
+
+    grads: Any
+    loss_sum: mx.array
+    weight: mx.array
+    tokens: mx.array
+    stats: mx.array | None
+    grad_sq: mx.array
+
+    def arrays(self) -> list[mx.array]:
+        return [*flatten(self.grads).values(), self.loss_sum, self.weight, self.tokens, self.grad_sq,
+                *([self.stats] if self.stats is not None else [])]
+
+    def local_stats(self) -> tuple[mx.array, mx.array]:
+        """(loss sum / weight, ||gradient sum|| / weight): what this rank alone would report."""
+        denom = mx.maximum(self.weight, 1).astype(mx.float32)
+        return self.loss_sum / denom, mx.sqrt(self.grad_sq) / denom
+
+
+class TrainStep:
+    """The compiled step over `model` and `optimizer` for a loss `loss_fn(model, *inputs) -> (loss_sum, weight,
+    tokens[, stats])`, differentiated in its first output. `all_sum` reduces over the ranks (`world_size` of
+    them; 1: no collective at all). `compiled=False` runs the same functions eagerly (debugging, tests).
+
+    Built after the model, the optimizer state and any checkpoint are in place: the compiled functions capture
+    the state trees (model, optimizer, random) as implicit inputs and outputs, as mlx-lm's trainer does."""
+
+    def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
+                 world_size: int, compiled: bool = True) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.world_size = world_size
+        self.all_sum = all_sum
+        value_and_grad = nn_value_and_grad(model, loss_fn)
+        state = [model.state, optimizer.state, mx.random.state]
+
+        def split(out: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            loss_sum, weight, tokens = out[0], out[1], out[2]
+            stats = out[3] if len(out) > 3 else mx.zeros((0,), mx.float32)
+            return loss_sum.astype(mx.float32), weight.astype(mx.int32), tokens.astype(mx.int32), stats
+
+        def first(*inputs: mx.array) -> tuple[Any, ...]:
+            out, grads = value_and_grad(model, *inputs)
+            return (grads, *split(out))
+
+        def more(prev: Any, *inputs: mx.array) -> tuple[Any, ...]:
+            out, grads = value_and_grad(model, *inputs)
+            return (tree_map(lambda a, b: a + b, prev, grads), *split(out))
+
+        def grad_sq(grads: Any) -> mx.array:
+            return sum((mx.sum(mx.square(g.astype(mx.float32))) for g in flatten(grads).values()),
+                       mx.array(0.0, mx.float32))
+
+        def scale(grads: Any, loss_sum: mx.array, inverse: mx.array) -> tuple[Any, mx.array]:
+            # In float32 and cast back: one rounding, the same on every rank; no float32 copy survives.
+            return tree_map(lambda g: (g.astype(mx.float32) * inverse).astype(g.dtype), grads), loss_sum * inverse
+
+        def update(grads: Any, loss: mx.array) -> tuple[mx.array, mx.array]:
+            norm = mx.sqrt(grad_sq(grads))
+            self.optimizer.update(self.model, grads)
+            return loss, norm
+
+        def scale_and_update(grads: Any, loss_sum: mx.array, inverse: mx.array) -> tuple[mx.array, mx.array]:
+            return update(*scale(grads, loss_sum, inverse))
+
+        wrap = (lambda f: mx.compile(f, inputs=state, outputs=state)) if compiled else (lambda f: f)
+        self._first, self._more = wrap(first), wrap(more)
+        self._grad_sq = mx.compile(grad_sq) if compiled else grad_sq
+        # One rank: scale and update in one compiled graph, as mlx-lm's step. Several: the all_sum runs between two
+        # compiled graphs, evaluated on its own. With the collective inside the compiled graph, 2-rank ring runs
+        # deadlocked intermittently on this CPU backend (mlx 0.32.4; upstream reports ring deadlocks, mlx#4475).
+        self._scale = mx.compile(scale) if compiled else scale
+        self._update = wrap(update)
+        self._scale_and_update = wrap(scale_and_update)
+
+    def local(self, micro_batches: Sequence[Sequence[mx.array]],
+              between: Callable[[Local], None] | None = None) -> Local:
+        """The rank's sums over its micro-batches (evaluated one at a time, like mlx-lm's accumulation: the
+        activations of one micro-batch are freed before the next). `between(partial)` runs after each."""
+        acc: Local | None = None
+        for inputs in micro_batches:
+            if acc is None:
+                grads, loss_sum, weight, tokens, stats = self._first(*inputs)
+            else:
+                grads, loss_sum, weight, tokens, stats = self._more(acc.grads, *inputs)
+                loss_sum, weight, tokens = acc.loss_sum + loss_sum, acc.weight + weight, acc.tokens + tokens
+                stats = stats if acc.stats is None else acc.stats + stats
+            acc = Local(grads, loss_sum, weight, tokens, stats if stats.size else None, mx.array(0.0))
+            mx.eval(acc.grads, acc.loss_sum, acc.weight, acc.tokens, *([acc.stats] if acc.stats is not None else []))
+            if between is not None:
+                between(acc)
+        if acc is None:
+            raise ValueError("a step needs at least one micro-batch")
+        return Local(acc.grads, acc.loss_sum, acc.weight, acc.tokens, acc.stats, self._grad_sq(acc.grads))
+
+    def apply(self, local: Local, total_weight: int) -> tuple[mx.array, mx.array]:
+        """Combine every rank's `local` (this rank passes its own) and update: (global mean loss, grad norm of
+        the mean gradient), both float32 scalars, lazy. `total_weight`: the global weight of the step."""
+        inverse = mx.array(1.0 / max(total_weight, 1), mx.float32)
+        if self.world_size == 1:
+            loss, norm = self._scale_and_update(local.grads, local.loss_sum, inverse)
+            return loss, norm
+        grads, loss = self._scale(local.grads, local.loss_sum, inverse)
+        flat = flatten(grads)
+        flat[_LOSS_KEY] = loss.reshape(1)
+        summed = all_sum_arrays(flat, self.all_sum)
+        mx.eval(summed)
+        loss = summed.pop(_LOSS_KEY).reshape(())
+        loss, norm = self._update(tree_unflatten(list(summed.items())), loss)
+        return loss, norm
+
+    @staticmethod
+    def poison(local: Local) -> Local:
+        """The same sums with NaN gradients and loss (chaos `nan`); counts unchanged."""
+        from worker.chaos import poisoned
+
+        return Local(tree_map(poisoned, local.grads), poisoned(local.loss_sum), local.weight, local.tokens,
+                     local.stats, poisoned(local.grad_sq))
