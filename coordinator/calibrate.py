@@ -38,7 +38,7 @@ from coordinator.plan import CurvePoint, NodeCalibration, Plan, PlanError
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
 
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
 TIMEOUT_SLACK_S = 30.0
 DEFAULT_ONE_TIME_BUDGET = 600.0  # imports, model load, first compile of each shape: a cold GPU took 85 s for 10 steps
@@ -94,8 +94,8 @@ def fingerprint_from_facts(facts: NodeFacts) -> NodeFingerprint:
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """What to measure (from the playbook: `model`, `train.max_seq_length`, `train.method`, `train.num_layers`,
-    `train.grad_checkpoint`). `model` is the model directory as the nodes see it."""
+    """What to measure: the run's step on the run's batches (from the playbook: `model`, `data`, `train.*`).
+    `model` and `data` are directories as the nodes see them; `data` "" times random tokens instead."""
 
     model: str
     seq_len: int
@@ -104,6 +104,15 @@ class BenchSpec:
     grad_checkpoint: bool = False
     max_batch: int = 64
     memory_fraction: float = 0.8
+    data: str = ""
+    mask_prompt: bool = False
+    packing: str = "auto"
+    global_batch: int = 0
+    seed: int = 0
+    optimizer: str = "adam"
+    learning_rate: float = 1e-5
+    lora: tuple[int, float, float] = (8, 20.0, 0.0)  # rank, scale, dropout
+    train_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("lora", "dora", "full"):
@@ -130,6 +139,8 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
         "grad_checkpoint": spec.grad_checkpoint,
         "max_batch": spec.max_batch,
         "memory_fraction": spec.memory_fraction,
+        "batches": [spec.data, spec.mask_prompt, spec.packing, spec.global_batch, spec.seed],
+        "step": [spec.optimizer, spec.learning_rate, list(spec.lora), spec.train_embeddings],
     }
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
@@ -148,6 +159,14 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
             "--method", spec.method,
             "--num-layers", str(spec.num_layers),
             *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
+            *(["--data", spec.data, "--packing", spec.packing, "--global-batch", str(spec.global_batch)]
+              if spec.data else []),
+            *(["--mask-prompt"] if spec.mask_prompt else []),
+            "--seed", str(spec.seed),
+            "--optimizer", spec.optimizer,
+            "--learning-rate", f"{spec.learning_rate:g}",
+            "--lora-rank", str(spec.lora[0]), "--lora-scale", f"{spec.lora[1]:g}", "--lora-dropout", f"{spec.lora[2]:g}",
+            *(["--train-embeddings"] if spec.train_embeddings else []),
             "--time-budget", f"{time_budget:g}",
             "--one-time-budget", f"{one_time_budget:g}",
             "--max-batch", str(spec.max_batch),
@@ -190,14 +209,25 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
     if not isinstance(raw_curve, list) or not raw_curve:
         raise CalibrationError(node, f"bench result has no curve: {str(raw_curve)[:200]}")
     points = []
+    seq_len = _number(node, obj, "seq_len", optional=True)
+    fills: list[float] = []
+    noisy: list[int] = []
     for raw in raw_curve:
         if not isinstance(raw, dict):
             raise CalibrationError(node, f"bench curve point is not an object: {raw!r}")
         batch, rate, peak = (_number(node, raw, k) for k in ("batch", "tokens_per_s", "peak_memory"))
         assert batch is not None and rate is not None and peak is not None
+        rows_per_s = _number(node, raw, "rows_per_s", optional=True)
+        per_row = _number(node, raw, "tokens_per_row", optional=True)
+        if rows_per_s and seq_len and per_row:
+            # The plan splits rows of `seq_len`: its rate is rows/s x seq_len; the real tokens a row holds on
+            # average (the data's fill) turn its prediction back into real tokens/s.
+            rate = rows_per_s * seq_len
+            fills.append(per_row / seq_len)
+        if raw.get("noisy") is True:
+            noisy.append(int(batch))
         points.append(CurvePoint(batch=int(batch), tokens_per_s=rate, peak_memory=int(peak)))
     device = obj.get("device")
-    seq_len = _number(node, obj, "seq_len", optional=True)
     seconds = _number(node, obj, "seconds", optional=True)
     limit = _number(node, obj, "memory_limit", optional=True)
     matmul = _number(node, obj, "matmul_gflops", optional=True)
@@ -215,6 +245,8 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
             seconds=seconds,
             one_time_s=one_time,
             measure_s=measuring,
+            fill=sum(fills) / len(fills) if fills else 1.0,
+            noisy=tuple(noisy),
             device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
             cached=cached,
         )
@@ -260,6 +292,13 @@ def describe_bench_time(obj: Mapping[str, Any]) -> str:
         details.append(f"first step of each batch shape {first_s:.1f}s")
         parts.append(f"one-time {total:.1f}s ({', '.join(details)})")
     parts.append(f"stopped: {obj.get('stopped_because')}")
+    packing = obj.get("packing")
+    if isinstance(packing, list) and len(packing) == 2:
+        parts.append(str(packing[1]))
+    noisy = [p.get("batch") for p in curve if isinstance(p, dict) and p.get("noisy") is True]
+    if noisy:
+        parts.append(f"NOISY at batch {', '.join(map(str, noisy))} (steps disagreed by more than 25% even when "
+                     "measured again: the node was busy; the plan may be off)")
     return "; ".join(parts)
 
 

@@ -148,21 +148,27 @@ async def probe_and_check(fleet: Fleet, inv: Inventory, pb: Playbook) -> FleetSt
     return FleetState(facts, report)
 
 
-def model_digest(facts: Mapping[str, NodeFacts]) -> str:
-    """The model dir's manifest digest (identical on every node once preflight passed)."""
+def model_digest(facts: Mapping[str, NodeFacts], dirs: tuple[str, ...] = ("model",)) -> str:
+    """The manifest digest of the model dir, or of `dirs` (identical on every node once preflight passed)."""
     for f in facts.values():
-        manifest, problems, _ = node_manifest(f, ("model",))
+        manifest, problems, _ = node_manifest(f, dirs)
         if manifest and not problems:
             return manifest_digest(manifest)
     return "unknown"
 
 
 def bench_spec(pb: Playbook) -> BenchSpec:
+    """The run's step and batches, as calibration measures them. DPO pairs are timed as SFT rows of random tokens
+    (its reference forward is not in the bench: docs/dpo.md)."""
     t = pb.train
     return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.fine_tune_type,
                      num_layers=t.num_layers if t.num_layers is not None else -1,
                      grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
-                     memory_fraction=pb.calibration.memory_fraction)
+                     memory_fraction=pb.calibration.memory_fraction,
+                     data=(pb.data or "") if t.method != "dpo" else "", packing=t.packing,
+                     global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
+                     learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
+                     train_embeddings=t.train_embeddings)
 
 
 async def calibrate_and_plan(
@@ -176,7 +182,8 @@ async def calibrate_and_plan(
         return plan, {}
     results = await calibrate(
         fleet, bench_spec(pb), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
-        model_digest=model_digest(facts), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
+        # The curve is measured on the run's batches: the data is part of what it is valid for.
+        model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
         progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}

@@ -2,16 +2,25 @@
 
 Run by the coordinator on each node (the worker package is shipped alone: stdlib + mlx + mlx_lm only):
     python -m worker.bench --model DIR --seq-len N --method lora|dora|full [--num-layers K] [--grad-checkpoint]
+                           [--data DIR [--mask-prompt] [--packing auto|on|off] [--global-batch B] [--seed S]]
+                           [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
+                           [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
 
-What is measured: real optimizer steps of the given model (loaded with `mlx_lm.utils.load_model`: no tokenizer is
-needed), LoRA/DoRA adapters from `mlx_lm.tuner.utils.linear_to_lora_layers` on the last K layers or full
-fine-tuning of them, on random token batches of `seq_len` tokens: forward, backward (value_and_grad of a summed
-token cross-entropy), Adam update, compiled as mlx-lm's trainer compiles it, and `mx.eval` of the new parameters
-and optimizer state. For batch 1, 2, 4, 8, ... (and finally --max-batch itself): one warm-up step (it also
-compiles for the new shape), then at least 3 timed steps (more while they are fast); tokens/s = batch * seq_len /
-the first quartile of the step times (noise only ever slows a step), peak memory from `mx.reset_peak_memory()` /
-`mx.get_peak_memory()` around the point.
+What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.train.apply_method` (the
+run's own), the step is `worker.step.TrainStep` (the run's compiled step: forward/backward, scale, optimizer update,
+`mx.eval` of the new parameters and optimizer state), and the batches are the run's: rows of the playbook's
+dataset (`--data`) in the run's order (`worker.data.stream_rows` with the run's seed), padded or packed exactly as
+the run pads or packs them (`worker.train.SftObjective`; packing decided by the same `decide_packing`). Without
+`--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
+
+For batch 1, 2, 4, 8, ... (and finally --max-batch itself): the point's batches are the first CANDIDATES batches
+of that many rows of the run's order; one warm-up step per distinct batch shape (each compiles, a one-time cost),
+then at least 3 timed steps cycling through them (more while they are fast). Rows vary in length, so a step is
+judged per real token: tokens/s = 1 / the first quartile of (step time / real tokens) (noise only ever slows a
+step); rows/s and tokens per row likewise; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
+around the point. A point whose per-token times spread by more than NOISY_SPREAD ((q3 - q1) / median) gets one
+more window of steps; if it is still that noisy it is reported with `noisy: true` (the coordinator says so).
 
 The sweep stops at the first of: throughput below FALL_RATIO x the best so far at two points in a row (past the
 knee: `throughput_fell`; one low point may be noise, so the next batch is measured too);
@@ -26,7 +35,8 @@ bounded by --one-time-budget and reported apart (`one_time_s`); --time-budget bo
 same budget measures the same curve on a cold machine and on a warm one.
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
-    {"curve": [{"batch", "tokens_per_s", "peak_memory", "step_time_s", "steps"}], "best_batch",
+    {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
+                "spread", "noisy"}], "best_batch", "packing": [bool, why],
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
@@ -50,6 +60,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import threading
@@ -63,7 +74,8 @@ FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the k
 MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
 MAX_STEPS = 20
 MATMUL_N = 1024
-LORA_PARAMETERS = {"rank": 8, "dropout": 0.0, "scale": 20.0}  # mlx-lm's defaults
+CANDIDATES = 6  # batches per point, from the run's order
+NOISY_SPREAD = 0.25  # (q3 - q1) / median of a point's per-token step times above which it is measured again
 STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
 ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
 WATCHDOG_POLL_S = 0.1
@@ -74,19 +86,26 @@ class Point:
     """One measured batch size. `warmup_s` is the first (compiling) step, kept to predict the next point."""
 
     batch: int
-    tokens_per_s: float
+    tokens_per_s: float  # real (non-pad) tokens
     peak_memory: int
-    step_time_s: float
+    step_time_s: float  # one step of `batch` rows
     steps: int
     warmup_s: float
+    tokens_per_row: float = 0.0
+    spread: float = 0.0
+    noisy: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
             "batch": self.batch,
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "rows_per_s": round(self.batch / self.step_time_s, 6),
+            "tokens_per_row": round(self.tokens_per_row, 3),
             "peak_memory": self.peak_memory,
             "step_time_s": round(self.step_time_s, 6),
             "steps": self.steps,
+            "spread": round(self.spread, 4),
+            "noisy": self.noisy,
         }
 
 
@@ -388,68 +407,63 @@ def model_path(model_dir: str) -> Path:
 
 
 class _Trainer:
-    """The model set up for training as mlx-lm's trainer does it, and a compiled step on random tokens."""
+    """The run's model setup, step and batches (see the module docstring)."""
 
-    def __init__(self, model_dir: str, *, method: str, num_layers: int, grad_checkpoint: bool, seq_len: int) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         import mlx.core as mx
-        import mlx.nn as nn
-        import mlx.optimizers as optim
-        from mlx.nn.utils import value_and_grad
-        from mlx_lm.tuner import trainer as mlx_lm_trainer
-        from mlx_lm.tuner.utils import linear_to_lora_layers
-        from mlx_lm.utils import load_model, maybe_set_recommended_wired_limit
+        from mlx_lm.utils import load, load_model, maybe_set_recommended_wired_limit
 
-        model, config = load_model(model_path(model_dir))
-        layers = model.layers
-        if num_layers > len(layers):
-            raise BenchError(f"--num-layers {num_layers} but the model only has {len(layers)} layers")
-        model.freeze()
-        if method == "full":
-            for layer in layers[-max(num_layers, 0):]:  # -1 = all, as in mlx-lm
-                layer.unfreeze()
+        from worker.data import load_datasets
+        from worker.runconfig import LoraSpec
+        from worker.step import TrainStep, decide_packing
+        from worker.train import SftObjective, apply_method, make_optimizer
+
+        if args.data:
+            loaded = load(str(model_path(args.model)))
+            model, tokenizer = loaded[0], loaded[1]
+            data = Path(os.path.expanduser(args.data))
+            dataset: Any = load_datasets(data, tokenizer, mask_prompt=args.mask_prompt)[0]
         else:
-            linear_to_lora_layers(model, num_layers, dict(LORA_PARAMETERS), use_dora=(method == "dora"))
-        if grad_checkpoint:
+            model, config = load_model(model_path(args.model))
+            vocab = _vocab_size(config, model)
+            rng = random.Random(0)
+            dataset = [([rng.randrange(vocab) for _ in range(args.seq_len)], 0) for _ in range(256)]
+        layers = len(model.layers)
+        if args.num_layers > layers:
+            raise BenchError(f"--num-layers {args.num_layers} but the model only has {layers} layers")
+        lora = LoraSpec(rank=args.lora_rank, scale=args.lora_scale, dropout=args.lora_dropout)
+        mx.random.seed(args.seed)
+        try:
+            apply_method(model, args.method, None if args.num_layers == -1 else args.num_layers, lora,
+                         train_embeddings=args.train_embeddings)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
+        if args.grad_checkpoint:
+            from mlx_lm.tuner.trainer import grad_checkpoint
+
             # mlx-lm's own switch (it patches the layer class's __call__); untyped, hence the cast.
-            cast(Callable[[Any], None], mlx_lm_trainer.grad_checkpoint)(layers[0])
+            cast(Callable[[Any], None], grad_checkpoint)(model.layers[0])
         model.train()
-        # As mlx-lm's trainer does on Metal (no-op elsewhere): wire the recommended working set.
         maybe_set_recommended_wired_limit()
-
-        self.mx = mx
-        self.vocab = _vocab_size(config, model)
-        self.seq_len = seq_len
-        optimizer = optim.Adam(learning_rate=1e-5)
-        # Create Adam's moments now: otherwise the first compiled call changes the state's structure and the
-        # second step compiles again, inside the timed steps.
+        self.packing = decide_packing(args.packing, model, dataset, max_seq_length=args.seq_len,
+                                      global_batch=args.global_batch or args.max_batch, seed=args.seed)
+        self.objective = SftObjective(args.seq_len, self.packing[0])
+        optimizer = make_optimizer(args.optimizer, args.learning_rate)
         optimizer.init(model.trainable_parameters())
+        self.mx, self.model, self.optimizer = mx, model, optimizer
+        self.dataset, self.seed = dataset, args.seed
+        self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x, world_size=1)
 
-        def loss_fn(m: Any, tokens: Any) -> Any:
-            logits = m(tokens[:, :-1])
-            return nn.losses.cross_entropy(logits, tokens[:, 1:]).astype(mx.float32).sum()
+    def batches(self, rows: int) -> list[Any]:
+        """The point's batches: the first CANDIDATES batches of `rows` rows of the run's order."""
+        return [self.objective.micro(self.dataset, k * rows, rows, self.seed, 0, rows) for k in range(CANDIDATES)]
 
-        loss_and_grad = value_and_grad(model, loss_fn)
-        self.state = [model.state, optimizer.state, mx.random.state]
-
-        def step(tokens: Any) -> Any:
-            loss, grads = loss_and_grad(model, tokens)
-            optimizer.update(model, grads)
-            return loss
-
-        # Compiled with the model and optimizer state as implicit inputs/outputs, like mlx-lm's trainer, so the
-        # rate is the one training will see.
-        self._step = mx.compile(step, inputs=self.state, outputs=self.state)
-
-    def batch(self, rows: int) -> Any:
-        tokens = self.mx.random.randint(0, self.vocab, (rows, self.seq_len + 1))
-        self.mx.eval(tokens)
-        return tokens
-
-    def step(self, tokens: Any) -> float:
-        """One full optimizer step, evaluated; returns its wall time."""
+    def step(self, micro: Any) -> float:
+        """One full optimizer step on `micro`, evaluated; returns its wall time."""
         started = time.perf_counter()
-        loss = self._step(tokens)
-        self.mx.eval(self.state, loss)
+        local = self.step_fn.local([micro.inputs])
+        loss, norm = self.step_fn.apply(local, micro.total_weight)
+        self.mx.eval(self.model.parameters(), self.optimizer.state, loss, norm)
         return time.perf_counter() - started
 
 
@@ -460,40 +474,71 @@ def fast_quartile(times: list[float]) -> float:
     return sorted(times)[(len(times) - 1) // 4]
 
 
+def spread(values: list[float]) -> float:
+    """(q3 - q1) / median: how much a point's steps disagree (0 for fewer than 4)."""
+    if len(values) < 4:
+        return 0.0
+    qs = statistics.quantiles(values, n=4)
+    return (qs[2] - qs[0]) / qs[1] if qs[1] > 0 else 0.0
+
+
 def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tuple[Point | None, bool]:
-    """Warm up once (the one-time allowance: it compiles the new shape), then time steps on the measuring
-    allowance: at least MIN_STEPS, more until `window` seconds of timed steps (or MAX_STEPS). A step expected to
-    end past the measuring allowance is not started (the point is cut short: truncated); the first timed step
-    always runs, since a compiling warm-up says nothing of a step's real length (the watchdog bounds it)."""
+    """Warm up once per distinct batch shape (the one-time allowance: each compiles), then time steps on the
+    measuring allowance, cycling through the point's batches: at least MIN_STEPS, more until `window` seconds of
+    timed steps (or MAX_STEPS); a noisy point gets one more window. A step expected to end past the measuring
+    allowance is not started (the point is cut short: truncated); the first timed step always runs, since a
+    compiling warm-up says nothing of a step's real length (the watchdog bounds it)."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
-    tokens = trainer.batch(batch)
+    batches = trainer.batches(batch)
     mx.reset_peak_memory()
-    warmup = trainer.step(tokens)
+    warmup = 0.0
+    shapes: set[tuple[tuple[int, ...], ...]] = set()
+    for micro in batches:
+        shape = tuple(tuple(a.shape) for a in micro.inputs)
+        if shape not in shapes:
+            shapes.add(shape)
+            warmup += trainer.step(micro)
     state.one_time.setdefault("first_steps", {})[batch] = warmup
     if state.step_s is None:
-        state.step_s = warmup
-    _log(f"bench batch={batch} first step {warmup:.2f}s (compile included: one-time)")
+        state.step_s = warmup / len(shapes)
+    _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} shape(s) (compile included: one-time)")
     budget.enter(MEASURE)
+    per_token: list[float] = []
     times: list[float] = []
-    truncated = False
-    while len(times) < MAX_STEPS and (len(times) < MIN_STEPS or sum(times) < window):
+    tokens: list[int] = []
+    truncated, extra = False, False
+    limit, until = MAX_STEPS, window
+    while len(times) < limit and (len(times) < MIN_STEPS or sum(times) < until):
         if times and budget.left(MEASURE) < statistics.median(times):
             truncated = True
             break
-        times.append(trainer.step(tokens))
-        state.step_s = times[-1] if batch == 1 else state.step_s
+        micro = batches[len(times) % len(batches)]
+        elapsed = trainer.step(micro)
+        times.append(elapsed)
+        tokens.append(int(micro.tokens or 0))
+        per_token.append(elapsed / max(micro.tokens or 1, 1))
+        if batch == 1:
+            state.step_s = elapsed
+        done = not (len(times) < limit and (len(times) < MIN_STEPS or sum(times) < until))
+        if done and not extra and spread(per_token) > NOISY_SPREAD:
+            extra, limit, until = True, limit + MAX_STEPS, sum(times) + window  # measure it once more
     budget.enter(ONE_TIME)
     if not times:
         return None, True
-    step_time = fast_quartile(times)
+    fast = fast_quartile(per_token)
+    rows_tokens = sum(tokens) / max(len(tokens), 1) / batch
+    noise = spread(per_token)
     point = Point(
         batch=batch,
-        tokens_per_s=batch * trainer.seq_len / step_time,
+        tokens_per_s=1.0 / fast,
         peak_memory=int(mx.get_peak_memory()),
-        step_time_s=step_time,
+        step_time_s=fast * rows_tokens * batch,
         steps=len(times),
         warmup_s=warmup,
+        tokens_per_row=rows_tokens,
+        spread=noise,
+        noisy=noise > NOISY_SPREAD,
     )
     return point, truncated
 
@@ -510,6 +555,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", choices=("lora", "dora", "full"), required=True)
     parser.add_argument("--num-layers", type=int, default=16, help="layers to train, -1 = all (mlx-lm default 16)")
     parser.add_argument("--grad-checkpoint", action="store_true")
+    parser.add_argument("--data", default="", help="the run's data dir (train.jsonl): batches as the run builds them")
+    parser.add_argument("--mask-prompt", action="store_true")
+    parser.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--global-batch", type=int, default=0, help="the run's global batch (packing decision)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-scale", type=float, default=20.0)
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument("--train-embeddings", action="store_true")
     parser.add_argument("--time-budget", type=float, default=60.0, help="seconds of timed steps")
     parser.add_argument("--one-time-budget", type=float, default=600.0,
                         help="seconds for imports, the model load and the first (compiling) step of each shape")
@@ -584,15 +640,15 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
 
     state.phase = "loading the model"
     mark = time.monotonic()
-    trainer = _Trainer(args.model, method=args.method, num_layers=args.num_layers,
-                       grad_checkpoint=args.grad_checkpoint, seq_len=args.seq_len)
+    trainer = _Trainer(args)
     state.one_time["load"] = time.monotonic() - mark
-    _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s")
+    state.meta["packing"] = list(trainer.packing)
+    _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
 
     def on_point(p: Point) -> None:
         state.curve.append(p)
         _log(f"bench batch={p.batch} tokens_per_s={p.tokens_per_s:.1f} step_s={p.step_time_s:.4f} "
-             f"peak_memory={p.peak_memory} steps={p.steps}")
+             f"peak_memory={p.peak_memory} steps={p.steps} spread={p.spread:.2f}" + (" NOISY" if p.noisy else ""))
 
     def measure(batch: int) -> tuple[Point | None, bool]:
         state.phase = f"measuring batch {batch}"

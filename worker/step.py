@@ -204,13 +204,27 @@ def padded_width(lengths: Sequence[int], max_seq_length: int) -> int:
     return min(1 + 32 * ((max(lengths) + 31) // 32), max_seq_length) - 1
 
 
+def sequence_bucket(needed: int, rows: int) -> int:
+    """How many sequences a packed batch is given: `needed` rounded up to rows, rows/2, rows/4, ... (rounded up),
+    never more than `rows`. Each distinct batch shape is compiled once (on the CPU backend, by a C++ compiler:
+    seconds each on a cold machine), so the count of sequences takes a few values only, not every one up to
+    `rows`; the empty sequences this adds are at most as many as the ones it fills."""
+    size = rows
+    while size > 1 and -(-size // 2) >= needed:
+        size = -(-size // 2)
+    return max(size, needed)
+
+
 def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -> Packed:
-    """One rank's rows packed into as few sequences as they fit in, each as wide as their padded batch."""
+    """One rank's rows packed into as few sequences as they fit in, each as wide as their padded batch, padded
+    with empty sequences to `sequence_bucket`."""
     width = padded_width([len(t) for t, _ in items], max_seq_length)
     seqs, used = plan_packing([input_positions(len(t), max_seq_length) for t, _ in items], width, len(items))
     if used != len(items):
         raise AssertionError(f"packed {used} of {len(items)} rows")
-    return build_packed([[items[k] for k in seq] for seq in seqs if seq], max_seq_length, width)
+    filled = [[items[k] for k in seq] for seq in seqs if seq]
+    empty: list[list[tuple[Sequence[int], int]]] = [[] for _ in range(sequence_bucket(len(filled), len(items)) - len(filled))]
+    return build_packed(filled + empty, max_seq_length, width)
 
 
 def packing_saving(lengths: Sequence[int], max_seq_length: int, batch: int) -> float:
@@ -222,7 +236,7 @@ def packing_saving(lengths: Sequence[int], max_seq_length: int, batch: int) -> f
         width = padded_width(chunk, max_seq_length)
         seqs, _ = plan_packing([input_positions(n, max_seq_length) for n in chunk], width, len(chunk))
         padded += len(chunk) * width
-        packed += sum(1 for seq in seqs if seq) * width
+        packed += sequence_bucket(sum(1 for seq in seqs if seq), len(chunk)) * width
     return max(0.0, 1.0 - packed / padded) if padded else 0.0
 
 

@@ -215,6 +215,27 @@ def check_contract(result: dict[str, Any], *, max_batch: int, budget: float) -> 
     assert result["seconds"] >= result["measure_s"] + result["one_time_total_s"] - SLACK_S
 
 
+def test_bench_times_the_runs_step_on_the_runs_batches(tmp_path: Path) -> None:
+    """With --data the bench builds the run's batches (the smoke rows, packed as the run packs them) and reports
+    real tokens: fewer per row than seq_len, and what the coordinator turns into the plan's rows x seq_len."""
+    from coordinator.calibrate import calibration_from_bench
+    from worker.tinymodel import build_tiny_model
+
+    smoke = REPO / "playbooks" / "data" / "smoke"
+    model = build_tiny_model(tmp_path / "model", smoke)
+    code, result, stderr = run_bench("--model", str(model), "--seq-len", "128", "--method", "lora", "--num-layers",
+                                     "-1", "--data", str(smoke), "--global-batch", "8", "--max-batch", "4", budget=30)
+    assert code == 0, stderr
+    assert result["packing"][0] is True and result["packing"][1].startswith("packed: saves")
+    for p in result["curve"]:
+        assert 0 < p["tokens_per_row"] < 128  # the smoke rows are short: real tokens, not padded positions
+        assert p["tokens_per_s"] == pytest.approx(p["rows_per_s"] * p["tokens_per_row"], rel=0.05)
+    cal = calibration_from_bench("n", result)
+    assert 0 < cal.fill < 1
+    assert cal.curve[0].tokens_per_s == pytest.approx(result["curve"][0]["rows_per_s"] * 128)
+    assert "first steps" in stderr
+
+
 def test_bench_lora_sweep(tiny_model: Path) -> None:
     code, result, stderr = run_bench("--model", str(tiny_model), "--seq-len", "32", "--method", "lora",
                                      "--num-layers", "-1", "--max-batch", "8", budget=60)

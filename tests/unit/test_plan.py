@@ -31,6 +31,7 @@ from coordinator.plan import (
     SplitMode,
     compute_plan,
     format_split,
+    isotonic,
     lift_dips,
 )
 
@@ -152,12 +153,22 @@ def test_rising_curve_extrapolates_best_rate_only_up_to_the_memory_cap() -> None
 
 
 def test_step_time_never_decreases_with_more_rows() -> None:
-    # Noise: batch 2 measured four times batch 1's rate, so 2 rows "take less time" than 1. The model uses the
-    # running maximum, so step(2) == step(1), not less.
+    # Noise: batch 2 measured four times batch 1's rate, so 2 rows "take less time" than 1. The monotone fit
+    # pools the two, weighted by the rows each timed: step(2) == step(1), the weighted mean, never less.
     noisy = cal("noisy", [(1, 100, GB), (2, 400, GB)])
     plan = compute_plan([noisy, flat("other", 100)], 3, seq_len=L)
     assert plan.batch == {"noisy": 2, "other": 1}
-    assert plan.per_node_step_s["noisy"] == pytest.approx(L / 100)  # not 2 * L / 400
+    assert plan.per_node_step_s["noisy"] == pytest.approx((1 * L / 100 + 2 * 2 * L / 400) / 3)
+
+
+def test_one_slow_small_batch_point_does_not_set_the_large_batch_prediction() -> None:
+    # The issue's case (S LoRA): batch 8 measured 240k tokens/s, a slow batch-2 point 40k. A running maximum of the
+    # step times predicted batch 8 at the batch-2 step time (168k-like); the weighted fit stays near what 8 measured.
+    curve = cal("s", [(1, 30_000, GB), (2, 40_000, GB), (4, 150_000, GB), (8, 240_000, GB)])
+    plan = compute_plan([curve], 8, seq_len=L)
+    assert plan.predicted_tokens_per_s > 0.85 * 240_000
+    assert isotonic([3.0, 1.0, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0, 4.0]
+    assert isotonic([1.0, 2.0], [1.0, 5.0]) == [1.0, 2.0]
 
 
 def test_calibrated_is_optimal_and_never_worse_than_equal_on_random_curves() -> None:
@@ -324,8 +335,12 @@ def test_build_bench_argv() -> None:
     assert argv[3:5] == ["sh", "-c"]  # `~/` python goes through the node's shell
     tail = argv[argv.index("-m"):]
     assert tail == ["-m", "worker.bench", "--model", "~/models/qwen", "--seq-len", "2048", "--method", "lora",
-                    "--num-layers", "16", "--grad-checkpoint", "--time-budget", "45", "--one-time-budget", "300",
-                    "--max-batch", "64", "--memory-fraction", "0.8"]
+                    "--num-layers", "16", "--grad-checkpoint", "--seed", "0", "--optimizer", "adam",
+                    "--learning-rate", "1e-05", "--lora-rank", "8", "--lora-scale", "20", "--lora-dropout", "0",
+                    "--time-budget", "45", "--one-time-budget", "300", "--max-batch", "64", "--memory-fraction", "0.8"]
+    with_data = build_bench_argv(node, "/w", replace(SPEC, data="~/data", packing="on", global_batch=12), 45.0)
+    assert with_data[with_data.index("--data"):with_data.index("--data") + 6] == [
+        "--data", "~/data", "--packing", "on", "--global-batch", "12"]
 
 
 BENCH_OK = {

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ SMOKE = REPO / "playbooks" / "data" / "smoke"
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 LAUNCH = [PYTHON, "-c", "import sys; from mlx._distributed_utils.launch import main; "
           "sys.argv[0] = 'mlx.launch'; sys.exit(main())"]
-RUN_TIMEOUT = 120
+RUN_TIMEOUT = 600  # a hang guard only: cold CPU-JIT compiles of the step's kernels take long on a loaded machine
 
 KNOWN_PHASES = {"load", "step", "eval", "checkpoint", "sync", "digest", "idle"}
 REQUIRED_FIELDS: dict[str, set[str]] = {
@@ -121,6 +122,12 @@ def start_launch(workdir: Path, command: list[str], n: int = 2) -> Launch:
     hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * n))
     tmpdir = workdir / "launch-tmp"
     tmpdir.mkdir(exist_ok=True)
+    # MLX keeps the kernels its CPU backend JIT-compiles for the compiled step under $TMPDIR/mlx: share the
+    # machine's cache, as a real node does, instead of compiling every kernel again (g++, seconds each) per launch.
+    shared = Path(tempfile.gettempdir()) / "mlx"
+    shared.mkdir(exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        (tmpdir / "mlx").symlink_to(shared, target_is_directory=True)
     port = free_port_pair() if n <= 2 else free_port_range(n)
     argv = [*LAUNCH, "--hostfile", str(hostfile), "--backend", "ring", "--starting-port", str(port),
             "--cwd", str(REPO), "--", *command]

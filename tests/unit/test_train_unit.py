@@ -27,6 +27,7 @@ from worker.step import (
     packing_is_exact,
     packing_saving,
     plan_packing,
+    sequence_bucket,
     sft_weight,
     token_loss_sum,
 )
@@ -208,9 +209,15 @@ def test_plan_packing_fills_in_stream_order() -> None:
 
 def test_packing_saving_comes_from_variable_lengths_in_a_batch() -> None:
     # Rows of very different lengths: the unpacked batch pads all 8 to the longest (127 positions).
-    assert packing_saving([16, 120, 30, 20, 100, 18, 25, 40] * 4, 512, 8) > 0.4
+    assert packing_saving([16, 120, 30, 20, 100, 18, 25, 40] * 4, 512, 8) == 0.5  # 3 sequences, bucketed to 4
     assert packing_saving([20, 25, 30, 22] * 8, 512, 4) == 0.0  # similar lengths: nothing to save
     assert packing_saving([512] * 16, 512, 4) == 0.0
+
+
+def test_sequence_bucket_takes_few_values() -> None:
+    assert [sequence_bucket(k, 8) for k in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [sequence_bucket(k, 3) for k in range(1, 4)] == [1, 2, 3]
+    assert [sequence_bucket(k, 6) for k in range(1, 7)] == [1, 2, 3, 6, 6, 6]
 
 
 def test_pack_rows_keeps_the_padded_width_and_every_row(tiny: Path) -> None:

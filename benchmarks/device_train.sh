@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# bench_train.py on an NVIDIA GPU lent by the `device` tool: the wheelhouse (built here), its install there, the run.
+#
+#   bash benchmarks/device_train.sh wheelhouse        # HERE, in the checkout the device tool sends (see below)
+#   bash benchmarks/device_train.sh stamp             # HERE, again just before the calls if HEAD moved since
+#   bash benchmarks/device_train.sh stage-a           # THERE, device call 1 (carry benchmarks/out/whl-a)
+#   bash benchmarks/device_train.sh run SIZES [ARGS]  # THERE, device call 2.. (carry benchmarks/out/whl-b)
+#
+# What the device machine is and what that implies (/work/.library/device/README.md and KINDS.md, 2026-11):
+# - x86_64, one H100 (nvidia-h100-x1) or H200; nothing can be fetched there: every missing Python package travels
+#   as a wheel. Its `python3` is Python 3.12.3 (/opt/torch/.venv, with torch, numpy, transformers 5.17, tokenizers,
+#   safetensors, sentencepiece, protobuf, jinja2, pyyaml, rich, click, psutil, prometheus-client, matplotlib and
+#   the CUDA 13 `nvidia-*` wheels), so the wheels are cp312 manylinux x86_64, not cp311 as on this machine.
+#   Missing there: mlx, mlx-cuda-13, mlx-lm, and of the coordinator's dependencies pydantic (+ pydantic-core,
+#   annotated-types, typing-inspection, typing-extensions>=4.16), asyncssh (+ cryptography, cffi, pycparser) and
+#   structlog. `pip download` takes the versions this repository's .venv runs (mlx 0.32.4, mlx-lm 0.32.2, ...).
+# - What travels in one call: the working tree plus the `carry` paths, 64 MiB in all. mlx-cuda-13's wheel is
+#   85.6 MiB (libmlx.so alone is 79 MB compressed; xz -6 only gets the wheel to 67 MiB), so it is split in two
+#   byte ranges: whl-a (part 1) travels in a first call, which copies it out of the tree to /tmp/bench-wheels;
+#   whl-b (part 2 and every other wheel) in the next, which joins, checks the SHA-256 and installs. Files outside
+#   the tree survive between calls only while the machine stays warm: 30 s after a call returns. So make call 2
+#   right after call 1; if the machine went back in between, `run` says so and call 1 must be made again.
+# - Install INTO python3's own environment (no `--target`/PYTHONPATH): the coordinator starts the calibration bench
+#   and the ranks with PYTHONPATH set to its shipped worker dir (coordinator/calibrate.py, launch.py), so mlx must
+#   import without PYTHONPATH; and libmlx.so finds the CUDA libraries through its RPATH
+#   ($ORIGIN/../../nvidia/{cu13,cublas,cudnn,nccl,...}/lib), i.e. in the same site-packages as the image's
+#   nvidia-* wheels. A machine is bare at every start, so this changes nothing beyond the lease.
+# - Limits: 10 minutes a command, 30 minutes of device time for a session (a one-chip machine counts 67% of its
+#   held time), a machine goes back after 30 minutes held, 2,000 characters a command, files back from $OUT: at most
+#   8, 16 MiB each. bench_train.py rewrites its --json after every run, so a command stopped at its limit still
+#   returns what it measured; keep each call's work well inside 10 minutes (S in one call, M in one or two).
+# - The machine stays warm 30 s after each call: make the calls back to back; a new machine costs a start (minutes)
+#   and repeats call 1.
+#
+# The device tool sends the checkout its session was started in (the lead's /work/main), so `wheelhouse` runs
+# there; benchmarks/out/ is ignored by git (.gitignore), so the wheels are never committed and travel only when
+# named in `carry`.
+#
+# The calls, exactly (tool `run`; nvidia-h100-x1 or nvidia-h200, one chip; timeout_s 600):
+#   1. carry ["benchmarks/out/whl-a"]  command: bash benchmarks/device_train.sh stage-a
+#   2. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   3. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods lora
+#   4. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods full
+# (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
+# of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
+# M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
+# Each `run` writes $OUT/bench-<label>.md, .json and .log (label: the sizes and any --methods/--shapes), which come
+# back. The per-run `process_s` of call 2 tells whether calls 3 and 4 fit their 10 minutes; if not, fewer --iters.
+# bfloat16 weights, as real fine-tunes load them (the CPU runs here use float32); both tools get the same files.
+# --skip-preflight: preflight still runs and its findings are in the .log, but a check that fails on this unfamiliar
+# machine (a Firecracker VM) does not cost the call; it changes nothing in the training measured.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+OUTDIR="$REPO/benchmarks/out"
+STAGE=/tmp/bench-wheels
+PART_BYTES=$((46 * 1024 * 1024))
+CUDA_WHEEL=mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+WHEELS=(mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2
+        pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+        typing_extensions==4.16.0 asyncssh==2.24.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+        structlog==26.1.0)
+PLATFORMS=(--platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64
+           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+die() { echo "device_train.sh: $*" >&2; exit 1; }
+
+stamp() {
+    # The device's copy of the tree has no .git: the commit measured travels in whl-b (bench_train's BENCH_COMMIT).
+    mkdir -p "$OUTDIR/whl-b"
+    local commit; commit="$(git -C "$REPO" rev-parse --short HEAD)"
+    [ -z "$(git -C "$REPO" status --porcelain --untracked-files=no)" ] || commit="$commit+dirty"
+    echo "$commit" > "$OUTDIR/whl-b/COMMIT"
+    echo "commit stamp: $commit"
+}
+
+wheelhouse() {
+    local all="$OUTDIR/wheels-cp312"
+    rm -rf "$OUTDIR/whl-a" "$OUTDIR/whl-b"
+    mkdir -p "$all" "$OUTDIR/whl-a" "$OUTDIR/whl-b"
+    stamp
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PLATFORMS[@]}" -d "$all" "${WHEELS[@]}"
+    [ -f "$all/$CUDA_WHEEL" ] || die "expected $CUDA_WHEEL in $all"
+    # The install test: the same wheels, as pip on python 3.12 / x86_64 would take them (into a scratch target).
+    local scratch; scratch="$(mktemp -d)"
+    python3 -m pip install -q --no-index --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp "${PLATFORMS[@]}" --target "$scratch" "$all"/*.whl
+    [ -f "$scratch/mlx/lib/libmlx.so" ] || die "the install test has no mlx/lib/libmlx.so"
+    rm -rf "$scratch"
+    (cd "$all" && sha256sum "$CUDA_WHEEL" > "$OUTDIR/whl-b/SHA256SUMS")
+    split -b "$PART_BYTES" -d -a 1 "$all/$CUDA_WHEEL" "$OUTDIR/whl-a/$CUDA_WHEEL.part"
+    mv "$OUTDIR/whl-a/$CUDA_WHEEL.part1" "$OUTDIR/whl-b/"
+    [ ! -e "$OUTDIR/whl-a/$CUDA_WHEEL.part2" ] || die "the CUDA wheel split into more than two parts"
+    for w in "$all"/*.whl; do
+        [ "$(basename "$w")" = "$CUDA_WHEEL" ] || cp "$w" "$OUTDIR/whl-b/"
+    done
+    # What travels: each call's carry plus the tree, under 64 MiB.
+    local tree; tree=$(cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    for d in whl-a whl-b; do
+        local size; size=$(du -sb "$OUTDIR/$d" | cut -f1)
+        printf '%s: %d MiB (+ %d MiB of tracked files)\n' "$d" $((size / 1048576)) $((tree / 1048576))
+        [ $((size + tree)) -lt $((62 * 1048576)) ] || die "$d plus the tree is too large for one call"
+    done
+    ls -l "$OUTDIR/whl-a" "$OUTDIR/whl-b"
+}
+
+stage_a() {
+    [ -f "benchmarks/out/whl-a/$CUDA_WHEEL.part0" ] || die "carry benchmarks/out/whl-a with this call"
+    mkdir -p "$STAGE"
+    cp "benchmarks/out/whl-a/$CUDA_WHEEL.part0" "$STAGE/"
+    ls -l "$STAGE"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    python3 --version
+}
+
+install() {
+    if python3 -c 'import mlx.core as mx, mlx_lm, pydantic, asyncssh, structlog; assert mx.cuda.is_available()' \
+        2>/dev/null; then
+        return 0
+    fi
+    [ -f "$STAGE/$CUDA_WHEEL.part0" ] || die "no $STAGE/$CUDA_WHEEL.part0: this is a fresh machine; make call 1 (stage-a) again, then this one at once"
+    [ -f "benchmarks/out/whl-b/$CUDA_WHEEL.part1" ] || die "carry benchmarks/out/whl-b with this call"
+    cat "$STAGE/$CUDA_WHEEL.part0" "benchmarks/out/whl-b/$CUDA_WHEEL.part1" > "$STAGE/$CUDA_WHEEL"
+    (cd "$STAGE" && sha256sum -c "$REPO/benchmarks/out/whl-b/SHA256SUMS")
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        "$STAGE/$CUDA_WHEEL" benchmarks/out/whl-b/*.whl
+    # Every library libmlx.so needs must resolve (through its RPATH, the image's nvidia-* wheels) before an import.
+    local lib; lib="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')/mlx/lib/libmlx.so"
+    if ldd "$lib" | grep 'not found' >&2; then
+        die "libmlx.so cannot find the libraries above (is this python the one with the nvidia-* wheels?)"
+    fi
+    python3 - <<'EOF'
+import mlx.core as mx, mlx_lm
+print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available(), mx.default_device())
+print(mx.device_info())
+a = mx.random.normal((1024, 1024))
+print("matmul ok", float((a @ a).sum()) == float((a @ a).sum()))
+EOF
+    python3 -c 'import mlx.core as mx; assert mx.cuda.is_available()' || die "mlx is installed but does not see the GPU"
+}
+
+run_bench() {
+    [ $# -ge 1 ] || die "usage: run SIZES [bench_train.py args]"
+    local sizes="$1"; shift
+    install
+    local label="${sizes//,/}"
+    local args=("$@")
+    for ((i = 0; i < ${#args[@]}; i++)); do
+        case "${args[$i]}" in --methods|--shapes) label="$label-${args[$((i + 1))]//,/}" ;; esac
+    done
+    local out="${OUT:-$REPO/benchmarks/out}"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1
+    [ ! -f benchmarks/out/whl-b/COMMIT ] || export BENCH_COMMIT="$(cat benchmarks/out/whl-b/COMMIT)"
+    set -o pipefail
+    python3 benchmarks/bench_train.py --sizes "$sizes" "$@" --json "$out/bench-$label.json" \
+        2> >(tee "$out/bench-$label.log" >&2) | tee "$out/bench-$label.md"
+}
+
+cd "$REPO"
+case "${1:-}" in
+    wheelhouse) wheelhouse ;;
+    stamp) stamp ;;
+    stage-a) stage_a ;;
+    install) install ;;
+    run) shift; run_bench "$@" ;;
+    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args]" ;;
+esac
