@@ -1,6 +1,7 @@
 """The `coordinator` command line. The ONLY place that prints errors for users and chooses exit codes.
 
-Exit codes: 0 ok, 1 a check failed / the job failed, 2 usage or configuration error, 130 interrupted.
+Exit codes: 0 ok, 1 a check failed / the job failed, 2 usage or configuration error (or a run another live
+coordinator supervises), 128 + the signal that stopped a job: 130 SIGINT (Ctrl-C), 143 SIGTERM, 129 SIGHUP.
 Each verb is a thin wrapper: find the behaviour behind it one hop away (preflight.py, gather.py, ...).
 """
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from coordinator.liveview import RichUI
     from coordinator.models import Inventory
     from coordinator.playbook import Playbook
+    from coordinator.supervision import Supervision
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -58,6 +60,63 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         gc.freeze()
         gc.enable()
     return asyncio.run(coro)
+
+
+def run_supervised(coro: Coroutine[Any, Any, T], sup: Supervision) -> T:
+    """A job's event loop, with SIGINT, SIGTERM and SIGHUP recorded in `sup` and answered alike: the job is
+    cancelled, and its own handlers stop the run (teardown, summary.json), or leave it running when a hangup
+    detaches. A second SIGINT gives up on the teardown at once. The caller exits with `exit_code_for(signum)`."""
+    import signal
+
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on(signum: int) -> None:
+            if sup.on_signal(signum):
+                task.cancel()
+            elif signum == signal.SIGINT:
+                raise KeyboardInterrupt  # out of the loop: the operator insists
+
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for signum in handled:
+            loop.add_signal_handler(signum, on, signum)
+        try:
+            return await coro
+        finally:
+            for signum in handled:
+                loop.remove_signal_handler(signum)
+
+    try:
+        return run_async(guarded())
+    except asyncio.CancelledError:
+        # Cancelled before any attempt ran (preflight, calibration): nothing to tear down, no summary.
+        if sup.signum is None:
+            raise
+        raise _Interrupted(sup.signum, "before the launch: nothing was left running") from None
+
+
+class _Interrupted(CoordinatorError):
+    def __init__(self, signum: int, detail: str) -> None:
+        import signal
+
+        from coordinator.supervision import exit_code_for
+
+        self.exit_code = exit_code_for(signum)
+        super().__init__(f"interrupted by {signal.Signals(signum).name} {detail}")
+
+
+def _exit_for(summary: RunSummary, sup: Supervision, console: Console) -> None:
+    """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded."""
+    from coordinator.supervision import exit_code_for
+
+    if sup.signum is not None:
+        if sup.detach:
+            console.print(f"detached on SIGHUP: run {summary.run_id} goes on; supervise it again with "
+                          f"`coordinator attach {summary.run_id} --run-dir {Path(summary.run_dir).parent}`")
+        sys.exit(exit_code_for(sup.signum))
+    sys.exit(0 if summary.state == "succeeded" else 1)
 
 
 def _fail(message: str, code: int) -> None:
@@ -246,14 +305,15 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
 
 def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
                  connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False,
-                 allow_degraded: bool = False) -> JobOptions:
+                 allow_degraded: bool = False, allow_shared: bool = False) -> JobOptions:
     from coordinator.job import JobOptions
 
     if restart_from_scratch and resume is None:
         raise ConfigError("--restart-from-scratch applies to --resume RUN_ID only")
     return JobOptions(run_root=run_dir, skip_preflight=skip_preflight, recalibrate=recalibrate, resume=resume,
                       connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                      restart_from_scratch=restart_from_scratch, allow_degraded=allow_degraded)
+                      restart_from_scratch=restart_from_scratch, allow_degraded=allow_degraded,
+                      allow_shared=allow_shared)
 
 
 @main.command()
@@ -279,11 +339,14 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
               help="Inject a fault for drills/tests, e.g. kill:rank=1,step=20 (docs/faults.md). Repeatable.")
 @click.option("--allow-degraded", is_flag=True,
               help="Start even though quarantined nodes are left out (else: exit 1 unless faults.min_nodes is set).")
+@click.option("--allow-shared", is_flag=True, help="Run on nodes another live run holds (warned) instead of refusing.")
+@click.option("--detach-on-hangup", is_flag=True,
+              help="On SIGHUP (a closed terminal) leave the run running for `coordinator attach` instead of stopping it.")
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
            resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
            connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
-           allow_degraded: bool) -> None:
+           allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
@@ -293,24 +356,26 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     from coordinator.metrics import MetricsServer, MetricsUI
     from coordinator.plan import describe_prediction
     from coordinator.render import dumps
+    from coordinator.supervision import Supervision
 
     inv, pb = _load(inventory, playbook, limit)
     assert pb is not None
     console = make_console(stderr=as_json)
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys,
-                        restart_from_scratch, allow_degraded)
+                        restart_from_scratch, allow_degraded, allow_shared)
+    sup = Supervision(detach_on_hangup=detach_on_hangup)
     if pb.kind == "map":
-        if chaos_specs or metrics_port is not None or restart_from_scratch:
-            raise ConfigError("--chaos, --metrics-port and --restart-from-scratch are for training jobs (kind: train)",
-                              path=pb.path)
-        _launch_map(inv, pb, opts, ui, console, as_json)
+        if chaos_specs or metrics_port is not None or restart_from_scratch or detach_on_hangup:
+            raise ConfigError("--chaos, --metrics-port, --restart-from-scratch and --detach-on-hangup are for "
+                              "training jobs (kind: train)", path=pb.path)
+        _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     try:
-        summary = _with_live_view(run_job(inv, pb, opts, job_ui, chaos=chaos), ui, console)
+        summary = _with_live_view(run_job(inv, pb, opts, job_ui, chaos=chaos, supervision=sup), ui, console, sup)
     finally:
         if server is not None:
             server.close()
@@ -321,20 +386,20 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         resumed = summary.resumed_from
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
-                      + (f"; resumed from step {resumed['step']}" if resumed else ""))
+                      + (f"; resumed from step {resumed['step']}" if resumed else "") + _message_note(summary))
         console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
                       markup=False, highlight=False)
         _print_incidents(console, summary)
-    sys.exit(0 if summary.state == "succeeded" else 1)
+    _exit_for(summary, sup, console)
 
 
-def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console) -> T:
+def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console, sup: Supervision) -> T:
     """Run a job with its live view, which is closed (and a failed preflight shown) whatever happens."""
     from coordinator.job import PreflightFailed
     from coordinator.render import render_preflight
 
     try:
-        return run_async(job)
+        return run_supervised(job, sup)
     except PreflightFailed as exc:
         ui.close()
         render_preflight(exc.report, console)
@@ -343,11 +408,12 @@ def _with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console) -
         ui.close()
 
 
-def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool) -> None:
+def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool,
+                sup: Supervision) -> None:
     from coordinator.mapjob import run_map
     from coordinator.render import dumps
 
-    summary = _with_live_view(run_map(inv, pb, opts, ui), ui, console)
+    summary = _with_live_view(run_map(inv, pb, opts, ui), ui, console, sup)
     if as_json:
         click.echo(dumps(summary.to_json()))
     else:
@@ -356,7 +422,21 @@ def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, cons
                       f"rows, {len(summary.incidents)} incident(s); output {summary.output}")
         for inc in summary.incidents:
             console.print(f"  [red]{inc.kind}[/red] node {inc.node}: {inc.action}; {str(inc.evidence)[:300]}")
+    if sup.signum is not None:
+        from coordinator.supervision import exit_code_for
+
+        sys.exit(exit_code_for(sup.signum))
     sys.exit(0 if summary.state == "succeeded" else 1)
+
+
+def _message_note(summary: RunSummary) -> str:
+    """Why the run ended (a stop, a signal, giving up), for the one-line result; a job error is left to
+    `_print_incidents`, which prints it once with its cause and remedy."""
+    from rich.markup import escape
+
+    if not summary.message or any(i.kind == "job_error" for i in summary.incidents):
+        return ""
+    return escape(f" ({summary.message})")
 
 
 def _print_incidents(console: Console, summary: RunSummary) -> None:
@@ -386,39 +466,48 @@ def _print_incidents(console: Console, summary: RunSummary) -> None:
 @click.option("-i", "--inventory", help="Default: the inventory the run was launched with.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True)
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--detach-on-hangup", is_flag=True, help="On SIGHUP leave the run running instead of stopping it.")
 @handle_errors
-def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool) -> None:
-    """Resume monitoring RUN_ID (after the coordinator that launched it died) until it ends."""
-    from rich.console import Console
-
+def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool, detach_on_hangup: bool) -> None:
+    """Supervise RUN_ID again (after the coordinator that launched it died) until it ends, with the same fault
+    response as `launch`. Refused (exit 2) while a live coordinator supervises it."""
     from coordinator import control
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import RichUI, make_console
     from coordinator.render import dumps
+    from coordinator.supervision import Supervision
 
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     ui = RichUI(console)
+    sup = Supervision(detach_on_hangup=detach_on_hangup)
     try:
-        summary = run_async(control.attach(run_dir / run_id, inventory=inventory, view=ui.progress))
+        summary = run_supervised(control.attach(run_dir / run_id, inventory=inventory, ui=ui, supervision=sup), sup)
     finally:
         ui.close()
     if as_json:
         click.echo(dumps(summary.to_json()))
     else:
-        console.print(f"{summary.state} run {summary.run_id}: {summary.steps} steps")
+        console.print(f"{summary.state} run {summary.run_id}: {summary.steps} steps"
+                      + _message_note(summary))
         _print_incidents(console, summary)
-    sys.exit(0 if summary.state == "succeeded" else 1)
+    _exit_for(summary, sup, console)
 
 
 @main.command()
 @click.argument("run_id")
 @click.option("-i", "--inventory", help="Default: the inventory the run was launched with.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True)
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(0, 86400),
+              help="Seconds to wait for a live coordinator to carry out the stop.")
 @handle_errors
-def stop(run_id: str, inventory: str | None, run_dir: Path) -> None:
-    """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`."""
+def stop(run_id: str, inventory: str | None, run_dir: Path, wait_s: float) -> None:
+    """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`, nothing
+    quarantined. A live coordinator of the run is asked to do it (and waited for); else this command does."""
     from coordinator import control
 
-    summary = run_async(control.stop(run_dir / run_id, inventory=inventory))
+    summary = run_async(control.stop(run_dir / run_id, inventory=inventory, wait_s=wait_s))
+    if summary.state != "stopped":
+        raise CoordinatorError(f"run {summary.run_id} ended {summary.state} at step {summary.steps} before the "
+                               f"stop request was carried out ({summary.message or 'no message'})")
     click.echo(f"stopped run {summary.run_id} at step {summary.steps}")
 
 

@@ -4,22 +4,32 @@ The job does not depend on the coordinator process: mlx.launch runs in its own s
 nodes. `runs/<id>/meta.json` (written at each launch) names the attempt's nodes, ranks, node run dirs and the
 launcher's PID; the nodes' event files hold everything else, so a new coordinator rebuilds the monitor's state
 by replaying them.
+
+One coordinator supervises a run (coordinator/supervision.py): `attach` refuses while the run's lock is held
+by a live one, and `stop` then asks that one to stop instead of pulling the run from under it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.errors import ConfigError
+from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.hostfile import Hostfile
 from coordinator.inventory import load_inventory
+from coordinator.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.launch import Launch, RankPlan, RunSummary, ViewFn, summarize, write_summary
 from coordinator.models import Inventory
 from coordinator.monitor import RunState
-from coordinator.playbook import load_playbook
+from coordinator.playbook import Playbook, load_playbook
+from coordinator.quarantine import QuarantineStore
+from coordinator.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
+
+STOP_WAIT_S = 120.0  # how long `coordinator stop` waits for a live coordinator to carry out its request
 
 
 def read_meta(run_dir: Path) -> dict[str, Any]:
@@ -33,9 +43,13 @@ def read_meta(run_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def _adopt(fleet: Fleet, run_dir: Path, meta: dict[str, Any], inv: Inventory, view: ViewFn | None) -> Launch:
+def _playbook(run_dir: Path, meta: dict[str, Any]) -> Playbook:
     playbook_path = meta.get("playbook")
-    pb = load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / "playbook.yaml")
+    return load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / "playbook.yaml")
+
+
+def _adopt(fleet: Fleet, run_dir: Path, meta: dict[str, Any], inv: Inventory, pb: Playbook,
+           view: ViewFn | None) -> Launch:
     by_name = {n.name: n for n in inv.nodes}
     ranks = [RankPlan(r["rank"], by_name[r["node"]], r["batch_size"], r.get("calibrated_tokens_per_s"))
              for r in meta["ranks"]]
@@ -45,6 +59,11 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: dict[str, Any], inv: Inventory, vi
     launch.remote_run_dirs = dict(meta.get("remote_run_dirs") or {})
     launch.launcher_pid = meta.get("launcher_pid")
     launch.inventory_path = meta.get("inventory")
+    launch.remote_tmp = str(meta.get("remote_tmp_dir") or launch.remote_tmp)
+    # What every attempt of the run carries on, whoever supervises it (`job.supervise`).
+    launch.left_out = list(meta.get("left_out") or [])
+    launch.drill = bool(meta.get("drill"))
+    launch.restart_from_scratch = bool(meta.get("restart_from_scratch"))
     return launch
 
 
@@ -59,42 +78,83 @@ def _inventory(meta: dict[str, Any], inventory: str | None) -> Inventory:
     return inv.limit(list(meta["nodes"]))
 
 
-async def attach(run_dir: Path, *, inventory: str | None = None, view: ViewFn | None = None,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> RunSummary:
-    """Resume monitoring a running job until it ends; then tear down as `launch` would."""
+async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | None = None,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, supervision: Supervision | None = None,
+                 allow_shared: bool = True) -> RunSummary:
+    """Supervise a running job whose coordinator is gone, to its end, as `launch` would: the same monitor, the
+    same fault response (quarantine, relaunch on the survivors), the same teardown and summary.json.
+    RunBusy while a live coordinator holds the run's lock."""
+    ui = ui or QuietUI()
+    sup = supervision or Supervision()
     meta = read_meta(run_dir)
+    run_id = str(meta["run_id"])
     inv = _inventory(meta, inventory)
-    async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
-        await fleet.connect_all()
-        launch = _adopt(fleet, run_dir, meta, inv, view)
-        mon = None
-        try:
-            mon = await launch.monitor()
-        finally:
-            await launch.teardown(mon or launch.current_monitor)
-        summary = summarize(launch, mon, launch.split(), "attached")
+    pb = _playbook(run_dir, meta)
+    with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
+          run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent)):
+        sup.run_dir = run_dir
+        async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
+            await fleet.connect_all()
+            launch = _adopt(fleet, run_dir, meta, inv, pb, ui.progress)
+            launch.should_stop = sup.stop_reason
+            monitor = await watch(launch, sup)
+            adopted = Attempt(launch.attempt, list(launch.nodes), monitor, launch, None)
+            opts = JobOptions(run_root=run_dir.parent, connect_timeout=connect_timeout)
+            return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), run_id, run_dir, adopted, {}, sup)
+
+
+async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+               wait_s: float = STOP_WAIT_S) -> RunSummary:
+    """Stop a run cleanly. A live coordinator is asked to (`stop-request`; it tears down and writes the summary,
+    `stopped`, nothing quarantined) and waited for; without one, this process takes the run's lock and stops
+    the launcher's process group, every rank on every node and our temp files itself."""
+    meta = read_meta(run_dir)
+    run_id = str(meta["run_id"])
+    if holder_of(run_dir / LOCK_NAME) is not None:
+        return await _ask_to_stop(run_dir, run_id, wait_s)
+    inv = _inventory(meta, inventory)
+    with holding(run_dir, "stop", run_id):
+        async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
+            await fleet.connect_all()
+            launch = _adopt(fleet, run_dir, meta, inv, _playbook(run_dir, meta), None)
+            mon = launch.new_monitor()
+            mon.stopped = True
+            await launch.teardown(mon)
+        previous = _summary(run_dir)
+        summary = summarize(launch, mon, launch.split(), "stopped by `coordinator stop`")
+        summary.state = RunState.STOPPED
+        summary.steps = max(summary.steps, int(previous.get("steps") or 0))
+        summary.left_out = list(launch.left_out)
         write_summary(run_dir, summary)
         return summary
 
 
-async def stop(run_dir: Path, *, inventory: str | None = None,
-               connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> RunSummary:
-    """Stop a run cleanly: the launcher's process group, every rank on every node, our temp files."""
-    meta = read_meta(run_dir)
-    inv = _inventory(meta, inventory)
-    async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
-        await fleet.connect_all()
-        launch = _adopt(fleet, run_dir, meta, inv, None)
-        mon = launch.new_monitor()
-        mon.stopped = True
-        await launch.teardown(mon)
-    previous: dict[str, Any] = {}
-    try:
-        previous = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        previous = {}
-    summary = summarize(launch, mon, launch.split(), "stopped by `coordinator stop`")
-    summary.state = RunState.STOPPED
-    summary.steps = max(summary.steps, int(previous.get("steps") or 0))
-    write_summary(run_dir, summary)
+async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> RunSummary:
+    """Leave a stop request for the live coordinator and wait until it has released the run (its summary is
+    then written). The request stays if the wait runs out: that coordinator acts on it at its next tick."""
+    holder = holder_of(run_dir / LOCK_NAME)
+    request_stop(run_dir)
+    deadline = time.monotonic() + wait_s
+    while holder_of(run_dir / LOCK_NAME) is not None:
+        if time.monotonic() > deadline:
+            who = holder.describe() if holder else "its coordinator"
+            raise CoordinatorError(f"run {run_id}: asked {who} to stop; it has not finished within {wait_s:g}s "
+                                   "(the request stands: it is carried out once the attempt's monitor runs)")
+        await asyncio.sleep(0.2)
+    data = _summary(run_dir)
+    if not data:
+        raise CoordinatorError(f"run {run_id}: its coordinator ended without a summary.json")
+    summary = RunSummary(run_id=run_id, state=RunState(str(data.get("state", "failed"))),
+                         steps=int(data.get("steps") or 0), nodes=list(data.get("nodes") or []),
+                         split=dict(data.get("split") or {}), run_dir=str(run_dir),
+                         message=str(data.get("message") or ""))
+    summary.quarantined = list(data.get("quarantined") or [])
     return summary
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,6 +61,14 @@ from coordinator.quarantine import (
 )
 from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
 from coordinator.shards import MapRow
+from coordinator.supervision import (
+    NodeLocks,
+    RunBusy,
+    Supervision,
+    acquire_nodes,
+    acquire_run,
+    clear_stop_request,
+)
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 
 
@@ -113,6 +121,7 @@ class JobOptions:
     accept_new_host_keys: bool = False
     cache_dir: Path = field(default_factory=default_cache_dir)
     allow_degraded: bool = False  # a fresh launch may start without quarantined nodes (docs/faults.md)
+    allow_shared: bool = False  # run on nodes another live run holds (warned), instead of refusing
 
 
 class PreflightFailed(CoordinatorError):
@@ -225,31 +234,37 @@ def hostfile_for(inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -
 
 @dataclass
 class Attempt:
-    """One mlx.launch of the run (the first, or a relaunch after a fault)."""
+    """One mlx.launch of the run (the first, or a relaunch after a fault). `plan` is None for an attempt that
+    `coordinator attach` adopted (its split is its ranks' batches)."""
 
     number: int
     nodes: list[str]
     monitor: Monitor
     launch: Launch
-    plan: Plan
+    plan: Plan | None
 
 
 async def run_job(
-    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = ()
+    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = (),
+    supervision: Supervision | None = None,
 ) -> RunSummary:
-    """Run the playbook until it succeeds, fails for good or is interrupted; always tears down.
+    """Run the playbook until it succeeds, fails for good or is stopped; always tears down (unless a hangup
+    detaches: `Supervision.detach`).
 
     On a fault the attempt is stopped, the culprit node quarantined (persisted), and the run relaunched on the
     remaining nodes from their newest consistent checkpoint with a recomputed plan and hostfile, within
-    `faults.max_restarts` and down to `faults.min_nodes` nodes.
+    `faults.max_restarts` and down to `faults.min_nodes` nodes. The run lock and the nodes' locks are held
+    throughout (RunBusy when another live coordinator has them).
     """
     ui = ui or QuietUI()
+    sup = supervision or Supervision()
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
-    with run_context(inv, pb, opts, resume_marker=None) as (run_id, run_dir):
-        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out)
+    with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
+        sup.run_dir = run_dir
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
 
 
 def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI,
@@ -300,28 +315,70 @@ def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str
 
 @contextlib.contextmanager
 def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
-                resume_marker: str | None) -> Iterator[tuple[str, Path]]:
+                resume_marker: str | None, ui: JobUI | None = None) -> Iterator[tuple[str, Path]]:
     """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
-    when given), with the run's structured log open and secrets redacted, for the duration of the block."""
+    when given), with the run's lock and its nodes' locks held (RunBusy when a live coordinator has them) and
+    the run's structured log open, secrets redacted, for the duration of the block."""
     if opts.resume:
         check_run_id(opts.resume, what="--resume")
     run_id = opts.resume or new_run_id(pb.name)
     run_dir = opts.run_root / run_id
     if opts.resume and not (run_dir / (resume_marker or "")).exists():
         raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
+    created = not run_dir.exists()
     make_run_dir(run_dir, opts.run_root)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(supervised_run(run_dir, run_id, inv.nodes, verb="launch",
+                                               allow_shared=opts.allow_shared, ui=ui))
+        except RunBusy:
+            if created:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # a refused new run leaves no empty run dir behind
+            raise
+        with run_log(run_dir, run_id, inv, pb, run_root=opts.run_root):
+            yield run_id, run_dir
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path, run_id: str, inv: Inventory, pb: Playbook, *,
+            run_root: Path | None = None) -> Iterator[None]:
+    """The run's structured log (its file in the run dir, never the terminal), secrets redacted. ConfigError
+    (exit 2) when the run dir takes no log."""
     secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
                *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
     try:
         logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
     except OSError as exc:
-        raise ConfigError(f"--run-dir {opts.run_root}: cannot write the run log in {run_dir} ({exc.strerror})") from None
+        raise ConfigError(f"--run-dir {run_root or run_dir.parent}: cannot write the run log in {run_dir} "
+                          f"({exc.strerror})") from None
     structlog.contextvars.bind_contextvars(run_id=run_id)
     try:
-        yield run_id, run_dir
+        yield
     finally:
         structlog.contextvars.unbind_contextvars("run_id")
         logs.close()
+
+
+@contextlib.contextmanager
+def supervised_run(run_dir: Path, run_id: str, nodes: Sequence[Node], *, verb: str, allow_shared: bool,
+                   ui: JobUI | None = None) -> Iterator[NodeLocks]:
+    """Hold the run's lock, then its nodes' locks, for the block. A stop request left from an earlier holder
+    is dropped: it was addressed to a coordinator that is gone."""
+    lock = acquire_run(run_dir, verb, run_id)
+    try:
+        clear_stop_request(run_dir)
+        nodes_locked = acquire_nodes(nodes, verb, run_id, allow_shared=allow_shared)
+        try:
+            if nodes_locked.shared and ui is not None:
+                ui.message("warning: --allow-shared: sharing " + ", ".join(
+                    f"{n} with run {h.run_id if h else '?'}" for n, h in nodes_locked.shared.items()))
+            yield nodes_locked
+        finally:
+            nodes_locked.release()
+    finally:
+        clear_stop_request(run_dir)
+        lock.release()
 
 
 def make_run_dir(run_dir: Path, run_root: Path) -> None:
@@ -355,136 +412,174 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
-                   store: QuarantineStore, run_id: str, run_dir: Path, left_out: Sequence[LeftOut]) -> RunSummary:
-    log = structlog.get_logger("coordinator.job")
-    attempts: list[Attempt] = []
-    recoveries: list[dict[str, Any]] = []
-    message = ""
-    earlier_errors: dict[str, frozenset[str]] = {}  # signature -> nodes whose own error had it (Monitor)
-    blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
-    released: list[str] = []
-    resumed: ResumeDecision | None = None
+                   store: QuarantineStore, run_id: str, run_dir: Path, left_out: Sequence[LeftOut],
+                   sup: Supervision) -> RunSummary:
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
         nodes = list(inv.nodes)
-        resume = opts.resume is not None
-        while True:
-            number = len(attempts)
-            if number:
-                sub = Inventory(tuple(nodes), inv.path)
-                plan, cals = await calibrate_and_plan(fleet, sub, pb, state.facts, opts, ui)
-            if resume:
-                # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused:
-                # the first attempt raises it, exit 1; a relaunch ends the run with it).
-                try:
-                    decision = await check_resume(
-                        fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
-                        restart_from_scratch=opts.restart_from_scratch, events_file=run_dir / "events.jsonl")
-                except ResumeRefused as exc:
-                    if not attempts:
-                        raise
-                    message = str(exc)
-                    break
-                ui.message(decision.describe())
-                if number == 0:
-                    resumed = decision
-                else:
-                    recoveries[-1]["resumed_from"] = decision.step or 0
-            attempt = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, number,
-                                         resume=resume, chaos=chaos if number == 0 else (), ui=ui,
-                                         inventory_path=str(Path(inv.path).resolve()) if inv.path else None,
-                                         earlier_errors=earlier_errors,
-                                         restart_from_scratch=opts.restart_from_scratch, left_out=left_out)
-            attempts.append(attempt)
-            mon = attempt.monitor
-            log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
-                     step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
-            if recoveries and recoveries[-1].get("first_step_at") is None:
-                recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
-            if mon.stopped:
-                message = "interrupted"
-                break
-            if mon.outcome() is RunState.SUCCEEDED:
-                break
-            if mon.job_error is not None:
-                # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
-                # the work to another node, are released.
-                signature = mon.job_error.evidence.get("signature")
-                released = [n for n, sig in blamed_for.items() if sig == signature]
-                for name in released:
-                    store.clear(name, inventory=inventory_key(inv.path))
-                    log.warning("released", node=name, reason="the same error followed the work: a job error")
-                    for earlier in attempts[:-1]:
-                        _clear_blame(earlier.monitor, name)
-                message = job_error_message(mon.job_error, released)
-                log.error("job_error", **{k: v for k, v in mon.job_error.evidence.items() if k != "traceback"})
-                break
-            for err in mon.own_errors.values():
-                earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
-            if (fault := mon.job_fault()) is not None:
-                message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
-                break
-            culprits = mon.culprits()
-            survivors = [n for n in nodes if n.name not in culprits]
-            for name, why in (await _unreachable(fleet, survivors)).items():
-                # Found by the connection check, not by the monitor: still an incident of this attempt.
-                incident = Incident("unreachable", name, None, mon.node_step(name), None,
-                                    {"reason": why, "found_by": "connection check before relaunch"},
-                                    "quarantine", time.monotonic())
-                mon.incidents.append(incident)
-                attempt.launch.record_incident(incident)
-                culprits.append(name)
-            for name in culprits:
-                inc = mon.culprit_incident(name)
-                assert inc is not None  # every culprit was named by one of its incidents
-                if chaos:
-                    # A drill's culprit is the fault it injected: left out of the rest of this run, never of
-                    # later ones (nothing would mark such an entry as a drill).
-                    log.warning("left_out_of_drill", node=name, kind=inc.kind, step=inc.step)
-                    ui.message(f"left {name} out of this drill run: {inc.kind} at step {inc.step} "
-                               "(a --chaos drill persists no quarantine)")
-                    continue
-                quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=inventory_key(inv.path),
-                                run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
-                if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
-                    blamed_for[name] = inc.evidence["signature"]
-                log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
-                ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
-            survivors = [n for n in survivors if n.name not in culprits]
-            if number >= pb.faults.max_restarts:
-                message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
-                break
-            if len(survivors) < max(1, pb.faults.min_nodes):
-                message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
-                break
-            consistent = mon.last_consistent_step
-            if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
-                # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
-                limit = consistent or 0
-                await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
-                ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
-            failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
-            recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
-                               "detected_at": failed_at, "first_step_at": None,
-                               "nodes": [n.name for n in survivors]})
-            ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
-                       f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
-            nodes = survivors
-            resume = True
+        resumed: ResumeDecision | None = None
+        if opts.resume is not None:
+            # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
+            resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+        left = [lo.to_json() for lo in left_out]
+        first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
+                                   resume=opts.resume is not None, chaos=chaos, ui=ui,
+                                   inventory_path=str(Path(inv.path).resolve()) if inv.path else None, sup=sup,
+                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos))
+        return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
+                               resumed=resumed)
+
+
+async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
+                        restart_from_scratch: bool, ui: JobUI) -> ResumeDecision:
+    """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given."""
+    decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
+                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / "events.jsonl")
+    ui.message(decision.describe())
+    return decision
+
+
+async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI,
+                    store: QuarantineStore, run_id: str, run_dir: Path, first: Attempt,
+                    facts: dict[str, NodeFacts], sup: Supervision, *,
+                    resumed: ResumeDecision | None = None) -> RunSummary:
+    """The fault response after an attempt ended: stop on a job error (nobody quarantined; nodes this run
+    blamed for the same error released), else quarantine its culprits (a drill's only for this run) and
+    relaunch on the survivors after a resume check (or give up), until the run succeeds, fails for good or is
+    stopped; then summary.json. `launch` and `attach` share it, so an adopted attempt's fault is answered as a
+    launched one's. `facts` may lack nodes (attach probes none): they are gathered before a relaunch needs them.
+    `first.launch` carries what every attempt keeps: the left-out nodes, the drill flag, --restart-from-scratch."""
+    log = structlog.get_logger("coordinator.job")
+    attempts: list[Attempt] = [first]
+    recoveries: list[dict[str, Any]] = []
+    message = ""
+    earlier_errors: dict[str, frozenset[str]] = dict(first.launch.earlier_errors)  # signature -> nodes (Monitor)
+    blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
+    released: list[str] = []
+    inventory_path = str(Path(inv.path).resolve()) if inv.path else None
+    scope = inventory_key(inv.path)
+    drill, left_out = first.launch.drill, first.launch.left_out
+    restart_from_scratch = first.launch.restart_from_scratch
+    nodes = [n for n in inv.nodes if n.name in first.nodes]
+    while True:
+        attempt = attempts[-1]
+        number = attempt.number
+        mon = attempt.monitor
+        log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
+                 step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
+        if recoveries and recoveries[-1].get("first_step_at") is None:
+            recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
+        if mon.stopped:
+            message = sup.message()
+            break
+        if mon.outcome() is RunState.SUCCEEDED:
+            break
+        if mon.job_error is not None:
+            # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
+            # the work to another node, are released.
+            signature = mon.job_error.evidence.get("signature")
+            released = [n for n, sig in blamed_for.items() if sig == signature]
+            for name in released:
+                store.clear(name, inventory=scope)
+                log.warning("released", node=name, reason="the same error followed the work: a job error")
+                for earlier in attempts[:-1]:
+                    _clear_blame(earlier.monitor, name)
+            message = job_error_message(mon.job_error, released)
+            log.error("job_error", **{k: v for k, v in mon.job_error.evidence.items() if k != "traceback"})
+            break
+        for err in mon.own_errors.values():
+            earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
+        if (fault := mon.job_fault()) is not None:
+            message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
+            break
+        culprits = mon.culprits()
+        survivors = [n for n in nodes if n.name not in culprits]
+        for name, why in (await _unreachable(fleet, survivors)).items():
+            # Found by the connection check, not by the monitor: still an incident of this attempt.
+            incident = Incident("unreachable", name, None, mon.node_step(name), None,
+                                {"reason": why, "found_by": "connection check before relaunch"},
+                                "quarantine", time.monotonic())
+            mon.incidents.append(incident)
+            attempt.launch.record_incident(incident)
+            culprits.append(name)
+        for name in culprits:
+            inc = mon.culprit_incident(name)
+            assert inc is not None  # every culprit was named by one of its incidents
+            if drill:
+                # A drill's culprit is the fault it injected: left out of the rest of this run, never of
+                # later ones (nothing would mark such an entry as a drill).
+                log.warning("left_out_of_drill", node=name, kind=inc.kind, step=inc.step)
+                ui.message(f"left {name} out of this drill run: {inc.kind} at step {inc.step} "
+                           "(a --chaos drill persists no quarantine)")
+                continue
+            quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=scope,
+                            run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
+            if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
+                blamed_for[name] = inc.evidence["signature"]
+            log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
+            ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
+        survivors = [n for n in survivors if n.name not in culprits]
+        if sup.stop_reason() is not None:
+            # Asked to stop while this attempt failed: no relaunch.
+            mon.stopped = True
+            message = sup.message()
+            break
+        if number >= pb.faults.max_restarts:
+            message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+            break
+        if len(survivors) < max(1, pb.faults.min_nodes):
+            message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
+            break
+        consistent = mon.last_consistent_step
+        if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
+            # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
+            limit = consistent or 0
+            await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
+            ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
+        failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
+        recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
+                           "detected_at": failed_at, "first_step_at": None,
+                           "nodes": [n.name for n in survivors]})
+        ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
+                   f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
+        nodes = survivors
+        if any(n.name not in facts for n in nodes):
+            gathered = await gather_facts(fleet, pb)
+            facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
+        sub = Inventory(tuple(nodes), inv.path)
+        plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
+        try:
+            decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
+        except ResumeRefused as exc:
+            message = str(exc)
+            break
+        recoveries[-1]["resumed_from"] = decision.step or 0
+        attempts.append(await _run_attempt(fleet, pb, nodes, plan, cals, facts, run_id, run_dir, number + 1,
+                                           resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup,
+                                           earlier_errors=earlier_errors,
+                                           restart_from_scratch=restart_from_scratch, left_out=left_out,
+                                           drill=drill))
     final = attempts[-1]
-    summary = summarize(final.launch, final.monitor, final.plan.split, message,
-                        predicted_tokens_per_s=final.plan.predicted_tokens_per_s or None)
+    split = final.plan.split if final.plan is not None else final.launch.split()
+    predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
+    summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
-    summary.attempts = len(attempts)
+    summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
     summary.resumed_from = resumed.to_json() if resumed is not None else None
     summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
                                   | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
                                  - set(released))
-    summary.left_out = [lo.to_json() for lo in left_out]
+    summary.left_out = list(left_out)
+    if sup.detach:
+        # The run goes on without us: no summary.json (it is not over); `attach` writes it when it is.
+        summary.state = RunState.RUNNING
+        return summary
     write_summary(run_dir, summary)
     return summary
 
@@ -533,9 +628,9 @@ def _first_step_after(attempt: Attempt, recovery: dict[str, Any]) -> float | Non
 async def _run_attempt(
     fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
-    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None,
+    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
     earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
-    left_out: Sequence[LeftOut] = (),
+    left_out: Sequence[dict[str, str]] = (), drill: bool = False,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -545,28 +640,49 @@ async def _run_attempt(
     launch.inventory_path = inventory_path
     launch.earlier_errors = dict(earlier_errors or {})
     launch.restart_from_scratch = restart_from_scratch
-    launch.left_out = [lo.to_json() for lo in left_out]
+    launch.left_out = list(left_out)
+    launch.drill = drill
+    launch.should_stop = sup.stop_reason
     curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
     plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
                                  "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,
                                  "backend": hostfile.backend, "attempt": number}
     local_hostfile = launch.write_local_files(plan_json)
-    monitor: Monitor | None = None
-    try:
+
+    async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
         await launch.prepare()
         ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
         launch.start_launcher(local_hostfile)
+
+    monitor = await watch(launch, sup, start)
+    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+
+
+async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[None]] | None = None) -> Monitor:
+    """Start the attempt (`start`; None for an adopted one) and monitor it to its end; tear down always, except
+    when a hangup detaches (`sup.detach`): then the ranks and mlx.launch are left running for `attach`.
+    A signal or a stop request ends it with the monitor `stopped`."""
+    monitor: Monitor | None = None
+    try:
+        if start is not None:
+            await start()
         monitor = await launch.monitor()
     except (KeyboardInterrupt, asyncio.CancelledError):
-        monitor = launch.current_monitor
-        if monitor is None:
-            monitor = launch.new_monitor()
+        # The signal handlers (cli.py) cancel the job; the teardown below is the answer, so the cancellation
+        # is consumed here (and the task's count of pending cancellations with it).
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        monitor = launch.current_monitor or launch.new_monitor()
         monitor.stopped = True
     finally:
-        await launch.teardown(monitor or launch.current_monitor)
+        if sup.detach:
+            launch.detach()
+        else:
+            await launch.teardown(monitor or launch.current_monitor)
     assert monitor is not None
-    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+    return monitor
 
 
 __all__ = ["JobOptions", "PreflightFailed", "QuietUI", "RunState", "run_job"]

@@ -54,6 +54,11 @@ MLX_LAUNCH = (
 TICK_S = 0.5
 FINISH_GRACE_S = 5.0  # after the launcher exits, how long late events may still arrive
 FENCE_OVER_STALL = 3.0  # a rank fences itself (worker.events.Fence) after this many monitor stall windows
+# A follower channel that closes on a node that still answers over SSH (the follower was killed, the channel
+# dropped) is restarted where it stopped, at most this many times in a row; a channel that then lived
+# FOLLOW_STABLE_S resets the count. Only a node the coordinator cannot reach over SSH is unreachable.
+FOLLOW_RETRIES = 3
+FOLLOW_STABLE_S = 30.0
 
 
 class LaunchError(CoordinatorError):
@@ -400,9 +405,12 @@ class Launch:
         self.inventory_path: str | None = None
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
+        self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
+        # Polled every tick: a reason (a signal, `coordinator stop`) ends the attempt as `stopped`.
+        self.should_stop: Callable[[], str | None] | None = None
         f = playbook.faults
         self.policy = FaultPolicy(heartbeat_timeout=playbook.heartbeat_timeout, straggler_fraction=f.straggler_fraction,
                                   straggler_window=f.straggler_window, straggler_min_s=f.straggler_min_s,
@@ -520,21 +528,59 @@ class Launch:
             "remote_run_dirs": self.remote_run_dirs, "remote_tmp_dir": self.remote_tmp,
             "launcher_pid": self.launcher.pid if self.launcher else None,
             "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
-            "left_out": self.left_out,
+            "left_out": self.left_out, "drill": self.drill, "restart_from_scratch": self.restart_from_scratch,
         }
         write_private(self.run_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
+        """Feed the monitor what `worker.follow` on the node reports, over the node's own connection. A channel
+        that closes is reopened where it stopped (`--skip`: the events already read) while the node answers over
+        SSH (reconnecting if the connection itself died), up to FOLLOW_RETRIES times in a row; a node that does
+        not answer is `lost` (unreachable)."""
         node = self.node_by_name[name]
-        transport = self.fleet.transports[name]
-        ranks = ",".join(str(r.rank) for r in self.ranks if r.node.name == name)
-        worker_dir = await ship_worker(transport, node)
+        ranks = [r.rank for r in self.ranks if r.node.name == name]
+        seen = dict.fromkeys(ranks, 0)  # event lines of each rank's file received so far
+        worker_dir = await ship_worker(self.fleet.transports[name], node)
+        failures = 0
+        while True:
+            opened = time.monotonic()
+            reason = await self._follow_once(name, worker_dir, ranks, seen)
+            failures = 0 if time.monotonic() - opened >= FOLLOW_STABLE_S else failures + 1
+            if failures > FOLLOW_RETRIES:
+                reason = f"{reason} ({FOLLOW_RETRIES} restarts of the follower in a row failed)"
+                break
+            try:
+                await self._reach(name)
+            except TransportError as exc:
+                reason = f"{reason}; {exc}"
+                break
+            self.record_supervisor("follower_restarted", node=name, reason=reason, retry=failures)
+            await asyncio.sleep(0.2 * failures)
+        await self.queue.put(Observation("lost", name, time.monotonic(), data={"reason": reason}))
+
+    async def _reach(self, name: str) -> None:
+        """TransportError unless the node answers over SSH: on its connection, else on a fresh one."""
+        try:
+            result = await self.fleet.transports[name].run(["true"], timeout=5)
+            if result.ok:
+                return
+        except TransportError:
+            pass
+        await self.fleet.reconnect(name)
+
+    async def _follow_once(self, name: str, worker_dir: str, ranks: Sequence[int], seen: dict[int, int]) -> str:
+        """One follower channel, until it ends; returns why it ended."""
+        node = self.node_by_name[name]
+        skip = ",".join(f"{r}={n}" for r, n in seen.items() if n)
         argv = ["env", f"PYTHONPATH={worker_dir}",
                 *python_argv(node.python, "-m", "worker.follow", "--run-dir", self.remote_run_dirs[name],
-                             "--ranks", ranks, "--interval", str(TICK_S))]
+                             "--ranks", ",".join(str(r) for r in ranks), "--interval", str(TICK_S),
+                             *(["--skip", skip] if skip else []))]
         reason = "channel closed"
         try:
-            async for kind, line in transport.stream(argv, timeout=365 * 86400):
+            async for kind, line in self.fleet.transports[name].stream(argv, timeout=365 * 86400):
+                if kind == "exit":
+                    reason = f"follower exited ({line})"
                 if kind != "stdout":
                     continue
                 try:
@@ -543,6 +589,8 @@ class Launch:
                     continue
                 now = time.monotonic()
                 src = msg.get("src")
+                if src in ("event", "bad") and msg.get("rank") in seen:
+                    seen[msg["rank"]] += 1
                 if src == "event":
                     await self.queue.put(Observation("event", name, now, msg.get("rank"), msg.get("event") or {}))
                 elif src == "proc":
@@ -551,7 +599,14 @@ class Launch:
                     await self.queue.put(Observation("tick", name, now))
         except TransportError as exc:
             reason = str(exc)
-        await self.queue.put(Observation("lost", name, time.monotonic(), data={"reason": reason}))
+        return reason
+
+    def record_supervisor(self, what: str, **data: Any) -> None:
+        """A line in events.jsonl about the coordinator itself (a follower restarted, a stop, a detach)."""
+        record = {"event": "supervisor", "what": what, "node": "coordinator", "attempt": self.attempt,
+                  "t": time.time(), **data}
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            sink.write(json.dumps(record) + "\n")
 
     def new_monitor(self) -> Monitor:
         plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
@@ -564,6 +619,7 @@ class Launch:
         mon = self.current_monitor = self.new_monitor()
         self.tasks = [asyncio.create_task(self._follow(n)) for n in self.nodes]
         launcher_done_at: float | None = None
+        stop_checked_at = float("-inf")
         with self.events_file.open("a", encoding="utf-8") as sink:
             while True:
                 try:
@@ -571,6 +627,14 @@ class Launch:
                 except TimeoutError:
                     obs = None
                 now = time.monotonic()
+                if self.should_stop is not None and now >= stop_checked_at + TICK_S:
+                    # Once a tick, not per observation: the check may look for a file (a stop request).
+                    stop_checked_at = now
+                    reason = self.should_stop()
+                    if reason is not None:
+                        mon.stopped = True
+                        self.record_supervisor("stop", reason=reason)
+                        return mon
                 if obs is not None:
                     if obs.kind == "event":
                         record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
@@ -583,7 +647,8 @@ class Launch:
                 if launcher_done_at is None and self._launcher_exited():
                     launcher_done_at = now
                     rc = self.launcher.returncode if self.launcher is not None else None
-                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": rc}))
+                    # An adopted launcher (attach) is not our child: its exit status is unknown (-1).
+                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": -1 if rc is None else rc}))
                 if self.view is not None:
                     self.view(mon, now)
                 outcome = mon.outcome()
@@ -639,6 +704,16 @@ class Launch:
             self._record_incident(sink, incident)
 
     # teardown -------------------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Leave the attempt running for `coordinator attach`: stop reading it, stop nothing. The launcher's idle
+        stdin closes with us (see spawn_launcher)."""
+        for task in self.tasks:
+            task.cancel()
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+            self._launcher_stdin = None
+        self.record_supervisor("detached", launcher_pid=self.launcher.pid if self.launcher else self.launcher_pid)
 
     async def teardown(self, mon: Monitor | None) -> None:
         for task in self.tasks:

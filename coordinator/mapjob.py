@@ -450,7 +450,7 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
-    with run_context(inv, pb, opts, resume_marker="map.json") as (run_id, run_dir):
+    with run_context(inv, pb, opts, resume_marker="map.json", ui=ui) as (run_id, run_dir):
         return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {}, left_out)
 
 

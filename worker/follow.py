@@ -1,12 +1,14 @@
 """Follow a run's per-rank event files on THIS node and report rank process state.
 
 Started by the coordinator over the node's own SSH connection (so every line's origin is that channel):
-    python -m worker.follow --run-dir DIR --ranks 0,1 [--interval 0.5]
+    python -m worker.follow --run-dir DIR --ranks 0,1 [--interval 0.5] [--skip 0=12,1=7]
 Prints JSON lines on stdout, flushed:
     {"src": "event", "rank": R, "event": {...}}            each new line of <run-dir>/events/rank<R>.jsonl
     {"src": "proc", "rank": R, "pid": P, "alive": bool, "state": "R|S|T|Z|D|?"}   every interval, per known pid
     {"src": "tick", "t": unix_time}                         every interval (the channel is alive)
     {"src": "bad", "rank": R, "text": "..."}                an event line that is not JSON (reported, not dropped)
+`--skip R=N` leaves out the first N event lines (and `bad` lines) of rank R's file: what a previous follower,
+whose channel closed, already delivered. Their `started` pids are still read, so process states go on.
 It never exits on its own; the coordinator closes the channel. Stdlib only, Python 3.9+.
 """
 
@@ -61,6 +63,37 @@ class Tail:
         return [line for line in lines if line.strip()]
 
 
+def parse_skip(text: str) -> dict[int, int]:
+    """`0=12,1=7` -> {0: 12, 1: 7}."""
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        if item.strip():
+            rank, _, count = item.partition("=")
+            out[int(rank)] = int(count)
+    return out
+
+
+def read_events(tail: Tail, rank: int, skip: dict[int, int], pids: dict[int, int]) -> list[dict[str, Any]]:
+    """The messages for the new lines of one rank's file. The first `skip[rank]` lines were delivered by an
+    earlier follower: not sent again, but a `started` pid among them is still recorded in `pids`."""
+    out: list[dict[str, Any]] = []
+    for raw in tail.read():
+        delivered = skip.get(rank, 0) > 0
+        if delivered:
+            skip[rank] -= 1
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            if not delivered:
+                out.append({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
+            continue
+        if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
+            pids[rank] = event["pid"]
+        if not delivered:
+            out.append({"src": "event", "rank": rank, "event": event})
+    return out
+
+
 def emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
@@ -70,21 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--ranks", required=True, help="comma-separated ranks that run on this node")
     parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--skip", default="", help="R=N,...: event lines of rank R already delivered")
     args = parser.parse_args(argv)
     run_dir = os.path.expanduser(args.run_dir)
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     tails = {r: Tail(os.path.join(run_dir, "events", f"rank{r}.jsonl")) for r in ranks}
+    skip = parse_skip(args.skip)
     pids: dict[int, int] = {}
+
     def drain(rank: int) -> None:
-        for raw in tails[rank].read():
-            try:
-                event = json.loads(raw)
-            except ValueError:
-                emit({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
-                continue
-            if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
-                pids[rank] = event["pid"]
-            emit({"src": "event", "rank": rank, "event": event})
+        for msg in read_events(tails[rank], rank, skip, pids):
+            emit(msg)
 
     while True:
         for rank in tails:
