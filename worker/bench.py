@@ -8,8 +8,9 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
 
 What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.train.apply_method` (the
-run's own), the step is `worker.step.TrainStep` (the run's compiled step: forward/backward, scale, optimizer update,
-`mx.eval` of the new parameters and optimizer state), and the batches are the run's: rows of the playbook's
+run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
+host, the compiled forward/backward, this rank's own statistics, scale, optimizer update, `mx.eval` of the new
+parameters and optimizer state), and the batches are the run's: rows of the playbook's
 dataset (`--data`) in the run's order (`worker.data.stream_rows` with the run's seed), padded or packed exactly as
 the run pads or packs them (`worker.train.SftObjective`; packing decided by the same `decide_packing`). Without
 `--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
@@ -454,17 +455,15 @@ class _Trainer:
         self.dataset, self.seed = dataset, args.seed
         self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x, world_size=1)
 
-    def batches(self, rows: int) -> list[Any]:
-        """The point's batches: the first CANDIDATES batches of `rows` rows of the run's order."""
-        return [self.objective.micro(self.dataset, k * rows, rows, self.seed, 0, rows) for k in range(CANDIDATES)]
+    def micro(self, rows: int, k: int) -> Any:
+        """The k-th batch of `rows` rows of the run's order, built as the run builds it."""
+        return self.objective.micro(self.dataset, k * rows, rows, self.seed, 0, rows)
 
-    def step(self, micro: Any) -> float:
-        """One full optimizer step on `micro`, evaluated; returns its wall time."""
-        started = time.perf_counter()
-        local = self.step_fn.local([micro.inputs])
-        loss, norm = self.step_fn.apply(local, micro.total_weight)
-        self.mx.eval(self.model.parameters(), self.optimizer.state, loss, norm)
-        return time.perf_counter() - started
+    def step(self, rows: int, k: int) -> tuple[float, int]:
+        """One optimizer step exactly as the run takes it (worker.step.TrainStep.run: the batch's build on the
+        host included), on the k-th batch of `rows` rows; returns (its wall time, its real tokens)."""
+        done = self.step_fn.run(lambda: [self.micro(rows, k)])
+        return done.elapsed, sum(int(m.tokens or 0) for m in done.micros)
 
 
 def fast_quartile(times: list[float]) -> float:
@@ -490,15 +489,14 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     compiling warm-up says nothing of a step's real length (the watchdog bounds it)."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
-    batches = trainer.batches(batch)
     mx.reset_peak_memory()
     warmup = 0.0
     shapes: set[tuple[tuple[int, ...], ...]] = set()
-    for micro in batches:
-        shape = tuple(tuple(a.shape) for a in micro.inputs)
+    for k in range(CANDIDATES):
+        shape = tuple(tuple(a.shape) for a in trainer.micro(batch, k).inputs)
         if shape not in shapes:
             shapes.add(shape)
-            warmup += trainer.step(micro)
+            warmup += trainer.step(batch, k)[0]
     state.one_time.setdefault("first_steps", {})[batch] = warmup
     if state.step_s is None:
         state.step_s = warmup / len(shapes)
@@ -513,11 +511,10 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         if times and budget.left(MEASURE) < statistics.median(times):
             truncated = True
             break
-        micro = batches[len(times) % len(batches)]
-        elapsed = trainer.step(micro)
+        elapsed, real = trainer.step(batch, len(times) % CANDIDATES)
         times.append(elapsed)
-        tokens.append(int(micro.tokens or 0))
-        per_token.append(elapsed / max(micro.tokens or 1, 1))
+        tokens.append(real)
+        per_token.append(elapsed / max(real, 1))
         if batch == 1:
             state.step_s = elapsed
         done = not (len(times) < limit and (len(times) < MIN_STEPS or sum(times) < until))

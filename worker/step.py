@@ -29,6 +29,7 @@ Compatibility: Python 3.9+ (the nodes' python); numpy and mlx only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -364,6 +365,26 @@ class Local:
         return self.loss_sum / denom, mx.sqrt(self.grad_sq) / denom
 
 
+class WeightMismatch(RuntimeError):
+    """The loss scored another number of units than the host counted: the exact weighting would be wrong."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: its micro-batches, this rank's sums and own statistics, the combined loss and grad norm,
+    the objective's combined extras (or None), and its compute and wall seconds (both from the batches' build)."""
+
+    micros: list[Any]
+    local: Local
+    local_loss: mx.array
+    local_norm: mx.array
+    loss: mx.array
+    norm: mx.array
+    extras: mx.array | None
+    compute_s: float
+    elapsed: float
+
+
 class TrainStep:
     """The compiled step over `model` and `optimizer` for a loss `loss_fn(model, *inputs) -> (loss_sum, weight,
     tokens[, stats])`, differentiated in its first output. `all_sum` reduces over the ranks (`world_size` of
@@ -454,6 +475,39 @@ class TrainStep:
         loss = summed.pop(_LOSS_KEY).reshape(())
         loss, norm = self._update(tree_unflatten(list(summed.items())), loss)
         return loss, norm
+
+    def run(self, build: Callable[[], Sequence[Any]], *, after_local: Callable[[Local], Local] | None = None,
+            before_apply: Callable[[float], None] | None = None, clock: Callable[[], float] = time.perf_counter
+            ) -> StepResult:
+        """ONE optimizer step as the run takes it, and as calibration times it: build the micro-batches (host
+        work: rows, padding or packing, counts; objects with `inputs`, `weight`, `total_weight`), the local sums,
+        this rank's own statistics (evaluated: compute ends here), then the combination and the update, and
+        `mx.eval` of everything the next step needs. `after_local` may replace the local sums (chaos `nan`);
+        `before_apply(started)` runs just before compute_s is taken (chaos/debug slowdowns)."""
+        tic = clock()
+        micros = list(build())
+        local = self.local([m.inputs for m in micros])
+        weight = sum(m.weight for m in micros)
+        scored = _number(local.weight)
+        if scored != weight:
+            # The global weight is counted on the host; a disagreement would make the weighting inexact.
+            raise WeightMismatch(f"the loss scored {scored:g} units, the host counted {weight}")
+        if after_local is not None:
+            local = after_local(local)
+        local_loss, local_norm = local.local_stats()
+        mx.eval(local_loss, local_norm, local.grad_sq)
+        if before_apply is not None:
+            before_apply(tic)
+        compute_s = clock() - tic
+        total_weight = sum(m.total_weight for m in micros)
+        loss, norm = self.apply(local, total_weight)
+        extras = None
+        if local.stats is not None:
+            # An objective with extras (DPO) sums its completion tokens and statistics in ONE more collective; for
+            # SFT every count is known on the host.
+            extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
+        return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)
 
     @staticmethod
     def poison(local: Local) -> Local:

@@ -87,6 +87,7 @@ from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
 from worker.step import (
     TrainStep,
+    WeightMismatch,
     all_sum_arrays,
     decide_packing,
     pack_rows,
@@ -595,47 +596,40 @@ class Trainer:
             self.step = TrainStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
                                   world_size=self.comm.size)
         mx.random.seed(step_seed(cfg.seed, step))
-        tic = time.perf_counter()
         spec = cfg.rank_spec(self.rank)
-        micros = []
-        for _ in range(cfg.grad_accumulation):
-            micro = self.objective.micro(self.train_set, self.position, cfg.global_batch, cfg.seed,
-                                         cfg.rank_offset(self.rank), spec.batch_size)
-            micros.append(micro)
-            self.position += micro.consumed
-        local = self.step.local([m.inputs for m in micros])
-        weight = sum(m.weight for m in micros)
-        if int(scalar(local.weight)) != weight:
-            # The global weight is counted on the host; a disagreement would make the weighting inexact.
-            raise TrainingError(f"the loss scored {int(scalar(local.weight))} units, the host counted {weight}")
-        if self.chaos.poisons(step):
-            local = TrainStep.poison(local)
-        local_loss, local_norm = local.local_stats()
-        # Evaluated before the all_sum: these are this rank's own numbers, and the eval ends its compute.
-        mx.eval(local_loss, local_norm, local.grad_sq)
-        factor = self.chaos.slow_factor(step)
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * (time.perf_counter() - tic))
-        if cfg.debug.slow_step == step and cfg.debug.slow_rank in (None, self.rank):
-            time.sleep(cfg.debug.slow_seconds)
-        while self.chaos.stalls(step):  # until killed: sleep keeps signal handlers (teardown) working
-            time.sleep(3600)
-        # Everything so far was this rank alone (a slowdown included, as a slower machine would be); from here
-        # on the step waits for the slowest peer.
-        compute_s = time.perf_counter() - tic
-        total_weight = sum(m.total_weight for m in micros)
-        loss_arr, norm_arr = self.step.apply(local, total_weight)
-        # An objective with extras (DPO) sums its completion tokens and statistics in ONE more collective; for SFT
-        # every count is known on the host.
-        extras = None
-        if local.stats is not None:
-            extras = self.comm.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
-        mx.eval(self.model.parameters(), self.optimizer.state, loss_arr, norm_arr,
-                *([extras] if extras is not None else []))
+
+        def build() -> list[Micro]:
+            micros = []
+            for _ in range(cfg.grad_accumulation):
+                micro = self.objective.micro(self.train_set, self.position, cfg.global_batch, cfg.seed,
+                                             cfg.rank_offset(self.rank), spec.batch_size)
+                micros.append(micro)
+                self.position += micro.consumed
+            return micros
+
+        def slow_down(tic: float) -> None:
+            factor = self.chaos.slow_factor(step)
+            if factor > 1.0:
+                time.sleep((factor - 1.0) * (time.perf_counter() - tic))
+            if cfg.debug.slow_step == step and cfg.debug.slow_rank in (None, self.rank):
+                time.sleep(cfg.debug.slow_seconds)
+            while self.chaos.stalls(step):  # until killed: sleep keeps signal handlers (teardown) working
+                time.sleep(3600)
+
+        # Everything until compute_s was this rank alone (a slowdown included, as a slower machine would be); from
+        # there on the step waits for the slowest peer.
+        try:
+            done = self.step.run(build, after_local=TrainStep.poison if self.chaos.poisons(step) else None,
+                                 before_apply=slow_down)
+        except WeightMismatch as exc:
+            raise TrainingError(str(exc)) from exc
+        micros, local, extras, compute_s = done.micros, done.local, done.extras, done.compute_s
+        weight, total_weight = sum(m.weight for m in micros), sum(m.total_weight for m in micros)
+        loss_arr, norm_arr, local_loss, local_norm = done.loss, done.norm, done.local_loss, done.local_norm
         if self.chaos.diverges(step):
             self.model.load_weights(list(perturb(self.trainable_flat()).items()), strict=False)
             mx.eval(self.model.parameters())
-        elapsed = time.perf_counter() - tic
+        elapsed = done.elapsed
         if extras is not None:
             my_tokens, total_tokens = int(scalar(local.tokens)), int(scalar(extras[0]))
         else:
