@@ -36,7 +36,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Node
 from coordinator.plan import CurvePoint, NodeCalibration, Plan, PlanError
-from coordinator.ship import ship_worker
+from coordinator.ship import ship_worker, worker_bundle
 from coordinator.transport import Fleet, Transport, build_worker_argv
 
 CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
@@ -141,11 +141,14 @@ class BenchSpec:
 # Pure parts.
 
 
-def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str) -> str:
-    """Digest of everything that changes a node's curve. The time budget is left out on purpose: it only decides
-    how far a sweep got, not what its points mean (`--recalibrate` measures again)."""
+def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
+                      worker_digest: str = "") -> str:
+    """Digest of everything that changes a node's curve, the worker code that takes the step included (a new
+    step is measured again, never predicted from the old one's curve). The time budget is left out on purpose: it
+    only decides how far a sweep got, not what its points mean (`--recalibrate` measures again)."""
     inputs = {
         "schema": CACHE_SCHEMA,
+        "worker": worker_digest,
         "node": node,
         "fingerprint": asdict(fingerprint),
         "model_digest": model_digest,
@@ -433,7 +436,7 @@ async def calibrate(
 
     async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
         fingerprint = fingerprints.get(node.name)
-        key = (compute_cache_key(node.name, fingerprint, spec, model_digest)
+        key = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0])
                if fingerprint is not None and fingerprint.known else None)
         if key is not None and not recalibrate:
             cached = _read_cache(cache_dir, node.name, key)

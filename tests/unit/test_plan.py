@@ -323,7 +323,10 @@ def test_cache_key_is_stable_and_covers_every_input() -> None:
             {"mlx_backends": ("mlx-cuda-13==0.32.4",)})),
         *(compute_cache_key("m4max", FP, replace(SPEC, **change), "sha256:abc") for change in (
             {"seq_len": 1024}, {"method": "dora"}, {"num_layers": -1}, {"grad_checkpoint": True},
-            {"max_batch": 32}, {"memory_fraction": 0.7}, {"env": (("MLX_ENABLE_TF32", "0"),)})),
+            {"max_batch": 32}, {"memory_fraction": 0.7}, {"env": (("MLX_ENABLE_TF32", "0"),)},
+            {"data": "~/data"}, {"packing": "off"}, {"global_batch": 16}, {"seed": 1}, {"optimizer": "sgd"},
+            {"learning_rate": 1e-4}, {"lora": (16, 20.0, 0.0)}, {"train_embeddings": True})),
+        compute_cache_key("m4max", FP, SPEC, "sha256:abc", "another-worker"),  # a new step is measured again
     ]
     assert key not in variants
     assert len(set(variants)) == len(variants)
