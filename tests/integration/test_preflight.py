@@ -8,6 +8,7 @@ re-key or edit a host build their own (`testbed`).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -50,14 +51,27 @@ LINT_KEYS = {"id", "status", "summary", "remedy"}
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
+def safetensors_file(tag: str, params: int = 1) -> bytes:
+    """A minimal safetensors file whose header declares one tensor of `params` elements (the probe counts
+    parameters from headers only; the data is one float), `tag` in its metadata: two tags, two digests."""
+    header = json.dumps({"__metadata__": {"tag": tag},
+                         "w": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 4]}})
+    raw = header.encode()
+    return len(raw).to_bytes(8, "little") + raw + b"\0\0\0\0"
+
+
 def prepare_srv(bed: TestBed, host: Host, *, model: str = "/srv/model", data: str = "/srv/data",
-                config: Mapping[str, Any] = TINY_CONFIG, weights: str = "weights-v1\n") -> None:
-    """A model dir (config.json + a weights file) and a data dir on the host, made from inside the host."""
+                config: Mapping[str, Any] = TINY_CONFIG, weights: str = "weights-v1\n", params: int = 1) -> None:
+    """A model dir (config.json, a weights file, a tokenizer: what the model check requires to be there) and a
+    data dir on the host, made from inside the host."""
     script = (
         f"set -e; mkdir -p {shlex.quote(model)} {shlex.quote(data)}"
         f"; printf %s {shlex.quote(json.dumps(config))} > {shlex.quote(model)}/config.json"
-        f"; printf %s {shlex.quote(weights)} > {shlex.quote(model)}/weights.bin"
+        f"; printf %s {base64.b64encode(safetensors_file(weights, params)).decode()} | base64 -d"
+        f" > {shlex.quote(model)}/model.safetensors"
+        f"; printf '{{}}' > {shlex.quote(model)}/tokenizer.json"
         f"; printf '%s\\n' '{{\"text\": \"hello\"}}' > {shlex.quote(data)}/train.jsonl"
+        f"; printf '%s\\n' '{{\"text\": \"bye\"}}' > {shlex.quote(data)}/valid.jsonl"
     )
     bed.exec(host, ["sh", "-c", script], check=True)
 
@@ -227,7 +241,7 @@ def test_mixed_fleet_with_ring_is_ready(fleet: Fleet, run_cli: RunCli) -> None:
         assert all(tb["evidence"]["reach"][p]["ok"] and tb["evidence"]["reach"][p]["ip"] == fleet.host(p).ip
                    for p in peers)
         model = out.check(name, "model")
-        assert model["summary"].startswith("3 files") and "identical on 3/3 nodes" in model["summary"]
+        assert model["summary"].startswith("5 files") and "identical on 3/3 nodes" in model["summary"]
         assert model["evidence"]["dirs"] == {"model": "/srv/model", "data": "/srv/data"}
         sw = out.check(name, "software")["evidence"]
         assert sw["python"] == VENV_PYTHON and sw["mlx"] and sw["mlx_lm"]
@@ -478,14 +492,16 @@ def test_model_fails_on_the_node_whose_file_differs(testbed: TestBed, run_cli: R
     hosts = testbed.add_hosts(["a", "b", "c"])
     for h in hosts:
         prepare_srv(testbed, h)
-    testbed.exec(testbed.host("c"), ["sh", "-c", "printf weights-v2 > /srv/model/weights.bin"], check=True)
+    other = base64.b64encode(safetensors_file("weights-v2")).decode()
+    testbed.exec(testbed.host("c"), ["sh", "-c", f"printf %s {other} | base64 -d > /srv/model/model.safetensors"],
+                 check=True)
     inventory, playbook = testbed.write_inventory(testbed.tmp / "inv.yaml"), write_playbook(testbed.tmp / "pb.yaml")
     out = preflight(run_cli, inventory, playbook)
     assert out.code == 1, out.dump()
     model = out.check("c", "model")
     assert model["status"] == "fail", out.dump()
-    assert model["summary"] == "differs from the majority (a, b): differ: model/weights.bin"
-    assert model["evidence"]["diff"] == {"differ": ["model/weights.bin"], "missing": [], "extra": []}
+    assert model["summary"] == "differs from the majority (a, b): differ: model/model.safetensors"
+    assert model["evidence"]["diff"] == {"differ": ["model/model.safetensors"], "missing": [], "extra": []}
     assert "rsync -a --delete a:/srv/model/ c:/srv/model/" in model["remedy"]
     for name in ("a", "b"):
         assert out.check(name, "model")["summary"].endswith("identical on 2/3 nodes"), out.dump()
@@ -518,9 +534,9 @@ def test_env_warns_for_fast_synch_and_strict_fails(fleet: Fleet, run_cli: RunCli
 
 
 def test_resources_fail_for_a_full_fine_tune_that_does_not_fit(fleet: Fleet, run_cli: RunCli) -> None:
-    """A 70B config (no weights) with `method: full` on the 512 GB Studio: ~1.1 TB needed."""
+    """A 70B model (a header declaring its parameters, no data) with `method: full` on the 512 GB Studio."""
     studio = fleet.host("studio")
-    prepare_srv(fleet.bed, studio, model="/srv/model-70b", config=HUGE_CONFIG)
+    prepare_srv(fleet.bed, studio, model="/srv/model-70b", config=HUGE_CONFIG, params=70_553_706_496)
     playbook = fleet.playbook(model="/srv/model-70b", train={"method": "full", "grad_checkpoint": True})
     out = preflight(run_cli, fleet.inventory("studio"), playbook)
     assert out.code == 1, out.dump()
