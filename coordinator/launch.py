@@ -31,7 +31,7 @@ from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.hostfile import Hostfile, build_hostfile
 from coordinator.logs import current_redactor
-from coordinator.models import Connection, Inventory, Node
+from coordinator.models import LOCAL_HOST, Connection, Inventory, Node
 from coordinator.monitor import (
     JOB_ERROR,
     AfterLauncherExit,
@@ -281,7 +281,7 @@ def pick_port(count: int, *, lo: int = 20000, hi: int = 60000, tries: int = 50) 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((LOCAL_HOST, port))
         except OSError:
             return False
     return True
