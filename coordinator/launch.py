@@ -644,7 +644,7 @@ class Launch:
                         self.record_supervisor("stop", reason=reason)
                         return mon
                 if obs is not None:
-                    if obs.kind == "event":
+                    if obs.kind == ObservationKind.EVENT:
                         record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
