@@ -42,7 +42,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -61,6 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import machine_info as shared_machine_info  # noqa: E402 - after the path fix
 from tests.testbed import VENV_PYTHON, Host, TestBed, requirements_problems  # noqa: E402 - after the path fix
 
 MAC_PROFILES = ("m5max-mbp-tb5", "m3ultra-studio-tb5", "m4max-mbp-tb4-rdma-nodev", "m1max-macos14")
@@ -93,27 +93,8 @@ MODEL_CONFIG = {
 
 
 def machine_info() -> dict[str, str]:
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     ssh = subprocess.run(["ssh", "-V"], capture_output=True, text=True, check=False).stderr.strip()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or "?")
-    return {
-        "cpus": f"{os.cpu_count()} x {cpu}",
-        "memory": f"{mem / 2**30:.1f} GiB",
-        "kernel": platform.release(),
-        "python": f"{platform.python_version()} ({sys.executable})",
-        "mlx": version("mlx"),
-        "asyncssh": version("asyncssh"),
-        "ansible-core": version("ansible-core"),
-        "openssh": ssh,
-        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+    return shared_machine_info(("mlx", "asyncssh", "ansible-core"), extra={"openssh": ssh})
 
 
 def print_machine(info: dict[str, str]) -> None:
@@ -333,10 +314,6 @@ def build_bed(bed: TestBed, count: int, macs: float, file_kib: int) -> list[Host
     return made
 
 
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
 def run(args: argparse.Namespace) -> int:
     counts = sorted({int(x) for x in args.hosts.split(",") if x.strip()})
     variants = [v.strip() for v in args.ansible_variants.split(",") if v.strip()]
@@ -391,22 +368,23 @@ def report(results: dict[int, list[Tool]], info: dict[str, str], command: str, a
           "| median hosts' CPU s | local CPU / coordinator's |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
     for n, tools in results.items():
-        coord = median([s.wall for s in tools[0].samples])
-        coord_cpu = median([s.cpu for s in tools[0].samples])
+        coord = statistics.median([s.wall for s in tools[0].samples])
+        coord_cpu = statistics.median([s.cpu for s in tools[0].samples])
         for tool in tools:
             walls = [s.wall for s in tool.samples]
-            cpu = median([s.cpu for s in tool.samples])
-            print(f"| {n} | {tool.name} | {', '.join(f'{w:.2f}' for w in walls)} | {median(walls):.2f} "
-                  f"| {median(walls) / coord:.2f}x | {cpu:.2f} | {median([s.hosts for s in tool.samples]):.2f} "
-                  f"| {cpu / coord_cpu:.2f}x |")
+            cpu = statistics.median([s.cpu for s in tool.samples])
+            wall = statistics.median(walls)
+            hosts = statistics.median([s.hosts for s in tool.samples])
+            print(f"| {n} | {tool.name} | {', '.join(f'{w:.2f}' for w in walls)} | {wall:.2f} "
+                  f"| {wall / coord:.2f}x | {cpu:.2f} | {hosts:.2f} | {cpu / coord_cpu:.2f}x |")
     print()
     for n, tools in results.items():
-        coord = median([s.wall for s in tools[0].samples])
+        coord = statistics.median([s.wall for s in tools[0].samples])
         for tool in tools[1:]:
-            ratio = median([s.wall for s in tool.samples]) / coord
+            ratio = statistics.median([s.wall for s in tool.samples]) / coord
             goal = f" (goal >= 6x at 16 hosts: {'met' if ratio >= 6 else 'MISSED'})" if n == 16 else ""
             print(f"- {n} hosts: coordinator {coord:.2f} s vs {tool.name} "
-                  f"{median([s.wall for s in tool.samples]):.2f} s: coordinator {ratio:.2f}x faster{goal}")
+                  f"{statistics.median([s.wall for s in tool.samples]):.2f} s: coordinator {ratio:.2f}x faster{goal}")
     print()
 
 

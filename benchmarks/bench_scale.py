@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import io
 import json
 import os
-import platform
 import pstats
 import resource
 import shlex
@@ -61,6 +59,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import machine_info as shared_machine_info  # noqa: E402 - after the path fix
 
 PROFILES_DIR = ROOT / "tests" / "fixtures" / "profiles"
 BIN = Path(sys.executable).parent
@@ -545,26 +545,8 @@ def cprofile_table(prof: Path, top: int) -> str:
 
 
 def machine_info() -> dict[str, str]:
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or "?")
-    return {
-        "cpus": f"{os.cpu_count()} x {cpu}",
-        "memory": f"{mem / 2**30:.1f} GiB",
-        "kernel": platform.release(),
-        "python": f"{platform.python_version()} ({sys.executable})",
-        "mlx": version("mlx"),
-        "asyncssh": version("asyncssh"),
-        "cryptography": version("cryptography"),
-        "RLIMIT_NOFILE (soft, hard)": str(resource.getrlimit(resource.RLIMIT_NOFILE)),
-        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+    return shared_machine_info(("mlx", "asyncssh", "cryptography"), extra={
+        "RLIMIT_NOFILE (soft, hard)": str(resource.getrlimit(resource.RLIMIT_NOFILE))})
 
 
 def bench(args: argparse.Namespace) -> int:

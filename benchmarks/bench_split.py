@@ -92,6 +92,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import yaml  # noqa: E402
 from cgroups import HostCgroups, remove_stale  # noqa: E402
+from machine import cpu_model, dist_version  # noqa: E402
 
 RUN_TIMEOUT = 900.0
 THIS = str(Path(__file__).resolve())
@@ -617,7 +618,7 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     add = lines.append
     cal = bench.calibration
     add(f"Command: `{command}` (code under test: {bench.code_desc})  ")
-    add(f"Machine: {os.cpu_count()} cores, {_cpu_model()}, mlx {_version('mlx')} (CPU backend), Python "
+    add(f"Machine: {os.cpu_count()} cores, {cpu_model('unknown CPU')}, mlx {dist_version('mlx', '?')} (CPU backend), Python "
         f"{sys.version.split()[0]}; load average at the end {os.getloadavg()[0]:.1f} (other work shares the cores).  ")
     add(f"Workload: LoRA (all layers) of a tiny llama, hidden {args.hidden}, {args.layers} layers, max_seq_length "
         f"{args.seq_len} (every row full length), global batch {args.global_batch}; first {args.warmup_steps} "
@@ -795,23 +796,6 @@ def _cpu_per_100(rs: list[Run]) -> str:
                 vals[h].append(100 * r.host_cpu_s.get(h, 0.0) / r.iters)
             vals["cli"].append(100 * r.coord_cpu_s / r.iters)
     return " / ".join(_f(_med(vals[k])) for k in ("full", "half", "cli"))
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def _version(dist: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 # ------------------------------------------------------------------------------------------------------- main

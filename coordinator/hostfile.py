@@ -21,11 +21,10 @@ from typing import Any
 
 from coordinator.errors import ConfigError
 from coordinator.facts.model import NodeFacts
-from coordinator.models import Connection, Node
+from coordinator.models import LOCAL_HOST, Connection, Node
 from coordinator.topology import compute_links, links_between, required_pairs
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
-LOCAL_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from coordinator.errors import ConfigError
-from coordinator.models import Connection, Inventory, Node
+from coordinator.models import LOCAL_HOST, Connection, Inventory, Node
 from coordinator.yamlsrc import (
     EnvName,
     EnvValue,
@@ -55,9 +55,6 @@ from coordinator.yamlsrc import (
     scalar_to_str,
     unknown_key_message,
 )
-
-LOCAL_HOST = "127.0.0.1"
-"""Host of a `connection: local` node that names none: the literal host mlx.launch runs without SSH."""
 
 
 class InventoryFormat(StrEnum):

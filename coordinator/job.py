@@ -44,7 +44,7 @@ from coordinator.launch import (
 from coordinator.lint import lint_playbook
 from coordinator.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.models import Inventory, Node, PreflightReport
-from coordinator.monitor import Incident, Monitor, RunState
+from coordinator.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
 from coordinator.preflight import load_manifest, model_config
@@ -500,10 +500,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
         survivors = [n for n in nodes if n.name not in culprits]
         for name, why in (await _unreachable(fleet, survivors)).items():
             # Found by the connection check, not by the monitor: still an incident of this attempt.
-            incident = Incident("unreachable", name, None, mon.node_step(name), None,
-                                {"reason": why, "found_by": "connection check before relaunch"},
-                                "quarantine", time.monotonic())
-            mon.incidents.append(incident)
+            incident = mon.unreachable_before_relaunch(name, why, time.monotonic())
             attempt.launch.record_incident(incident)
             culprits.append(name)
         for name in culprits:
@@ -518,7 +515,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
                 continue
             quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=scope,
                             run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
-            if inc.kind == "error" and isinstance(inc.evidence.get("signature"), str):
+            if inc.kind == IncidentKind.ERROR and isinstance(inc.evidence.get("signature"), str):
                 blamed_for[name] = inc.evidence["signature"]
             log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
             ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
@@ -540,7 +537,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             limit = consistent or 0
             await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
             ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
-        failed_at = min((i.t for i in mon.incidents if i.action in ("stop", "quarantine")), default=time.monotonic())
+        failed_at = min((i.t for i in mon.incidents if i.action in FATAL_ACTIONS), default=time.monotonic())
         recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
                            "detected_at": failed_at, "first_step_at": None,
                            "nodes": [n.name for n in survivors]})
@@ -587,8 +584,8 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
 def _clear_blame(mon: Monitor, node: str) -> None:
     """An earlier attempt's error incidents on `node` were the job's after all: no longer a culprit's."""
     for idx, inc in enumerate(mon.incidents):
-        if inc.node == node and inc.kind == "error" and inc.action == "quarantine":
-            mon.incidents[idx] = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
+        if inc.node == node and inc.kind == IncidentKind.ERROR and inc.action == Action.QUARANTINE:
+            mon.incidents[idx] = replace(inc, action=Action.STOP, evidence={**inc.evidence, "job_error": True})
 
 
 def job_error_message(incident: Incident, released: Sequence[str] = ()) -> str:

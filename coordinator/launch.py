@@ -31,8 +31,18 @@ from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.hostfile import Hostfile, build_hostfile
 from coordinator.logs import current_redactor
-from coordinator.models import Connection, Inventory, Node
-from coordinator.monitor import JOB_ERROR, FaultPolicy, Incident, Monitor, Observation, RunState
+from coordinator.models import LOCAL_HOST, Connection, Inventory, Node
+from coordinator.monitor import (
+    JOB_ERROR,
+    AfterLauncherExit,
+    FaultPolicy,
+    Incident,
+    Monitor,
+    Observation,
+    ObservationKind,
+    PlannedRank,
+    RunState,
+)
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
@@ -52,7 +62,6 @@ MLX_LAUNCH = (
     "sys.exit(launch.main())\n"
 )
 TICK_S = 0.5
-FINISH_GRACE_S = 5.0  # after the launcher exits, how long late events may still arrive
 FENCE_OVER_STALL = 3.0  # a rank fences itself (worker.events.Fence) after this many monitor stall windows
 # A follower channel that closes on a node that still answers over SSH (the follower was killed, the channel
 # dropped) is restarted where it stopped, at most this many times in a row; a channel that then lived
@@ -272,7 +281,7 @@ def pick_port(count: int, *, lo: int = 20000, hi: int = 60000, tries: int = 50) 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((LOCAL_HOST, port))
         except OSError:
             return False
     return True
@@ -556,7 +565,7 @@ class Launch:
                 break
             self.record_supervisor("follower_restarted", node=name, reason=reason, retry=failures)
             await asyncio.sleep(0.2 * failures)
-        await self.queue.put(Observation("lost", name, time.monotonic(), data={"reason": reason}))
+        await self.queue.put(Observation(ObservationKind.LOST, name, time.monotonic(), data={"reason": reason}))
 
     async def _reach(self, name: str) -> None:
         """TransportError unless the node answers over SSH: on its connection, else on a fresh one."""
@@ -592,11 +601,11 @@ class Launch:
                 if src in ("event", "bad") and msg.get("rank") in seen:
                     seen[msg["rank"]] += 1
                 if src == "event":
-                    await self.queue.put(Observation("event", name, now, msg.get("rank"), msg.get("event") or {}))
+                    await self.queue.put(Observation(ObservationKind.EVENT, name, now, msg.get("rank"), msg.get("event") or {}))
                 elif src == "proc":
-                    await self.queue.put(Observation("proc", name, now, msg.get("rank"), msg))
+                    await self.queue.put(Observation(ObservationKind.PROC, name, now, msg.get("rank"), msg))
                 elif src == "tick":
-                    await self.queue.put(Observation("tick", name, now))
+                    await self.queue.put(Observation(ObservationKind.TICK, name, now))
         except TransportError as exc:
             reason = str(exc)
         return reason
@@ -609,7 +618,7 @@ class Launch:
             sink.write(json.dumps(record) + "\n")
 
     def new_monitor(self) -> Monitor:
-        plan = [(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
                               * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
@@ -618,7 +627,6 @@ class Launch:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
         mon = self.current_monitor = self.new_monitor()
         self.tasks = [asyncio.create_task(self._follow(n)) for n in self.nodes]
-        launcher_done_at: float | None = None
         stop_checked_at = float("-inf")
         with self.events_file.open("a", encoding="utf-8") as sink:
             while True:
@@ -636,7 +644,7 @@ class Launch:
                         self.record_supervisor("stop", reason=reason)
                         return mon
                 if obs is not None:
-                    if obs.kind == "event":
+                    if obs.kind == ObservationKind.EVENT:
                         record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
@@ -644,11 +652,9 @@ class Launch:
                         self._record_incident(sink, incident)
                 for incident in mon.check(now):
                     self._record_incident(sink, incident)
-                if launcher_done_at is None and self._launcher_exited():
-                    launcher_done_at = now
-                    rc = self.launcher.returncode if self.launcher is not None else None
-                    # An adopted launcher (attach) is not our child: its exit status is unknown (-1).
-                    mon.observe(Observation("launcher_exit", "coordinator", now, data={"rc": -1 if rc is None else rc}))
+                if mon.launcher_exited_at is None and self._launcher_exited():
+                    # An adopted launcher (attach) is not our child: its exit status is unknown (None).
+                    mon.launcher_exited(self.launcher.returncode if self.launcher is not None else None, now)
                 if self.view is not None:
                     self.view(mon, now)
                 outcome = mon.outcome()
@@ -657,20 +663,15 @@ class Launch:
                 if outcome is not None and mon.settled(now):
                     self._resolve(sink, mon)
                     return mon
-                if launcher_done_at is None or now - launcher_done_at <= FINISH_GRACE_S:
-                    continue
-                if outcome is None:
+                after = mon.after_launcher_exit(now)
+                if after is AfterLauncherExit.FAILED:
                     # mlx.launch exited (it always exits 0) but not every rank finished and nothing else explains
                     # it: the exit itself is the failure.
-                    incident = Incident("launcher_exit", "coordinator", None, mon.step(), now - launcher_done_at,
-                                        {"rc": self.launcher.returncode if self.launcher else None,
-                                         "log_tail": _tail(self.run_dir / "launcher.log")}, "stop", now)
-                    mon.incidents.append(incident)
+                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / "launcher.log"))
                     self._record_incident(sink, incident)
                     return mon
-                # A fault is known but not yet attributed (a node that vanished is found only by its silence):
-                # mlx.launch exiting after it is no news; `settled` is bounded by the heartbeat timeout.
-                if now - launcher_done_at > FINISH_GRACE_S + self.policy.heartbeat_timeout + 1.0:
+                if after is AfterLauncherExit.RESOLVE:
+                    # A fault known but never settled: resolve the verdict as it stands.
                     self._resolve(sink, mon)
                     return mon
 

@@ -41,7 +41,7 @@ from coordinator.job import (
     usable_inventory,
 )
 from coordinator.models import Inventory, Node
-from coordinator.monitor import CULPRIT_KINDS, Incident
+from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
@@ -335,9 +335,10 @@ class MapRun:
                     if msg.get("src") == "result":
                         index = msg.get("index")
                         if not isinstance(index, int) or not w.owns(index):
-                            self.incident(Incident("implausible_progress", name, None, None, 0.0,
-                                                   {"reason": f"result for row {index}, not assigned to it"},
-                                                   "quarantine", time.monotonic()))
+                            self.incident(Incident(kind=IncidentKind.IMPLAUSIBLE_PROGRESS, node=name, rank=None, step=None,
+                                                   detected_after_s=0.0,
+                                                   evidence={"reason": f"result for row {index}, not assigned to it"},
+                                                   action=Action.QUARANTINE, t=time.monotonic()))
                             raise MapError(f"{name} reported a row it was not given")
                         if index not in w.received:
                             w.received.add(index)
@@ -378,16 +379,19 @@ class MapRun:
                     if exc is None:
                         del self.tasks[name]
                         continue
-                    kind = "unreachable" if isinstance(exc, TransportError) else \
-                        ("error" if w.error else "crash")
-                    fault = Incident(kind, name, None, len(w.received), max(0.0, now - w.last_line_at),
-                                     {"message": str(exc)[-1500:]}, "quarantine", now)
+                    kind = IncidentKind.UNREACHABLE if isinstance(exc, TransportError) else \
+                        (IncidentKind.ERROR if w.error else IncidentKind.CRASH)
+                    fault = Incident(kind=kind, node=name, rank=None, step=len(w.received),
+                                     detected_after_s=max(0.0, now - w.last_line_at), evidence={"message": str(exc)[-1500:]},
+                                     action=Action.QUARANTINE, t=now)
                 elif w.state == "running" and now - w.last_line_at > self.pb.heartbeat_timeout:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, CoordinatorError, TransportError):
                         await task
-                    fault = Incident("hang", name, None, len(w.received), now - w.last_line_at,
-                                     {"silent_for_s": round(now - w.last_line_at, 3)}, "quarantine", now)
+                    fault = Incident(kind=IncidentKind.HANG, node=name, rank=None, step=len(w.received),
+                                     detected_after_s=now - w.last_line_at,
+                                     evidence={"silent_for_s": round(now - w.last_line_at, 3)},
+                                     action=Action.QUARANTINE, t=now)
                 if fault is not None:
                     del self.tasks[name]
                     self._failed(w, fault)
@@ -412,7 +416,7 @@ class MapRun:
         remainder = subtract(sorted(w.assigned), w.received)
         w.queue.clear()
         alive = [n for n, x in self.work.items() if x.state in ("pending", "running", "finished")]
-        faults = sum(1 for i in self.incidents if i.action == "quarantine" and i.kind in CULPRIT_KINDS)
+        faults = sum(1 for i in self.incidents if i.action is Action.QUARANTINE and i.kind in CULPRIT_KINDS)
         if not remainder:
             return
         if faults > self.pb.faults.max_restarts or len(alive) < max(1, self.pb.faults.min_nodes):
@@ -514,7 +518,7 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
     summary = MapSummary(run_id=run_id, state="stopped" if stopped else "failed", rows=total,
                          rows_done=len(received & set(range(total))), nodes=nodes, split=split,
                          incidents=runner.incidents, run_dir=str(run_dir), reassignments=runner.reassignments,
-                         quarantined=sorted({i.node for i in runner.incidents if i.action == "quarantine"}),
+                         quarantined=sorted({i.node for i in runner.incidents if i.action is Action.QUARANTINE}),
                          left_out=[lo.to_json() for lo in left_out],
                          finish_spread=round(Spread(finish).spread, 4) if len(finish) > 1 else None)
     if not stopped and summary.rows_done == total:

@@ -187,8 +187,8 @@ def run_status_from_monitor(run_id: str, mon: Monitor, now: float, *, recent: in
                    loss=v.loss, last_heartbeat_age_s=None if v.last_event_at is None else max(0.0, now - v.last_event_at))
         for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
     outcome = mon.outcome()
-    counts = Counter(i.kind for i in mon.incidents)
-    notes = tuple(IncidentNote(i.kind, i.node, i.rank, i.step, i.action, str(i.evidence)[:200])
+    counts = Counter(str(i.kind) for i in mon.incidents)
+    notes = tuple(IncidentNote(str(i.kind), i.node, i.rank, i.step, str(i.action), str(i.evidence)[:200])
                   for i in mon.incidents[-recent:])
     return RunStatus(run_id=run_id, active=outcome is None, state=str(outcome or "running"), ranks=ranks,
                      iters=mon.iters, nodes=tuple(dict.fromkeys(v.node for v in mon.ranks.values())),

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+LOCAL_HOST = "127.0.0.1"
+"""Loopback: the host of a `connection: local` node that names none (the literal host mlx.launch runs without SSH),
+and what the coordinator's own listeners bind unless told otherwise."""
+
 # The Prometheus endpoints bind loopback unless told otherwise (metrics.py; `--metrics-host` of launch/monitor).
-DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_HOST = LOCAL_HOST
 
 
 class Connection(StrEnum):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -41,21 +42,53 @@ class RunState(StrEnum):
     STOPPED = "stopped"
 
 
-@dataclass(frozen=True)
+class IncidentKind(StrEnum):
+    """What went wrong. A StrEnum: the values are the stable words of events.jsonl, JSON and the docs
+    (docs/faults.md), and comparisons with plain strings (records read back) keep working."""
+
+    CRASH = "crash"  # a rank's process died without an error event
+    ERROR = "error"  # a rank reported an error
+    HANG = "hang"  # a rank silent on a live channel, or stopped (state T)
+    UNREACHABLE = "unreachable"  # a node's channel lost or silent, or its connection refused before a relaunch
+    STRAGGLER = "straggler"
+    OUTLIER = "outlier"
+    SPOOFED = "spoofed"  # an event about a rank not planned on the channel's node
+    IMPLAUSIBLE_PROGRESS = "implausible_progress"
+    NAN = "nan"
+    INCONSISTENT = "inconsistent"  # replicas' parameter/optimizer digests disagree
+    CHECKPOINT_MISMATCH = "checkpoint_mismatch"
+    STALL = "stall"
+    LAUNCHER_EXIT = "launcher_exit"
+    JOB_ERROR = "job_error"
+
+
+class Action(StrEnum):
+    """What an incident asks for: stop the attempt, only warn, or stop and quarantine its node."""
+
+    STOP = "stop"
+    WARN = "warn"
+    QUARANTINE = "quarantine"
+
+
+FATAL_ACTIONS = frozenset({Action.STOP, Action.QUARANTINE})
+
+
+@dataclass(frozen=True, kw_only=True)
 class Incident:
-    kind: str  # crash | error | hang | unreachable | straggler | spoofed | launcher_exit | ...
+    kind: IncidentKind
     node: str
     rank: int | None
     step: int | None
     detected_after_s: float | None  # from the fault's evidence (last sign of life) to its detection
     evidence: dict[str, Any]
-    action: str  # stop | warn | quarantine
+    action: Action
     t: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node": self.node, "rank": self.rank, "step": self.step,
+        # str(): plain strings, so YAML dumpers and every JSON encoder write the words, never an enum's repr.
+        return {"kind": str(self.kind), "node": self.node, "rank": self.rank, "step": self.step,
                 "detected_after_s": None if self.detected_after_s is None else round(self.detected_after_s, 3),
-                "evidence": self.evidence, "action": self.action, "t": self.t}
+                "evidence": self.evidence, "action": str(self.action), "t": self.t}
 
 
 @dataclass
@@ -93,11 +126,22 @@ class RankView:
     steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
 
 
+class ObservationKind(StrEnum):
+    """What a node's channel reported: a worker event, a process state, a tick (the channel is alive), the channel
+    lost, or mlx.launch's exit (on the coordinator's own "channel")."""
+
+    EVENT = "event"
+    PROC = "proc"
+    TICK = "tick"
+    LOST = "lost"
+    LAUNCHER_EXIT = "launcher_exit"
+
+
 @dataclass(frozen=True)
 class Observation:
-    """What a node's channel reported. kind: event | proc | tick | lost | launcher_exit."""
+    """What a node's channel reported."""
 
-    kind: str
+    kind: ObservationKind
     node: str
     at: float
     rank: int | None = None
@@ -126,13 +170,36 @@ class FaultPolicy:
 
 
 # Incident kinds that name a culprit node (quarantined); other stop incidents only end the attempt.
-CULPRIT_KINDS = frozenset({"crash", "hang", "unreachable", "nan", "implausible_progress", "inconsistent",
-                           "checkpoint_mismatch", "error"})
+CULPRIT_KINDS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.UNREACHABLE, IncidentKind.NAN,
+                           IncidentKind.IMPLAUSIBLE_PROGRESS, IncidentKind.INCONSISTENT,
+                           IncidentKind.CHECKPOINT_MISMATCH, IncidentKind.ERROR})
 SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so the cause is told from its echoes
 # After a rank's own error, wait up to this long for every other rank to report too (its own error, or an echo
 # once mlx.launch kills it): a job error is the same error on every rank, and ranks fail a moment apart.
 ERROR_GRACE_S = 5.0
-JOB_ERROR = "job_error"
+JOB_ERROR = IncidentKind.JOB_ERROR
+# After mlx.launch exited, wait this long for the ranks' last events (their `finished`) before its exit, with ranks
+# unfinished and nothing else to explain it, is itself the failure.
+FINISH_GRACE_S = 5.0
+
+
+class AfterLauncherExit(StrEnum):
+    """What mlx.launch's exit means now (`Monitor.after_launcher_exit`)."""
+
+    WAIT = "wait"  # it still runs, or within the grace for the ranks' last events, or a fault still settles
+    FAILED = "failed"  # nothing else explains it: the exit is the failure (`Monitor.launcher_failed`)
+    RESOLVE = "resolve"  # a fault is known but never settled: resolve the verdict as it stands
+
+
+@dataclass(frozen=True)
+class PlannedRank:
+    """One rank as the monitor needs it: where it runs (the node whose channel may speak for it), its batch and
+    its calibrated rate (None: a fixed split)."""
+
+    rank: int
+    node: str
+    batch_size: int
+    calibrated_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +280,8 @@ class Monitor:
     incidents: list[Incident] = field(default_factory=list)
     node_seen_at: dict[str, float] = field(default_factory=dict)
     stopped: bool = False
-    launcher_rc: int | None = None
+    launcher_rc: int | None = None  # mlx.launch's exit status; None before it exits, or unknown (adopted)
+    launcher_exited_at: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     own_errors: dict[int, RankError] = field(default_factory=dict)  # rank -> its own first error
     # signature -> nodes that earlier attempts of this run blamed for an own error with it ("follows the work")
@@ -221,16 +289,17 @@ class Monitor:
     job_error: Incident | None = None
 
     @classmethod
-    def create(cls, plan: list[tuple[int, str, int, float | None]], iters: int, *, now: float,
+    def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
                max_tokens_per_row: int | None = None,
                earlier_errors: dict[str, frozenset[str]] | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
         (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
         `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`)."""
-        ranks = {r: RankView(rank=r, node=n, batch_size=b, calibrated_tokens_per_s=c,
-                             max_tokens_per_step=b * max_tokens_per_row if max_tokens_per_row else None)
-                 for r, n, b, c in plan}
+        ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
+                                  calibrated_tokens_per_s=p.calibrated_tokens_per_s,
+                                  max_tokens_per_step=p.batch_size * max_tokens_per_row if max_tokens_per_row else None)
+                 for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
                   policy=policy, earlier_errors=dict(earlier_errors or {}))
@@ -241,20 +310,21 @@ class Monitor:
     # -- observations -----------------------------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> list[Incident]:
-        if obs.kind != "lost":
+        if obs.kind != ObservationKind.LOST:
             self.node_seen_at[obs.node] = obs.at
-        if obs.kind == "event":
+        if obs.kind == ObservationKind.EVENT:
             return self._event(obs)
-        if obs.kind == "proc":
+        if obs.kind == ObservationKind.PROC:
             return self._proc(obs)
-        if obs.kind == "lost":
+        if obs.kind == ObservationKind.LOST:
             return self._lost(obs)
-        if obs.kind == "launcher_exit":
-            self.launcher_rc = int(obs.data.get("rc", -1))
+        if obs.kind == ObservationKind.LAUNCHER_EXIT:
+            rc = obs.data.get("rc")
+            return self.launcher_exited(rc if isinstance(rc, int) else None, obs.at)
         return []
 
     def _add(self, incident: Incident) -> list[Incident]:
-        if incident.action in ("stop", "quarantine") and self.first_fatal_at is None:
+        if incident.action in FATAL_ACTIONS and self.first_fatal_at is None:
             self.first_fatal_at = incident.t
         self.incidents.append(incident)
         return [incident]
@@ -265,12 +335,16 @@ class Monitor:
         view = self.ranks.get(rank) if rank is not None else None
         if view is None or view.node != obs.node:
             # The channel's node does not own this rank: never trust what an event claims about its origin.
-            return self._add(Incident("spoofed", obs.node, rank, _int(event.get("step")), 0.0,
-                                      {"event": event, "reason": "rank not planned on this node"}, "warn", obs.at))
+            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=_int(event.get("step")),
+                                      detected_after_s=0.0,
+                                      evidence={"event": event, "reason": "rank not planned on this node"},
+                                      action=Action.WARN, t=obs.at))
         claimed = event.get("rank")
         if claimed is not None and claimed != rank:
-            return self._add(Incident("spoofed", obs.node, rank, _int(event.get("step")), 0.0,
-                                      {"event": event, "reason": f"event claims rank {claimed}"}, "warn", obs.at))
+            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=_int(event.get("step")),
+                                      detected_after_s=0.0,
+                                      evidence={"event": event, "reason": f"event claims rank {claimed}"},
+                                      action=Action.WARN, t=obs.at))
         self.events.append({"node": obs.node, **event})
         view.last_event_at = obs.at
         kind = event.get("event")
@@ -324,8 +398,9 @@ class Monitor:
             known = explain_error(view.error)
             if known is not None:
                 evidence["explanation"] = known.to_json()
-            return self._add(Incident("error", obs.node, rank, view.step, 0.0, evidence,
-                                      "stop" if echo or job else "quarantine", obs.at))
+            return self._add(Incident(kind=IncidentKind.ERROR, node=obs.node, rank=rank, step=view.step,
+                                      detected_after_s=0.0, evidence=evidence,
+                                      action=Action.STOP if echo or job else Action.QUARANTINE, t=obs.at))
         return []
 
     def _step(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
@@ -342,9 +417,10 @@ class Monitor:
             lies.append(f"{tokens} tokens in one step > the {view.max_tokens_per_step} its batch of "
                         f"{view.batch_size} can hold")
         if lies:
-            if not any(i.kind == "implausible_progress" and i.rank == view.rank for i in self.incidents):
-                found += self._add(Incident("implausible_progress", obs.node, view.rank, view.step, 0.0,
-                                            {"claims": lies, "event": event}, "quarantine", obs.at))
+            if not any(i.kind == IncidentKind.IMPLAUSIBLE_PROGRESS and i.rank == view.rank for i in self.incidents):
+                found += self._add(Incident(kind=IncidentKind.IMPLAUSIBLE_PROGRESS, node=obs.node, rank=view.rank,
+                                            step=view.step, detected_after_s=0.0, evidence={"claims": lies, "event": event},
+                                            action=Action.QUARANTINE, t=obs.at))
             return found  # a lying report is never applied to the view
         if step > view.step:
             view.last_progress_at = obs.at
@@ -361,9 +437,9 @@ class Monitor:
         local_loss = _float(event.get("local_loss"))
         finite = event.get("local_loss_finite")
         if finite is False:
-            found += self._add(Incident("nan", obs.node, view.rank, step, 0.0,
-                                        {"local_loss": event.get("local_loss"), "loss": event.get("loss")},
-                                        "quarantine", obs.at))
+            found += self._add(Incident(kind=IncidentKind.NAN, node=obs.node, rank=view.rank, step=step, detected_after_s=0.0,
+                                        evidence={"local_loss": event.get("local_loss"), "loss": event.get("loss")},
+                                        action=Action.QUARANTINE, t=obs.at))
         self.step_locals.setdefault(step, {})[view.rank] = (local_loss, _float(event.get("local_grad_norm")),
                                                             finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
@@ -406,9 +482,11 @@ class Monitor:
                     and view.slow_since is not None and obs.at - view.slow_since >= self.policy.straggler_min_s:
                 view.straggler_reported = True
                 found += self._add(Incident(
-                    "straggler", view.node, rank, step, None,
-                    {"compute_tokens_per_s": round(rates[rank], 1), "calibrated_tokens_per_s": view.calibrated_tokens_per_s,
-                     "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps}, "warn", obs.at))
+                    kind=IncidentKind.STRAGGLER, node=view.node, rank=rank, step=step, detected_after_s=None,
+                    evidence={"compute_tokens_per_s": round(rates[rank], 1),
+                              "calibrated_tokens_per_s": view.calibrated_tokens_per_s,
+                              "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps},
+                    action=Action.WARN, t=obs.at))
         return found
 
     @staticmethod
@@ -449,8 +527,9 @@ class Monitor:
         for rank, view in self.ranks.items():
             view.outlier_steps = view.outlier_steps + 1 if rank in flagged else 0
             if view.outlier_steps == self.policy.outlier_steps:
-                found += self._add(Incident("outlier", view.node, rank, step, None,
-                                            {"local": {r: values[r][:2] for r in values}}, "warn", obs.at))
+                found += self._add(Incident(kind=IncidentKind.OUTLIER, node=view.node, rank=rank, step=step,
+                                            detected_after_s=None, evidence={"local": {r: values[r][:2] for r in values}},
+                                            action=Action.WARN, t=obs.at))
         return found
 
     def _digest(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
@@ -462,7 +541,7 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote("inconsistent", step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
+        return self._vote(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
 
     def _checkpoint(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
         step, sha = _int(event.get("step")), event.get("sha256")
@@ -473,16 +552,16 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote("checkpoint_mismatch", step, {r: table[r] for r in live}, obs.at, "checkpoint manifest")
+        return self._vote(IncidentKind.CHECKPOINT_MISMATCH, step, {r: table[r] for r in live}, obs.at, "checkpoint manifest")
 
-    def _vote(self, kind: str, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
+    def _vote(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
         """Replicas must agree exactly. With a strict majority the odd ranks are culprits; without one (two
         ranks that disagree) every rank is suspect and the attempt stops without naming a culprit."""
         groups: dict[Any, list[int]] = {}
         for rank, value in values.items():
             groups.setdefault(value, []).append(rank)
         if len(groups) == 1:
-            if kind == "inconsistent":
+            if kind == IncidentKind.INCONSISTENT:
                 self.last_consistent_step = max(self.last_consistent_step or 0, step)
             return []
         ranked = sorted(groups.values(), key=len, reverse=True)
@@ -492,13 +571,13 @@ class Monitor:
             for group in ranked[1:]:
                 for rank in group:
                     view = self.ranks[rank]
-                    found += self._add(Incident(kind, view.node, rank, step, 0.0,
-                                                {**evidence, "majority": ranked[0]}, "quarantine", at))
+                    found += self._add(Incident(kind=kind, node=view.node, rank=rank, step=step, detected_after_s=0.0,
+                                                evidence={**evidence, "majority": ranked[0]}, action=Action.QUARANTINE, t=at))
             return found
         suspects = sorted(self.ranks[r].node for r in values)
-        return self._add(Incident(kind, ",".join(suspects), None, step, 0.0,
-                                  {**evidence, "suspects": suspects, "note": "no majority: every replica is suspect"},
-                                  "stop", at))
+        return self._add(Incident(kind=kind, node=",".join(suspects), rank=None, step=step, detected_after_s=0.0,
+                                  evidence={**evidence, "suspects": suspects, "note": "no majority: every replica is suspect"},
+                                  action=Action.STOP, t=at))
 
     def _proc(self, obs: Observation) -> list[Incident]:
         view = self.ranks.get(obs.rank) if obs.rank is not None else None
@@ -510,8 +589,10 @@ class Monitor:
             if obs.at - view.stopped_since >= self.policy.stopped_grace_s:
                 view.state = WorkerState.FAILED
                 last = view.last_event_at or obs.at
-                return self._add(Incident("hang", obs.node, obs.rank, view.step, max(0.0, obs.at - last),
-                                          {"pid": obs.data.get("pid"), "state": "T (stopped)"}, "quarantine", obs.at))
+                return self._add(Incident(kind=IncidentKind.HANG, node=obs.node, rank=obs.rank, step=view.step,
+                                          detected_after_s=max(0.0, obs.at - last),
+                                          evidence={"pid": obs.data.get("pid"), "state": "T (stopped)"},
+                                          action=Action.QUARANTINE, t=obs.at))
             return []
         view.stopped_since = None
         if obs.data.get("alive", True):
@@ -522,9 +603,10 @@ class Monitor:
             # a rank's last words are read in the same poll as the news of its death, so they arrive together
             # and the detection would read 0.0 s.
             last = view.last_alive_at or view.last_event_at or obs.at
-            return self._add(Incident("crash", obs.node, obs.rank, view.step, max(0.0, obs.at - last),
-                                      {"pid": obs.data.get("pid"), "state": obs.data.get("state")},
-                                      "quarantine", obs.at))
+            return self._add(Incident(kind=IncidentKind.CRASH, node=obs.node, rank=obs.rank, step=view.step,
+                                      detected_after_s=max(0.0, obs.at - last),
+                                      evidence={"pid": obs.data.get("pid"), "state": obs.data.get("state")},
+                                      action=Action.QUARANTINE, t=obs.at))
         return []
 
     def _lost(self, obs: Observation) -> list[Incident]:
@@ -532,12 +614,60 @@ class Monitor:
         for view in self.ranks.values():
             if view.node == obs.node and view.state in (WorkerState.PENDING, WorkerState.RUNNING):
                 view.state = WorkerState.FAILED
-        if any(i.kind == "unreachable" and i.node == obs.node for i in self.incidents):
+        if any(i.kind == IncidentKind.UNREACHABLE and i.node == obs.node for i in self.incidents):
             return failed  # already reported (the channel may close after the silence was detected)
         last = self.node_seen_at.get(obs.node, self.started_at)
-        failed += self._add(Incident("unreachable", obs.node, None, self.node_step(obs.node), obs.at - last,
-                                     {"reason": obs.data.get("reason", "channel lost")}, "quarantine", obs.at))
+        failed += self._add(Incident(kind=IncidentKind.UNREACHABLE, node=obs.node, rank=None,
+                                     step=self.node_step(obs.node), detected_after_s=obs.at - last,
+                                     evidence={"reason": obs.data.get("reason", "channel lost")},
+                                     action=Action.QUARANTINE, t=obs.at))
         return failed
+
+    # -- the launcher and the connection check: decisions the I/O loops ask for -------------------------------
+
+    def launcher_exited(self, rc: int | None, at: float) -> list[Incident]:
+        """mlx.launch exited at `at` with status `rc` (None: unknown, a launcher adopted by `attach`, not our
+        child). No incident yet: it exits 0 whatever its ranks did, and their last events may still be on the
+        way; `after_launcher_exit` says when the exit itself is the failure. Only the first exit counts."""
+        if self.launcher_exited_at is None:
+            self.launcher_exited_at = at
+            self.launcher_rc = rc
+        return []
+
+    def after_launcher_exit(self, now: float) -> AfterLauncherExit:
+        """What mlx.launch's exit means at `now`. WAIT while it runs or within FINISH_GRACE_S of its exit (late
+        events); then FAILED when the run has no outcome (not every rank finished and nothing else explains it:
+        record `launcher_failed`); RESOLVE when a fault is known but not yet settled (a node that vanished is found
+        only by its silence) past the heartbeat timeout more; WAIT otherwise."""
+        if self.launcher_exited_at is None or now - self.launcher_exited_at <= FINISH_GRACE_S:
+            return AfterLauncherExit.WAIT
+        if self.outcome() is None:
+            return AfterLauncherExit.FAILED
+        if now - self.launcher_exited_at > FINISH_GRACE_S + self.policy.heartbeat_timeout + 1.0:
+            return AfterLauncherExit.RESOLVE
+        return AfterLauncherExit.WAIT
+
+    def launcher_failed(self, now: float, *, log_tail: str) -> Incident:
+        """The `launcher_exit` incident (action stop, node `coordinator`) once `after_launcher_exit` said FAILED;
+        `log_tail`: the end of launcher.log, its only evidence. Appended as it is: the attempt ends with it, there
+        is nothing left to settle."""
+        since = self.launcher_exited_at if self.launcher_exited_at is not None else now
+        incident = Incident(kind=IncidentKind.LAUNCHER_EXIT, node="coordinator", rank=None, step=self.step(),
+                            detected_after_s=now - since, evidence={"rc": self.launcher_rc, "log_tail": log_tail},
+                            action=Action.STOP, t=now)
+        self.incidents.append(incident)
+        return incident
+
+    def unreachable_before_relaunch(self, node: str, reason: str, at: float) -> Incident:
+        """`node` failed the connection check before a relaunch: found by the job loop, not by this attempt's
+        channels, yet an incident of this attempt (`unreachable`, action quarantine, no detection delay: its
+        last word is unknown), so its node is a culprit like any other."""
+        incident = Incident(kind=IncidentKind.UNREACHABLE, node=node, rank=None, step=self.node_step(node),
+                            detected_after_s=None,
+                            evidence={"reason": reason, "found_by": "connection check before relaunch"},
+                            action=Action.QUARANTINE, t=at)
+        self.incidents.append(incident)
+        return incident
 
     # -- time-based checks ------------------------------------------------------------------------------------
 
@@ -549,7 +679,7 @@ class Monitor:
         for node in sorted({v.node for v in self.ranks.values() if v.state is WorkerState.RUNNING}):
             silent = now - self.node_seen_at.get(node, self.started_at)
             if silent > self.heartbeat_timeout:
-                found += self._lost(Observation("lost", node, now, data={
+                found += self._lost(Observation(ObservationKind.LOST, node, now, data={
                     "reason": f"no word from the node for {silent:.1f}s (asleep, link down or sshd gone)"}))
         for view in self.ranks.values():
             if view.state is not WorkerState.RUNNING:
@@ -557,9 +687,11 @@ class Monitor:
             last = view.last_event_at or view.started_at or self.started_at
             if now - last > self.heartbeat_timeout:
                 view.state = WorkerState.FAILED
-                found += self._add(Incident("hang", view.node, view.rank, view.step, now - last,
-                                            {"silent_for_s": round(now - last, 3),
-                                             "heartbeat_timeout": self.heartbeat_timeout}, "quarantine", now))
+                found += self._add(Incident(kind=IncidentKind.HANG, node=view.node, rank=view.rank, step=view.step,
+                                            detected_after_s=now - last,
+                                            evidence={"silent_for_s": round(now - last, 3),
+                                                      "heartbeat_timeout": self.heartbeat_timeout},
+                                            action=Action.QUARANTINE, t=now))
         found += self._stalls(now)
         return found
 
@@ -586,10 +718,11 @@ class Monitor:
             since = view.last_progress_at or view.started_at or self.started_at
             if now - since > window:
                 found += self._add(Incident(
-                    "stall", view.node, view.rank, view.step, now - since,
-                    {"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
-                     "median_step_s": round(view.steps.median() or 0.0, 3), "phase": view.phase},
-                    "stop", now))
+                    kind=IncidentKind.STALL, node=view.node, rank=view.rank, step=view.step,
+                    detected_after_s=now - since,
+                    evidence={"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
+                              "median_step_s": round(view.steps.median() or 0.0, 3), "phase": view.phase},
+                    action=Action.STOP, t=now))
         return found
 
     # -- results ----------------------------------------------------------------------------------------------
@@ -606,9 +739,9 @@ class Monitor:
         event is written; the dead process then looks like a crash of an innocent node, and it is seen long before
         the vanished node's silence reaches the heartbeat timeout. So a fault's onset counts, not its detection:
         a silent node's began at its last word (detection time minus `detected_after_s`)."""
-        if inc.kind != "crash":
+        if inc.kind != IncidentKind.CRASH:
             return False
-        return any(other is not inc and other.node != inc.node and other.action in ("stop", "quarantine")
+        return any(other is not inc and other.node != inc.node and other.action in FATAL_ACTIONS
                    and other.t - (other.detected_after_s or 0.0) < inc.t for other in self.incidents)
 
     def culprits(self) -> list[str]:
@@ -617,7 +750,7 @@ class Monitor:
         primary: list[str] = []
         secondary: list[str] = []
         for inc in self.incidents:
-            if inc.action == "quarantine" and inc.kind in CULPRIT_KINDS:
+            if inc.action == Action.QUARANTINE and inc.kind in CULPRIT_KINDS:
                 out = secondary if self._secondary(inc) else primary
                 if inc.node not in out:
                     out.append(inc.node)
@@ -625,7 +758,7 @@ class Monitor:
 
     def classify(self) -> JobErrorVerdict | None:
         """`classify_errors` over this attempt's observations: is the failure the job's?"""
-        node_evidence = any(i.action == "quarantine" and i.kind in CULPRIT_KINDS and i.kind != "error"
+        node_evidence = any(i.action == Action.QUARANTINE and i.kind in CULPRIT_KINDS and i.kind != IncidentKind.ERROR
                             and not self._secondary(i) for i in self.incidents)
         return classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
                                earlier=self.earlier_errors)
@@ -642,8 +775,9 @@ class Monitor:
         for idx, inc in enumerate(self.incidents):
             # Whatever would quarantine a node, and every rank's own copy of the error (marked, so that it is
             # shown once: with the job_error incident).
-            if inc.action == "quarantine" or (inc.kind == "error" and inc.evidence.get("signature") == verdict.signature):
-                new = replace(inc, action="stop", evidence={**inc.evidence, "job_error": True})
+            if inc.action == Action.QUARANTINE or (inc.kind == IncidentKind.ERROR
+                                                   and inc.evidence.get("signature") == verdict.signature):
+                new = replace(inc, action=Action.STOP, evidence={**inc.evidence, "job_error": True})
                 self.incidents[idx] = new
                 revised.append(new)
         first = min(self.own_errors.values(), key=lambda e: e.at)
@@ -660,8 +794,8 @@ class Monitor:
             evidence["code"] = known.code
         if verdict.earlier_nodes:
             evidence["earlier_nodes"] = list(verdict.earlier_nodes)
-        self.job_error = Incident(JOB_ERROR, ",".join(verdict.nodes), None, self.step(), last - first.at, evidence,
-                                  "stop", last)
+        self.job_error = Incident(kind=JOB_ERROR, node=",".join(verdict.nodes), rank=None, step=self.step(),
+                                  detected_after_s=last - first.at, evidence=evidence, action=Action.STOP, t=last)
         self.incidents.append(self.job_error)
         return [*revised, self.job_error]
 
@@ -675,8 +809,8 @@ class Monitor:
         blamed = set(self.culprits())
         revised: list[Incident] = []
         for idx, inc in enumerate(self.incidents):
-            if inc.action == "quarantine" and self._secondary(inc) and inc.node not in blamed:
-                new = replace(inc, action="stop", evidence={**inc.evidence, "collateral_of": sorted(blamed),
+            if inc.action == Action.QUARANTINE and self._secondary(inc) and inc.node not in blamed:
+                new = replace(inc, action=Action.STOP, evidence={**inc.evidence, "collateral_of": sorted(blamed),
                                                              "note": "died after the fault, without an error event"})
                 self.incidents[idx] = new
                 revised.append(new)
@@ -684,7 +818,7 @@ class Monitor:
 
     def culprit_incident(self, node: str) -> Incident | None:
         """The first incident that made `node` a culprit."""
-        return next((i for i in self.incidents if i.node == node and i.action == "quarantine"
+        return next((i for i in self.incidents if i.node == node and i.action == Action.QUARANTINE
                      and i.kind in CULPRIT_KINDS), None)
 
     def settled(self, now: float) -> bool:
@@ -705,7 +839,7 @@ class Monitor:
     def job_fault(self) -> Incident | None:
         """The first error that every rank hit because of the job itself (`fault: job`), not because of a node:
         relaunching cannot help, and nobody is quarantined for it."""
-        return next((i for i in self.incidents if i.kind == "error" and i.evidence.get("fault") == "job"), None)
+        return next((i for i in self.incidents if i.kind == IncidentKind.ERROR and i.evidence.get("fault") == "job"), None)
 
     def _errors_in(self, now: float) -> bool:
         """After a rank's own error: every other rank has reported an error or ended (a job error is the same
@@ -720,7 +854,7 @@ class Monitor:
     def outcome(self) -> RunState | None:
         if self.stopped:
             return RunState.STOPPED
-        if any(i.action in ("stop", "quarantine") for i in self.incidents):
+        if any(i.action in FATAL_ACTIONS for i in self.incidents):
             return RunState.FAILED
         if any(v.state is WorkerState.FAILED for v in self.ranks.values()):
             return RunState.FAILED

@@ -40,6 +40,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.errors import CoordinatorError
+from coordinator.shards import largest_remainder
 
 # Same knee criterion as worker.bench: a rate below this fraction of the best is a real fall, not noise.
 PLATEAU_RATIO = 0.97
@@ -294,18 +295,6 @@ def _check_inputs(calibrations: Sequence[NodeCalibration], global_batch: int, se
             )
 
 
-def _largest_remainder(total: int, fractions: Sequence[float]) -> list[int]:
-    """Integers summing to `total`, proportional to `fractions` (which sum to 1): floors, then one extra row
-    each to the largest fractional parts (ties: earlier node first)."""
-    quotas = [total * f for f in fractions]
-    counts = [math.floor(q) for q in quotas]
-    short = total - sum(counts)
-    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
-    for i in order[:short]:
-        counts[i] += 1
-    return counts
-
-
 def _greedy(models: Sequence[_NodeModel], caps: Sequence[int], global_batch: int) -> list[int]:
     """Minimise the largest step time: one row each, then every further row to the node whose step time after
     taking it is smallest (ties: earlier node), among nodes below their memory cap.
@@ -416,7 +405,7 @@ def compute_plan(
         else:
             fractions = _explicit_fractions(names, split)
             mode = SplitMode.EXPLICIT
-        counts = _largest_remainder(global_batch, fractions)
+        counts = largest_remainder(global_batch, fractions)
         for name, count, fraction in zip(names, counts, fractions, strict=True):
             if count < 1:
                 raise PlanError(
@@ -465,7 +454,7 @@ def fixed_plan(names: Sequence[str], global_batch: int, split: str | Mapping[str
         fractions, mode = [1.0 / len(names)] * len(names), SplitMode.EQUAL
     else:
         fractions, mode = _explicit_fractions(names, split), SplitMode.EXPLICIT
-    counts = _largest_remainder(global_batch, fractions)
+    counts = largest_remainder(global_batch, fractions)
     for name, count, fraction in zip(names, counts, fractions, strict=True):
         if count < 1:
             raise PlanError(f"{mode} split gives {name} 0 of {global_batch} rows (fraction {fraction:.4g}): raise "

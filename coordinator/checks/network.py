@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import statistics
 from typing import Any
 
 from coordinator.checks.context import CheckContext, fact_error_result
@@ -118,9 +119,8 @@ def _reachability(ctx: CheckContext, node: Node, facts: NodeFacts) -> tuple[list
         if len(wanted) <= REACH_DETAIL_PEERS or r is None or not r.ok:
             evidence[peer] = {"ip": ip, "ok": bool(r and r.ok), "rtt_ms": r.rtt_ms if r else None}
     if len(wanted) > REACH_DETAIL_PEERS:
-        rtts.sort()
         evidence = {"peers": len(wanted), "reached": len(wanted) - len(unreachable),
-                    "rtt_ms_median": rtts[len(rtts) // 2] if rtts else None, "rtt_ms_max": rtts[-1] if rtts else None,
+                    "rtt_ms_median": statistics.median(rtts) if rtts else None, "rtt_ms_max": max(rtts, default=None),
                     "unreachable": evidence}
     return unreachable, evidence
 

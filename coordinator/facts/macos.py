@@ -5,8 +5,8 @@ and returns a typed value from `coordinator.facts.model`. Input that is not what
 `ParseError` with a message naming what was expected; a valid but empty answer (for example `ibv_devices`
 printing only its header) is an empty result, never an error. Nothing here does I/O.
 
-The pitfalls these parsers guard against are listed in shared/reference/macos-outputs.md §0 and cited below as
-"pitfall N".
+The pitfalls these parsers guard against are listed in docs/macos-outputs.md §0 and cited below as "pitfall N";
+"reference §N" is the section of that page (numbered as the capture reference it was copied from).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import io
 from rich.console import Console
 
 from coordinator.liveview import RichUI, plain_progress_line
-from coordinator.monitor import Monitor, Observation
+from coordinator.monitor import Monitor, Observation, PlannedRank
 from coordinator.plan import describe_prediction, prediction_gap
 
 
@@ -35,7 +35,7 @@ def run_steps(ui: RichUI, mon: Monitor, steps: range, *, dt: float, t0: float = 
 
 
 def started(iters: int) -> Monitor:
-    mon = Monitor.create([(0, "a", 4, 1000.0), (1, "b", 4, 1000.0)], iters=iters, now=0.0)
+    mon = Monitor.create([PlannedRank(0, "a", 4, 1000.0), PlannedRank(1, "b", 4, 1000.0)], iters=iters, now=0.0)
     for rank, node in ((0, "a"), (1, "b")):
         mon.observe(ev(node, rank, 0.1, event="started", pid=10 + rank))
     return mon

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from coordinator.monitor import FaultPolicy, Monitor, Observation, RankError, RunState, WorkerState, classify_errors
+import json
+
+from coordinator.monitor import (
+    FINISH_GRACE_S,
+    Action,
+    AfterLauncherExit,
+    FaultPolicy,
+    IncidentKind,
+    Monitor,
+    Observation,
+    ObservationKind,
+    PlannedRank,
+    RankError,
+    RunState,
+    WorkerState,
+    classify_errors,
+)
 from coordinator.signatures import error_signature
 
-PLAN = [(0, "a", 3, 300.0), (1, "b", 1, 100.0)]
+PLAN = [PlannedRank(0, "a", 3, 300.0), PlannedRank(1, "b", 1, 100.0)]
 
 
 def ev(node: str, rank: int, at: float, **data) -> Observation:
@@ -14,7 +30,7 @@ def ev(node: str, rank: int, at: float, **data) -> Observation:
 
 def three_started() -> Monitor:
     """Ranks 0, 1, 2 on nodes a, b, c (pids 10, 11, 12), all started at 0.1; heartbeat timeout 6 s."""
-    mon = Monitor.create([(0, "a", 2, None), (1, "b", 2, None), (2, "c", 2, None)], iters=9, now=0.0,
+    mon = Monitor.create([PlannedRank(0, "a", 2), PlannedRank(1, "b", 2), PlannedRank(2, "c", 2)], iters=9, now=0.0,
                          heartbeat_timeout=6.0)
     for rank, node in ((0, "a"), (1, "b"), (2, "c")):
         mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
@@ -270,7 +286,7 @@ def test_a_rank_far_below_its_calibrated_rate_is_a_straggler() -> None:
 
 
 def test_without_calibration_an_honest_slower_machine_is_no_straggler_but_a_slowdown_is() -> None:
-    plan = [(0, "a", 3, None), (1, "b", 1, None)]  # a fixed split: no calibrated rates
+    plan = [PlannedRank(0, "a", 3, None), PlannedRank(1, "b", 1, None)]  # a fixed split: no calibrated rates
     mon = Monitor.create(plan, iters=50, now=0.0)
     started(mon)
     assert _steps(mon, {0: [900.0] * 12, 1: [100.0] * 12}) == []  # 9x slower all along: its own normal
@@ -377,7 +393,7 @@ def test_the_same_error_after_a_relaunch_on_another_node_followed_the_work() -> 
     """Attempt 1 blamed a for this error (its peers were killed before they got to it); the relaunch on b and c
     fails the same way on b: the error is the job's."""
     sig = error_signature(UNDECODABLE.format(pos=7), {"a", "b", "c"})
-    mon = Monitor.create([(0, "b", 3, None), (1, "c", 3, None)], iters=9, now=0.0, heartbeat_timeout=6.0,
+    mon = Monitor.create([PlannedRank(0, "b", 3), PlannedRank(1, "c", 3)], iters=9, now=0.0, heartbeat_timeout=6.0,
                          earlier_errors={sig: frozenset({"a"})})
     for rank, node in ((0, "b"), (1, "c")):
         mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
@@ -414,14 +430,14 @@ def test_node_evidence_wins_over_matching_errors() -> None:
 
 
 def test_a_fenced_rank_is_no_evidence_of_a_job_error() -> None:
-    mon = Monitor.create([(0, "a", 1, None)], iters=9, now=0.0)
+    mon = Monitor.create([PlannedRank(0, "a", 1, None)], iters=9, now=0.0)
     mon.observe(ev("a", 0, 0.1, event="started", pid=10))
     mon.observe(ev("a", 0, 1.0, event="error", message="fenced: step 5 ran 90 s", fenced=True))
     assert mon.classify() is None and mon.culprits() == ["a"]
 
 
 def test_the_only_rank_failing_is_a_job_error_not_a_quarantine_of_the_last_node() -> None:
-    mon = Monitor.create([(0, "a", 4, None)], iters=9, now=0.0, heartbeat_timeout=6.0)
+    mon = Monitor.create([PlannedRank(0, "a", 4, None)], iters=9, now=0.0, heartbeat_timeout=6.0)
     mon.observe(ev("a", 0, 0.1, event="started", pid=10))
     mon.observe(ev("a", 0, 1.0, event="error", message="ValueError: /srv/data/train.jsonl is missing or empty"))
     ticks(mon, 3.1, nodes=("a",))
@@ -445,3 +461,81 @@ def test_classify_errors_table() -> None:
     assert classify_errors(same[:1], 3, node_evidence=False, earlier={"S": frozenset({"a"})}) is None
     moved = classify_errors(same[1:], 3, node_evidence=False, earlier={"S": frozenset({"a"}), "T": frozenset({"c"})})
     assert moved is not None and moved.earlier_nodes == ("a",) and moved.nodes == ("b",)
+
+
+# -- the launcher's exit and the connection check before a relaunch: decisions the I/O loops ask the monitor for --
+
+
+def test_the_launchers_exit_with_ranks_unfinished_is_the_failure_once_the_grace_has_passed() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="step", step=1, loss=2.0))
+    assert mon.after_launcher_exit(2.0) is AfterLauncherExit.WAIT  # still running
+    assert mon.launcher_exited(0, 2.0) == []
+    assert mon.after_launcher_exit(2.0 + FINISH_GRACE_S) is AfterLauncherExit.WAIT  # late events may still come
+    assert mon.outcome() is None and not mon.incidents
+    assert mon.after_launcher_exit(2.5 + FINISH_GRACE_S) is AfterLauncherExit.FAILED
+    inc = mon.launcher_failed(2.5 + FINISH_GRACE_S, log_tail="Traceback ...")
+    assert mon.incidents == [inc] and mon.outcome() is RunState.FAILED and mon.culprits() == []
+    # The line events.jsonl gets, word for word as before the enums: plain strings, not enum members.
+    assert inc.to_json() == {"kind": "launcher_exit", "node": "coordinator", "rank": None, "step": 0,
+                             "detected_after_s": round(FINISH_GRACE_S + 0.5, 3),
+                             "evidence": {"rc": 0, "log_tail": "Traceback ..."}, "action": "stop",
+                             "t": 2.5 + FINISH_GRACE_S}
+    assert type(inc.to_json()["kind"]) is str and type(inc.to_json()["action"]) is str
+    assert json.dumps(inc.to_json()).startswith('{"kind": "launcher_exit", "node": "coordinator"')
+
+
+def test_an_adopted_launchers_exit_status_is_unknown_and_only_its_first_exit_counts() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.launcher_exited(None, 1.0)
+    mon.launcher_exited(3, 4.0)
+    assert (mon.launcher_rc, mon.launcher_exited_at) == (None, 1.0)
+    inc = mon.launcher_failed(7.0, log_tail="")
+    assert inc.evidence["rc"] is None and inc.detected_after_s == 6.0
+
+
+def test_a_launcher_exit_observation_is_the_same_decision() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    assert mon.observe(Observation(ObservationKind.LAUNCHER_EXIT, "coordinator", 2.0, data={"rc": 1})) == []
+    assert (mon.launcher_rc, mon.launcher_exited_at) == (1, 2.0)
+    assert mon.after_launcher_exit(2.1 + FINISH_GRACE_S) is AfterLauncherExit.FAILED
+
+
+def test_after_the_launchers_exit_a_fault_not_yet_settled_is_resolved_after_the_heartbeat_timeout() -> None:
+    """A known fault (a crash) whose verdict never settles (b says nothing more): mlx.launch's exit is no news,
+    the fault is; the verdict is resolved as it stands once the heartbeat timeout has passed too."""
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    started(mon)
+    mon.observe(Observation(ObservationKind.PROC, "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.launcher_exited(0, 2.0)
+    bound = 2.0 + FINISH_GRACE_S + 10.0 + 1.0
+    assert mon.outcome() is RunState.FAILED
+    assert mon.after_launcher_exit(2.0 + FINISH_GRACE_S + 0.1) is AfterLauncherExit.WAIT
+    assert mon.after_launcher_exit(bound) is AfterLauncherExit.WAIT
+    assert mon.after_launcher_exit(bound + 0.1) is AfterLauncherExit.RESOLVE
+    assert [i.kind for i in mon.incidents] == [IncidentKind.CRASH]  # no launcher_exit incident: the crash explains it
+
+
+def test_a_node_unreachable_before_the_relaunch_is_an_incident_of_the_attempt_and_a_culprit() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("b", 1, 1.0, event="step", step=2, loss=2.0))
+    [crash] = mon.observe(Observation(ObservationKind.PROC, "a", 1.5, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    inc = mon.unreachable_before_relaunch("b", "no SSH answer from b within 5s", 9.0)
+    assert mon.incidents == [crash, inc]
+    assert (inc.kind, inc.action) == (IncidentKind.UNREACHABLE, Action.QUARANTINE)
+    assert mon.culprits() == ["a", "b"] and mon.culprit_incident("b") is inc
+    assert inc.to_json() == {"kind": "unreachable", "node": "b", "rank": None, "step": 2, "detected_after_s": None,
+                             "evidence": {"reason": "no SSH answer from b within 5s",
+                                          "found_by": "connection check before relaunch"},
+                             "action": "quarantine", "t": 9.0}
+
+
+def test_kinds_and_actions_compare_as_their_words() -> None:
+    """StrEnums: records read back from events.jsonl (plain strings) compare equal, and hash alike."""
+    assert IncidentKind.JOB_ERROR == "job_error" and "quarantine" in {Action.QUARANTINE}
+    assert ObservationKind("tick") is ObservationKind.TICK
+    assert json.dumps({"kind": IncidentKind.NAN}) == '{"kind": "nan"}'

@@ -1,6 +1,6 @@
 """macOS parsers on recorded real outputs (tests/fixtures/captures, provenance in SOURCES.md).
 
-Each capture is parsed to the exact value written here; each pitfall of reference §0 has a test named
+Each capture is parsed to the exact value written here; each pitfall of docs/macos-outputs.md §0 has a test named
 `test_pitfall_N_*` that fails if the parser ignored it; garbage raises ParseError; and every node profile in
 tests/fixtures/profiles parses completely.
 """

@@ -20,7 +20,7 @@ from coordinator.job import JobOptions, QuietUI, usable_inventory
 from coordinator.launch import LaunchError
 from coordinator.liveview import RichUI, build_table
 from coordinator.models import Inventory, Node
-from coordinator.monitor import Monitor
+from coordinator.monitor import Monitor, PlannedRank
 from coordinator.playbook import FaultsConfig, Playbook
 from coordinator.quarantine import (
     DEFAULT_QUARANTINE_FOR,
@@ -306,7 +306,7 @@ def test_the_live_view_prints_the_block_and_keeps_saying_degraded() -> None:
     console = Console(record=True, width=200, force_terminal=False)
     ui = RichUI(console)
     ui.degraded("DEGRADED: 1 of 2 node(s) of inv.yaml; left out:\n  n2: quarantined: hang [rank 1]", ["n2"])
-    mon = Monitor.create([(0, "a", 1, None)], iters=4, now=0.0)
+    mon = Monitor.create([PlannedRank(0, "a", 1, None)], iters=4, now=0.0)
     ui.progress(mon, 10.0)  # not a terminal: the plain progress line
     text = console.export_text()
     assert "  n2: quarantined: hang [rank 1]\n" in text  # printed as written, not read as markup

@@ -27,7 +27,7 @@ from coordinator.metrics import (
     run_status_from_monitor,
 )
 from coordinator.models import Inventory, Node
-from coordinator.monitor import Monitor, Observation
+from coordinator.monitor import Monitor, Observation, PlannedRank
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, new_entry
 from coordinator.verbs.status import (
     RunEvents,
@@ -251,7 +251,7 @@ def test_node_metrics_leave_unknowns_out() -> None:
 
 
 def test_run_metrics_from_a_scripted_monitor() -> None:
-    mon = Monitor.create([(0, "a", 3, 300.0), (1, "b", 1, 100.0)], iters=10, now=0.0)
+    mon = Monitor.create([PlannedRank(0, "a", 3, 300.0), PlannedRank(1, "b", 1, 100.0)], iters=10, now=0.0)
     for rank, node in ((0, "a"), (1, "b")):
         mon.observe(Observation("event", node, 0.5, rank, {"rank": rank, "event": "started", "pid": 1}))
     mon.observe(Observation("event", "a", 2.0, 0, {"rank": 0, "event": "step", "step": 2, "loss": 1.5, "tok_s": 310.0}))
@@ -326,7 +326,7 @@ class Recorder(QuietUI):
 
 def test_metrics_ui_forwards_and_exports_the_run() -> None:
     inner = Recorder()
-    mon = Monitor.create([(0, "a", 1, None)], iters=4, now=0.0)
+    mon = Monitor.create([PlannedRank(0, "a", 1, None)], iters=4, now=0.0)
     mon.observe(Observation("event", "a", 0.5, 0, {"rank": 0, "event": "started"}))
     mon.observe(Observation("event", "a", 1.0, 0, {"rank": 0, "event": "step", "step": 2, "tok_s": 50.0}))
     with MetricsServer(0) as server:
