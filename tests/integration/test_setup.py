@@ -1,0 +1,104 @@
+"""`coordinator setup` over real SSH: a node whose `python:` is a venv path that does not exist yet gets the venv
+(made by the node's system python3, Debian's 3.11), the pinned mlx[cpu] / mlx-lm from a wheelhouse pushed over
+SFTP and installed with --no-index, and the worker; preflight's software check then passes, and a second setup
+changes nothing.
+
+The wheelhouse is the coordinator's own cache (~/.cache/mlx-coordinator/wheelhouse/<platform>/<pins>/, as a real
+fleet uses it): the first run on a machine downloads it (~60 MB for linux-x86_64-cp311, seconds); every later run,
+and every test after the first, reads it from the cache without the network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.integration.conftest import RunCli
+from tests.testbed import TestBed
+
+VENV = "/srv/venvs/mlx"
+SETUP_TIMEOUT = 600.0  # the first install of mlx-lm's dependencies into a fresh venv on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
+    bed = TestBed(tmp=tmp_path_factory.mktemp("setup") / "bed")
+    try:
+        bed.add_host("fresh")
+        yield bed
+    finally:
+        bed.close()
+
+
+def node_results(stdout: str) -> dict[str, dict[str, Any]]:
+    doc = json.loads(stdout)
+    return {n["node"]: n for n in doc["nodes"]}
+
+
+def test_setup_creates_the_venv_then_preflight_passes_and_a_second_setup_is_a_no_op(
+        bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    host = bed.host("fresh")
+    inv = bed.write_inventory(tmp_path / "inv.yaml", python=f"{VENV}/bin/python", workdir="/srv/work")
+    pb = tmp_path / "pb.yaml"
+    pb.write_text(yaml.safe_dump({"name": "setup-test", "model": "/srv/model", "data": "/srv/data"}))
+
+    # --check says what it would do and does nothing.
+    cp = run_cli("setup", "-i", str(inv), "--check", "--json", timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    fresh = node_results(cp.stdout)["fresh"]
+    assert fresh["status"] == "changed"
+    assert f"create venv {VENV}" in fresh["actions"]
+    assert any(a.startswith("install mlx[cpu]==") for a in fresh["actions"])
+    assert not (host.srv / "venvs").exists()
+
+    # Before: the software check fails, and its remedy names the fixing command.
+    cp = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", timeout=120)
+    software = software_result(cp.stdout)
+    assert software["status"] == "fail", software
+    assert f"coordinator setup -i {inv}" in software["remedy"]
+
+    cp = run_cli("setup", "-i", str(inv), "--json", timeout=SETUP_TIMEOUT)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    fresh = node_results(cp.stdout)["fresh"]
+    assert fresh["status"] == "changed", fresh
+    assert (host.srv / "venvs" / "mlx" / "bin" / "python").exists()
+    assert any(a.startswith("pushed ") for a in fresh["actions"]), fresh
+    pushed = list((host.srv / "work" / ".coordinator" / "wheelhouse").glob("*/*/mlx_cpu-*.whl"))
+    assert pushed, "the mlx-cpu wheel was pushed to the node's wheelhouse"
+
+    cp = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", timeout=120)
+    software = software_result(cp.stdout)
+    assert software["status"] == "pass", software
+    assert "(mlx-cpu)" in software["summary"]
+
+    # A second run: nothing to do, nothing pushed, `ok`.
+    cp = run_cli("setup", "-i", str(inv), "--json", timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    fresh = node_results(cp.stdout)["fresh"]
+    assert fresh["status"] == "ok", fresh
+    assert fresh["actions"] == []
+    assert json.loads(cp.stdout)["summary"] == {"ok": 1, "changed": 0, "failed": 0}
+
+    cp = run_cli("setup", "-i", str(inv), timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    assert "ok: [fresh] up to date" in cp.stdout
+
+
+def test_setup_fails_a_node_whose_python_is_not_a_venv_path(bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    inv = bed.write_inventory(tmp_path / "inv.yaml", python="/srv/nowhere/python3.11", workdir="/srv/work2")
+    cp = run_cli("setup", "-i", str(inv), "--json", timeout=120)
+    assert cp.returncode == 1
+    fresh = node_results(cp.stdout)["fresh"]
+    assert fresh["status"] == "failed"
+    assert "is not a venv path" in fresh["message"]
+    assert "coordinator: error: setup failed on fresh" in cp.stderr
+
+
+def software_result(stdout: str) -> dict[str, Any]:
+    doc = json.loads(stdout)
+    return next(c for n in doc["nodes"] if n["name"] == "fresh" for c in n["checks"] if c["id"] == "software")
