@@ -41,6 +41,8 @@ from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport
 BACKEND_DISTS = ("mlx-cpu", "mlx-metal", "mlx-cuda-12", "mlx-cuda-13")
 TRACKED_DISTS = ("mlx", "mlx-lm", *BACKEND_DISTS)
 CUDA13_MIN_DRIVER = 580  # CUDA 13.0's oldest Linux driver (checks.system.CUDA_BACKENDS)
+# Where a missing `.../bin/python` is an OS or package-manager interpreter, never a venv to create there.
+SYSTEM_PREFIXES = frozenset({"", "/usr", "/usr/local", "/opt/homebrew", "/opt/local", "/Library/Frameworks"})
 OLDEST_MANYLINUX_GLIBC = 17  # manylinux2014 = manylinux_2_17
 INSPECT_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 1800.0  # pip installing mlx-lm's dependencies on a slow node
@@ -99,6 +101,8 @@ class NodeState:
     python_error: str | None
     installed: dict[str, str] = field(default_factory=dict)  # TRACKED_DISTS present in `python`
     worker: bool = False  # the worker package of this coordinator is at remote_worker_dir
+    # The directory a missing `python` would be the venv of: "missing", "venv" (has pyvenv.cfg) or "other".
+    venv_dir: str = "missing"
 
 
 def parse_node_state(text: str) -> NodeState:
@@ -118,6 +122,7 @@ def parse_node_state(text: str) -> NodeState:
             cuda_driver=_opt(doc.get("cuda_driver")), python_exists=bool(doc["python_exists"]),
             python_version=_opt(doc.get("python_version")), python_error=_opt(doc.get("python_error")),
             installed={str(k): str(v) for k, v in installed.items()}, worker=bool(doc.get("worker")),
+            venv_dir=str(doc.get("venv_dir") or "missing"),
         )
     except (KeyError, AttributeError) as exc:
         raise ParseError(f"inspect: missing or malformed key {exc} in {line[:200]!r}") from None
@@ -203,7 +208,8 @@ def venv_dir_for(python: str) -> str | None:
     head, name = python.rsplit("/", 1) if "/" in python else ("", python)
     if not head.endswith("/bin") or not (name == "python" or name.startswith("python3")):
         return None
-    return head[: -len("/bin")] or None
+    venv = head[: -len("/bin")]
+    return None if venv.rstrip("/") in SYSTEM_PREFIXES else venv
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,10 @@ def plan_node(node: Node, state: NodeState, pins: Pins) -> NodePlan:
             return NodePlan(node.name, node.python, platform, problem=(
                 f"python {node.python} does not exist and is not a venv path (<dir>/bin/python): install it, or set "
                 f"`python:` to a venv path such as ~/venvs/mlx/bin/python that setup creates"))
+        if state.venv_dir == "other":
+            return NodePlan(node.name, node.python, platform, problem=(
+                f"python {node.python} does not exist and {venv} is a directory but not a venv (no pyvenv.cfg): "
+                "setup creates venvs only where there is none; move it, or point `python:` elsewhere"))
         reasons.append(f"{node.python} missing")
     elif state.python_version is None:
         return NodePlan(node.name, node.python, platform,
@@ -312,10 +322,13 @@ import json, os, platform, shutil, subprocess, sys
 target = os.path.expanduser(sys.argv[1])
 worker = os.path.expanduser(sys.argv[2])
 names = sys.argv[3].split(",")
+venv_dir = os.path.expanduser(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else ""
 out = {"system": platform.system(), "machine": platform.machine(), "python3": platform.python_version(),
        "python3_path": sys.executable, "glibc": None, "macos": None, "cuda_driver": None, "python_exists": False,
        "python_version": None, "python_error": None, "installed": {},
-       "worker": os.path.isfile(os.path.join(worker, "worker", "__init__.py"))}
+       "worker": os.path.isfile(os.path.join(worker, "worker", "__init__.py")),
+       "venv_dir": ("venv" if os.path.isfile(os.path.join(venv_dir, "pyvenv.cfg")) else "other")
+                   if venv_dir and os.path.exists(venv_dir) else "missing"}
 if out["system"] == "Linux":
     lib, ver = platform.libc_ver()
     out["glibc"] = ver if lib == "glibc" else None
@@ -399,7 +412,7 @@ def _system_python(state: NodeState | None = None) -> str:
 async def inspect_node(transport: Transport, node: Node) -> NodeState:
     """One command on the node (its `python3` on PATH). Raises TransportError, SetupError."""
     result = await transport.run(["python3", "-c", _INSPECT, node.python, remote_worker_dir(node),
-                                  ",".join(TRACKED_DISTS)], timeout=INSPECT_TIMEOUT)
+                                  ",".join(TRACKED_DISTS), venv_dir_for(node.python) or ""], timeout=INSPECT_TIMEOUT)
     if not result.ok:
         raise SetupError(f"inspecting with python3 failed (exit {result.exit_status}): "
                          f"{(result.stderr or result.stdout).strip()[-300:]} (setup needs a python3 on the node's PATH)")

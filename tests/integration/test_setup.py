@@ -102,3 +102,68 @@ def test_setup_fails_a_node_whose_python_is_not_a_venv_path(bed: TestBed, run_cl
 def software_result(stdout: str) -> dict[str, Any]:
     doc = json.loads(stdout)
     return next(c for n in doc["nodes"] if n["name"] == "fresh" for c in n["checks"] if c["id"] == "software")
+
+
+# --- --network: two fake Macs joined by one Thunderbolt 5 cable --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def macs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
+    """`mbp` and `studio` replay the two ends of one Thunderbolt 5 cable (mbp en1 = Thunderbolt 1, studio en3 =
+    Thunderbolt 2), both with the Thunderbolt Bridge active; `lin` is a Linux host."""
+    bed = TestBed(tmp=tmp_path_factory.mktemp("setup-net") / "bed")
+    try:
+        bed.add_host("mbp", mac_profile="m5max-mbp-tb5")
+        bed.add_host("studio", mac_profile="m3ultra-studio-tb5")
+        bed.add_host("lin")
+        yield bed
+    finally:
+        bed.close()
+
+
+def calls(bed: TestBed, name: str) -> list[list[str]]:
+    """The networksetup calls the host's shim recorded (argv after the command), in order."""
+    log = bed.host(name).srv / "networksetup.calls"
+    return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_setup_network_prints_the_commands_and_runs_them_only_with_apply(macs: TestBed, run_cli: RunCli,
+                                                                        tmp_path: Path) -> None:
+    inv = macs.write_inventory(tmp_path / "inv.yaml")
+    expected = {
+        "mbp": [["-setnetworkserviceenabled", "Thunderbolt Bridge", "off"],
+                ["-setmanual", "Thunderbolt 1", "192.168.0.1", "255.255.255.252"]],
+        "studio": [["-setnetworkserviceenabled", "Thunderbolt Bridge", "off"],
+                   ["-setmanual", "Thunderbolt 2", "192.168.0.2", "255.255.255.252"]],
+    }
+
+    cp = run_cli("setup", "-i", str(inv), "--network", timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    assert "# mbp: en1 192.168.0.1/30 <-> studio 192.168.0.2" in cp.stdout
+    assert "  networksetup -setmanual 'Thunderbolt 1' 192.168.0.1 255.255.255.252" in cp.stdout  # root: no sudo
+    assert "  networksetup -setmanual 'Thunderbolt 2' 192.168.0.2 255.255.255.252" in cp.stdout
+    assert "changed: [mbp] would run" in cp.stdout
+    assert "ok: [lin] not macOS: nothing to do" in cp.stdout
+    assert "not applied: rerun with --apply" in cp.stdout
+    assert calls(macs, "mbp") == [] and calls(macs, "studio") == []
+
+    cp = run_cli("setup", "-i", str(inv), "--network", "--apply", "--json", timeout=120)
+    assert cp.returncode == 0, cp.stderr
+    doc = json.loads(cp.stdout)
+    assert doc["applied"] is True
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert by_node["mbp"]["status"] == "changed" and by_node["lin"]["status"] == "ok"
+    assert by_node["studio"]["addresses"] == [{"interface": "en3", "address": "192.168.0.2/30", "peer": "mbp",
+                                               "peer_address": "192.168.0.1"}]
+    for name, argvs in expected.items():
+        assert calls(macs, name) == argvs, name
+    assert by_node["mbp"]["commands"] == [" ".join(["networksetup", *a]).replace("Thunderbolt 1", "'Thunderbolt 1'")
+                                          .replace("Thunderbolt Bridge", "'Thunderbolt Bridge'")
+                                          for a in expected["mbp"]]
+
+
+def test_setup_apply_without_network_is_a_usage_error(macs: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    inv = macs.write_inventory(tmp_path / "inv.yaml")
+    cp = run_cli("setup", "-i", str(inv), "--apply", timeout=60)
+    assert cp.returncode == 2
+    assert cp.stderr.strip() == "coordinator: error: --apply goes with --network (software setup applies unless --check)"
