@@ -288,14 +288,6 @@ def wheelhouse_name(platform: Platform, pins: Pins) -> str:
     return f"{platform.key}/{pins.key}"
 
 
-def pip_pin() -> str:
-    """The pip the wheelhouse carries (to bootstrap a venv whose python has no ensurepip): the coordinator's."""
-    try:
-        return f"pip=={importlib.metadata.version('pip')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "pip"
-
-
 def build_download_argv(python: str, platform: Platform, pins: Pins, dest: Path, *,
                         find_links: Sequence[Path] = ()) -> list[str]:
     """`pip download` of the platform's wheels (and their dependencies) into `dest`, for a node's platform and
@@ -311,7 +303,9 @@ def build_download_argv(python: str, platform: Platform, pins: Pins, dest: Path,
         argv += ["--find-links", str(d)]
     if find_links:
         argv.append("--no-index")
-    return [*argv, *requirements(platform, pins), pip_pin()]
+    # pip itself too, unpinned: the newest that supports the node's python, to bootstrap a venv on a node whose
+    # python3 has no ensurepip (Debian without python3-venv).
+    return [*argv, *requirements(platform, pins), "pip"]
 
 
 # --- I/O: one node ---------------------------------------------------------------------------------------------
