@@ -206,6 +206,15 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} < {_v(MIN_MLX)} (launcher and ring lost-peer fixes)",
                            with_setup(ctx, node, f'{shell_path(sw.python)} -m pip install -U "mlx>=0.32.1"'), evidence)
+    pins = ctx.playbook.software if ctx.playbook is not None else None
+    if pins is not None and ((pins.mlx and sw.mlx_version != pins.mlx) or (pins.mlx_lm and sw.mlx_lm_version != pins.mlx_lm)):
+        want = {"mlx": pins.mlx or sw.mlx_version, "mlx-lm": pins.mlx_lm or sw.mlx_lm_version}
+        evidence["pins"] = want
+        return CheckResult("software", node.name, Status.FAIL,
+                           f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the playbook's software: "
+                           f"pins (mlx {want['mlx']} / mlx-lm {want['mlx-lm']})",
+                           with_setup(ctx, node, f"{shell_path(sw.python)} -m pip install "
+                                      + " ".join(shlex.quote(f"{d}=={v}") for d, v in want.items())), evidence)
     if facts.software is not None and facts.software.mlx_backends is not None:
         evidence["mlx_backends"] = facts.software.mlx_backends
     if facts.gpu is not None and facts.gpu.cuda:

@@ -30,6 +30,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
     bed = TestBed(tmp=tmp_path_factory.mktemp("setup") / "bed")
     try:
         bed.add_host("fresh")
+        # Debian without python3-venv: its python3 cannot `import ensurepip` (a module on PYTHONPATH says so).
+        bed.add_host("bare", env={"PYTHONPATH": "/srv/shadow"})
         yield bed
     finally:
         bed.close()
@@ -43,7 +45,7 @@ def node_results(stdout: str) -> dict[str, dict[str, Any]]:
 def test_setup_creates_the_venv_then_preflight_passes_and_a_second_setup_is_a_no_op(
         bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
     host = bed.host("fresh")
-    inv = bed.write_inventory(tmp_path / "inv.yaml", python=f"{VENV}/bin/python", workdir="/srv/work")
+    inv = bed.write_inventory(tmp_path / "inv.yaml", [host], python=f"{VENV}/bin/python", workdir="/srv/work")
     pb = tmp_path / "pb.yaml"
     pb.write_text(yaml.safe_dump({"name": "setup-test", "model": "/srv/model", "data": "/srv/data"}))
 
@@ -90,13 +92,30 @@ def test_setup_creates_the_venv_then_preflight_passes_and_a_second_setup_is_a_no
 
 
 def test_setup_fails_a_node_whose_python_is_not_a_venv_path(bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
-    inv = bed.write_inventory(tmp_path / "inv.yaml", python="/srv/nowhere/python3.11", workdir="/srv/work2")
+    inv = bed.write_inventory(tmp_path / "inv.yaml", [bed.host("fresh")], python="/srv/nowhere/python3.11",
+                              workdir="/srv/work2")
     cp = run_cli("setup", "-i", str(inv), "--json", timeout=120)
     assert cp.returncode == 1
     fresh = node_results(cp.stdout)["fresh"]
     assert fresh["status"] == "failed"
     assert "is not a venv path" in fresh["message"]
     assert "coordinator: error: setup failed on fresh" in cp.stderr
+
+
+def test_setup_bootstraps_pip_from_the_wheelhouse_where_python3_has_no_ensurepip(bed: TestBed, run_cli: RunCli,
+                                                                               tmp_path: Path) -> None:
+    host = bed.host("bare")
+    (host.srv / "shadow").mkdir()
+    (host.srv / "shadow" / "ensurepip.py").write_text("raise ImportError('no ensurepip: install python3-venv')\n")
+    assert "no ensurepip" in bed.ssh(host, "python3 -m ensurepip --version").stderr
+    inv = bed.write_inventory(tmp_path / "inv.yaml", [host], python="/srv/venvs/bare/bin/python", workdir="/srv/work")
+    cp = run_cli("setup", "-i", str(inv), "--json", timeout=SETUP_TIMEOUT)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert node_results(cp.stdout)["bare"]["status"] == "changed"
+    r = bed.ssh(host, "/srv/venvs/bare/bin/python -m pip --version; /srv/venvs/bare/bin/python -c 'import mlx.core'")
+    assert r.returncode == 0 and r.stdout.startswith("pip "), r.stdout + r.stderr
+    cp = run_cli("setup", "-i", str(inv), "--json", timeout=120)
+    assert node_results(cp.stdout)["bare"]["status"] == "ok"
 
 
 def software_result(stdout: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from coordinator.checks.context import CheckContext
 from coordinator.checks.system import check_software
 from coordinator.errors import ConfigError
 from coordinator.facts.build import build_node_facts
-from coordinator.facts.model import NetInterface, NodeFacts, ParseError
+from coordinator.facts.model import NetInterface, NodeFacts, ParseError, Software
 from coordinator.models import Node, Status
 from coordinator.netsetup import NETMASK, compute_cables, plan_network, render_command
 from coordinator.nodesetup import (
@@ -225,6 +225,23 @@ def test_software_remedies_name_the_setup_command(tmp_path: Path) -> None:
     assert result.status in (Status.ERROR, Status.FAIL)
     assert result.remedy is not None
     assert result.remedy.startswith(f"`coordinator setup -i /etc/fleet.yaml -p '{pb_path}' --limit mbp`, or by hand: ")
+
+
+def test_the_playbooks_pins_are_checked(tmp_path: Path) -> None:
+    pb_path = tmp_path / "pb.yaml"
+    facts = dataclasses.replace(build_node_facts("mbp", load_profile("m5max-mbp-tb5")), software=Software(
+        "/Users/me/venvs/mlx/bin/python", "3.12.8", "0.32.4", "0.32.2", mlx_backends={"mlx-metal": "0.32.4"}))
+    node = Node("mbp", "mbp.local", source="/etc/fleet.yaml:7")
+    assert facts.software is not None
+    for pins, status in ((f"{{mlx: {facts.software.mlx_version}}}", Status.PASS), ("{mlx_lm: 9.9.9}", Status.FAIL)):
+        pb_path.write_text(f"name: t\nmodel: /m\ndata: /d\nsoftware: {pins}\n")
+        ctx = CheckContext.build((node,), {}, {"mbp": facts}, load_playbook(pb_path))
+        result = check_software(ctx, node, facts)
+        assert result.status is status, result
+    assert result.summary.endswith(f"differ from the playbook's software: pins (mlx {facts.software.mlx_version} / "
+                                   "mlx-lm 9.9.9)")
+    assert result.remedy is not None and result.remedy.startswith("`coordinator setup -i /etc/fleet.yaml -p ")
+    assert result.remedy.endswith(f"-m pip install mlx=={facts.software.mlx_version} mlx-lm==9.9.9")
 
 
 # --- --network --------------------------------------------------------------------------------------------------
