@@ -4,6 +4,7 @@ the setup command; `--network`'s Thunderbolt /30s from recorded Mac profiles."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -32,6 +33,7 @@ from coordinator.nodesetup import (
     wanted_dists,
 )
 from coordinator.playbook import load_playbook
+from coordinator.transport import LocalTransport, sftp_path
 from tests.factsutil import load_profile
 
 PINS = Pins("0.32.4", "0.32.2", "test")
@@ -305,3 +307,19 @@ def test_an_end_without_its_interface_fails_that_node() -> None:
     plans = plan_network([Node("mbp", "a"), Node("studio", "b")], {"mbp": MACS["mbp"], "studio": hidden})
     assert plans["studio"].problem is not None and "no Thunderbolt interface in networksetup" in plans["studio"].problem
     assert plans["mbp"].commands == ()
+
+
+# --- uploads ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "sftp"), [("~/mlx-work/.coordinator", "mlx-work/.coordinator"), ("~", "."),
+                                            ("~/", "."), ("/srv/work", "/srv/work"), ("rel/dir", "rel/dir")])
+def test_sftp_paths_are_relative_to_the_home(path: str, sftp: str) -> None:
+    assert sftp_path(path) == sftp
+
+
+def test_a_local_node_upload_copies_into_a_new_directory(tmp_path: Path) -> None:
+    (tmp_path / "a.whl").write_bytes(b"wheel")
+    target = tmp_path / "node" / "wheelhouse"
+    asyncio.run(LocalTransport(Node("me", "127.0.0.1")).upload([tmp_path / "a.whl"], str(target)))
+    assert (target / "a.whl").read_bytes() == b"wheel"
