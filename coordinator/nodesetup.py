@@ -399,10 +399,6 @@ print(json.dumps({"ok": True}))
 """
 
 
-def _system_python(state: NodeState | None = None) -> str:
-    return state.python3_path if state is not None else "python3"
-
-
 async def inspect_node(transport: Transport, node: Node) -> NodeState:
     """One command on the node (its `python3` on PATH). Raises TransportError, SetupError."""
     result = await transport.run(["python3", "-c", _INSPECT, node.python, remote_worker_dir(node),
@@ -441,7 +437,9 @@ async def apply_plan(transport: Transport, node: Node, plan: NodePlan, state: No
         sent = await push_wheels(transport, node, wheelhouse[0], remote)
         done.append(f"pushed {sent} wheel(s) to {remote}" if sent else f"wheelhouse {remote} already complete")
         args = {"python": node.python, "venv": plan.create_venv, "install": list(plan.install), "wheelhouse": remote}
-        result = await transport.run([_system_python(state), "-c", _INSTALL, json.dumps(args)], timeout=INSTALL_TIMEOUT)
+        # The system python3 the inspection found (by absolute path): it makes the venv, so the venv's CPython
+        # is the one the wheels were downloaded for.
+        result = await transport.run([state.python3_path, "-c", _INSTALL, json.dumps(args)], timeout=INSTALL_TIMEOUT)
         if not result.ok:
             try:
                 why = json.loads(result.stdout.strip().splitlines()[-1])
