@@ -16,6 +16,7 @@ the field, and nowhere else; the training defaults match mlx-lm's except where n
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -154,6 +155,28 @@ class AssetsConfig(_Strict):
 
     tiny_model: TinyModelConfig | None = None  # build into `model` where it is missing
     data_from: NonEmptyStr | None = None  # a local dir (relative to the playbook) copied into `data` where missing
+
+
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
+
+
+def _version(value: Any) -> Any:
+    """An exact release (`0.32.4`): what `pip install mlx==...` takes. YAML reads an unquoted 0.32 as a float."""
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if not isinstance(text, str) or not _VERSION.fullmatch(text.strip()):
+        raise ValueError(f"must be an exact version like 0.32.4 (got {format_value(value)})")
+    return text.strip()
+
+
+Version = Annotated[str, BeforeValidator(_version)]
+
+
+class SoftwareConfig(_Strict):
+    """`software:`: the versions `coordinator setup` installs on every node (docs/setup.md). Unset: the
+    coordinator's own mlx / mlx-lm versions."""
+
+    mlx: Version | None = None  # "0.32.4": mlx and its backend (mlx-cpu / mlx-cuda-* / mlx-metal)
+    mlx_lm: Version | None = None  # "0.32.2"
 
 
 class FaultsConfig(_Strict):
@@ -316,6 +339,7 @@ class Playbook(_Strict):
     heartbeat_timeout: PositiveFloat = 10.0  # seconds without a heartbeat before a rank counts as hung
     faults: FaultsConfig = Field(default_factory=lambda: FaultsConfig())
     assets: AssetsConfig = Field(default_factory=AssetsConfig)
+    software: SoftwareConfig = Field(default_factory=SoftwareConfig)
     map: MapConfig | None = Field(default=None, validate_default=True)  # required for kind: map
     path: str | None = None
 
@@ -336,7 +360,7 @@ class Playbook(_Strict):
             raise ValueError("only for kind: map")
         return value
 
-    @field_validator("train", "checks", "calibration", "assets", "faults", mode="before")
+    @field_validator("train", "checks", "calibration", "assets", "faults", "software", mode="before")
     @classmethod
     def _null_section(cls, value: Any) -> Any:
         return {} if value is None else value  # a section whose keys are all commented out

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -73,7 +74,19 @@ class Transport(Protocol):
         lines: bool = True,
     ) -> AsyncIterator[tuple[str, str]]: ...
 
+    async def upload(self, files: Sequence[Path], remote_dir: str, *, timeout: float = DEFAULT_COMMAND_TIMEOUT) -> None:
+        """Copy local `files` into `remote_dir` (created if missing; `~/` is the login's home). Raises
+        TransportError."""
+        ...
+
     async def close(self) -> None: ...
+
+
+def sftp_path(path: str) -> str:
+    """A node path as SFTP names it: SFTP paths are relative to the login's home, so `~/x` is `x` and `~` is `.`."""
+    if path in ("~", "~/"):
+        return "."
+    return path[2:] if path.startswith("~/") else path
 
 
 def build_command(argv: Sequence[str]) -> str:
@@ -338,6 +351,20 @@ class SshTransport:
                     proc.kill()
                 proc.close()
 
+    async def upload(self, files: Sequence[Path], remote_dir: str, *, timeout: float = DEFAULT_COMMAND_TIMEOUT) -> None:
+        """Over SFTP on the open connection (no scp, no shell quoting of paths)."""
+        conn = self._require()
+        target = sftp_path(remote_dir)
+        try:
+            async with asyncio.timeout(timeout), conn.start_sftp_client() as sftp:
+                await sftp.makedirs(target, exist_ok=True)
+                await sftp.put([str(f) for f in files], target)
+        except TimeoutError as exc:
+            raise TransportError(self.node.name, f"upload to {remote_dir} timed out after {timeout:g}s",
+                                 kind="timeout") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(self.node.name, f"upload to {remote_dir} failed: {exc}") from exc
+
     async def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -479,6 +506,15 @@ class LocalTransport:
             if proc.returncode is None:
                 _kill_group(proc)
                 await proc.wait()
+
+    async def upload(self, files: Sequence[Path], remote_dir: str, *, timeout: float = DEFAULT_COMMAND_TIMEOUT) -> None:
+        target = Path(os.path.expanduser(remote_dir))
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                await asyncio.to_thread(shutil.copyfile, f, target / Path(f).name)
+        except OSError as exc:
+            raise TransportError(self.node.name, f"copy to {remote_dir} failed: {exc}") from exc
 
     async def close(self) -> None:
         return None

@@ -265,7 +265,7 @@ MAC_COMMANDS: dict[str, dict[str | None, str]] = {
     "sw_vers": {None: "sw_vers"},
     "sysctl": {None: "sysctl"},
     "system_profiler": {None: "system_profiler"},
-    "networksetup": {None: "networksetup"},
+    "networksetup": {"-listallhardwareports": "networksetup"},
     "ifconfig": {None: "ifconfig"},
     "rdma_ctl": {"status": "rdma_ctl"},
     "ibv_devices": {None: "ibv_devices"},
@@ -276,6 +276,9 @@ MAC_COMMANDS: dict[str, dict[str | None, str]] = {
     "df": {None: "df"},
     "ioreg": {None: "ioreg"},
 }
+# Shims that change a Mac's settings: any arguments but the recorded ones are appended, tab-separated, one call a
+# line, to `$MX_SHIM_CALLS/<file>` (default /srv: each host's own) and succeed, so a test reads what was run.
+RECORDING_COMMANDS = {"networksetup": "networksetup.calls"}
 _SW_VERS_KEYS = ("ProductName", "ProductVersion", "BuildVersion")
 SHIM_DATA = ".recorded"  # the shims' copy of the profile, inside the shims directory
 
@@ -298,7 +301,9 @@ def make_mac_shims(profile_dir: Path, shims_dir: Path) -> list[str]:
     answer). `uname`, `sysctl`, `system_profiler`, `df` and the other single-section commands answer their section
     for any arguments; `rdma_ctl` answers only `status`, `pmset` only `-g` (section `pmset`) and `-g batt`
     (`pmset_batt`), and other arguments exit 64 with a message. `sw_vers -productName|-productVersion|
-    -buildVersion` print the matching value. Returns the names of the commands made, sorted.
+    -buildVersion` print the matching value. `networksetup` answers `-listallhardwareports` and records any other
+    call (RECORDING_COMMANDS: tab-separated argv, one line per call, in `$MX_SHIM_CALLS`, default the host's
+    /srv). Returns the names of the commands made, sorted.
     """
     profile_dir = Path(profile_dir)
     data = shims_dir / SHIM_DATA
@@ -330,7 +335,10 @@ def make_mac_shims(profile_dir: Path, shims_dir: Path) -> list[str]:
                 lines.append(f'  {pattern}) exec /bin/cat "$d"/{section}.out ;;')
             else:
                 lines.append(f'  {pattern}) /bin/cat "$d"/{section}.out >&2; exit {rc} ;;')
-        if None not in present:
+        if command in RECORDING_COMMANDS:
+            log = '"${MX_SHIM_CALLS:-/srv}"/' + RECORDING_COMMANDS[command]
+            lines.append(f"""  *) {{ for a in "$@"; do printf '%s\\t' "$a"; done; echo; }} >> {log}; exit 0 ;;""")
+        elif None not in present:
             lines.append(f'  *) echo "{command}: testbed shim has no recording for: {command} $*" >&2; exit 64 ;;')
         lines.append("esac")
         shim = shims_dir / command

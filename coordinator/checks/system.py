@@ -107,6 +107,24 @@ def check_os(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
 INSTALL = 'python3 -m venv ~/venvs/mlx && ~/venvs/mlx/bin/pip install "mlx>=0.32.1" mlx-lm'
 
 
+def setup_command(ctx: CheckContext, node: Node | None) -> str:
+    """The `coordinator setup` line that installs the pinned mlx / mlx-lm (the playbook's `software:`, else the
+    coordinator's own) with the right backend: for one node, or (node None) the whole fleet at once."""
+    source = next((n.source for n in ctx.nodes if n.source), None)
+    inventory = source.rsplit(":", 1)[0] if source and source.rsplit(":", 1)[-1].isdigit() else source
+    words = ["coordinator", "setup", "-i", shlex.quote(inventory or "INVENTORY")]
+    if ctx.playbook is not None and ctx.playbook.path:
+        words += ["-p", shlex.quote(ctx.playbook.path)]
+    if node is not None:
+        words += ["--limit", shlex.quote(node.name)]
+    return " ".join(words)
+
+
+def with_setup(ctx: CheckContext, node: Node | None, by_hand: str) -> str:
+    """A software remedy: the fixing `coordinator setup` command first, then the manual way."""
+    return f"`{setup_command(ctx, node)}`, or by hand: {by_hand}"
+
+
 # mlx's CUDA backends and the oldest Linux driver each CUDA major runs on (CUDA 12.0: 525.60.13, 13.0: 580.65.06;
 # CUDA minor-version compatibility keeps that floor for every 12.x / 13.x).
 CUDA_BACKENDS = {"mlx-cuda-12": ("cuda12", 525), "mlx-cuda-13": ("cuda13", 580)}
@@ -172,21 +190,31 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
     sw = facts.software
     if sw is None:
         return fact_error_result("software", node.name, facts.errors_for("worker"), f"python at {node.python}",
-                                 f"set `python:` for {node.name} in the inventory to an interpreter with mlx "
-                                 f"({INSTALL})")
+                                 with_setup(ctx, node, f"set `python:` for {node.name} in the inventory to an "
+                                            f"interpreter with mlx ({INSTALL})"))
     evidence: dict[str, Any] = {"python": sw.python, "python_version": sw.python_version, "mlx": sw.mlx_version,
                 "mlx_lm": sw.mlx_lm_version}
     if sw.python_version is None:
         return CheckResult("software", node.name, Status.FAIL, f"python not found at {sw.python}",
-                           f"set `python:` in the inventory to an interpreter that has mlx ({INSTALL})", evidence)
+                           with_setup(ctx, node, f"set `python:` in the inventory to an interpreter that has mlx "
+                                      f"({INSTALL})"), evidence)
     if sw.mlx_version is None or sw.mlx_lm_version is None:
         missing = " and ".join(p for p, v in (("mlx", sw.mlx_version), ("mlx-lm", sw.mlx_lm_version)) if v is None)
         return CheckResult("software", node.name, Status.FAIL, f"{missing} not installed for {sw.python}",
-                           f'{shell_path(sw.python)} -m pip install "mlx>=0.32.1" mlx-lm', evidence)
+                           with_setup(ctx, node, f'{shell_path(sw.python)} -m pip install "mlx>=0.32.1" mlx-lm'), evidence)
     if version_tuple(sw.mlx_version) < MIN_MLX:
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} < {_v(MIN_MLX)} (launcher and ring lost-peer fixes)",
-                           f'{shell_path(sw.python)} -m pip install -U "mlx>=0.32.1"', evidence)
+                           with_setup(ctx, node, f'{shell_path(sw.python)} -m pip install -U "mlx>=0.32.1"'), evidence)
+    pins = ctx.playbook.software if ctx.playbook is not None else None
+    if pins is not None and ((pins.mlx and sw.mlx_version != pins.mlx) or (pins.mlx_lm and sw.mlx_lm_version != pins.mlx_lm)):
+        want = {"mlx": pins.mlx or sw.mlx_version, "mlx-lm": pins.mlx_lm or sw.mlx_lm_version}
+        evidence["pins"] = want
+        return CheckResult("software", node.name, Status.FAIL,
+                           f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the playbook's software: "
+                           f"pins (mlx {want['mlx']} / mlx-lm {want['mlx-lm']})",
+                           with_setup(ctx, node, f"{shell_path(sw.python)} -m pip install "
+                                      + " ".join(shlex.quote(f"{d}=={v}") for d, v in want.items())), evidence)
     if facts.software is not None and facts.software.mlx_backends is not None:
         evidence["mlx_backends"] = facts.software.mlx_backends
     if facts.gpu is not None and facts.gpu.cuda:
@@ -200,6 +228,8 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
                            "use `backend: ring` for fleets without NVIDIA GPUs (jaccl/jaccl-ring between Macs with "
                            "RDMA over Thunderbolt)", evidence)
     backend_finding = evaluate_mlx_backend(facts, sw.python, sw.mlx_version)
+    if backend_finding is not None and backend_finding[0] is Status.FAIL and "driver" not in backend_finding[1]:
+        backend_finding = (backend_finding[0], backend_finding[1], with_setup(ctx, node, backend_finding[2]))
     if smi_errors and backend_finding is None:
         backend_finding = (Status.WARN, f"nvidia-smi is installed but failed ({smi_errors[0].message}): an NVIDIA GPU "
                            "here cannot be used", "fix the NVIDIA driver until `nvidia-smi` lists the GPUs (a reboot "
@@ -215,7 +245,8 @@ def check_software(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResu
                   else "the same mlx and mlx-lm versions on every node")
         return CheckResult("software", node.name, Status.FAIL,
                            f"mlx {sw.mlx_version} / mlx-lm {sw.mlx_lm_version} differ from the fleet ({others})",
-                           f"{shell_path(sw.python)} -m pip install {target}" if ref else f"install {target}", evidence)
+                           with_setup(ctx, None, f"{shell_path(sw.python)} -m pip install {target}" if ref
+                                      else f"install {target}"), evidence)
     if backend_finding is not None:  # a fail, or a warning that outranks the python minor versions'
         return CheckResult("software", node.name, backend_finding[0], backend_finding[1], backend_finding[2], evidence)
     minors = ctx.python_minors

@@ -118,6 +118,25 @@ def test_make_mac_shims_replays_the_profile(tmp_path: Path) -> None:
     assert (devinfo.returncode, devinfo.stdout, devinfo.stderr) == (255, b"", b"No IB devices found\n")
 
 
+def test_networksetup_shim_replays_the_port_list_and_records_every_change(tmp_path: Path) -> None:
+    profile = PROFILES_DIR / "m5max-mbp-tb5"
+    shims, calls = tmp_path / "shims", tmp_path / "calls"
+    calls.mkdir()
+    assert "networksetup" in make_mac_shims(profile, shims)
+
+    def networksetup(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([str(shims / "networksetup"), *args], capture_output=True, timeout=10, check=False,
+                              env={"PATH": "/usr/bin:/bin", "MX_SHIM_CALLS": str(calls)})
+
+    assert networksetup("-listallhardwareports").stdout == (profile / "networksetup.out").read_bytes()
+    assert not (calls / "networksetup.calls").exists()  # reading is not recorded
+    assert networksetup("-setmanual", "Thunderbolt 1", "192.168.0.1", "255.255.255.252").returncode == 0
+    assert networksetup("-setnetworkserviceenabled", "Thunderbolt Bridge", "off").returncode == 0
+    assert (calls / "networksetup.calls").read_text() == (
+        "-setmanual\tThunderbolt 1\t192.168.0.1\t255.255.255.252\t\n"
+        "-setnetworkserviceenabled\tThunderbolt Bridge\toff\t\n")
+
+
 def test_fake_mac_answers_from_its_profile_through_ssh(testbed: TestBed) -> None:
     mac = testbed.add_host("mac", mac_profile="_testbed_mini")
     linux = testbed.add_host("linux")
