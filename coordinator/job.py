@@ -157,7 +157,7 @@ def model_digest(facts: Mapping[str, NodeFacts], dirs: tuple[str, ...] = ("model
     return "unknown"
 
 
-def bench_spec(pb: Playbook) -> BenchSpec:
+def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
     """The run's step and batches, as calibration measures them. DPO pairs are timed as SFT rows of random tokens
     (its reference forward is not in the bench: docs/dpo.md)."""
     t = pb.train
@@ -168,7 +168,8 @@ def bench_spec(pb: Playbook) -> BenchSpec:
                      data=(pb.data or "") if t.method != "dpo" else "", packing=t.packing,
                      global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
                      learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
-                     train_embeddings=t.train_embeddings, env=tuple(sorted(pb.job_env().items())))
+                     train_embeddings=t.train_embeddings, env=tuple(sorted(pb.job_env().items())),
+                     world_size=world_size)
 
 
 async def calibrate_and_plan(
@@ -181,7 +182,7 @@ async def calibrate_and_plan(
         ui.calibration(plan, {})
         return plan, {}
     results = await calibrate(
-        fleet, bench_spec(pb), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        fleet, bench_spec(pb, len(inv.nodes)), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,

@@ -3,7 +3,7 @@
 Run by the coordinator on each node (the worker package is shipped alone: stdlib + mlx + mlx_lm only):
     python -m worker.bench --model DIR --seq-len N --method lora|dora|full [--num-layers K] [--grad-checkpoint]
                            [--data DIR [--mask-prompt] [--packing auto|on|off] [--global-batch B] [--seed S]]
-                           [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
+                           [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
 
@@ -453,7 +453,10 @@ class _Trainer:
         optimizer.init(model.trainable_parameters())
         self.mx, self.model, self.optimizer = mx, model, optimizer
         self.dataset, self.seed = dataset, args.seed
-        self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x, world_size=1)
+        # The run's path for its world: one rank takes the whole step as one compiled graph, several take it in two
+        # around the all_sum (timed here without the collective itself, which no single node can measure).
+        self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x,
+                                 world_size=args.world_size)
 
     def micro(self, rows: int, k: int) -> Any:
         """The k-th batch of `rows` rows of the run's order, built as the run builds it."""
@@ -557,6 +560,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--global-batch", type=int, default=0, help="the run's global batch (packing decision)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1, help="ranks of the run: the step's path depends on it")
     parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--lora-rank", type=int, default=8)

@@ -394,9 +394,10 @@ class TrainStep:
     the state trees (model, optimizer, random) as implicit inputs and outputs, as mlx-lm's trainer does."""
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
-                 world_size: int, compiled: bool = True) -> None:
+                 world_size: int, compiled: bool = True, stats: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
         self.world_size = world_size
+        self.stats = stats  # the loss has extra sums (DPO): they need the general path
         self.all_sum = all_sum
         value_and_grad = nn_value_and_grad(model, loss_fn)
         state = [model.state, optimizer.state, mx.random.state]
@@ -439,6 +440,18 @@ class TrainStep:
         self._scale = mx.compile(scale) if compiled else scale
         self._update = wrap(update)
         self._scale_and_update = wrap(scale_and_update)
+
+        def whole(*inputs: mx.array) -> tuple[mx.array, ...]:
+            # One rank, one micro-batch: the whole step in ONE compiled graph, as mlx-lm's trainer compiles it
+            # (the update can start on each gradient as soon as it exists). The rank's own statistics are the
+            # step's (no peer), and its weight is the global weight.
+            out, grads = value_and_grad(model, *inputs)
+            loss_sum, weight, tokens, _ = split(out)
+            inverse = 1.0 / mx.maximum(weight, 1).astype(mx.float32)
+            loss, norm = scale_and_update(grads, loss_sum, inverse)
+            return loss, norm, loss_sum, weight, tokens
+
+        self._whole = wrap(whole)
 
     def local(self, micro_batches: Sequence[Sequence[mx.array]],
               between: Callable[[Local], None] | None = None) -> Local:
@@ -486,6 +499,8 @@ class TrainStep:
         `before_apply(started)` runs just before compute_s is taken (chaos/debug slowdowns)."""
         tic = clock()
         micros = list(build())
+        if self.world_size == 1 and len(micros) == 1 and after_local is None and not self.stats:
+            return self._run_whole(micros, tic, before_apply, clock)
         local = self.local([m.inputs for m in micros])
         weight = sum(m.weight for m in micros)
         scored = _number(local.weight)
@@ -508,6 +523,20 @@ class TrainStep:
             extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
         return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)
+
+    def _run_whole(self, micros: list[Any], tic: float, before_apply: Callable[[float], None] | None,
+                   clock: Callable[[], float]) -> StepResult:
+        """`run` for one rank and one micro-batch: one compiled graph, one evaluation."""
+        loss, norm, loss_sum, weight, tokens = self._whole(*micros[0].inputs)
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, weight, tokens)
+        scored = _number(weight)
+        if scored != micros[0].weight:
+            raise WeightMismatch(f"the loss scored {scored:g} units, the host counted {micros[0].weight}")
+        if before_apply is not None:
+            before_apply(tic)
+        elapsed = clock() - tic
+        local = Local(None, loss_sum, weight, tokens, None, mx.square(norm * mx.maximum(weight, 1)))
+        return StepResult(micros, local, loss, norm, loss, norm, None, elapsed, elapsed)
 
     @staticmethod
     def poison(local: Local) -> Local:

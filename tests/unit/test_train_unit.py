@@ -489,3 +489,34 @@ def test_a_world_smaller_than_the_plan_is_an_error(tiny: Path, tmp_path: Path) -
     """Without a launcher, init() silently gives a world of 1: a 2-rank plan must refuse to start."""
     with pytest.raises(RuntimeError, match="gave a world of 1, the plan has 2 ranks"):
         run_in_process(tiny, tmp_path, ranks=EXAMPLE["ranks"])
+
+
+def test_one_rank_takes_the_whole_step_in_one_graph_with_the_same_update(tiny: Path) -> None:
+    """TrainStep.run on one rank and one micro-batch compiles the whole step as one graph (as mlx-lm does); its
+    loss, grad norm and update equal the general path's (local sums, then scale and update)."""
+    import mlx.optimizers as optim
+
+    from worker.step import TrainStep
+    from worker.train import Micro
+
+    _, tok = load_tiny(tiny)
+    rows = rows_of(tok, 4)
+    weight, tokens = sft_weight(rows, 64)
+    micro = Micro(build_batch(rows, 64), weight, weight, tokens, tokens, 4)
+    results = []
+    for general in (False, True):
+        model, _ = load_tiny(tiny)
+        mx.random.seed(0)  # the same adapters' initial weights both ways
+        apply_method(model, "lora", None, LoraSpec(rank=4))
+        opt = optim.Adam(learning_rate=1e-2)
+        opt.init(model.trainable_parameters())
+        step = TrainStep(model, opt, token_loss_sum, all_sum=lambda x: x, world_size=1)
+        done = step.run(lambda: [micro], after_local=(lambda local: local) if general else None)
+        results.append((scalar(done.loss), scalar(done.norm), scalar(done.local_loss), scalar(done.local_norm),
+                        flatten(model.trainable_parameters())))
+    (l1, n1, ll1, ln1, p1), (l2, n2, ll2, ln2, p2) = results
+    assert math.isclose(l1, l2, rel_tol=1e-5) and math.isclose(n1, n2, rel_tol=1e-4)
+    assert math.isclose(ll1, l1, rel_tol=1e-6) and math.isclose(ln1, n1, rel_tol=1e-4)  # one rank: its own = global
+    assert math.isclose(ll2, l2, rel_tol=1e-5) and math.isclose(ln2, n2, rel_tol=1e-4)
+    for name, value in p1.items():
+        assert mx.allclose(value, p2[name], atol=1e-6, rtol=1e-4), name
