@@ -59,6 +59,19 @@ class ConnectInfo:
     host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it
 
 
+@dataclass(frozen=True)
+class RawProcess:
+    """A remote (or local) process with binary pipes, for bulk data (`coordinator sync`'s SSH fallback).
+    `stdin` has write/drain/write_eof, `stdout`/`stderr` read(n)/readline(); `wait()` gives the exit status
+    (None when killed by a signal); `kill()` ends it."""
+
+    stdin: Any
+    stdout: Any
+    stderr: Any
+    wait: Callable[[], Awaitable[int | None]]
+    kill: Callable[[], None]
+
+
 class Transport(Protocol):
     node: Node
 
@@ -72,6 +85,8 @@ class Transport(Protocol):
         self, argv: Sequence[str], *, stdin: str | None = None, timeout: float = DEFAULT_COMMAND_TIMEOUT,
         lines: bool = True,
     ) -> AsyncIterator[tuple[str, str]]: ...
+
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess: ...
 
     async def close(self) -> None: ...
 
@@ -338,6 +353,25 @@ class SshTransport:
                     proc.kill()
                 proc.close()
 
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess:
+        """Start argv with binary pipes. Raises TransportError."""
+        conn = self._require()
+        try:
+            proc = await conn.create_process(build_command(argv), encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` failed: {exc}") from exc
+
+        async def wait() -> int | None:
+            done = await proc.wait(check=False)
+            return done.exit_status if done.exit_signal is None else None
+
+        def kill() -> None:
+            with contextlib.suppress(asyncssh.Error, OSError):
+                proc.kill()
+            proc.close()
+
+        return RawProcess(proc.stdin, proc.stdout, proc.stderr, wait, kill)
+
     async def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -479,6 +513,21 @@ class LocalTransport:
             if proc.returncode is None:
                 _kill_group(proc)
                 await proc.wait()
+
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess:
+        """Start argv with binary pipes (its own process group, killed as a whole). Raises TransportError."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise TransportError(self.node.name, f"cannot run `{argv[0]}`: {exc}") from exc
+
+        async def wait() -> int | None:
+            rc = await proc.wait()
+            return rc if rc >= 0 else None
+
+        return RawProcess(proc.stdin, proc.stdout, proc.stderr, wait, lambda: _kill_group(proc))
 
     async def close(self) -> None:
         return None

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 CHUNK = 1 << 20  # bytes per read/forward: the unit a resumed transfer may repeat
 PARTIAL = ".partial"
 PARTIAL_SHA = ".partial.sha256"
+CONNECT_TIMEOUT = 5.0  # seconds to reach the next hop
 DEFAULT_TIMEOUT = 60.0  # seconds a socket may stay silent (accept included) before the relay gives up
 PROGRESS_INTERVAL = 0.25
 MAX_HEADER = 64 * 1024 * 1024
@@ -196,7 +197,7 @@ def delete(spec: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ wire
 
 
-def _read_line(sock: socket.socket, limit: int) -> bytes:
+def _read_line(sock: socket.socket | Pipe, limit: int) -> bytes:
     buf = bytearray()
     while True:
         b = sock.recv(1)
@@ -209,7 +210,27 @@ def _read_line(sock: socket.socket, limit: int) -> bytes:
             raise RelayError("header line too long")
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> int:
+class Pipe:
+    """A binary stdin or stdout with the few socket methods the relay uses: the SSH fallback (`serve --stdin`,
+    `send --stdout`) runs the same protocol over the coordinator's SSH channels."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def recv(self, n: int) -> bytes:
+        return self.fh.read1(n)  # type: ignore[no-any-return]
+
+    def recv_into(self, view: memoryview) -> int:
+        return self.fh.readinto1(view)  # type: ignore[no-any-return]
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+
+    def close(self) -> None:
+        self.fh.flush()
+
+
+def _recv_into(sock: socket.socket | Pipe, view: memoryview) -> int:
     n = sock.recv_into(view)
     if n == 0:
         raise RelayError("upstream closed the connection mid-file")
@@ -288,21 +309,25 @@ def _finish(path: str, fd: int, digest: Any, want: str, cache: Any) -> str | Non
         return f"{path}: {exc.strerror or exc}"
 
 
-def relay(up: socket.socket | None, files: list[dict[str, Any]], chain: list[list[Any]], token: str,
-          dirs: dict[str, str], need: set[str], source: bool, meter: Meter, timeout: float) -> dict[str, Any]:
-    """Stream `files` (from disk when `source`, else from `up`) to the next hop of `chain`, writing the ones in
-    `need` locally. Returns {"received"/"sent": bytes, "files": [...done], "errors": [...]}."""
+def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: list[list[Any]], token: str,
+          dirs: dict[str, str], need: set[str], source: bool, meter: Meter, timeout: float,
+          pipe: Pipe | None = None) -> dict[str, Any]:
+    """Stream `files` (from disk when `source`, else from `up`) to the next hop of `chain` (or to `pipe`), writing
+    the ones in `need` locally. Returns {"bytes": moved, "files": [...done], "errors": [...]}."""
     targets = {}
     for f in files:
         if not isinstance(f, dict) or not isinstance(f.get("size"), int) or not isinstance(f.get("start"), int) \
                 or not isinstance(f.get("sha256"), str) or not 0 <= f["start"] <= f["size"]:
             raise RelayError(f"bad file entry in header: {f!r}")
         targets[f["path"]] = safe_target(f["path"], dirs, create=not source and f["path"] in need)
-    down: socket.socket | None = None
+    down: socket.socket | Pipe | None = pipe
     if chain:
         ip, port = chain[0]
-        down = socket.create_connection((ip, int(port)), timeout=timeout)
+        # A short connect timeout: an unreachable next hop must fail fast, so the coordinator falls back to SSH.
+        down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
+        down.settimeout(timeout)
         down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if down is not None:
         header = json.dumps({"chain": chain[1:], "files": files}, separators=(",", ":"))
         down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
     cache = probe.HashCache(probe.DEFAULT_CACHE)
@@ -353,7 +378,7 @@ def relay(up: socket.socket | None, files: list[dict[str, Any]], chain: list[lis
                 else:
                     done.append(rel)
         meter.add(0, final=True)
-        if down is not None:
+        if isinstance(down, socket.socket):
             down.shutdown(socket.SHUT_WR)
             # Wait for the next hop to close: its last bytes are then on its disk, not in our socket buffer.
             with contextlib.suppress(OSError):
@@ -367,47 +392,66 @@ def relay(up: socket.socket | None, files: list[dict[str, Any]], chain: list[lis
     return {"bytes": moved, "files": done, "errors": errors}
 
 
-def serve(bind: str, spec: dict[str, Any], out: IO[str], err: IO[str]) -> int:
+def _accept_header(conn: socket.socket | Pipe, token: str, dirs: dict[str, str], peer: str) -> dict[str, Any]:
+    """The checked header of one upstream connection; RelayError (or ValueError, OSError) to refuse it."""
+    line = _read_line(conn, 4096)
+    if not hmac.compare_digest(line, token.encode()):
+        raise RelayError(f"wrong token from {peer}")
+    header = json.loads(_read_line(conn, MAX_HEADER))
+    if not isinstance(header, dict) or not isinstance(header.get("files"), list) \
+            or not isinstance(header.get("chain"), list):
+        raise RelayError("bad header")
+    for f in header["files"]:
+        check_path(f.get("path") if isinstance(f, dict) else f, dirs)
+    return header
+
+
+def serve(bind: str | None, spec: dict[str, Any], out: IO[str], err: IO[str], stdin: Any = None) -> int:
+    """Receive one stream: from the first upstream that connects to `bind` with the token, or (`bind` None) from
+    `stdin`, the rest of the coordinator's SSH channel."""
     token: str = spec["token"]
     dirs: dict[str, str] = spec["dirs"]
     need = set(spec.get("need", []))
     timeout = float(spec.get("timeout", DEFAULT_TIMEOUT))
-    listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((bind, int(spec.get("port", 0))))
-    listener.listen(8)
-    listener.settimeout(timeout)
-    out.write(json.dumps({"port": listener.getsockname()[1]}) + "\n")
-    out.flush()
     refused: list[str] = []
     meter = Meter(err)
-    while True:
+    conn: socket.socket | Pipe
+    if bind is None:
+        conn = Pipe(stdin)
         try:
-            conn, peer = listener.accept()
-        except socket.timeout:
-            out.write(json.dumps({"error": f"no upstream connected within {timeout:g}s", "refused": refused}) + "\n")
-            return 1
-        conn.settimeout(timeout)
-        try:
-            line = _read_line(conn, 4096)
-            if not hmac.compare_digest(line, token.encode()):
-                raise RelayError(f"wrong token from {peer[0]}")
-            header = json.loads(_read_line(conn, MAX_HEADER))
-            if not isinstance(header, dict) or not isinstance(header.get("files"), list) \
-                    or not isinstance(header.get("chain"), list):
-                raise RelayError("bad header")
-            for f in header["files"]:
-                check_path(f.get("path") if isinstance(f, dict) else f, dirs)
+            header = _accept_header(conn, token, dirs, "stdin")
         except (RelayError, ValueError, OSError) as exc:
-            # Refuse this connection, keep waiting for the real upstream (a stray or hostile client must not
-            # make the sync fail, and gets nothing written).
-            refused.append(str(exc))
-            err.write(f"refused: {exc}\n")
-            err.flush()
-            conn.close()
-            continue
-        break
-    listener.close()
+            out.write(json.dumps({"error": f"refused: {exc}"}) + "\n")
+            return 1
+    else:
+        listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind, int(spec.get("port", 0))))
+        listener.listen(8)
+        listener.settimeout(timeout)
+        out.write(json.dumps({"port": listener.getsockname()[1]}) + "\n")
+        out.flush()
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except socket.timeout:
+                out.write(json.dumps({"error": f"no upstream connected within {timeout:g}s", "refused": refused})
+                          + "\n")
+                return 1
+            sock.settimeout(timeout)
+            try:
+                header = _accept_header(sock, token, dirs, peer[0])
+            except (RelayError, ValueError, OSError) as exc:
+                # Refuse this connection, keep waiting for the real upstream (a stray or hostile client must not
+                # make the sync fail, and gets nothing written).
+                refused.append(str(exc))
+                err.write(f"refused: {exc}\n")
+                err.flush()
+                sock.close()
+                continue
+            break
+        listener.close()
+        conn = sock
     try:
         result = relay(conn, header["files"], header["chain"], token, dirs, need, False, meter, timeout)
     except (RelayError, OSError) as exc:
@@ -420,14 +464,22 @@ def serve(bind: str, spec: dict[str, Any], out: IO[str], err: IO[str]) -> int:
     return 0 if not result["errors"] else 1
 
 
-def send(spec: dict[str, Any], out: IO[str], err: IO[str]) -> int:
+def send(spec: dict[str, Any], out: IO[str], err: IO[str], stdout: Any = None) -> int:
+    """Stream the files from disk: to the chain's first hop, or (`stdout` given) into the coordinator's SSH
+    channel, the answer then going to `err` as a `result {...}` line."""
+    pipe = Pipe(stdout) if stdout is not None else None
+    answer = err if pipe is not None else out
     try:
         result = relay(None, spec["files"], spec["chain"], spec["token"], spec["dirs"], set(), True, Meter(err),
-                       float(spec.get("timeout", DEFAULT_TIMEOUT)))
+                       float(spec.get("timeout", DEFAULT_TIMEOUT)), pipe)
     except (RelayError, OSError) as exc:
-        out.write(json.dumps({"error": str(exc)}) + "\n")
+        answer.write(("result " if pipe else "") + json.dumps({"error": str(exc)}) + "\n")
         return 1
-    out.write(json.dumps(result) + "\n")
+    finally:
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    answer.write(("result " if pipe else "") + json.dumps(result) + "\n")
     return 0 if not result["errors"] else 1
 
 
@@ -436,12 +488,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("plan")
     sub.add_parser("delete")
-    sub.add_parser("send")
+    p = sub.add_parser("send")
+    p.add_argument("--stdout", action="store_true", help="stream into stdout (the SSH fallback)")
     s = sub.add_parser("serve")
-    s.add_argument("--bind", required=True)
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--bind", help="listen on this (data-plane) IP")
+    where.add_argument("--stdin", action="store_true", help="read the stream from stdin (the SSH fallback)")
     args = parser.parse_args(argv)
     try:
-        spec = json.loads(sys.stdin.read())
+        # One line: the stream may follow it on the same stdin (serve --stdin).
+        spec = json.loads(sys.stdin.buffer.readline())
         if not isinstance(spec, dict) or not isinstance(spec.get("dirs"), dict):
             raise ValueError("stdin must be a JSON object with 'dirs'")
     except ValueError as exc:
@@ -454,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(delete(spec)))
         return 0
     if args.cmd == "send":
-        return send(spec, sys.stdout, sys.stderr)
-    return serve(args.bind, spec, sys.stdout, sys.stderr)
+        return send(spec, sys.stdout, sys.stderr, sys.stdout.buffer if args.stdout else None)
+    return serve(None if args.stdin else args.bind, spec, sys.stdout, sys.stderr, sys.stdin.buffer)
 
 
 if __name__ == "__main__":

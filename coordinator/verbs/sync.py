@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncssh
 import click
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.models import Connection, Inventory, Node
 from coordinator.playbook import Playbook
 from coordinator.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
-from coordinator.transport import Fleet, LocalTransport, Transport, python_argv
+from coordinator.transport import Fleet, LocalTransport, RawProcess, Transport, python_argv
 
 SETUP_TIMEOUT = 60.0
 PLAN_TIMEOUT = 3600.0  # the first manifest of a big model hashes it (cached afterwards)
@@ -61,6 +62,7 @@ class SyncReport:
     seconds: float = 0.0
     transfer_seconds: float = 0.0
     refused: dict[str, list[str]] = field(default_factory=dict)
+    fallback: dict[str, str] = field(default_factory=dict)  # node -> why the relay chain failed it (then SSH)
 
     @property
     def ok(self) -> bool:
@@ -73,7 +75,7 @@ class SyncReport:
                 "errors": self.node_errors, "verified": {n: not v for n, v in self.verified.items()},
                 "differences": {n: v for n, v in self.verified.items() if v}, "sent_bytes": self.sent_bytes,
                 "seconds": round(self.seconds, 3), "transfer_seconds": round(self.transfer_seconds, 3),
-                "refused": self.refused}
+                "refused": self.refused, "fallback": self.fallback}
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,9 @@ async def _plan_state(side: _Side) -> NodeState:
 class _Stream:
     """A running `serve`/`send`: the port it listens on (serve), progress, and its final JSON answer."""
 
-    def __init__(self, side: _Side, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None]) -> None:
+    def __init__(self, side: _Side, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None], *,
+                 listens: bool = True) -> None:
+        self.listens = listens
         self.side = side
         self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.answer: dict[str, Any] | None = None
@@ -135,7 +139,7 @@ class _Stream:
                 self.port.set_exception(TransportError(
                     name, f"relay ended before listening: {(self.answer or {}).get('error', '')} "
                     f"{' | '.join(self.stderr[-3:])}"))
-                if "send" in argv:  # a sender never listens: nobody awaits its port
+                if not self.listens:  # nobody awaits a sender's port
                     self.port.exception()
 
     def error(self) -> str | None:
@@ -233,6 +237,17 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
         transfer_started = time.perf_counter()
         if plan.chain:
             await _transfer(plan, src_side, [sides[n] for n in plan.chain], report, progress)
+            failed = [n for n in plan.chain if n in report.node_errors]
+            if failed:
+                # Fallback: the nodes the chain did not finish (unreachable data plane, a relay that could not
+                # bind or connect) get the stream over the coordinator's own SSH connections.
+                again = await asyncio.gather(*(_plan_state(sides[n]) for n in failed), return_exceptions=True)
+                retry = [a for a in again if isinstance(a, NodeState)]
+                fallback = compute_plan(source_name, manifest, retry)
+                if fallback.chain:
+                    report.fallback = {n: report.node_errors.pop(n) for n in fallback.chain}
+                    report.node_errors.pop(src_side.node.name, None)
+                    await _transfer_ssh(fallback, src_side, [sides[n] for n in fallback.chain], report, progress)
         report.transfer_seconds = time.perf_counter() - transfer_started
 
         final = await asyncio.gather(*(_plan_state(s) for s in targets if s.node.name in states),
@@ -281,7 +296,7 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
     hops = [[s.node.data_ip, port] for s, port in zip(chain, ports, strict=True)]
     sender = _Stream(src, _relay_argv(src, "send"),
                      {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
-                      "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None)
+                      "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
     await asyncio.gather(sender.task, *(s.task for s in servers))
     if sender.answer and isinstance(sender.answer.get("bytes"), int):
         report.sent_bytes = sender.answer["bytes"]
@@ -295,6 +310,70 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
             report.node_errors[name] = problem
         if server.answer and server.answer.get("refused"):
             report.refused[name] = list(server.answer["refused"])
+
+
+async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report: SyncReport,
+                        progress: Progress | None) -> None:
+    """The same stream, through the coordinator: the source's `send --stdout` is read over its SSH channel and
+    written into every target's `serve --stdin` (the coordinator's link carries one copy per target)."""
+    token = secrets.token_hex(16)
+    total = plan.stream_bytes
+    need = {p.node: list(p.copy) for p in plan.nodes}
+    spec = {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": [],
+            "timeout": RELAY_IDLE_TIMEOUT}
+    source = await src.transport.open_binary(_relay_argv(src, "send", "--stdout"))
+    source.stdin.write(json.dumps(spec).encode() + b"\n")
+    source.stdin.write_eof()
+    sinks: dict[str, RawProcess] = {}
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def read_err(name: str, proc: RawProcess) -> None:
+        while line := await proc.stderr.readline():
+            text = line.decode(errors="replace")
+            if text.startswith("progress ") and progress is not None and name != src.node.name:
+                progress(name, int(text.split()[1]), total)
+            elif text.startswith("result "):
+                answers[name] = json.loads(text[len("result "):])
+
+    async def read_out(name: str, proc: RawProcess) -> None:
+        out = (await proc.stdout.read()).decode(errors="replace").strip().splitlines()
+        answers[name] = json.loads(out[-1]) if out else {"error": "no answer"}
+
+    readers = [asyncio.create_task(read_err(src.node.name, source))]
+    for t in targets:
+        proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        proc.stdin.write(json.dumps({"token": token, "dirs": t.dirs, "need": need[t.node.name],
+                                     "timeout": RELAY_IDLE_TIMEOUT}).encode() + b"\n")
+        sinks[t.node.name] = proc
+        readers += [asyncio.create_task(read_err(t.node.name, proc)), asyncio.create_task(read_out(t.node.name, proc))]
+    try:
+        while chunk := await source.stdout.read(1 << 20):
+            report.sent_bytes += len(chunk)
+
+            async def feed(proc: RawProcess, data: bytes = chunk) -> None:
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+
+            names = list(sinks)
+            fed = await asyncio.gather(*(feed(sinks[n]) for n in names), return_exceptions=True)
+            for name, outcome in zip(names, fed, strict=True):
+                if isinstance(outcome, (OSError, asyncssh.Error)):  # that node's relay died: the others go on
+                    report.node_errors[name] = f"SSH fallback: {outcome}"
+                    del sinks[name]
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+        for proc in sinks.values():
+            proc.stdin.write_eof()
+        await asyncio.gather(source.wait(), *(p.wait() for p in sinks.values()))
+        await asyncio.gather(*readers, return_exceptions=True)
+    finally:
+        for proc in [source, *sinks.values()]:
+            proc.kill()
+    for name in [src.node.name, *(t.node.name for t in targets)]:
+        doc = answers.get(name, {"error": "no answer"})
+        problem = doc.get("error") or "; ".join(doc.get("errors") or [])
+        if problem:
+            report.node_errors[name] = (f"source: {problem}" if name == src.node.name else f"SSH fallback: {problem}")
 
 
 def _size(n: int) -> str:

@@ -178,3 +178,26 @@ def test_sync_usage_errors(testbed: TestBed, tmp_path: Path, run_cli: RunCli) ->
     assert cp.returncode == 2 and "not both" in cp.stderr
     cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--source", str(tmp_path))
     assert cp.returncode == 2 and "lacks model" in cp.stderr
+
+
+def test_falls_back_to_ssh_when_the_data_plane_fails(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    doc = yaml.safe_load(inv.read_text())
+    # h3's data-plane IP is on no host: its relay cannot listen there, so the chain fails and the coordinator
+    # streams the files over the SSH connections instead.
+    bogus = h1.ip.rsplit(".", 1)[0] + ".250"
+    for node in doc["nodes"]:
+        if node["name"] == "h3":
+            node["ips"] = [bogus]
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    pb = _playbook(tmp_path / "pb.yaml")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    out = json.loads(cp.stdout)
+    assert out["ok"] and out["verified"] == {"h2": True, "h3": True}
+    assert "h3" in out["fallback"], out["fallback"]
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+        assert _tree(h.srv / "data") == _tree(h1.srv / "data"), h.name
