@@ -26,8 +26,9 @@ disk, and the rest appended; the file gets its final name only once the whole fi
 digest goes into the probe's stat-keyed hash cache so the verifying manifest does not read it again.
 
 Paths: relative, "/"-separated, the first part a label of `dirs`, no empty/`.`/`..` parts, no NUL; every
-existing component under the target dir must be a real directory (never a symlink), the file is opened with
-O_NOFOLLOW, so nothing is ever written outside the target dir.
+existing dir component under the target dir must be a real directory (never a symlink), the `.partial` file is
+opened with O_NOFOLLOW and renamed over the final name (replacing a symlink there, not writing through it), so
+nothing is ever written outside the target dir. The source reads through symlinks.
 """
 
 from __future__ import annotations
@@ -87,9 +88,17 @@ def _top(d: str) -> str:
     return os.path.abspath(os.path.expanduser(d))
 
 
+def source_path(rel: str, dirs: dict[str, str]) -> str:
+    """Where the source reads `rel`: through symlinks (a Hugging Face snapshot is links to blobs; reading is
+    harmless, and the manifest followed them too)."""
+    label, inner = check_path(rel, dirs)
+    return os.path.join(_top(dirs[label]), inner)
+
+
 def safe_target(rel: str, dirs: dict[str, str], *, create: bool) -> str:
     """The absolute path for `rel`, its parent dirs created (when `create`) as real directories. Raises
-    RelayError when any existing component below the target dir is a symlink or not a directory."""
+    RelayError when any existing dir component below the target dir is a symlink or not a directory. The final
+    name may be a symlink: the rename of the verified `.partial` replaces the link itself, never its target."""
     label, inner = check_path(rel, dirs)
     top = _top(dirs[label])
     if create:
@@ -106,11 +115,7 @@ def safe_target(rel: str, dirs: dict[str, str], *, create: bool) -> str:
             continue
         if not stat.S_ISDIR(st.st_mode):
             raise RelayError(f"refused path {rel!r}: {current} is a symlink or not a directory")
-    final = os.path.join(top, inner)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISLNK(os.lstat(final).st_mode):
-            raise RelayError(f"refused path {rel!r}: {final} is a symlink")
-    return final
+    return os.path.join(top, inner)
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -319,7 +324,8 @@ def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: l
         if not isinstance(f, dict) or not isinstance(f.get("size"), int) or not isinstance(f.get("start"), int) \
                 or not isinstance(f.get("sha256"), str) or not 0 <= f["start"] <= f["size"]:
             raise RelayError(f"bad file entry in header: {f!r}")
-        targets[f["path"]] = safe_target(f["path"], dirs, create=not source and f["path"] in need)
+        targets[f["path"]] = (source_path(f["path"], dirs) if source
+                              else safe_target(f["path"], dirs, create=f["path"] in need))
     down: socket.socket | Pipe | None = pipe
     if chain:
         ip, port = chain[0]

@@ -28,20 +28,36 @@ def test_check_path_accepts_nested() -> None:
     assert check_path("model/sub/a.bin", {"model": "/srv/model"}) == ("model", "sub/a.bin")
 
 
-def test_safe_target_refuses_symlinked_dirs_and_files(tmp_path: Path) -> None:
+def test_safe_target_refuses_symlinked_dirs(tmp_path: Path) -> None:
     top = tmp_path / "model"
     top.mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
     (top / "link").symlink_to(outside)
-    (top / "f.bin").symlink_to(outside / "f.bin")
     dirs = {"model": str(top)}
     with pytest.raises(RelayError, match="symlink"):
         safe_target("model/link/x.bin", dirs, create=True)
-    with pytest.raises(RelayError, match="symlink"):
-        safe_target("model/f.bin", dirs, create=True)
     assert safe_target("model/new/x.bin", dirs, create=True) == str(top / "new" / "x.bin")
     assert (top / "new").is_dir() and not any(outside.iterdir())
+
+
+def test_a_symlink_at_the_final_name_is_replaced_not_written_through(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"outside")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "f.bin").symlink_to(outside)
+    (tmp_path / "model" / "g.bin.partial").symlink_to(outside)  # a planted partial: O_NOFOLLOW refuses it
+    server = Server(tmp_path, ["model/f.bin"])
+    server.connect("t0k", [_entry("model/f.bin", b"new bytes")], b"new bytes")
+    assert server.result()["files"] == ["model/f.bin"]
+    assert not (tmp_path / "model" / "f.bin").is_symlink()
+    assert (tmp_path / "model" / "f.bin").read_bytes() == b"new bytes" and outside.read_bytes() == b"outside"
+    server = Server(tmp_path, ["model/g.bin"])
+    server.connect("t0k", [_entry("model/g.bin", b"evil")], b"evil", refused=True)
+    doc = server.result()
+    assert server.code == 1 and "error" in doc and outside.read_bytes() == b"outside"
 
 
 class Server:
@@ -151,3 +167,25 @@ def test_delete_removes_extras_and_partials_only_inside(tmp_path: Path) -> None:
     assert doc["deleted"] == ["model/a.bin.partial", "model/extra.bin"]
     assert len(doc["errors"]) == 1 and "refused" in doc["errors"][0]
     assert not any(model.iterdir()) and (tmp_path / "keep").exists()
+
+
+def test_the_source_reads_through_symlinks_and_the_chain_delivers(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face snapshot is symlinks to blobs: `send` follows them and streams to the first hop."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    src = tmp_path / "src"
+    (src / "model").mkdir(parents=True)
+    blob = tmp_path / "blob"
+    data = os.urandom(relay.CHUNK + 7)
+    blob.write_bytes(data)
+    (src / "model" / "w.bin").symlink_to(blob)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    server = Server(dst, ["model/w.bin"])
+    out, err = io.StringIO(), io.StringIO()
+    spec = {"token": "t0k", "dirs": {"model": str(src / "model")}, "files": [_entry("model/w.bin", data)],
+            "chain": [["127.0.0.1", server.port]], "timeout": 30}
+    assert relay.send(spec, out, err) == 0, out.getvalue()
+    assert json.loads(out.getvalue())["bytes"] == len(data)
+    assert server.result()["files"] == ["model/w.bin"]
+    assert (dst / "model" / "w.bin").read_bytes() == data
