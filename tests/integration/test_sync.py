@@ -201,3 +201,25 @@ def test_falls_back_to_ssh_when_the_data_plane_fails(testbed: TestBed, tmp_path:
     for h in (h2, h3):
         assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
         assert _tree(h.srv / "data") == _tree(h1.srv / "data"), h.name
+
+
+def test_limit_an_unreachable_node_and_no_majority(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3, h4 = testbed.add_hosts(4)
+    _fill_source(h1)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    # --limit: only h2 is synced (the --from node need not be in the limit).
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--limit", "h2", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    assert _tree(h2.srv / "model") == _tree(h1.srv / "model") and _tree(h3.srv / "model") == {}
+    # A node that cannot be reached fails (exit 1); the others are still synced.
+    testbed.stop_sshd(h4)
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json", "--connect-timeout", "3")
+    assert cp.returncode == 1, cp.stderr + cp.stdout
+    doc = json.loads(cp.stdout)
+    assert not doc["ok"] and "h4" in doc["errors"] and doc["verified"] == {"h2": True, "h3": True}
+    assert _tree(h3.srv / "model") == _tree(h1.srv / "model")
+    # Two nodes that disagree and no --from: no majority to copy from, a usage error naming the way out.
+    (h3.srv / "model" / "config.json").write_text("{}")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--limit", "h2,h3")
+    assert cp.returncode == 2 and "--from NODE" in cp.stderr and "Traceback" not in cp.stderr, cp.stderr
