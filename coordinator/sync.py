@@ -181,4 +181,4 @@ def verify(manifest: Mapping[str, tuple[int, str]], state: NodeState) -> list[st
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
+    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB" if n >= 10**5 else f"{n} bytes"

@@ -377,7 +377,9 @@ async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
+    if n >= 10**8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 10**5 else f"{n / 1e3:.1f} kB" if n >= 1000 else f"{n} B"
 
 
 def render_plan(plan: SyncPlan, echo: Callable[[str], None]) -> None:
@@ -455,10 +457,17 @@ def register(main: click.Group) -> None:
             for name, diffs in sorted(report.verified.items()):
                 click.echo(f"{'identical' if not diffs else 'DIFFERS'} {name}"
                            + (f": {'; '.join(diffs[:5])}" if diffs else ""))
-            if not check and report.plan is not None and not report.plan.problems:
+            if report.plan is not None and report.plan.problems and not check:
+                click.echo("nothing copied: " + "; ".join(report.plan.problems))
+            if check:
+                click.echo("--check: nothing changed")
+            elif report.plan is not None and not report.plan.problems:
                 rate = report.sent_bytes / report.transfer_seconds / 1e6 if report.transfer_seconds else 0.0
-                click.echo(f"sent {_size(report.sent_bytes)} in {report.transfer_seconds:.1f}s ({rate:.1f} MB/s); "
-                           f"total {report.seconds:.1f}s")
+                sent = (f"sent {_size(report.sent_bytes)} in {report.transfer_seconds:.1f}s ({rate:.1f} MB/s)"
+                        if report.sent_bytes else "nothing to send")
+                click.echo(f"{sent}; total {report.seconds:.1f}s")
+                for name, why in sorted(report.fallback.items()):
+                    click.echo(f"{name}: sent over SSH (the relay chain failed it: {why})")
         sys.exit(0 if report.ok else 1)
 
 
