@@ -148,6 +148,9 @@ def plan(spec: dict[str, Any]) -> dict[str, Any]:
         for f in scan.files:
             rel = f"{label}/{f.rel}"
             if f.rel.endswith(PARTIAL_SHA):
+                # A sidecar whose partial is gone (a crash between the two unlinks): an empty partial, so the
+                # coordinator deletes it (or reuses the name) like any leftover, and preflight sees no extra.
+                partials.setdefault(rel[: -len(PARTIAL_SHA)], [0, ""])
                 continue
             if f.rel.endswith(PARTIAL):
                 try:

@@ -138,8 +138,12 @@ def test_resume_keeps_the_prefix_and_a_bad_digest_never_gets_the_final_name(tmp_
     (model / "w.bin.partial").write_bytes(data[:1000] + b"junk past the resume point")
     sha = hashlib.sha256(data).hexdigest()
     (model / "w.bin.partial.sha256").write_text(sha + "\n")
+    (model / "orphan.bin.partial.sha256").write_text(sha + "\n")  # its partial is gone
     plan = relay.plan({"dirs": {"model": str(model)}})
-    assert plan["partials"] == {"model/w.bin": [1026, sha]} and plan["manifest"] == {}
+    assert plan["partials"] == {"model/w.bin": [1026, sha], "model/orphan.bin": [0, ""]} and plan["manifest"] == {}
+    assert relay.delete({"dirs": {"model": str(model)}, "paths": ["model/orphan.bin.partial"]})["deleted"] == [
+        "model/orphan.bin.partial"]
+    assert not (model / "orphan.bin.partial.sha256").exists()
 
     server = Server(tmp_path, ["model/w.bin"])
     server.connect("t0k", [_entry("model/w.bin", data, start=1000)], data[1000:])
