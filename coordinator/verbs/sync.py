@@ -43,6 +43,7 @@ SETUP_TIMEOUT = 60.0
 PLAN_TIMEOUT = 3600.0  # the first manifest of a big model hashes it (cached afterwards)
 PORT_TIMEOUT = 30.0
 RELAY_IDLE_TIMEOUT = 60.0  # a relay socket silent this long gives up (the node's process then exits by itself)
+BROKEN_CHAIN_GRACE = 2.0  # seconds the relays get to finish once the source's stream has failed
 TRANSFER_TIMEOUT = 7 * 24 * 3600.0  # the whole transfer; stalls are bounded by RELAY_IDLE_TIMEOUT instead
 
 Progress = Callable[[str, int, int], None]  # node, bytes done, bytes total
@@ -144,6 +145,8 @@ class _Stream:
 
     def error(self) -> str | None:
         doc = self.answer
+        if doc is None and self.task.cancelled():
+            return "stopped: the chain broke upstream"
         if doc is None:
             return f"relay gave no answer: {' | '.join(self.stderr[-3:])}"
         if doc.get("error"):
@@ -297,7 +300,16 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
     sender = _Stream(src, _relay_argv(src, "send"),
                      {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
                       "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
-    await asyncio.gather(sender.task, *(s.task for s in servers))
+    await sender.task
+    if sender.error():
+        # The chain broke (a hop unreachable or gone): relays downstream of the break would wait for data until
+        # their idle timeout. Give the others a moment to finish what they received, then stop them all.
+        _, pending = await asyncio.wait([s.task for s in servers], timeout=BROKEN_CHAIN_GRACE)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    else:
+        await asyncio.gather(*(s.task for s in servers))
     if sender.answer and isinstance(sender.answer.get("bytes"), int):
         report.sent_bytes = sender.answer["bytes"]
     problem = sender.error()

@@ -223,3 +223,22 @@ def test_limit_an_unreachable_node_and_no_majority(testbed: TestBed, tmp_path: P
     (h3.srv / "model" / "config.json").write_text("{}")
     cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--limit", "h2,h3")
     assert cp.returncode == 2 and "--from NODE" in cp.stderr and "Traceback" not in cp.stderr, cp.stderr
+
+
+def test_falls_back_to_ssh_when_a_node_cannot_reach_the_next(testbed: TestBed, tmp_path: Path,
+                                                            run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1)
+    # h2 has no route to h3: the chain h1 -> h2 -> h3 breaks at h2's connect; both get the files over SSH, and
+    # h3's relay, which never hears from h2, is stopped rather than left to its idle timeout.
+    testbed.exec(h2, ["ip", "route", "add", "blackhole", f"{h3.ip}/32"], check=True)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    out = json.loads(cp.stdout)
+    assert out["ok"] and out["verified"] == {"h2": True, "h3": True}
+    assert set(out["fallback"]) == {"h2", "h3"}, out["fallback"]
+    assert "stopped: the chain broke upstream" in out["fallback"]["h3"], out["fallback"]
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
