@@ -60,6 +60,19 @@ class ConnectInfo:
     host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it
 
 
+@dataclass(frozen=True)
+class RawProcess:
+    """A remote (or local) process with binary pipes, for bulk data (`coordinator sync`'s SSH fallback).
+    `stdin` has write/drain/write_eof, `stdout`/`stderr` read(n)/readline(); `wait()` gives the exit status
+    (None when killed by a signal); `kill()` ends it."""
+
+    stdin: Any
+    stdout: Any
+    stderr: Any
+    wait: Callable[[], Awaitable[int | None]]
+    kill: Callable[[], None]
+
+
 class Transport(Protocol):
     node: Node
 
@@ -78,6 +91,7 @@ class Transport(Protocol):
         """Copy local `files` into `remote_dir` (created if missing; `~/` is the login's home). Raises
         TransportError."""
         ...
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess: ...
 
     async def close(self) -> None: ...
 
@@ -365,6 +379,25 @@ class SshTransport:
         except (asyncssh.Error, OSError) as exc:
             raise TransportError(self.node.name, f"upload to {remote_dir} failed: {exc}") from exc
 
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess:
+        """Start argv with binary pipes. Raises TransportError."""
+        conn = self._require()
+        try:
+            proc = await conn.create_process(build_command(argv), encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(self.node.name, f"`{argv[0]}` failed: {exc}") from exc
+
+        async def wait() -> int | None:
+            done = await proc.wait(check=False)
+            return done.exit_status if done.exit_signal is None else None
+
+        def kill() -> None:
+            with contextlib.suppress(asyncssh.Error, OSError):
+                proc.kill()
+            proc.close()
+
+        return RawProcess(proc.stdin, proc.stdout, proc.stderr, wait, kill)
+
     async def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -515,6 +548,21 @@ class LocalTransport:
                 await asyncio.to_thread(shutil.copyfile, f, target / Path(f).name)
         except OSError as exc:
             raise TransportError(self.node.name, f"copy to {remote_dir} failed: {exc}") from exc
+
+    async def open_binary(self, argv: Sequence[str]) -> RawProcess:
+        """Start argv with binary pipes (its own process group, killed as a whole). Raises TransportError."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise TransportError(self.node.name, f"cannot run `{argv[0]}`: {exc}") from exc
+
+        async def wait() -> int | None:
+            rc = await proc.wait()
+            return rc if rc >= 0 else None
+
+        return RawProcess(proc.stdin, proc.stdout, proc.stderr, wait, lambda: _kill_group(proc))
 
     async def close(self) -> None:
         return None

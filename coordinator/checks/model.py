@@ -115,11 +115,15 @@ def _check_copies(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResul
     }
 
     def copy_from(good: str, paths: list[str] | None = None) -> str:
-        """rsync commands for the dirs that hold the bad files (both dirs when we cannot tell)."""
+        """`coordinator sync` from the good node, then the rsync equivalent for the dirs that hold the bad files
+        (both dirs when we cannot tell)."""
         labels = sorted({p.split("/", 1)[0] for p in paths}) if paths else list(labels_all)
         # Quoted: the dirs come from the playbook and are pasted into a shell by whoever follows the remedy.
-        return "; ".join(f"rsync -a --delete {shlex.quote(f'{good}:{dirs[lb]}/')} {shlex.quote(f'{node.name}:{dirs[lb]}/')}"
-                         for lb in labels if dirs.get(lb))
+        sync = (f"coordinator sync -i INVENTORY -p {shlex.quote(pb.path or 'PLAYBOOK')} --from {shlex.quote(good)} "
+                f"--limit {shlex.quote(node.name)}")
+        rsync = "; ".join(f"rsync -a --delete {shlex.quote(f'{good}:{dirs[lb]}/')} {shlex.quote(f'{node.name}:{dirs[lb]}/')}"
+                          for lb in labels if dirs.get(lb))
+        return f"{sync} (or: {rsync})"
 
     labels_all = labels
     copy = copy_from("GOOD_NODE")

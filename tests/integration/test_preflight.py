@@ -503,6 +503,7 @@ def test_model_fails_on_the_node_whose_file_differs(testbed: TestBed, run_cli: R
     assert model["summary"] == "differs from the majority (a, b): differ: model/model.safetensors"
     assert model["evidence"]["diff"] == {"differ": ["model/model.safetensors"], "missing": [], "extra": []}
     assert "rsync -a --delete a:/srv/model/ c:/srv/model/" in model["remedy"]
+    assert f"coordinator sync -i INVENTORY -p {playbook} --from a --limit c" in model["remedy"]
     for name in ("a", "b"):
         assert out.check(name, "model")["summary"].endswith("identical on 2/3 nodes"), out.dump()
     # Two nodes that disagree: no majority, both fail, neither copy is trusted.

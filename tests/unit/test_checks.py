@@ -1184,7 +1184,9 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
     members = trio()
     members[1] = members[1].but(worker=_hashes(model={**MODEL_FILES, "model.safetensors": BAD}))
     _, results = preflight(members, playbook(backend="ring", model=hostile))
-    assert results[("s1", "model")].remedy == (f"copy the good files: rsync -a --delete 's0:{hostile}/' 's1:{hostile}/'")
+    assert results[("s1", "model")].remedy == (
+        "copy the good files: coordinator sync -i INVENTORY -p playbook.yaml --from s0 --limit s1 "
+        f"(or: rsync -a --delete 's0:{hostile}/' 's1:{hostile}/')")
     _, results = preflight((MBP_M, STUDIO_M.but(node={"identity": "~/.ssh/my key"})), playbook(),
                            connect={"studio": TransportError("studio", "denied", kind="auth")})
     assert "`ssh-copy-id -i \"$HOME\"/'.ssh/my key' studio.local`" in results[("studio", "ssh")].remedy

@@ -1,0 +1,244 @@
+"""`coordinator sync` end to end: the real CLI over real SSH between test-bed hosts (tests/testbed.py), the relay
+chain over the hosts' own addresses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.integration.conftest import RunCli
+from tests.integration.test_preflight import TINY_CONFIG
+from tests.testbed import REPO, Host, TestBed
+
+CHUNK = 1 << 20
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under root (partials included: none may be left)."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _safetensors(n: int) -> bytes:
+    """A valid safetensors file of one uint8 tensor of n random bytes (preflight's model check parses it)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+    return struct.pack("<Q", len(header)) + header + os.urandom(n)
+
+
+def _files(host: Host) -> list[Path]:
+    return [p for d in ("model", "data") for p in (host.srv / d).rglob("*") if p.is_file()]
+
+
+def _fill_source(host: Host, *, big: int = 3 * CHUNK + 123) -> None:
+    model = host.srv / "model"
+    (model / "sub").mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(_safetensors(big))
+    (model / "sub" / "small.bin").write_bytes(b"small\n" * 100)
+    data = host.srv / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.jsonl").write_text('{"text": "hello"}\n' * 50)
+    (data / "valid.jsonl").write_text('{"text": "bye"}\n' * 5)
+
+
+def _playbook(path: Path, model: str = "/srv/model", data: str = "/srv/data") -> Path:
+    path.write_text(yaml.safe_dump({"name": "sync", "kind": "train", "model": model, "data": data,
+                                    "backend": "ring", "train": {"method": "lora", "iters": 20}}))
+    return path
+
+
+def test_sync_repairs_missing_truncated_stale_and_extra(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1)
+    # h2: nothing at all. h3: a truncated big file, a stale small file, an extra file, and a copy that matches.
+    _fill_source(h3)
+    src_big = (h1.srv / "model" / "model.safetensors").read_bytes()
+    (h3.srv / "model" / "model.safetensors").write_bytes(src_big[: len(src_big) // 2])
+    (h3.srv / "model" / "sub" / "small.bin").write_bytes(b"stale\n" * 100)  # same size, other bytes
+    (h3.srv / "model" / "extra.bin").write_bytes(b"not in the source")
+    (h3.srv / "data" / "train.jsonl").write_bytes((h1.srv / "data" / "train.jsonl").read_bytes())
+    (h3.srv / "data" / "valid.jsonl").write_bytes((h1.srv / "data" / "valid.jsonl").read_bytes())
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    before = {h.name: (_tree(h.srv / "model"), _tree(h.srv / "data")) for h in (h2, h3)}
+
+    check = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--check", "--json")
+    assert check.returncode == 0, check.stderr + check.stdout
+    plan = json.loads(check.stdout)["plan"]
+    by_node = {n["node"]: n for n in plan["nodes"]}
+    assert set(by_node) == {"h2", "h3"}
+    assert by_node["h2"]["files"] == 6
+    assert sorted(by_node["h3"]["copy"]) == ["model/model.safetensors", "model/sub/small.bin"]
+    assert by_node["h3"]["delete"] == ["model/extra.bin"]
+    assert plan["chain"] == ["h2", "h3"]
+    after_check = {h.name: (_tree(h.srv / "model"), _tree(h.srv / "data")) for h in (h2, h3)}
+    assert after_check == before, "--check changed files"
+
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    doc = json.loads(cp.stdout)
+    assert doc["ok"] and doc["verified"] == {"h2": True, "h3": True}
+    # Sent once down the chain: the union of what h2 and h3 miss (all of it), not twice.
+    assert doc["sent_bytes"] == sum(p.stat().st_size for p in _files(h1))
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+        assert _tree(h.srv / "data") == _tree(h1.srv / "data"), h.name
+
+    # Warm re-sync: nothing to do, nothing sent.
+    again = run_cli("sync", "-i", str(inv), "-p", str(pb), "--json")  # no --from: the copy all nodes share
+    assert again.returncode == 0, again.stderr + again.stdout
+    doc = json.loads(again.stdout)
+    assert doc["sent_bytes"] == 0 and doc["plan"]["chain"] == []
+
+    # preflight's model check agrees.
+    pre = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", timeout=120)
+    report = json.loads(pre.stdout)
+    model = [c for n in report["nodes"] for c in n["checks"] if c["id"] == "model"]
+    assert model and all(c["status"] in ("pass", "warn") for c in model), model
+
+
+def test_killed_sync_resumes(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    size = 12 * CHUNK
+    _fill_source(h1, big=size)
+    for h in (h2, h3):  # ~1.2 MB/s into each target: the transfer takes ~10 s, time to kill it
+        subprocess.run(["tc", "qdisc", "add", "dev", h.veth, "root", "tbf", "rate", "10mbit", "burst", "32kb",
+                        "latency", "50ms"], check=True)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    argv = [sys.executable, "-m", "coordinator", "sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    partial = h3.srv / "model" / "model.safetensors.partial"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (partial.exists() and partial.stat().st_size > 3 * CHUNK):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert partial.exists(), "the sync never reached h3"
+    time.sleep(1.5)  # the relays notice their SSH session is gone at their next progress line
+    kept = min((h.srv / "model" / "model.safetensors.partial").stat().st_size for h in (h2, h3))
+    assert 0 < kept < size
+    for h in (h2, h3):
+        subprocess.run(["tc", "qdisc", "del", "dev", h.veth, "root"], check=True)
+
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    doc = json.loads(cp.stdout)
+    small = sum(p.stat().st_size for p in _files(h1) if p.name != "model.safetensors")
+    # What was missing (plus at most one chunk, as the relays may have written a little after we measured).
+    assert doc["sent_bytes"] <= size - kept + small + CHUNK, (doc["sent_bytes"], size, kept)
+    assert doc["sent_bytes"] < size
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+
+
+def test_full_disk_fails_before_copying(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    # Mounted before the host exists: its sshd's private mount namespace is a copy of ours at its start.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        testbed.add_hosts(1)
+        source = tmp_path / "source"
+        (source / "model").mkdir(parents=True)
+        (source / "model" / "w.bin").write_bytes(os.urandom(2 * CHUNK))
+        (source / "data").mkdir()
+        (source / "data" / "train.jsonl").write_text('{"text": "hi"}\n')
+        inv = testbed.write_inventory(tmp_path / "inv.yaml")
+        pb = tmp_path / "pb.yaml"
+        pb.write_text(yaml.safe_dump({"name": "sync", "kind": "train", "model": str(small / "model"),
+                                      "data": str(small / "data"), "backend": "ring", "train": {"method": "lora", "iters": 20}}))
+        cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--source", str(source))
+        assert cp.returncode == 1, cp.stderr + cp.stdout
+        assert "not enough free disk space" in cp.stdout and "h1" in cp.stdout
+        assert not any(small.rglob("*")), "bytes were written despite the full disk"
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_sync_usage_errors(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    testbed.add_hosts(1)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "nope")
+    assert cp.returncode == 2 and "unknown node nope" in cp.stderr and "Traceback" not in cp.stderr
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--source", str(tmp_path))
+    assert cp.returncode == 2 and "not both" in cp.stderr
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--source", str(tmp_path))
+    assert cp.returncode == 2 and "lacks model" in cp.stderr
+
+
+def test_falls_back_to_ssh_when_the_data_plane_fails(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    doc = yaml.safe_load(inv.read_text())
+    # h3's data-plane IP is on no host: its relay cannot listen there, so the chain fails and the coordinator
+    # streams the files over the SSH connections instead.
+    bogus = h1.ip.rsplit(".", 1)[0] + ".250"
+    for node in doc["nodes"]:
+        if node["name"] == "h3":
+            node["ips"] = [bogus]
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    pb = _playbook(tmp_path / "pb.yaml")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    out = json.loads(cp.stdout)
+    assert out["ok"] and out["verified"] == {"h2": True, "h3": True}
+    assert "h3" in out["fallback"], out["fallback"]
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+        assert _tree(h.srv / "data") == _tree(h1.srv / "data"), h.name
+
+
+def test_limit_an_unreachable_node_and_no_majority(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    h1, h2, h3, h4 = testbed.add_hosts(4)
+    _fill_source(h1)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    # --limit: only h2 is synced (the --from node need not be in the limit).
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--limit", "h2", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    assert _tree(h2.srv / "model") == _tree(h1.srv / "model") and _tree(h3.srv / "model") == {}
+    # A node that cannot be reached fails (exit 1); the others are still synced.
+    testbed.stop_sshd(h4)
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json", "--connect-timeout", "3")
+    assert cp.returncode == 1, cp.stderr + cp.stdout
+    doc = json.loads(cp.stdout)
+    assert not doc["ok"] and "h4" in doc["errors"] and doc["verified"] == {"h2": True, "h3": True}
+    assert _tree(h3.srv / "model") == _tree(h1.srv / "model")
+    # Two nodes that disagree and no --from: no majority to copy from, a usage error naming the way out.
+    (h3.srv / "model" / "config.json").write_text("{}")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--limit", "h2,h3")
+    assert cp.returncode == 2 and "--from NODE" in cp.stderr and "Traceback" not in cp.stderr, cp.stderr
+
+
+def test_falls_back_to_ssh_when_a_node_cannot_reach_the_next(testbed: TestBed, tmp_path: Path,
+                                                            run_cli: RunCli) -> None:
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1)
+    # h2 has no route to h3: the chain h1 -> h2 -> h3 breaks at h2's connect; both get the files over SSH, and
+    # h3's relay, which never hears from h2, is stopped rather than left to its idle timeout.
+    testbed.exec(h2, ["ip", "route", "add", "blackhole", f"{h3.ip}/32"], check=True)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
+    assert cp.returncode == 0, cp.stderr + cp.stdout
+    out = json.loads(cp.stdout)
+    assert out["ok"] and out["verified"] == {"h2": True, "h3": True}
+    assert set(out["fallback"]) == {"h2", "h3"}, out["fallback"]
+    assert "stopped: the chain broke upstream" in out["fallback"]["h3"], out["fallback"]
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name

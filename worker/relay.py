@@ -1,0 +1,527 @@
+"""Node side of `coordinator sync`: manifests, and a pipelined chain relay that copies files between nodes.
+
+Run by the coordinator over SSH (stdlib only, Python 3.9+, the shipped worker package on PYTHONPATH). Every
+subcommand reads ONE JSON object on stdin (the token never appears on a command line, where `ps` would show it)
+and prints JSON lines on stdout; progress goes to stderr as `progress <bytes>` lines.
+
+    python -m worker.relay plan      stdin {"dirs": {"model": "/srv/model", ...}, "cache": path|null}
+        -> {"manifest": {"model/a.bin": [size, sha256]}, "partials": {"model/a.bin": [size, sha256 expected]},
+            "free": {"model": bytes}, "dev": {"model": st_dev}, "missing": ["data"], "errors": [...]}
+    python -m worker.relay delete    stdin {"dirs": {...}, "paths": ["model/x"]}  -> {"deleted": [...], "errors"}
+    python -m worker.relay serve --bind IP    stdin {"token", "dirs", "need": ["model/a.bin"], "timeout": s}
+        prints {"port": N} once listening, then {"received": {...}, "errors": [...]} when done
+    python -m worker.relay send      stdin {"token", "dirs", "files": [...], "chain": [[ip, port], ...]}
+        -> {"sent": bytes, "errors": [...]}
+
+Wire protocol (one TCP connection per hop, upstream -> downstream): line 1 is the per-sync token; line 2 a JSON
+header {"chain": [[ip, port], ...] (the hops after the receiver), "files": [{"path", "size", "sha256",
+"start"}]}; then, per file in order, its bytes [start, size) back to back. A receiver checks the token before
+reading anything else (a wrong one: the connection is closed and the relay keeps waiting for the right one),
+validates EVERY path of the header before writing a byte, connects to the next hop and forwards each chunk as
+soon as it has written it, so N nodes take about the time of one copy.
+
+Files it needs land in `<file>.partial` (its expected sha256 in `<file>.partial.sha256`, so a later run knows
+what a leftover prefix belongs to). A resumed file is truncated to `start`, the kept prefix is hashed from
+disk, and the rest appended; the file gets its final name only once the whole file's SHA256 matches, and its
+digest goes into the probe's stat-keyed hash cache so the verifying manifest does not read it again.
+
+Paths: relative, "/"-separated, the first part a label of `dirs`, no empty/`.`/`..` parts, no NUL; every
+existing dir component under the target dir must be a real directory (never a symlink), the `.partial` file is
+opened with O_NOFOLLOW and renamed over the final name (replacing a symlink there, not writing through it), so
+nothing is ever written outside the target dir. The source reads through symlinks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import os
+import shutil
+import socket
+import stat
+import sys
+import time
+
+from worker import probe
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, Any
+
+CHUNK = 1 << 20  # bytes per read/forward: the unit a resumed transfer may repeat
+PARTIAL = ".partial"
+PARTIAL_SHA = ".partial.sha256"
+CONNECT_TIMEOUT = 5.0  # seconds to reach the next hop
+DEFAULT_TIMEOUT = 60.0  # seconds a socket may stay silent (accept included) before the relay gives up
+PROGRESS_INTERVAL = 0.25
+MAX_HEADER = 64 * 1024 * 1024
+
+
+class RelayError(Exception):
+    """A refused path, a bad header or a broken connection; the message goes into the JSON answer."""
+
+
+def is_partial_name(rel: str) -> bool:
+    return rel.endswith(PARTIAL) or rel.endswith(PARTIAL_SHA)
+
+
+def check_path(rel: Any, dirs: dict[str, str]) -> tuple[str, str]:
+    """(label, relative path inside the label's dir) for a header path, or RelayError. Pure: the filesystem side
+    (symlinks) is `safe_target`'s."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or "\\" in rel:
+        raise RelayError(f"refused path {rel!r}: not a plain relative path")
+    if rel.startswith("/"):
+        raise RelayError(f"refused path {rel!r}: absolute")
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise RelayError(f"refused path {rel!r}: empty, '.' or '..' component")
+    if parts[0] not in dirs or len(parts) < 2:
+        raise RelayError(f"refused path {rel!r}: not under one of {sorted(dirs)}")
+    if is_partial_name(rel):
+        raise RelayError(f"refused path {rel!r}: reserved suffix")
+    return parts[0], "/".join(parts[1:])
+
+
+def _top(d: str) -> str:
+    return os.path.abspath(os.path.expanduser(d))
+
+
+def source_path(rel: str, dirs: dict[str, str]) -> str:
+    """Where the source reads `rel`: through symlinks (a Hugging Face snapshot is links to blobs; reading is
+    harmless, and the manifest followed them too)."""
+    label, inner = check_path(rel, dirs)
+    return os.path.join(_top(dirs[label]), inner)
+
+
+def safe_target(rel: str, dirs: dict[str, str], *, create: bool) -> str:
+    """The absolute path for `rel`, its parent dirs created (when `create`) as real directories. Raises
+    RelayError when any existing dir component below the target dir is a symlink or not a directory. The final
+    name may be a symlink: the rename of the verified `.partial` replaces the link itself, never its target."""
+    label, inner = check_path(rel, dirs)
+    top = _top(dirs[label])
+    if create:
+        os.makedirs(top, exist_ok=True)
+    current = top
+    for part in inner.split("/")[:-1]:
+        current = os.path.join(current, part)
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return os.path.join(top, inner)
+            os.mkdir(current)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise RelayError(f"refused path {rel!r}: {current} is a symlink or not a directory")
+    return os.path.join(top, inner)
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def plan(spec: dict[str, Any]) -> dict[str, Any]:
+    """Manifest (through the probe's stat-keyed hash cache), leftover partials, free space per dir."""
+    dirs: dict[str, str] = spec["dirs"]
+    cache = probe.HashCache(spec.get("cache", probe.DEFAULT_CACHE) or None)
+    exclude = (cache.path, os.path.realpath(cache.path)) if cache.path else ()
+    errors: list[str] = []
+    manifest: dict[str, list[Any]] = {}
+    partials: dict[str, list[Any]] = {}
+    free: dict[str, int] = {}
+    devs: dict[str, int] = {}
+    missing: list[str] = []
+    for label, d in dirs.items():
+        top = _top(d)
+        probe_dir = top
+        while not os.path.exists(probe_dir) and probe_dir != os.path.dirname(probe_dir):
+            probe_dir = os.path.dirname(probe_dir)
+        usage = shutil.disk_usage(probe_dir)
+        free[label] = usage.free
+        devs[label] = os.stat(probe_dir).st_dev
+        scan = probe.scan_dir(top, exclude)
+        if not scan.exists:
+            missing.append(label)
+            continue
+        errors.extend(f"{label}: {e}" for e in scan.errors)
+        for f in scan.files:
+            rel = f"{label}/{f.rel}"
+            if f.rel.endswith(PARTIAL_SHA):
+                # A sidecar whose partial is gone (a crash between the two unlinks): an empty partial, so the
+                # coordinator deletes it (or reuses the name) like any leftover, and preflight sees no extra.
+                partials.setdefault(rel[: -len(PARTIAL_SHA)], [0, ""])
+                continue
+            if f.rel.endswith(PARTIAL):
+                try:
+                    with open(f.path + ".sha256", encoding="ascii") as fh:  # <file>.partial.sha256
+                        want = fh.read().strip()
+                except OSError:
+                    want = ""
+                partials[rel[: -len(PARTIAL)]] = [f.size, want]
+                continue
+            sha = cache.get(f)
+            if sha is None:
+                try:
+                    sha, st = probe.sha256_file(f.path)
+                except (OSError, probe.FileChanged) as exc:
+                    errors.append(f"cannot read {rel}: {exc}")
+                    continue
+                cache.put(f.real, st, sha)
+            manifest[rel] = [f.size, sha]
+        if scan.real is not None:
+            cache.forget_missing(scan.real, {f.real for f in scan.files})
+    with contextlib.suppress(OSError):
+        cache.save()
+    return {"manifest": manifest, "partials": partials, "free": free, "dev": devs, "missing": missing,
+            "errors": errors}
+
+
+def delete(spec: dict[str, Any]) -> dict[str, Any]:
+    """Remove the files named (extras; `<file>.partial` names a leftover partial and its .sha256). A path that
+    fails validation is refused, not removed."""
+    dirs: dict[str, str] = spec["dirs"]
+    deleted: list[str] = []
+    errors: list[str] = []
+    for rel in spec.get("paths", []):
+        is_partial = isinstance(rel, str) and rel.endswith(PARTIAL)
+        try:
+            target = safe_target(rel[: -len(PARTIAL)] if is_partial else rel, dirs, create=False)
+        except RelayError as exc:
+            errors.append(str(exc))
+            continue
+        for p in (target + PARTIAL, target + PARTIAL_SHA) if is_partial else (target,):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                errors.append(f"cannot delete {rel}: {exc.strerror or exc}")
+                continue
+            deleted.append(rel)
+    return {"deleted": sorted(set(deleted)), "errors": errors}
+
+
+# ------------------------------------------------------------------------------------------------ wire
+
+
+def _read_line(sock: socket.socket | Pipe, limit: int) -> bytes:
+    buf = bytearray()
+    while True:
+        b = sock.recv(1)
+        if not b:
+            raise RelayError("connection closed before the header")
+        if b == b"\n":
+            return bytes(buf)
+        buf += b
+        if len(buf) > limit:
+            raise RelayError("header line too long")
+
+
+class Pipe:
+    """A binary stdin or stdout with the few socket methods the relay uses: the SSH fallback (`serve --stdin`,
+    `send --stdout`) runs the same protocol over the coordinator's SSH channels."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def recv(self, n: int) -> bytes:
+        return self.fh.read1(n)  # type: ignore[no-any-return]
+
+    def recv_into(self, view: memoryview) -> int:
+        return self.fh.readinto1(view)  # type: ignore[no-any-return]
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+
+    def close(self) -> None:
+        self.fh.flush()
+
+
+def _recv_into(sock: socket.socket | Pipe, view: memoryview) -> int:
+    n = sock.recv_into(view)
+    if n == 0:
+        raise RelayError("upstream closed the connection mid-file")
+    return n
+
+
+class Meter:
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.done = 0
+        self.last = 0.0
+
+    def add(self, n: int, final: bool = False) -> None:
+        self.done += n
+        now = time.monotonic()
+        if final or now - self.last >= PROGRESS_INTERVAL:
+            self.last = now
+            self.stream.write(f"progress {self.done}\n")
+            self.stream.flush()
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _open_partial(path: str, start: int, sha: str) -> tuple[int, Any]:
+    """(fd, hash seeded with the kept prefix) for `<path>.partial`, truncated to `start` bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    side = os.open(path + PARTIAL_SHA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o644)
+    with os.fdopen(side, "w", encoding="ascii") as fh:
+        fh.write(sha + "\n")
+    fd = os.open(path + PARTIAL, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size < start:
+            raise RelayError(f"{path}{PARTIAL} has {size} bytes, the stream resumes at {start}")
+        os.ftruncate(fd, start)
+        done = 0
+        while done < start:
+            block = os.pread(fd, min(probe.CHUNK, start - done), done)
+            if not block:
+                raise RelayError(f"{path}{PARTIAL} shrank while resuming")
+            digest.update(block)
+            done += len(block)
+        os.lseek(fd, start, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, digest
+
+
+def _finish(path: str, fd: int, digest: Any, want: str, cache: Any) -> str | None:
+    """Rename `<path>.partial` to `path` when its digest is `want`; the error otherwise (the partial is removed:
+    its bytes are wrong, resuming from them would never match)."""
+    try:
+        got = digest.hexdigest()
+        if got != want:
+            os.close(fd)
+            for p in (path + PARTIAL, path + PARTIAL_SHA):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            return f"{path}: sha256 {got[:12]} != expected {want[:12]} (the source changed while being sent?)"
+        os.fsync(fd)
+        st = os.fstat(fd)
+        os.close(fd)
+        os.replace(path + PARTIAL, path)
+        with contextlib.suppress(OSError):
+            os.unlink(path + PARTIAL_SHA)
+        cache.put(os.path.realpath(path), st, want)
+        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+
+
+def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: list[list[Any]], token: str,
+          dirs: dict[str, str], need: set[str], source: bool, meter: Meter, timeout: float,
+          pipe: Pipe | None = None) -> dict[str, Any]:
+    """Stream `files` (from disk when `source`, else from `up`) to the next hop of `chain` (or to `pipe`), writing
+    the ones in `need` locally. Returns {"bytes": moved, "files": [...done], "errors": [...]}."""
+    targets = {}
+    for f in files:
+        if not isinstance(f, dict) or not isinstance(f.get("size"), int) or not isinstance(f.get("start"), int) \
+                or not isinstance(f.get("sha256"), str) or not 0 <= f["start"] <= f["size"]:
+            raise RelayError(f"bad file entry in header: {f!r}")
+        targets[f["path"]] = (source_path(f["path"], dirs) if source
+                              else safe_target(f["path"], dirs, create=f["path"] in need))
+    down: socket.socket | Pipe | None = pipe
+    if chain:
+        ip, port = chain[0]
+        # A short connect timeout: an unreachable next hop must fail fast, so the coordinator falls back to SSH.
+        down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
+        down.settimeout(timeout)
+        down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if down is not None:
+        header = json.dumps({"chain": chain[1:], "files": files}, separators=(",", ":"))
+        down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
+    cache = probe.HashCache(probe.DEFAULT_CACHE)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    errors: list[str] = []
+    done: list[str] = []
+    moved = 0
+    try:
+        for f in files:
+            rel, start, size = f["path"], f["start"], f["size"]
+            path = targets[rel]
+            fd = -1
+            digest = None
+            src = None
+            if source:
+                src = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in the finally below
+                src.seek(start)
+            elif rel in need:
+                fd, digest = _open_partial(path, start, f["sha256"])
+            try:
+                left = size - start
+                while left:
+                    want = min(CHUNK, left)
+                    if src is not None:
+                        n = src.readinto(view[:want]) or 0
+                        if n == 0:
+                            raise RelayError(f"{rel} shrank on the source while being sent")
+                    else:
+                        assert up is not None
+                        n = _recv_into(up, view[:want])
+                    chunk = view[:n]
+                    if digest is not None:
+                        _write_all(fd, chunk)
+                        digest.update(chunk)
+                    if down is not None:
+                        down.sendall(chunk)
+                    left -= n
+                    moved += n
+                    meter.add(n)
+            finally:
+                if src is not None:
+                    src.close()
+            if fd >= 0:
+                problem = _finish(path, fd, digest, f["sha256"], cache)
+                if problem:
+                    errors.append(problem)
+                else:
+                    done.append(rel)
+        meter.add(0, final=True)
+        if isinstance(down, socket.socket):
+            down.shutdown(socket.SHUT_WR)
+            # Wait for the next hop to close: its last bytes are then on its disk, not in our socket buffer.
+            with contextlib.suppress(OSError):
+                while down.recv(1):
+                    pass
+    finally:
+        if down is not None:
+            down.close()
+        with contextlib.suppress(OSError):
+            cache.save()
+    return {"bytes": moved, "files": done, "errors": errors}
+
+
+def _accept_header(conn: socket.socket | Pipe, token: str, dirs: dict[str, str], peer: str) -> dict[str, Any]:
+    """The checked header of one upstream connection; RelayError (or ValueError, OSError) to refuse it."""
+    line = _read_line(conn, 4096)
+    if not hmac.compare_digest(line, token.encode()):
+        raise RelayError(f"wrong token from {peer}")
+    header = json.loads(_read_line(conn, MAX_HEADER))
+    if not isinstance(header, dict) or not isinstance(header.get("files"), list) \
+            or not isinstance(header.get("chain"), list):
+        raise RelayError("bad header")
+    for f in header["files"]:
+        check_path(f.get("path") if isinstance(f, dict) else f, dirs)
+    return header
+
+
+def serve(bind: str | None, spec: dict[str, Any], out: IO[str], err: IO[str], stdin: Any = None) -> int:
+    """Receive one stream: from the first upstream that connects to `bind` with the token, or (`bind` None) from
+    `stdin`, the rest of the coordinator's SSH channel."""
+    token: str = spec["token"]
+    dirs: dict[str, str] = spec["dirs"]
+    need = set(spec.get("need", []))
+    timeout = float(spec.get("timeout", DEFAULT_TIMEOUT))
+    refused: list[str] = []
+    meter = Meter(err)
+    conn: socket.socket | Pipe
+    if bind is None:
+        conn = Pipe(stdin)
+        try:
+            header = _accept_header(conn, token, dirs, "stdin")
+        except (RelayError, ValueError, OSError) as exc:
+            out.write(json.dumps({"error": f"refused: {exc}"}) + "\n")
+            return 1
+    else:
+        listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind, int(spec.get("port", 0))))
+        listener.listen(8)
+        listener.settimeout(timeout)
+        out.write(json.dumps({"port": listener.getsockname()[1]}) + "\n")
+        out.flush()
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except socket.timeout:
+                out.write(json.dumps({"error": f"no upstream connected within {timeout:g}s", "refused": refused})
+                          + "\n")
+                return 1
+            sock.settimeout(timeout)
+            try:
+                header = _accept_header(sock, token, dirs, peer[0])
+            except (RelayError, ValueError, OSError) as exc:
+                # Refuse this connection, keep waiting for the real upstream (a stray or hostile client must not
+                # make the sync fail, and gets nothing written).
+                refused.append(str(exc))
+                err.write(f"refused: {exc}\n")
+                err.flush()
+                sock.close()
+                continue
+            break
+        listener.close()
+        conn = sock
+    try:
+        result = relay(conn, header["files"], header["chain"], token, dirs, need, False, meter, timeout)
+    except (RelayError, OSError) as exc:
+        out.write(json.dumps({"error": str(exc), "refused": refused}) + "\n")
+        return 1
+    finally:
+        conn.close()
+    result["refused"] = refused
+    out.write(json.dumps(result) + "\n")
+    return 0 if not result["errors"] else 1
+
+
+def send(spec: dict[str, Any], out: IO[str], err: IO[str], stdout: Any = None) -> int:
+    """Stream the files from disk: to the chain's first hop, or (`stdout` given) into the coordinator's SSH
+    channel, the answer then going to `err` as a `result {...}` line."""
+    pipe = Pipe(stdout) if stdout is not None else None
+    answer = err if pipe is not None else out
+    try:
+        result = relay(None, spec["files"], spec["chain"], spec["token"], spec["dirs"], set(), True, Meter(err),
+                       float(spec.get("timeout", DEFAULT_TIMEOUT)), pipe)
+    except (RelayError, OSError) as exc:
+        answer.write(("result " if pipe else "") + json.dumps({"error": str(exc)}) + "\n")
+        return 1
+    finally:
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    answer.write(("result " if pipe else "") + json.dumps(result) + "\n")
+    return 0 if not result["errors"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.relay")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan")
+    sub.add_parser("delete")
+    p = sub.add_parser("send")
+    p.add_argument("--stdout", action="store_true", help="stream into stdout (the SSH fallback)")
+    s = sub.add_parser("serve")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--bind", help="listen on this (data-plane) IP")
+    where.add_argument("--stdin", action="store_true", help="read the stream from stdin (the SSH fallback)")
+    args = parser.parse_args(argv)
+    try:
+        # One line: the stream may follow it on the same stdin (serve --stdin).
+        spec = json.loads(sys.stdin.buffer.readline())
+        if not isinstance(spec, dict) or not isinstance(spec.get("dirs"), dict):
+            raise ValueError("stdin must be a JSON object with 'dirs'")
+    except ValueError as exc:
+        print(json.dumps({"error": f"bad spec: {exc}"}))
+        return 2
+    if args.cmd == "plan":
+        print(json.dumps(plan(spec)))
+        return 0
+    if args.cmd == "delete":
+        print(json.dumps(delete(spec)))
+        return 0
+    if args.cmd == "send":
+        return send(spec, sys.stdout, sys.stderr, sys.stdout.buffer if args.stdout else None)
+    return serve(None if args.stdin else args.bind, spec, sys.stdout, sys.stderr, sys.stdin.buffer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
