@@ -16,9 +16,9 @@ from coordinator.facts.model import NodeFacts
 from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober
 from coordinator.hostfile import has_cuda
 from coordinator.lint import lint_playbook
-from coordinator.models import Inventory, PreflightReport
+from coordinator.models import ConnectInfo, Inventory, PreflightReport
 from coordinator.playbook import Playbook
-from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, ConnectInfo, Fleet
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 _MANIFEST_LINE = re.compile(r"^(?P<sha>[0-9a-fA-F]{64}) [ *](?P<path>.+)$")
 

@@ -11,10 +11,9 @@ from typing import TypeVar
 
 from coordinator.errors import TransportError
 from coordinator.facts.model import FactError, NodeFacts
-from coordinator.models import CheckResult, Node, Status
+from coordinator.models import CheckResult, ConnectInfo, Node, Status
 from coordinator.playbook import Playbook
 from coordinator.topology import Link, compute_links, reach_peers
-from coordinator.transport import ConnectInfo
 
 K = TypeVar("K", bound=Hashable)
 

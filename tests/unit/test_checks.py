@@ -25,10 +25,9 @@ from coordinator.checks import evaluate_node, evaluate_preflight
 from coordinator.checks.context import CheckContext, majority
 from coordinator.errors import HostKeyError, TransportError
 from coordinator.lint import lint_playbook
-from coordinator.models import CHECK_IDS, CheckResult, Connection, LintResult, Node, PreflightReport, Status
+from coordinator.models import CHECK_IDS, CheckResult, ConnectInfo, Connection, LintResult, Node, PreflightReport, Status
 from coordinator.playbook import Playbook, parse_playbook
 from coordinator.probe import Section
-from coordinator.transport import ConnectInfo
 from tests.factsutil import (
     DATA_DIR,
     DATA_FILES,
