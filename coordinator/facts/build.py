@@ -94,6 +94,22 @@ def build_node_facts(node: str, sections: Mapping[str, Section], *, workdir: str
                      raw_rc={k: s.rc for k, s in sections.items()}, **fields)
 
 
+def node_load(facts: NodeFacts) -> tuple[tuple[float, float, float] | None, str | None]:
+    """(load averages, parse problem) from the node's raw sections (`status`/`monitor` show them). Linux:
+    /proc/loadavg (section `loadavg`); macOS: `vm.loadavg` in the sysctl section when the probe asked for it.
+    Absent -> (None, None): unknown, not an error. Malformed -> (None, "loadavg: <why>"), never an exception."""
+    try:
+        if facts.os is not None and facts.os.is_macos:
+            text = facts.raw.get("sysctl")
+            return (macos.parse_vm_loadavg(text) if text else None), None
+        text = facts.raw.get("loadavg")
+        if text is None or facts.raw_rc.get("loadavg", 0) != 0:
+            return None, None
+        return linux.parse_loadavg(text), None
+    except ParseError as exc:
+        return None, f"loadavg: {exc}"
+
+
 def parse_env(text: str) -> dict[str, str]:
     """`env` output -> dict. Continuation lines of multi-line values are appended to the previous value."""
     env: dict[str, str] = {}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.facts.build import build_node_facts, parse_env, parse_worker
+from coordinator.facts.build import build_node_facts, node_load, parse_env, parse_worker
 from coordinator.facts.model import DirHashes, FactError, FileHash, Rdma, RdmaDevice, Reach
 from coordinator.probe import Section
 from tests.factsutil import (
@@ -342,3 +342,41 @@ def test_parse_env_exported_bash_functions_do_not_corrupt_the_previous_value() -
     env = parse_env(text)
     assert env["MLX_METAL_FAST_SYNCH"] == "1"
     assert env["Z"] == "1"
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+def test_node_load_linux_from_the_recorded_proc_loadavg() -> None:
+    facts = facts_from("lin", profile_sections(linux_sections(), worker=worker_answer()))
+    assert node_load(facts) == ((0.27, 0.08, 0.03), None)
+
+
+def test_node_load_linux_failed_read_is_unknown_not_a_problem() -> None:
+    sections = linux_sections() | {"loadavg": Section("loadavg", "cat: /proc/loadavg: Permission denied\n", 1)}
+    assert node_load(facts_from("lin", profile_sections(sections, worker=worker_answer()))) == (None, None)
+
+
+def test_node_load_linux_malformed_is_a_named_problem() -> None:
+    facts = facts_from("lin", profile_sections(linux_sections(), worker=worker_answer(),
+                                               replace={"loadavg": "0.27 0.08\n"}))
+    load, problem = node_load(facts)
+    assert load is None and problem is not None and problem.startswith("loadavg: /proc/loadavg")
+
+
+def test_node_load_mac_from_a_recorded_vm_loadavg() -> None:
+    # The probe's sysctl (hw ...) plus the recorded `vm.loadavg` line of a Mac that reports it.
+    vm = next(line for line in capture("sysctl/vm-loadavg-swapusage-mac-load.txt").splitlines(keepends=True)
+              if line.startswith("vm.loadavg"))
+    facts = facts_from("mac", full_sections(MBP, replace={"sysctl": load_profile(MBP)["sysctl"].text + vm}))
+    assert node_load(facts) == ((4.38, 8.08, 15.92), None)
+
+
+def test_node_load_mac_without_vm_loadavg_is_unknown() -> None:
+    assert node_load(facts_from("mac", full_sections(MBP))) == (None, None)
+
+
+def test_node_load_mac_malformed_is_a_named_problem() -> None:
+    sysctl = load_profile(MBP)["sysctl"].text + "vm.loadavg: soon\n"
+    load, problem = node_load(facts_from("mac", full_sections(MBP, replace={"sysctl": sysctl})))
+    assert load is None and problem == "loadavg: vm.loadavg: expected '{ L1 L5 L15 }', got 'vm.loadavg: soon'"
