@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from coordinator.facts import macos
 from coordinator.facts.build import build_node_facts, node_load, parse_env, parse_worker
-from coordinator.facts.model import DirHashes, FactError, FileHash, Rdma, RdmaDevice, Reach
+from coordinator.facts.model import DirHashes, FactError, FactErrorKind, FileHash, ParseError, Rdma, RdmaDevice, Reach
 from coordinator.probe import Section
 from tests.factsutil import (
     ALL_PROFILES,
@@ -212,6 +213,7 @@ def test_garbage_never_crashes_and_is_kept_as_evidence(section: str, garbage: st
     assert facts.raw[section] == garbage
     for err in facts.errors:
         assert err.raw == garbage and err.source == section
+        assert err.kind == FactErrorKind.NODE, err  # odd output is the node's, never reported as our bug
         json.dumps(err.to_json())
     if (section, garbage) == ("rdma_ctl", "garbage\n"):
         assert facts.rdma == Rdma("unknown", facts.rdma.devices if facts.rdma else ())  # one word: a state
@@ -224,6 +226,33 @@ def test_garbage_system_profiler() -> None:
     assert (facts.hardware, facts.thunderbolt) == (None, None)
     (err,) = facts.errors
     assert err.source == "system_profiler" and err.message.startswith("unparseable output") and err.raw == "garbage\n"
+
+
+@pytest.mark.parametrize("bug", [KeyError("SPPowerDataType"), TypeError("'NoneType' object is not subscriptable"),
+                                 IndexError("list index out of range"), ZeroDivisionError("division by zero")],
+                         ids=lambda e: type(e).__name__)
+def test_a_parser_bug_is_our_error_not_the_nodes(monkeypatch: pytest.MonkeyPatch, bug: Exception) -> None:
+    def broken(text: str) -> object:
+        raise bug
+
+    monkeypatch.setattr(macos, "parse_pmset", broken)
+    sections = full_sections(MBP)
+    facts = facts_from("n1", sections)
+    (err,) = facts.errors
+    assert err.kind == FactErrorKind.PARSER_BUG and err.source == "pmset" and err.raw == sections["pmset"].text
+    assert err.message == f"parser bug: {type(bug).__name__}: {bug}" and "unparseable" not in err.message
+    assert err.to_json()["kind"] == "parser_bug"
+    assert facts.power is None and facts.hardware is not None  # the broken parser costs its fact only
+
+
+def test_odd_output_is_the_nodes_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuses(text: str) -> object:
+        raise ParseError("pmset: expected 'sleep N'")
+
+    monkeypatch.setattr(macos, "parse_pmset", refuses)
+    (err,) = facts_from("n1", full_sections(MBP)).errors
+    assert err.kind == FactErrorKind.NODE and err.message == "unparseable output: pmset: expected 'sleep N'"
+    assert err.to_json()["kind"] == "node"
 
 
 def test_raw_evidence_is_clipped() -> None:
@@ -277,6 +306,11 @@ WORKER_GARBAGE = [
     pytest.param(json.dumps({"hashes": [{"path": "/m"}]}), 0, "unparseable output", id="hash-without-exists"),
     pytest.param(json.dumps({"reach": [{"peer": "b"}]}), 0, "unparseable output", id="reach-without-ip"),
     pytest.param(json.dumps({"hashes": None}), 0, "unparseable output", id="hashes-null"),
+    pytest.param(json.dumps({"errors": 3}), 0, "unparseable output", id="errors-not-a-list"),
+    pytest.param(json.dumps({"hashes": [{"path": "/m", "exists": True, "files": [{"path": "a", "size": None,
+                                                                                  "sha256": "0"}]}]}),
+                 0, "unparseable output", id="size-null"),
+    pytest.param(json.dumps({"reach": [3]}), 0, "unparseable output", id="reach-not-objects"),
 ]
 
 
@@ -285,6 +319,7 @@ def test_worker_garbage_is_a_fact_error(text: str, rc: int, message: str) -> Non
     facts = facts_from("n1", profile_sections(MBP, worker=text, worker_rc=rc))
     (err,) = facts.errors
     assert err.source == "worker" and message in err.message and err.raw == text
+    assert err.kind == FactErrorKind.NODE
     assert facts.software is None
 
 
