@@ -356,11 +356,11 @@ def stages(inv_path: Path, pb_path: Path, known: Path, prof: Path, worker_json: 
     from coordinator.facts.build import build_node_facts
     from coordinator.gather import probe_peers, worker_args
     from coordinator.inventory import load_inventory
+    from coordinator.models import ConnectInfo
     from coordinator.playbook import load_playbook
     from coordinator.preflight import FleetFacts, evaluate
     from coordinator.probe import build_probe, parse_probe_output, worker_source
     from coordinator.render import dumps
-    from coordinator.transport import ConnectInfo
     from tests.sshserver import ProfileResponder
 
     rows: list[tuple[str, float, str]] = []

@@ -23,8 +23,7 @@ import structlog
 from coordinator.assets import provision
 from coordinator.calibrate import BenchSpec, calibrate, calibration_to_json, fingerprint_from_facts
 from coordinator.chaos import Chaos
-from coordinator.checks import evaluate_preflight
-from coordinator.checks.context import CheckContext, manifest_digest, node_manifest
+from coordinator.checks.context import manifest_digest, node_manifest
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import gather_facts
@@ -41,13 +40,12 @@ from coordinator.launch import (
     summarize,
     write_summary,
 )
-from coordinator.lint import lint_playbook
 from coordinator.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
-from coordinator.preflight import load_manifest, model_config
+from coordinator.preflight import evaluate, probe_connected
 from coordinator.quarantine import (
     Entry,
     LeftOut,
@@ -139,13 +137,10 @@ class FleetState:
 
 
 async def probe_and_check(fleet: Fleet, inv: Inventory, pb: Playbook) -> FleetState:
-    gathered = await gather_facts(fleet, pb)
-    facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
-    probe_errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
-    ctx = CheckContext.build(inv.nodes, dict(fleet.failed) | {n: i for n, i in fleet.connected.items()}, facts, pb,
-                             load_manifest(pb), probe_errors)
-    report = evaluate_preflight(ctx, tuple(lint_playbook(pb, model_config(facts))))
-    return FleetState(facts, report)
+    """Probe the connected fleet and evaluate preflight: the pipeline of `coordinator preflight` (one
+    `preflight.evaluate`), so a launch refuses exactly what the verb reports."""
+    fleet_facts = await probe_connected(fleet, pb)
+    return FleetState(fleet_facts.facts, evaluate(inv, pb, fleet_facts))
 
 
 def model_digest(facts: Mapping[str, NodeFacts], dirs: tuple[str, ...] = ("model",)) -> str:

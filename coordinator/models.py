@@ -166,3 +166,31 @@ class PreflightReport:
             "nodes": [{"name": name, "checks": [c.to_json() for c in checks]} for name, checks in self.nodes],
             "lint": [lint.to_json() for lint in self.lint],
         }
+
+
+# --- what the transport answers (records only: the I/O that makes them is coordinator.transport) ------------
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    """What one command did on one node. `exit_status` is None when the process was killed by a signal."""
+
+    node: str
+    argv: tuple[str, ...]
+    exit_status: int | None
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+
+@dataclass(frozen=True)
+class ConnectInfo:
+    node: str
+    connect_s: float  # TCP + handshake + auth
+    rtt_ms: float  # one exec round trip over the established connection
+    host_key: str | None  # "ssh-ed25519 SHA256:..." fingerprint; None for local
+    host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it

@@ -1,4 +1,10 @@
-"""`coordinator preflight` and `coordinator facts`: connect, probe, evaluate. The CLI verbs land here."""
+"""`coordinator preflight` and `coordinator facts`: connect, probe, evaluate. The CLI verbs land here.
+
+The one preflight pipeline: probe (`collect` opens the fleet and probes each node as it connects; `probe_connected`
+probes a fleet already open, as launch does after provisioning assets), then `fleet_facts` sorts the answers and
+`evaluate` turns them into the report. `coordinator preflight` and `coordinator launch` (job.probe_and_check) both
+end in `evaluate`, so the launch refuses exactly what the verb reports.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +19,12 @@ from coordinator.checks import evaluate_preflight
 from coordinator.checks.context import CheckContext
 from coordinator.errors import ConfigError, TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober
+from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober, gather_facts
 from coordinator.hostfile import has_cuda
 from coordinator.lint import lint_playbook
-from coordinator.models import Inventory, PreflightReport
+from coordinator.models import ConnectInfo, Inventory, PreflightReport
 from coordinator.playbook import Playbook
-from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, ConnectInfo, Fleet
+from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 _MANIFEST_LINE = re.compile(r"^(?P<sha>[0-9a-fA-F]{64}) [ *](?P<path>.+)$")
 
@@ -58,6 +64,14 @@ class FleetFacts:
     probe_errors: dict[str, TransportError]
 
 
+def fleet_facts(connect: Mapping[str, ConnectInfo | TransportError],
+                gathered: Mapping[str, NodeFacts | TransportError]) -> FleetFacts:
+    """Sort the probe's per-node answers: facts, or the error of a node that connected but whose probe failed."""
+    facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+    errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
+    return FleetFacts(connect=dict(connect), facts=facts, probe_errors=errors)
+
+
 async def collect(
     inventory: Inventory,
     playbook: Playbook | None,
@@ -75,9 +89,14 @@ async def collect(
         # Each node is probed as soon as it is connected (not after the slowest handshake of the fleet).
         connect, gathered = await fleet.connect_and_map(
             fact_prober(fleet.nodes, playbook, timeout=probe_timeout, progress=progress))
-    facts = {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
-    errors = {n: f for n, f in gathered.items() if isinstance(f, TransportError)}
-    return FleetFacts(connect=connect, facts=facts, probe_errors=errors)
+    return fleet_facts(connect, gathered)
+
+
+async def probe_connected(fleet: Fleet, playbook: Playbook | None, *,
+                          probe_timeout: float = DEFAULT_PROBE_TIMEOUT) -> FleetFacts:
+    """Probe every connected node of an open `fleet` (its failed connections are reported as such)."""
+    gathered = await gather_facts(fleet, playbook, timeout=probe_timeout)
+    return fleet_facts(dict(fleet.failed) | dict(fleet.connected), gathered)
 
 
 def model_config(facts: Mapping[str, NodeFacts]) -> dict[str, Any] | None:
@@ -89,10 +108,11 @@ def model_config(facts: Mapping[str, NodeFacts]) -> dict[str, Any] | None:
     return next(c for c in configs if repr(sorted(c.items())) == keyed)
 
 
-def evaluate(inventory: Inventory, playbook: Playbook | None, fleet_facts: FleetFacts) -> PreflightReport:
+def evaluate(inventory: Inventory, playbook: Playbook | None, fleet: FleetFacts) -> PreflightReport:
+    """The preflight report (the checks of every node, the playbook's lint) from the fleet's facts. Reads the
+    playbook's manifest file when it names one (ConfigError when unreadable)."""
     manifest = load_manifest(playbook) if playbook is not None else None
-    ctx = CheckContext.build(inventory.nodes, fleet_facts.connect, fleet_facts.facts, playbook, manifest,
-                             fleet_facts.probe_errors)
-    cuda = {n: has_cuda(f) for n, f in fleet_facts.facts.items()}
-    lint = tuple(lint_playbook(playbook, model_config(fleet_facts.facts), cuda)) if playbook is not None else ()
+    ctx = CheckContext.build(inventory.nodes, fleet.connect, fleet.facts, playbook, manifest, fleet.probe_errors)
+    cuda = {n: has_cuda(f) for n, f in fleet.facts.items()}
+    lint = tuple(lint_playbook(playbook, model_config(fleet.facts), cuda)) if playbook is not None else ()
     return evaluate_preflight(ctx, lint)

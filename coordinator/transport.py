@@ -25,7 +25,12 @@ from typing import Any, Protocol, TypeVar
 import asyncssh
 
 from coordinator.errors import HostKeyError, TransportError
+
+# The result records live in the pure `models` (the checks layer reads them without importing asyncssh); named
+# here too (`as`: an explicit re-export) for callers that import them from the transport.
+from coordinator.models import ConnectInfo as ConnectInfo
 from coordinator.models import Connection, Node
+from coordinator.models import RemoteResult as RemoteResult
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_COMMAND_TIMEOUT = 60.0
@@ -33,31 +38,6 @@ CHUNK = 1 << 16  # bytes per read of a command's output
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
                      "aes128-ctr", "aes192-ctr", "aes256-ctr")
 DEFAULT_CONCURRENCY = 64
-
-
-@dataclass(frozen=True)
-class RemoteResult:
-    """What one command did on one node. `exit_status` is None when the process was killed by a signal."""
-
-    node: str
-    argv: tuple[str, ...]
-    exit_status: int | None
-    stdout: str
-    stderr: str
-    elapsed_s: float
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_status == 0
-
-
-@dataclass(frozen=True)
-class ConnectInfo:
-    node: str
-    connect_s: float  # TCP + handshake + auth
-    rtt_ms: float  # one exec round trip over the established connection
-    host_key: str | None  # "ssh-ed25519 SHA256:..." fingerprint; None for local
-    host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it
 
 
 @dataclass(frozen=True)

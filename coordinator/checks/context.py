@@ -10,11 +10,10 @@ from functools import cached_property
 from typing import TypeVar
 
 from coordinator.errors import TransportError
-from coordinator.facts.model import FactError, NodeFacts
-from coordinator.models import CheckResult, Node, Status
+from coordinator.facts.model import FactError, FactErrorKind, NodeFacts
+from coordinator.models import CheckResult, ConnectInfo, Node, Status
 from coordinator.playbook import Playbook
 from coordinator.topology import Link, compute_links, reach_peers
-from coordinator.transport import ConnectInfo
 
 K = TypeVar("K", bound=Hashable)
 
@@ -154,6 +153,16 @@ def majority(values: Mapping[str, K]) -> tuple[K | None, list[str]]:
 def fact_error_result(
     check_id: str, node: str, errors: list[FactError], what: str, remedy: str = ""
 ) -> CheckResult:
+    """An `error` verdict from the facts that could not be read. A parser bug is named as the coordinator's,
+    first, so nobody goes looking for a fault on the node."""
+    bugs = [e for e in errors if e.kind == FactErrorKind.PARSER_BUG]
+    if bugs:
+        return CheckResult(
+            id=check_id, node=node, status=Status.ERROR,
+            summary=f"could not read {what}: a bug in the coordinator's {bugs[0].source} parser ({bugs[0].message})",
+            remedy="not a fault of the node: open an issue with the outputs of `coordinator facts --record DIR`",
+            evidence={"errors": [e.to_json() for e in errors]},
+        )
     return CheckResult(
         id=check_id,
         node=node,

@@ -1,7 +1,8 @@
 """Turn a node's raw probe sections into typed `NodeFacts`. Pure.
 
 Every parser failure, missing command or non-zero exit becomes a `FactError` carrying the raw text; the
-section's facts are then `None` so the checks report `error` with that evidence instead of guessing.
+section's facts are then `None` so the checks report `error` with that evidence instead of guessing. Odd node
+output is a `ParseError`; an exception of any other kind in a parser is recorded as `parser_bug` (our fault).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from coordinator.facts.model import (
     DataFile,
     DirHashes,
     FactError,
+    FactErrorKind,
     FileHash,
     Gpu,
     Memory,
@@ -68,11 +70,18 @@ class _Builder:
         return self.guard(name, text, lambda: fn(text))
 
     def guard(self, name: str, raw: str, fn: Callable[[], T]) -> T | None:
+        """`fn()`, or None with the failure recorded. A parser says "not what the command prints" by raising
+        ParseError (or the ValueError of int()/float()/json on the node's text): the node's odd output. Any other
+        exception (KeyError, TypeError, ...) is a bug in our parser, recorded as such with its type, never
+        blamed on the node; and caught, so one broken parser costs its fact, not the node's other facts."""
         try:
             return fn()
-        except (ParseError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        except ValueError as exc:  # ParseError is a ValueError
             self.errors.append(FactError(name, f"unparseable output: {exc}", raw))
-            return None
+        except Exception as exc:  # noqa: BLE001 - the point: every other exception is our bug, kept as evidence
+            self.errors.append(FactError(name, f"parser bug: {type(exc).__name__}: {exc}", raw,
+                                         FactErrorKind.PARSER_BUG))
+        return None
 
 
 def build_node_facts(node: str, sections: Mapping[str, Section], *, workdir: str = "") -> NodeFacts:
@@ -92,6 +101,22 @@ def build_node_facts(node: str, sections: Mapping[str, Section], *, workdir: str
     fields.update(_worker(b))
     return NodeFacts(node=node, errors=tuple(b.errors), raw={k: s.text for k, s in sections.items()},
                      raw_rc={k: s.rc for k, s in sections.items()}, **fields)
+
+
+def node_load(facts: NodeFacts) -> tuple[tuple[float, float, float] | None, str | None]:
+    """(load averages, parse problem) from the node's raw sections (`status`/`monitor` show them). Linux:
+    /proc/loadavg (section `loadavg`); macOS: `vm.loadavg` in the sysctl section when the probe asked for it.
+    Absent -> (None, None): unknown, not an error. Malformed -> (None, "loadavg: <why>"), never an exception."""
+    try:
+        if facts.os is not None and facts.os.is_macos:
+            text = facts.raw.get("sysctl")
+            return (macos.parse_vm_loadavg(text) if text else None), None
+        text = facts.raw.get("loadavg")
+        if text is None or facts.raw_rc.get("loadavg", 0) != 0:
+            return None, None
+        return linux.parse_loadavg(text), None
+    except ParseError as exc:
+        return None, f"loadavg: {exc}"
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -244,6 +269,38 @@ def _mapping(value: Any, what: str) -> Mapping[str, Any]:
     return value
 
 
+def _objects(value: Any, what: str, *, required: bool = False) -> list[Mapping[str, Any]]:
+    """A JSON list of objects from the worker (None: empty, unless `required`). ParseError otherwise: the node's
+    answer is odd, not our parser."""
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+        raise ParseError(f"{what} must be a list of objects, got {value!r}"[:300])
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ParseError(f"{what} must be a list, got {value!r}"[:300])
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    """int() of a worker JSON value; a value of the wrong type is the node's odd answer (ParseError), not the
+    TypeError of a parser bug."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ParseError(f"{what} must be an integer, got {value!r}"[:300])
+    return int(value)
+
+
+def _key(obj: Mapping[str, Any], key: str, what: str) -> Any:
+    if key not in obj:
+        raise ParseError(f"{what} has no {key!r}")
+    return obj[key]
+
+
 def _backends(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
@@ -263,26 +320,29 @@ def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
             python_version=_str_or_none(py.get("version"), "python.version"),
             mlx_version=_str_or_none(pkgs.get("mlx"), "packages.mlx"),
             mlx_lm_version=_str_or_none(pkgs.get("mlx_lm"), "packages.mlx_lm"),
-            errors=tuple(str(e) for e in data.get("errors") or ()),
+            errors=tuple(str(e) for e in _list(data.get("errors"), "errors")),
             mlx_backends=_backends(data.get("mlx_backends")),
         )
     }
     if "hashes" in data:
         out["hashes"] = tuple(
             DirHashes(
-                path=str(h["path"]),
-                exists=bool(h["exists"]),
-                files=tuple(FileHash(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in h.get("files") or ()),
-                error=h.get("error"),
-                cached_files=int(h.get("cached_files") or 0),
-                hashed_bytes=int(h.get("hashed_bytes") or 0),
+                path=str(_key(h, "path", "hashes[]")),
+                exists=bool(_key(h, "exists", "hashes[]")),
+                files=tuple(FileHash(str(_key(f, "path", "hashes[].files[]")), _int(_key(f, "size", "hashes[].files[]"), "size"),
+                                     str(_key(f, "sha256", "hashes[].files[]")))
+                            for f in _objects(h.get("files"), "hashes[].files")),
+                error=_str_or_none(h.get("error"), "hashes[].error"),
+                cached_files=_int(h.get("cached_files") or 0, "cached_files"),
+                hashed_bytes=_int(h.get("hashed_bytes") or 0, "hashed_bytes"),
             )
-            for h in data["hashes"]
+            for h in _objects(data["hashes"], "hashes", required=True)
         )
     if "reach" in data:
         out["reach"] = tuple(
-            Reach(peer=str(r["peer"]), ip=str(r["ip"]), ok=bool(r["ok"]), rtt_ms=r.get("rtt_ms"), error=r.get("error"))
-            for r in data["reach"]
+            Reach(peer=str(_key(r, "peer", "reach[]")), ip=str(_key(r, "ip", "reach[]")),
+                  ok=bool(_key(r, "ok", "reach[]")), rtt_ms=r.get("rtt_ms"), error=r.get("error"))
+            for r in _objects(data["reach"], "reach", required=True)
         )
     model = _mapping(data.get("model"), "model")
     if isinstance(model.get("config"), dict):
@@ -297,17 +357,16 @@ def parse_worker(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def parse_data_check(data: Mapping[str, Any]) -> DataCheck:
     """The worker's `data` section (worker/probe.py `check_data`)."""
-    files = data.get("files") or []
-    if not isinstance(files, list):
-        raise ParseError(f"data.files must be a list, got {files!r}")
+    files = _objects(data.get("files"), "data.files")
     return DataCheck(
         dir=_str_or_none(data.get("dir"), "data.dir"),
         files=tuple(
-            DataFile(name=str(f["name"]), required=bool(f.get("required", True)), exists=bool(f["exists"]),
-                     rows=int(f.get("rows") or 0), bytes=int(f.get("bytes") or 0),
-                     checked_bytes=int(f.get("checked_bytes") or 0),
+            DataFile(name=str(_key(f, "name", "data.files[]")), required=bool(f.get("required", True)),
+                     exists=bool(_key(f, "exists", "data.files[]")),
+                     rows=_int(f.get("rows") or 0, "rows"), bytes=_int(f.get("bytes") or 0, "bytes"),
+                     checked_bytes=_int(f.get("checked_bytes") or 0, "checked_bytes"),
                      format=_str_or_none(f.get("format"), "data.files.format"),
                      error=_str_or_none(f.get("error"), "data.files.error"))
-            for f in (_mapping(f, "data.files[]") for f in files)),
+            for f in files),
         error=_str_or_none(data.get("error"), "data.error"),
     )

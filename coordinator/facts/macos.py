@@ -110,6 +110,21 @@ def parse_sysctl(text: str) -> dict[str, str]:
     return values
 
 
+_VM_LOADAVG = re.compile(r"^vm\.loadavg:\s*\{\s*([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s*\}\s*$", re.MULTILINE)
+
+
+def parse_vm_loadavg(sysctl_text: str) -> tuple[float, float, float] | None:
+    """macOS `sysctl vm.loadavg` (`vm.loadavg: { 1.52 1.61 1.70 }`) inside a sysctl dump -> the three load
+    averages; None when the key is absent. Raises `ParseError` when the key is there but malformed."""
+    if not any(line.startswith("vm.loadavg") for line in sysctl_text.splitlines()):
+        return None
+    match = _VM_LOADAVG.search(sysctl_text)
+    if match is None:
+        line = next(ln for ln in sysctl_text.splitlines() if ln.startswith("vm.loadavg"))
+        raise ParseError(f"vm.loadavg: expected '{{ L1 L5 L15 }}', got {line[:120]!r}")
+    return float(match[1]), float(match[2]), float(match[3])
+
+
 def _sysctl_int(sysctl: Mapping[str, str], name: str) -> int | None:
     raw = sysctl.get(name)
     if raw is None:

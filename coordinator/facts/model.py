@@ -8,6 +8,7 @@ silently defaulted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 RAW_EVIDENCE_LIMIT = 2000
@@ -25,14 +26,22 @@ class ParseError(ValueError):
     """
 
 
+class FactErrorKind(StrEnum):
+    """Whose fault a FactError is: the node's answer, or our parser."""
+
+    NODE = "node"  # the command is missing, failed, or printed something it should not (the node's odd output)
+    PARSER_BUG = "parser_bug"  # a parser raised something other than ParseError/ValueError: a coordinator bug
+
+
 @dataclass(frozen=True)
 class FactError:
     source: str  # the probe section (command) the error comes from, e.g. "sw_vers"
     message: str
     raw: str = ""
+    kind: FactErrorKind = FactErrorKind.NODE
 
     def to_json(self) -> dict[str, str]:
-        return {"source": self.source, "message": self.message, "raw": clip(self.raw)}
+        return {"source": self.source, "kind": str(self.kind), "message": self.message, "raw": clip(self.raw)}
 
 
 @dataclass(frozen=True)

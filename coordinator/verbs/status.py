@@ -2,7 +2,8 @@
 the run it takes part in (rank, step, tok/s, last heartbeat) and quarantine.
 
 Pure core: `build_node_status` (facts + run state + quarantine -> a row), `RunEvents`/`build_run_status`
-(events.jsonl lines + meta.json + summary.json -> a run), `parse_vm_loadavg`. Thin I/O shell: `RunWatcher`
+(events.jsonl lines + meta.json + summary.json -> a run); the load averages are parsed in the facts layer
+(`coordinator.facts.build.node_load`: no node output is parsed here). Thin I/O shell: `RunWatcher`
 (reads run dirs, incrementally), `probe_fleet` (SSH) and the click command. `coordinator monitor` reuses all of
 it. An unreachable node is a row with its error, never an exception; only an invalid inventory exits non-zero.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,8 +26,9 @@ from rich.table import Table
 
 from coordinator.cli import run_async
 from coordinator.errors import ConfigError, TransportError
-from coordinator.facts.linux import parse_loadavg
-from coordinator.facts.model import NodeFacts, ParseError
+from coordinator.facts.build import node_load
+from coordinator.facts.macos import parse_vm_loadavg
+from coordinator.facts.model import NodeFacts
 from coordinator.gather import gather_facts
 from coordinator.inventory import load_inventory
 from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, RunStatus
@@ -44,36 +45,6 @@ PRESSURE_NAMES = {1: "normal", 2: "warn", 4: "critical"}
 
 
 # --- pure: facts -> row ----------------------------------------------------------------------------------------
-
-_VM_LOADAVG = re.compile(r"^vm\.loadavg:\s*\{\s*([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s*\}\s*$", re.MULTILINE)
-
-
-def parse_vm_loadavg(sysctl_text: str) -> tuple[float, float, float] | None:
-    """macOS `sysctl vm.loadavg` (`vm.loadavg: { 1.52 1.61 1.70 }`) inside a sysctl dump -> the three load
-    averages; None when the key is absent. Raises `ParseError` when the key is there but malformed."""
-    if not any(line.startswith("vm.loadavg") for line in sysctl_text.splitlines()):
-        return None
-    match = _VM_LOADAVG.search(sysctl_text)
-    if match is None:
-        line = next(ln for ln in sysctl_text.splitlines() if ln.startswith("vm.loadavg"))
-        raise ParseError(f"vm.loadavg: expected '{{ L1 L5 L15 }}', got {line[:120]!r}")
-    return float(match[1]), float(match[2]), float(match[3])
-
-
-def node_load(facts: NodeFacts) -> tuple[tuple[float, float, float] | None, str | None]:
-    """(load averages, parse problem). Linux: /proc/loadavg (section `loadavg`); macOS: `vm.loadavg` in the
-    sysctl section when the probe asked for it. Absent -> (None, None): unknown, not an error."""
-    try:
-        if facts.os is not None and facts.os.is_macos:
-            text = facts.raw.get("sysctl")
-            return (parse_vm_loadavg(text) if text else None), None
-        text = facts.raw.get("loadavg")
-        if text is None or facts.raw_rc.get("loadavg", 0) != 0:
-            return None, None
-        return parse_loadavg(text), None
-    except ParseError as exc:
-        return None, f"loadavg: {exc}"
-
 
 def describe_os(facts: NodeFacts) -> str | None:
     os_ = facts.os
@@ -534,6 +505,7 @@ def register(main: click.Group) -> None:
     main.command("status")(handle_errors(status))
 
 
+# node_load / parse_vm_loadavg live in the facts layer; named here too for callers that import them from status.
 __all__ = ["RunEvents", "RunWatcher", "StatusReport", "build_node_status", "build_report", "build_rows",
            "build_run_status", "collect_status", "node_load", "node_run", "parse_vm_loadavg", "probe_fleet",
            "read_new_lines", "register", "render_run_table", "render_status_table"]

@@ -24,11 +24,11 @@ import pytest
 from coordinator.checks import evaluate_node, evaluate_preflight
 from coordinator.checks.context import CheckContext, majority
 from coordinator.errors import HostKeyError, TransportError
+from coordinator.facts import macos
 from coordinator.lint import lint_playbook
-from coordinator.models import CHECK_IDS, CheckResult, Connection, LintResult, Node, PreflightReport, Status
+from coordinator.models import CHECK_IDS, CheckResult, ConnectInfo, Connection, LintResult, Node, PreflightReport, Status
 from coordinator.playbook import Playbook, parse_playbook
 from coordinator.probe import Section
-from coordinator.transport import ConnectInfo
 from tests.factsutil import (
     DATA_DIR,
     DATA_FILES,
@@ -1008,8 +1008,24 @@ def test_garbage_system_profiler_is_an_error_not_a_crash() -> None:
     assert r.remedy
     (err,) = r.evidence["errors"]
     assert err["source"] == "system_profiler" and err["raw"] == "garbage\n" and "unparseable" in err["message"]
+    assert err["kind"] == "node"
     # the other facts of the node still count: memory comes from sysctl
     assert results[("mbp", "resources")].status is P
+    assert results[("mbp", "os")].status is P
+
+
+def test_a_parser_bug_is_the_coordinators_error_not_the_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(sp: Any) -> Any:
+        raise KeyError("_items")
+
+    monkeypatch.setattr(macos, "parse_thunderbolt", broken)
+    _, results = preflight((MBP_M, STUDIO_M), playbook())
+    r = results[("mbp", "thunderbolt")]
+    assert r.status is E and "a bug in the coordinator's system_profiler parser" in r.summary
+    assert "KeyError" in r.summary and "not a fault of the node" in r.remedy
+    (err,) = r.evidence["errors"]
+    assert err["kind"] == "parser_bug" and err["source"] == "system_profiler"
+    assert "unparseable" not in err["message"]
     assert results[("mbp", "os")].status is P
 
 

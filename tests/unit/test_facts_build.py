@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.facts.build import build_node_facts, parse_env, parse_worker
-from coordinator.facts.model import DirHashes, FactError, FileHash, Rdma, RdmaDevice, Reach
+from coordinator.facts import macos
+from coordinator.facts.build import build_node_facts, node_load, parse_env, parse_worker
+from coordinator.facts.model import DirHashes, FactError, FactErrorKind, FileHash, ParseError, Rdma, RdmaDevice, Reach
 from coordinator.probe import Section
 from tests.factsutil import (
     ALL_PROFILES,
@@ -212,6 +213,7 @@ def test_garbage_never_crashes_and_is_kept_as_evidence(section: str, garbage: st
     assert facts.raw[section] == garbage
     for err in facts.errors:
         assert err.raw == garbage and err.source == section
+        assert err.kind == FactErrorKind.NODE, err  # odd output is the node's, never reported as our bug
         json.dumps(err.to_json())
     if (section, garbage) == ("rdma_ctl", "garbage\n"):
         assert facts.rdma == Rdma("unknown", facts.rdma.devices if facts.rdma else ())  # one word: a state
@@ -224,6 +226,33 @@ def test_garbage_system_profiler() -> None:
     assert (facts.hardware, facts.thunderbolt) == (None, None)
     (err,) = facts.errors
     assert err.source == "system_profiler" and err.message.startswith("unparseable output") and err.raw == "garbage\n"
+
+
+@pytest.mark.parametrize("bug", [KeyError("SPPowerDataType"), TypeError("'NoneType' object is not subscriptable"),
+                                 IndexError("list index out of range"), ZeroDivisionError("division by zero")],
+                         ids=lambda e: type(e).__name__)
+def test_a_parser_bug_is_our_error_not_the_nodes(monkeypatch: pytest.MonkeyPatch, bug: Exception) -> None:
+    def broken(text: str) -> object:
+        raise bug
+
+    monkeypatch.setattr(macos, "parse_pmset", broken)
+    sections = full_sections(MBP)
+    facts = facts_from("n1", sections)
+    (err,) = facts.errors
+    assert err.kind == FactErrorKind.PARSER_BUG and err.source == "pmset" and err.raw == sections["pmset"].text
+    assert err.message == f"parser bug: {type(bug).__name__}: {bug}" and "unparseable" not in err.message
+    assert err.to_json()["kind"] == "parser_bug"
+    assert facts.power is None and facts.hardware is not None  # the broken parser costs its fact only
+
+
+def test_odd_output_is_the_nodes_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuses(text: str) -> object:
+        raise ParseError("pmset: expected 'sleep N'")
+
+    monkeypatch.setattr(macos, "parse_pmset", refuses)
+    (err,) = facts_from("n1", full_sections(MBP)).errors
+    assert err.kind == FactErrorKind.NODE and err.message == "unparseable output: pmset: expected 'sleep N'"
+    assert err.to_json()["kind"] == "node"
 
 
 def test_raw_evidence_is_clipped() -> None:
@@ -277,6 +306,11 @@ WORKER_GARBAGE = [
     pytest.param(json.dumps({"hashes": [{"path": "/m"}]}), 0, "unparseable output", id="hash-without-exists"),
     pytest.param(json.dumps({"reach": [{"peer": "b"}]}), 0, "unparseable output", id="reach-without-ip"),
     pytest.param(json.dumps({"hashes": None}), 0, "unparseable output", id="hashes-null"),
+    pytest.param(json.dumps({"errors": 3}), 0, "unparseable output", id="errors-not-a-list"),
+    pytest.param(json.dumps({"hashes": [{"path": "/m", "exists": True, "files": [{"path": "a", "size": None,
+                                                                                  "sha256": "0"}]}]}),
+                 0, "unparseable output", id="size-null"),
+    pytest.param(json.dumps({"reach": [3]}), 0, "unparseable output", id="reach-not-objects"),
 ]
 
 
@@ -285,6 +319,7 @@ def test_worker_garbage_is_a_fact_error(text: str, rc: int, message: str) -> Non
     facts = facts_from("n1", profile_sections(MBP, worker=text, worker_rc=rc))
     (err,) = facts.errors
     assert err.source == "worker" and message in err.message and err.raw == text
+    assert err.kind == FactErrorKind.NODE
     assert facts.software is None
 
 
@@ -342,3 +377,41 @@ def test_parse_env_exported_bash_functions_do_not_corrupt_the_previous_value() -
     env = parse_env(text)
     assert env["MLX_METAL_FAST_SYNCH"] == "1"
     assert env["Z"] == "1"
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+def test_node_load_linux_from_the_recorded_proc_loadavg() -> None:
+    facts = facts_from("lin", profile_sections(linux_sections(), worker=worker_answer()))
+    assert node_load(facts) == ((0.27, 0.08, 0.03), None)
+
+
+def test_node_load_linux_failed_read_is_unknown_not_a_problem() -> None:
+    sections = linux_sections() | {"loadavg": Section("loadavg", "cat: /proc/loadavg: Permission denied\n", 1)}
+    assert node_load(facts_from("lin", profile_sections(sections, worker=worker_answer()))) == (None, None)
+
+
+def test_node_load_linux_malformed_is_a_named_problem() -> None:
+    facts = facts_from("lin", profile_sections(linux_sections(), worker=worker_answer(),
+                                               replace={"loadavg": "0.27 0.08\n"}))
+    load, problem = node_load(facts)
+    assert load is None and problem is not None and problem.startswith("loadavg: /proc/loadavg")
+
+
+def test_node_load_mac_from_a_recorded_vm_loadavg() -> None:
+    # The probe's sysctl (hw ...) plus the recorded `vm.loadavg` line of a Mac that reports it.
+    vm = next(line for line in capture("sysctl/vm-loadavg-swapusage-mac-load.txt").splitlines(keepends=True)
+              if line.startswith("vm.loadavg"))
+    facts = facts_from("mac", full_sections(MBP, replace={"sysctl": load_profile(MBP)["sysctl"].text + vm}))
+    assert node_load(facts) == ((4.38, 8.08, 15.92), None)
+
+
+def test_node_load_mac_without_vm_loadavg_is_unknown() -> None:
+    assert node_load(facts_from("mac", full_sections(MBP))) == (None, None)
+
+
+def test_node_load_mac_malformed_is_a_named_problem() -> None:
+    sysctl = load_profile(MBP)["sysctl"].text + "vm.loadavg: soon\n"
+    load, problem = node_load(facts_from("mac", full_sections(MBP, replace={"sysctl": sysctl})))
+    assert load is None and problem == "loadavg: vm.loadavg: expected '{ L1 L5 L15 }', got 'vm.loadavg: soon'"

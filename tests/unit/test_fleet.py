@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.errors import TransportError
-from coordinator.models import Node
-from coordinator.transport import ConnectInfo, Fleet, Transport
+from coordinator.models import ConnectInfo, Node
+from coordinator.transport import Fleet, Transport
 
 
 class FakeTransport:

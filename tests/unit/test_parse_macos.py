@@ -185,6 +185,7 @@ CASES: dict[str, tuple[Callable[[str], object], object]] = {
         lambda t: macos.parse_hardware({}, macos.parse_sysctl(t)),
         Hardware("Apple M1", None, None, None, None),
     ),
+    "sysctl/vm-loadavg-swapusage-mac-load.txt": (macos.parse_vm_loadavg, (4.38, 8.08, 15.92)),
     "system_profiler/SPHardwareDataType-m5max-mbp.json": (
         lambda t: macos.parse_hardware(macos.parse_system_profiler(t), {}),
         M5_HW,
@@ -493,6 +494,12 @@ def test_ioreg_model_property_names_the_gpu() -> None:
     assert macos.parse_ioreg_accelerator(text) == Gpu(7.0, 10, "Apple M3 Ultra")
 
 
+@pytest.mark.parametrize("rel", ["sysctl/m5max-mbp-perflevels.txt", "sysctl/m3max-mbp-hw-excerpt.txt",
+                                 "sysctl/macos-11.0-apple-m1-machdep-glpi.txt"])
+def test_vm_loadavg_absent_is_unknown_not_an_error(rel: str) -> None:
+    assert macos.parse_vm_loadavg(cap(rel)) is None
+
+
 def test_sysctl_values_with_colons_and_unknown_oids() -> None:
     text = "sysctl: unknown oid 'kern.memorystatus_vm_pressure_level'\nmachdep.cpu.brand_string: Apple M1: x\n"
     assert macos.parse_sysctl(text) == {"machdep.cpu.brand_string": "Apple M1: x"}
@@ -553,6 +560,9 @@ GARBAGE: list[tuple[str, Callable[[str], object], str]] = [
     ("df", lambda t: macos.parse_df(t, "/"), "df: /nope: No such file or directory\n"),
     ("df-header-only", lambda t: macos.parse_df(t, "/"), "Filesystem 1024-blocks Used Available Capacity Mounted on\n"),
     ("ioreg", macos.parse_ioreg_accelerator, "ioreg: command not found\n"),
+    ("vm_loadavg-no-braces", macos.parse_vm_loadavg, "vm.loadavg: 1 2 3\n"),
+    # A decimal-comma locale (the same fixture's `{ 212,40 90,10 55,00 }`): refused, never read as 212.
+    ("vm_loadavg-decimal-comma", macos.parse_vm_loadavg, "vm.loadavg: { 212,40 90,10 55,00 }\n"),
 ]
 
 

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from coordinator.errors import ConfigError
-from coordinator.facts.model import ParseError
 from coordinator.job import QuietUI
 from coordinator.metrics import (
     MetricsServer,
@@ -37,7 +36,6 @@ from coordinator.verbs.status import (
     build_run_status,
     load_quarantine,
     node_run,
-    parse_vm_loadavg,
     read_new_lines,
     render_run_table,
 )
@@ -88,19 +86,6 @@ def test_mac_load_comes_from_vm_loadavg_when_the_sysctl_has_it() -> None:
     broken = build_node_status(MAC, mac_facts(sysctl=load_profile(MBP)["sysctl"].text + "vm.loadavg: soon\n"),
                                None, None, None)
     assert broken.load is None and any(e.startswith("loadavg:") for e in broken.fact_errors)
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("hw.ncpu: 14\nvm.loadavg: { 1.52 1.61 1.70 }\n", (1.52, 1.61, 1.70)),
-    ("hw.ncpu: 14\n", None),
-])
-def test_parse_vm_loadavg(text: str, expected: tuple[float, float, float] | None) -> None:
-    assert parse_vm_loadavg(text) == expected
-
-
-def test_parse_vm_loadavg_rejects_a_malformed_value() -> None:
-    with pytest.raises(ParseError, match=r"vm\.loadavg"):
-        parse_vm_loadavg("vm.loadavg: 1 2 3\n")
 
 
 def test_linux_row_has_loadavg_and_no_pressure_or_gpu() -> None:
