@@ -67,6 +67,7 @@ class RunFold:
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # a relaunch: ranks started again at `step`
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the writer's, one per step
     first_t: float | None = None
+    iters: int | None = None  # from the ranks' `started` events
     bad_lines: int = 0
     _loss_steps: set[int] = field(default_factory=set)
     _val_steps: set[int] = field(default_factory=set)
@@ -126,6 +127,7 @@ class RunFold:
                 self.recoveries.append(note)
                 delta["recoveries"].append(note)
             self._started.add(rank)
+            self.iters = _int(record.get("iters")) or self.iters
             view.state, view.step, view.started_t = "running", resumed or 0, t
             view.phase = "load"
         elif kind == "step" and step is not None:
@@ -246,6 +248,7 @@ def run_view(fold: RunFold, *, meta: Mapping[str, Any] | None, summary: Mapping[
     """The run page's document: the header, every rank's row and, with `full`, the whole curves and lists (the
     first load and a replay; pushes carry deltas instead)."""
     active = summary is None
+    iters = iters or fold.iters or (_int(summary.get("iters")) if summary is not None else None)
     state = str(summary.get("state", "unknown")) if summary is not None else "running"
     left_out = (summary if summary is not None and "left_out" in summary else meta or {}).get("left_out") or []
     tok = sum(r.tokens_per_s or 0.0 for r in fold.ranks.values() if r.state == "running") if active else (

@@ -68,12 +68,17 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _playbook_train(run_dir: Path) -> tuple[int | None, float]:
-    """(train.iters, heartbeat_timeout) from the run's copy of its playbook."""
-    try:
-        doc = yaml.safe_load((run_dir / "playbook.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return None, DEFAULT_HEARTBEAT_TIMEOUT
+def _playbook_train(run_dir: Path, meta: Mapping[str, Any]) -> tuple[int | None, float]:
+    """(train.iters, heartbeat_timeout) from the run's copy of its playbook, else from the playbook it was
+    launched with (the copy's redacted `env` values can make it unreadable YAML). Defaults when neither reads;
+    the ranks' `started` events carry `iters` too (`RunFold.iters`)."""
+    doc: Any = None
+    for path in (run_dir / "playbook.yaml", Path(str(meta.get("playbook") or run_dir / "playbook.yaml"))):
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+            break
+        except (OSError, yaml.YAMLError):
+            continue
     doc = doc if isinstance(doc, dict) else {}
     train = doc.get("train")
     iters = train.get("iters") if isinstance(train, dict) else None
@@ -152,7 +157,7 @@ def open_run(path: Path) -> TrackedRun | None:
     meta = _read_json(path / "meta.json")
     if meta is None:
         return None
-    iters, timeout = _playbook_train(path)
+    iters, timeout = _playbook_train(path, meta)
     return TrackedRun(path, RunFold.from_meta(str(meta.get("run_id") or path.name), meta), meta, iters, timeout)
 
 
