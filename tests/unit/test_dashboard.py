@@ -219,3 +219,15 @@ def test_a_busy_port_is_a_config_error(tmp_path: Path) -> None:
 
 def test_open_run_needs_meta(tmp_path: Path) -> None:
     assert open_run(tmp_path) is None
+
+
+def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:
+    from coordinator.models import CheckResult, PreflightReport, Status
+    from coordinator.verbs.dashboard import preflight_verdicts
+
+    def node(name: str, *statuses: Status) -> tuple[str, tuple[CheckResult, ...]]:
+        return name, tuple(CheckResult(f"c{i}", name, s, "") for i, s in enumerate(statuses))
+
+    report = PreflightReport(nodes=(node("a", Status.PASS, Status.SKIP), node("b", Status.PASS, Status.WARN),
+                                    node("c", Status.WARN, Status.ERROR), node("d", Status.FAIL)), lint=())
+    assert preflight_verdicts(report) == {"a": "pass", "b": "warn", "c": "fail", "d": "fail"}

@@ -37,17 +37,17 @@ function renderFleet(doc) {
     const pf = n.preflight ? `<span class="${n.preflight === "pass" ? "ok" : n.preflight === "warn" ? "warn" : "bad"}">${esc(n.preflight)}</span>` : "-";
     const q_ = n.quarantine && n.quarantine.quarantined ? `<span class="bad">yes</span> ${esc(n.quarantine.reason)}` : "no";
     if (!n.reachable) {
-      return `<tr data-node="${esc(n.node)}"><td class="bad">${esc(n.node)}</td><td class="bad">unreachable</td><td colspan="8" class="bad">${esc(n.error)}</td><td>${pf}</td><td>${q_}</td><td>${run}</td></tr>`;
+      return `<tr data-node="${esc(n.node)}"><td class="bad">${esc(n.node)}</td><td class="bad">unreachable</td><td colspan="7" class="bad">${esc(n.error)}</td><td>${pf}</td><td>${q_}</td><td>${run}</td></tr>`;
     }
     return `<tr data-node="${esc(n.node)}"><td class="ok">${esc(n.node)}</td><td class="ok">yes</td><td>${esc(n.chip)}</td><td>${esc(n.os)}</td>` +
       `<td>${mem}${pressure}</td><td>${gib(n.disk && n.disk.free_bytes)}</td><td>${load}</td>` +
-      `<td>${n.gpu_utilization_pct == null ? "-" : n.gpu_utilization_pct.toFixed(0) + "%"}</td><td>${esc(n.thermal)}</td>` +
+      `<td>${n.gpu_utilization_pct == null ? "-" : n.gpu_utilization_pct.toFixed(0) + "%"}</td>` +
       `<td>${esc(n.power)}</td><td>${pf}</td><td>${q_}</td><td>${run}</td></tr>`;
   }).join("");
   const probed = doc.probed_at ? `facts ${dur(Date.now() / 1000 - doc.probed_at)} old` : "probing...";
   $("#main").innerHTML = `<h2>fleet <span class="dim">${probed}</span></h2>` +
     `<table id="fleet-table"><tr><th>node</th><th>reachable</th><th>chip</th><th>os</th><th>memory (pressure)</th><th>disk free</th>` +
-    `<th>load/cpus</th><th>GPU</th><th>thermal</th><th>power</th><th>last preflight</th><th>quarantine</th><th>run</th></tr>${rows}</table>` +
+    `<th>load/cpus</th><th>GPU</th><th>power</th><th>last preflight</th><th>quarantine</th><th>run</th></tr>${rows}</table>` +
     (doc.warnings || []).map((w) => `<p class="warn">warning: ${esc(w)}</p>`).join("");
 }
 
