@@ -87,6 +87,14 @@ class Browser:
         raise AssertionError(f"browser: timed out waiting for {what or script} (last: {value!r}); page text: "
                              f"{str(self.js('return document.body.innerText'))[:1500]}")
 
+    def click(self, css: str) -> None:
+        element = self._s("POST", "/element", {"using": "css selector", "value": css})
+        self._s("POST", f"/element/{next(iter(element.values()))}/click", {})
+
+    def accept_alert(self) -> None:
+        """Press OK on the page's confirm() dialog."""
+        self._s("POST", "/alert/accept", {})
+
     def screenshot(self, path: Path) -> None:
         path.write_bytes(base64.b64decode(self._s("GET", "/screenshot")))
 

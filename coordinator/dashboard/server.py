@@ -329,8 +329,9 @@ class DashboardServer:
         await self.close()
 
     def publish_fleet(self) -> None:
-        """The fleet changed (a probe finished): push it."""
-        self.state.publish([sse("fleet", self.state.fleet())])
+        """The fleet changed (a probe finished): push it (built only when someone watches)."""
+        if self.state.subscribers:
+            self.state.publish([sse("fleet", self.state.fleet())])
 
     async def _tick_forever(self) -> None:
         last_keepalive = time.monotonic()

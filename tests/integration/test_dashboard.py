@@ -65,12 +65,8 @@ def wait_url(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: floa
     raise AssertionError(f"no dashboard URL printed\n{tail(log)}")
 
 
-@pytest.fixture(scope="module")
-def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
-    problems = browser_problems()
-    if problems:
-        pytest.fail("; ".join(problems), pytrace=False)
-    tmp = tmp_path_factory.mktemp("dashboard")
+def write_run_files(tmp: Path, iters: int) -> tuple[Path, Path]:
+    """A two-node local inventory and a paced smoke playbook under `tmp`."""
     inv = tmp / "inv.yaml"
     inv.write_text(yaml.safe_dump({"defaults": {"connection": "local"}, "nodes": [
         {"name": "local-a", "workdir": str(tmp / "a")}, {"name": "local-b", "workdir": str(tmp / "b")}]}))
@@ -79,9 +75,19 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         "name": "dash", "kind": "train", "model": str(tmp / "model"), "data": str(tmp / "data"), "backend": "ring",
         "assets": {"data_from": str(REPO / "playbooks" / "data" / "smoke"),
                    "tiny_model": {"layers": 2, "hidden": 32, "seed": 0}},
-        "train": {"method": "lora", "iters": ITERS, "batch_size": 4, "learning_rate": 1e-3, "max_seq_length": 64,
+        "train": {"method": "lora", "iters": iters, "batch_size": 4, "learning_rate": 1e-3, "max_seq_length": 64,
                   "save_every": 40, "steps_per_eval": 10, "val_batches": 1},
         "split": "equal", "heartbeat_timeout": 30}, sort_keys=False))
+    return inv, pb
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
+    problems = browser_problems()
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+    tmp = tmp_path_factory.mktemp("dashboard")
+    inv, pb = write_run_files(tmp, ITERS)
     runs = tmp / "runs"
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "250", "TERM": "dumb", "XDG_CACHE_HOME": str(tmp / "cache"),
            "XDG_STATE_HOME": str(tmp / "state")}
@@ -181,3 +187,44 @@ def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
         assert stop(proc, signal.SIGINT) == 0, tail(err)
     finally:
         stop(proc)
+
+
+def test_the_stop_button_stops_a_run_another_coordinator_launched(tmp_path: Path) -> None:
+    problems = browser_problems()
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+    inv, pb = write_run_files(tmp_path, 5000)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "250", "TERM": "dumb", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "XDG_STATE_HOME": str(tmp_path / "state")}
+    job = cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs), "--chaos", PACE, env=env,
+              out=tmp_path / "launch.json", err=tmp_path / "launch.log")
+    port = free_port()
+    dash = cli("dashboard", "-i", str(inv), "--run-dir", str(runs), "--port", str(port), env=env,
+               out=tmp_path / "dash.out", err=tmp_path / "dash.log")
+    try:
+        url = wait_url(tmp_path / "dash.log", dash, tmp_path / "dash.log")
+        base = f"http://127.0.0.1:{port}"
+        run_id = ""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not run_id:
+            assert job.poll() is None, tail(tmp_path / "launch.log")
+            _, doc = fetch(f"{base}/api/runs")
+            run_id = next((r["run_id"] for r in doc["runs"] if r["active"] and r["step"] >= 2), "")
+            time.sleep(0.5)
+        assert run_id, tail(tmp_path / "launch.log")
+        with Browser() as browser:
+            browser.get(url)  # the token comes with the URL and is kept for the session's pages
+            browser.get(f"{base}/run/{run_id}")
+            browser.wait_for("return window.dash.run && document.querySelector('#stop')", what="the stop button")
+            browser.click("#stop")
+            browser.accept_alert()
+            browser.wait_for("return document.querySelector('#run-state').innerText === 'stopped'",
+                             what="the run shown stopped", timeout=120)
+        summary = json.loads((runs / run_id / "summary.json").read_text())
+        assert summary["state"] == "stopped" and summary["steps"] < 5000, summary
+        # The launching coordinator ends too (what it then reports is `coordinator stop`'s business, tested there).
+        job.wait(timeout=120)
+    finally:
+        stop(dash)
+        stop(job, timeout=60)
