@@ -68,7 +68,7 @@ class Browser:
 
     async def read(self, port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /api/stream HTTP/1.1\r\nHost: bench\r\n\r\n")
+        writer.write(b"GET /api/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await writer.drain()
         while True:
             line = await reader.readline()

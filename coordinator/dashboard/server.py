@@ -245,6 +245,14 @@ def sse(event: str, data: Mapping[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), default=str)}\n\n"
 
 
+def host_name(req: Request) -> str:
+    """The Host header without its port ('[::1]:8050' -> '::1'); '' when absent."""
+    host = req.headers.get("host", "")
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -372,6 +380,11 @@ class DashboardServer:
     async def _route(self, req: Request, writer: asyncio.StreamWriter) -> None:
         if self.require_token and not self._authorized(req):
             await respond(writer, 403, {"error": "this dashboard needs its token: open the URL it printed"})
+            return
+        if not self.require_token and not self._authorized(req) and not is_loopback(host_name(req)):
+            # Served without a token on loopback only: a page of another site that rebinds its DNS name to
+            # 127.0.0.1 arrives with its own Host, and must not read the fleet and runs.
+            await respond(writer, 403, {"error": "use the URL the dashboard printed (Host must be a loopback name)"})
             return
         path, now = req.path, time.time()
         if req.method == "POST" and path.startswith("/api/run/") and path.endswith("/stop"):

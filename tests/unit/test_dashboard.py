@@ -97,11 +97,11 @@ def test_loopback_addresses() -> None:
 # --- the server, in-process ------------------------------------------------------------------------------------
 
 
-async def http(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None
-               ) -> tuple[int, bytes]:
+async def http(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+               host: str = "127.0.0.1") -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode())
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}\r\n".encode())
     await writer.drain()
     data = await reader.read()
     writer.close()
@@ -138,6 +138,10 @@ def test_endpoints_serve_the_demo_run_and_the_pages(tmp_path: Path) -> None:
             assert (await http(server.port, "/api/run/missing"))[0] == 404
             assert (await http(server.port, "/api/fleet", method="DELETE"))[0] == 405
             assert server.url == f"http://127.0.0.1:{server.port}/?token=t0k"
+            # DNS rebinding: another name for 127.0.0.1 reads nothing without the token
+            assert (await http(server.port, "/api/runs", host="evil.example"))[0] == 403
+            assert (await http(server.port, "/api/runs?token=t0k", host="evil.example"))[0] == 200
+            assert (await http(server.port, "/api/runs", host="[::1]"))[0] == 200
 
     asyncio.run(main())
 
@@ -188,7 +192,7 @@ def test_an_appended_event_is_pushed_to_the_stream(tmp_path: Path) -> None:
             snapshot = json.loads(body)
             assert status == 200 and snapshot["active"]
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /api/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET /api/stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
             await reader.readuntil(b"event: hello\n")
             with (run / "events.jsonl").open("a") as fh:
                 fh.write("".join(later))
