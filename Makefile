@@ -7,8 +7,9 @@ BIN := $(VENV)/bin
 setup:
 	@scripts/setup.sh
 
+# `make demo DASHBOARD=1` serves the web dashboard beside the run (the URL is printed).
 demo: setup
-	$(BIN)/coordinator launch
+	$(BIN)/coordinator launch $(if $(DASHBOARD),--dashboard)
 
 test: setup lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

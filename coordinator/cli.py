@@ -342,11 +342,16 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
 @click.option("--allow-shared", is_flag=True, help="Run on nodes another live run holds (warned) instead of refusing.")
 @click.option("--detach-on-hangup", is_flag=True,
               help="On SIGHUP (a closed terminal) leave the run running for `coordinator attach` instead of stopping it.")
+@click.option("--dashboard", "with_dashboard", is_flag=True, help="Serve the web dashboard beside the run.")
+@click.option("--dashboard-host", default=DEFAULT_METRICS_HOST, show_default=True,
+              help="Address the dashboard binds (any but loopback needs the printed token).")
+@click.option("--dashboard-port", default=8050, show_default=True, type=click.IntRange(0, 65535))
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
            resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
            connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
-           allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool) -> None:
+           allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool, with_dashboard: bool,
+           dashboard_host: str, dashboard_port: int) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
@@ -374,8 +379,20 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
+    verdicts: dict[str, str] = {}  # each node's preflight, for the dashboard's fleet page
+    if with_dashboard:
+        from coordinator.verbs.dashboard import PreflightRecorder
+
+        job_ui = PreflightRecorder(job_ui, verdicts)
+    job = run_job(inv, pb, opts, job_ui, chaos=chaos, supervision=sup)
+    if with_dashboard:  # served on the launch's own event loop; it ends with the job
+        from coordinator.verbs.dashboard import beside
+
+        job = beside(job, inv, run_dir, host=dashboard_host, port=dashboard_port, preflight=verdicts,
+                     announce=lambda url: ui.message(f"dashboard: {url}"), connect_timeout=connect_timeout,
+                     accept_new_host_keys=accept_new_host_keys)
     try:
-        summary = _with_live_view(run_job(inv, pb, opts, job_ui, chaos=chaos, supervision=sup), ui, console, sup)
+        summary = _with_live_view(job, ui, console, sup)
     finally:
         if server is not None:
             server.close()

@@ -11,7 +11,8 @@ fi
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH
 missing=""
 for pair in ip:iproute2 sshd:openssh-server ssh:openssh-client ssh-keygen:openssh-client \
-        unshare:util-linux nsenter:util-linux mount:mount pkill:procps chromium:chromium; do
+        unshare:util-linux nsenter:util-linux mount:mount pkill:procps chromium:chromium \
+        chromedriver:chromium-driver; do
     cmd=${pair%%:*}
     pkg=${pair#*:}
     if ! command -v "$cmd" >/dev/null 2>&1; then

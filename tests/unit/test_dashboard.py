@@ -1,0 +1,237 @@
+"""The dashboard's fold, verdicts and server, on the files of a real demo run (tests/fixtures/rundirs/: `make demo`'s
+run dir, recorded) and on events appended to a copy of it, as a live run appends them. The server runs in-process
+on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.dashboard.model import RankLive, RunFold, rank_verdict, run_view, step_time_stats
+from coordinator.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
+from coordinator.errors import ConfigError
+
+DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_the_demo_run_folds_into_its_curves_ranks_and_checkpoints() -> None:
+    meta = json.loads((DEMO / "meta.json").read_text())
+    fold = RunFold.from_meta(meta["run_id"], meta)
+    delta = fold.feed(records(DEMO / "events.jsonl"))
+    assert [s for s, _ in fold.loss] == list(range(1, 31)) and [p[0] for p in delta["loss"]] == list(range(1, 31))
+    assert [s for s, _ in fold.val_loss] == [10, 20, 30]
+    assert [c["step"] for c in fold.checkpoints] == list(range(1, 31))  # one per step, though both ranks report
+    assert fold.iters == 30 and fold.step == 30 and fold.incidents == [] and fold.recoveries == []
+    view = run_view(fold, meta=meta, summary=json.loads((DEMO / "summary.json").read_text()), iters=None, now=2e9)
+    assert view["state"] == "succeeded" and not view["active"] and view["iters"] == 30
+    assert view["split"] == {"local-a": 0.5, "local-b": 0.5}
+    assert view["predicted_tokens_per_s"] == pytest.approx(3984.759 + 4494.042, abs=0.1)
+    assert [(r["node"], r["verdict"], r["step"]) for r in view["ranks"]] == [("local-a", "finished", 30),
+                                                                            ("local-b", "finished", 30)]
+    stats = view["ranks"][0]["step_time_s"]
+    assert stats["min"] <= stats["median"] <= stats["max"]  # the first step (compile) is the max
+
+
+def test_a_fold_fed_in_batches_equals_one_fed_at_once() -> None:
+    recs = records(DEMO / "events.jsonl")
+    whole, parts = RunFold("r"), RunFold("r")
+    whole.feed(recs)
+    pushed: list[list[Any]] = []
+    for i in range(0, len(recs), 7):
+        pushed += parts.feed(recs[i:i + 7])["loss"]
+    assert parts.loss == whole.loss and parts.checkpoints == whole.checkpoints
+    assert pushed == [[s, round(v, 5)] for s, v in whole.loss]
+
+
+def test_incidents_and_a_relaunch_are_marked_at_their_step() -> None:
+    fold = RunFold.from_meta("r", {"ranks": [{"rank": 0, "node": "a"}, {"rank": 1, "node": "b"}]})
+    for rank, node in ((0, "a"), (1, "b")):
+        fold.feed([{"event": "started", "rank": rank, "node": node, "t": 1.0, "iters": 50}])
+    delta = fold.feed([{"event": "incident", "kind": "crash", "node": "b", "rank": 1, "step": 12, "action": "quarantine",
+                        "t": 5.0, "evidence": {"exit": -9}},
+                       {"event": "started", "rank": 0, "node": "a", "t": 9.0, "resumed_from": 10}])
+    assert [(i["kind"], i["step"]) for i in delta["incidents"]] == [("crash", 12)]
+    assert [r["step"] for r in delta["recoveries"]] == [10]
+    assert rank_verdict(fold.ranks[1], fold.incidents, now=6.0, active=True) == "crash"
+
+
+@pytest.mark.parametrize(("rank", "now", "verdict"), [
+    (RankLive(0, "a", state="running", phase="step", last_t=100.0, last_step_t=100.0), 105.0, "ok"),
+    (RankLive(0, "a", state="running", phase="step", last_t=100.0, last_step_t=100.0), 111.0, "dead"),
+    (RankLive(0, "a", state="running", phase="step", last_t=170.0, last_step_t=100.0), 171.0, "stalled"),
+    (RankLive(0, "a", state="running", phase="load", last_t=170.0, last_step_t=100.0), 171.0, "ok"),
+    (RankLive(0, "a", state="running", phase="step", last_t=100.0, last_step_t=100.0, tokens_per_s=400.0,
+              calibrated_tokens_per_s=1000.0), 101.0, "slow"),
+    (RankLive(0, "a", state="pending"), 101.0, "pending"),
+    (RankLive(0, "a", state="failed", last_t=1.0), 101.0, "failed"),
+])
+def test_rank_verdicts_use_the_monitors_thresholds(rank: RankLive, now: float, verdict: str) -> None:
+    rank.step_times.extend([0.5, 0.5, 0.6])
+    assert rank_verdict(rank, [], now=now, active=True, heartbeat_timeout=10.0) == verdict
+
+
+def test_a_replay_does_not_call_a_rank_dead_for_the_time_since_the_run_ended() -> None:
+    rank = RankLive(0, "a", state="running", phase="step", last_t=100.0)
+    assert rank_verdict(rank, [], now=1e6, active=False) == "running"
+
+
+def test_step_time_stats() -> None:
+    assert step_time_stats([]) is None
+    assert step_time_stats([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+
+
+def test_loopback_addresses() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "example.org"))
+
+
+# --- the server, in-process ------------------------------------------------------------------------------------
+
+
+async def http(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+               host: str = "127.0.0.1") -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}\r\n".encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def live_copy(tmp_path: Path, lines: int) -> Path:
+    """The demo run as it looked after its first `lines` events: no summary.json yet (running)."""
+    run = tmp_path / "runs" / DEMO.name
+    run.mkdir(parents=True)
+    shutil.copy(DEMO / "meta.json", run / "meta.json")
+    (run / "events.jsonl").write_text("".join((DEMO / "events.jsonl").read_text().splitlines(True)[:lines]))
+    return run
+
+
+def test_endpoints_serve_the_demo_run_and_the_pages(tmp_path: Path) -> None:
+    shutil.copytree(DEMO, tmp_path / "runs" / DEMO.name)
+
+    async def main() -> None:
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token="t0k") as server:
+            status, body = await http(server.port, f"/api/run/{DEMO.name}")
+            doc = json.loads(body)
+            assert status == 200 and doc["state"] == "succeeded" and len(doc["loss"]) == 30
+            status, body = await http(server.port, "/api/runs")
+            assert status == 200 and [r["run_id"] for r in json.loads(body)["runs"]] == [DEMO.name]
+            for page in ("/", "/runs", f"/run/{DEMO.name}"):
+                status, body = await http(server.port, page)
+                assert status == 200 and b"/static/app.js" in body
+            status, body = await http(server.port, "/static/uPlot.iife.min.js")
+            assert status == 200 and b"uPlot" in body
+            assert (await http(server.port, "/static/../../cli.py"))[0] == 404
+            assert (await http(server.port, "/api/run/..%2F..%2Fetc"))[0] == 404
+            assert (await http(server.port, "/api/run/missing"))[0] == 404
+            assert (await http(server.port, "/api/fleet", method="DELETE"))[0] == 405
+            assert server.url == f"http://127.0.0.1:{server.port}/?token=t0k"
+            # DNS rebinding: another name for 127.0.0.1 reads nothing without the token
+            assert (await http(server.port, "/api/runs", host="evil.example"))[0] == 403
+            assert (await http(server.port, "/api/runs?token=t0k", host="evil.example"))[0] == 200
+            assert (await http(server.port, "/api/runs", host="[::1]"))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_stop_needs_the_token_and_calls_the_stop_path(tmp_path: Path) -> None:
+    run = live_copy(tmp_path, 40)
+    stopped: list[Path] = []
+
+    async def stop(run_dir: Path) -> None:
+        stopped.append(run_dir)
+
+    async def main() -> None:
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token="t0k", stop=stop) as server:
+            assert (await http(server.port, f"/api/run/{run.name}/stop", method="POST"))[0] == 403
+            assert (await http(server.port, f"/api/run/{run.name}/stop?token=bad", method="POST"))[0] == 403
+            status, _ = await http(server.port, f"/api/run/{run.name}/stop", method="POST",
+                                   headers={"X-Dashboard-Token": "t0k"})
+            assert status == 202
+            for _ in range(100):
+                if stopped:
+                    break
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert stopped == [run]
+
+
+def test_any_bind_but_loopback_needs_the_token_for_every_page(tmp_path: Path) -> None:
+    async def main() -> None:
+        server = DashboardServer(DashboardState(tmp_path), host="127.0.0.1", port=0, token="t0k")
+        server.require_token = True  # as on 0.0.0.0 (the test talks to loopback only)
+        async with server:
+            assert (await http(server.port, "/api/runs"))[0] == 403
+            assert (await http(server.port, "/?token=t0k"))[0] == 200
+            assert (await http(server.port, "/api/runs", headers={"X-Dashboard-Token": "t0k"}))[0] == 200
+        assert DashboardServer(DashboardState(tmp_path), host="0.0.0.0").require_token
+
+    asyncio.run(main())
+
+
+def test_an_appended_event_is_pushed_to_the_stream(tmp_path: Path) -> None:
+    run = live_copy(tmp_path, 60)
+    later = (DEMO / "events.jsonl").read_text().splitlines(True)[60:90]
+
+    async def main() -> dict[str, Any]:
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0) as server:
+            status, body = await http(server.port, f"/api/run/{run.name}")
+            snapshot = json.loads(body)
+            assert status == 200 and snapshot["active"]
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /api/stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await reader.readuntil(b"event: hello\n")
+            with (run / "events.jsonl").open("a") as fh:
+                fh.write("".join(later))
+            while True:
+                line = (await reader.readline()).decode()
+                if line.startswith("event: run"):
+                    data = json.loads((await reader.readline()).decode()[len("data: "):])
+                    writer.close()
+                    assert data["delta_from"] == snapshot["offset"]
+                    return data
+
+    data = asyncio.run(main())
+    expected = [json.loads(x) for x in later]
+    assert [p[0] for p in data["delta"]["loss"]] == sorted({e["step"] for e in expected if e["event"] == "step"}
+                                                          - {e["step"] for e in records(run / "events.jsonl")[:60]
+                                                             if e["event"] == "step"})
+    assert data["view"]["active"] and data["view"]["ranks"][0]["verdict"] in ("ok", "dead")
+
+
+def test_a_busy_port_is_a_config_error(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with DashboardServer(DashboardState(tmp_path), port=0) as first:
+            with pytest.raises(ConfigError, match="cannot serve the dashboard"):
+                await DashboardServer(DashboardState(tmp_path), port=first.port).start()
+
+    asyncio.run(main())
+
+
+def test_open_run_needs_meta(tmp_path: Path) -> None:
+    assert open_run(tmp_path) is None
+
+
+def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:
+    from coordinator.models import CheckResult, PreflightReport, Status
+    from coordinator.verbs.dashboard import preflight_verdicts
+
+    def node(name: str, *statuses: Status) -> tuple[str, tuple[CheckResult, ...]]:
+        return name, tuple(CheckResult(f"c{i}", name, s, "") for i, s in enumerate(statuses))
+
+    report = PreflightReport(nodes=(node("a", Status.PASS, Status.SKIP), node("b", Status.PASS, Status.WARN),
+                                    node("c", Status.WARN, Status.ERROR), node("d", Status.FAIL)), lint=())
+    assert preflight_verdicts(report) == {"a": "pass", "b": "warn", "c": "fail", "d": "fail"}
