@@ -30,7 +30,7 @@ from coordinator.chaos import Chaos
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.hostfile import Hostfile, build_hostfile
-from coordinator.logs import current_redactor
+from coordinator.logs import REDACTED, current_redactor
 from coordinator.models import LOCAL_HOST, Connection, Inventory, Node
 from coordinator.monitor import (
     JOB_ERROR,
@@ -499,8 +499,9 @@ class Launch:
         keys and paths, and the hostfile carries the job's env."""
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.pb.path:
-            text = current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8"))
-            write_private(self.run_dir / "playbook.yaml", str(text))
+            text = str(current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8")))
+            # The copy must stay YAML that `status` and the dashboard can read: a bare `***` is an alias there.
+            write_private(self.run_dir / "playbook.yaml", text.replace(REDACTED, "REDACTED"))
         write_private(self.run_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
         hostfile = self.run_dir / "hostfile.json"
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")

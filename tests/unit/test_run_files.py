@@ -125,3 +125,23 @@ def test_teardown_removes_only_the_runs_own_temp_dirs() -> None:
         for d in (*ours, other_run, keep):
             subprocess.run(["rm", "-rf", str(d)], check=False)
         link.unlink(missing_ok=True)
+
+
+def test_the_run_dirs_playbook_copy_is_redacted_and_still_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A secret in the playbook's env is blanked in the run dir's copy, which `status` and the dashboard read back
+    as YAML (a bare `***` would be an alias there)."""
+    import yaml
+
+    import coordinator.launch
+    from coordinator.logs import Redactor
+
+    source = tmp_path / "pb.yaml"
+    source.write_text("name: t\nmodel: /m\ndata: /d\nenv:\n  HF_TOKEN: hf_secretvalue123\n  PLAIN: ok\n")
+    launch = _launch(tmp_path)
+    launch.pb = parse_playbook(yaml.safe_load(source.read_text()), path=str(source))
+    make_run_dir(launch.run_dir, tmp_path / "runs")
+    monkeypatch.setattr(coordinator.launch, "current_redactor", lambda: Redactor(("hf_secretvalue123",)))
+    launch.write_local_files({"batch": {}})
+    copy = (launch.run_dir / "playbook.yaml").read_text()
+    assert "hf_secretvalue123" not in copy
+    assert yaml.safe_load(copy)["env"] == {"HF_TOKEN": "REDACTED", "PLAIN": "ok"}
