@@ -489,7 +489,10 @@ def probe_versions(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    """HEAD (+dirty) of the code measured; a copy without .git (the device tool's) takes $BENCH_COMMIT."""
+    """HEAD (+dirty) of the code measured. $BENCH_COMMIT, when set, wins: the device tool's copy of the tree may
+    carry a stale .git whose HEAD is not the code sent (seen: every device result named an old commit)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     commit = proc.stdout.strip() if proc.returncode == 0 else ""
     if not commit:
