@@ -448,7 +448,7 @@ class _Trainer:
         maybe_set_recommended_wired_limit()
         self.packing = decide_packing(args.packing, model, dataset, max_seq_length=args.seq_len,
                                       global_batch=args.global_batch or args.max_batch, seed=args.seed)
-        self.objective = SftObjective(args.seq_len, self.packing[0])
+        self.objective = SftObjective(args.seq_len, self.packing[0], self.packing[2])
         optimizer = make_optimizer(args.optimizer, args.learning_rate)
         optimizer.init(model.trainable_parameters())
         self.mx, self.model, self.optimizer = mx, model, optimizer
@@ -643,7 +643,7 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     mark = time.monotonic()
     trainer = _Trainer(args)
     state.one_time["load"] = time.monotonic() - mark
-    state.meta["packing"] = list(trainer.packing)
+    state.meta["packing"] = list(trainer.packing[:2])
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
 
     def on_point(p: Point) -> None:

@@ -216,10 +216,11 @@ def sequence_bucket(needed: int, rows: int) -> int:
     return max(size, needed)
 
 
-def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -> Packed:
-    """One rank's rows packed into as few sequences as they fit in, each as wide as their padded batch, padded
-    with empty sequences to `sequence_bucket`."""
-    width = padded_width([len(t) for t, _ in items], max_seq_length)
+def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int, width: int | None = None) -> Packed:
+    """One rank's rows packed into as few sequences as they fit in, padded with empty sequences to
+    `sequence_bucket`. Each sequence is `width` wide (the run's, from `decide_packing`: one width for the whole
+    run, so that a batch's shape takes a few values only), never narrower than these rows' padded batch."""
+    width = max(width or 0, padded_width([len(t) for t, _ in items], max_seq_length))
     seqs, used = plan_packing([input_positions(len(t), max_seq_length) for t, _ in items], width, len(items))
     if used != len(items):
         raise AssertionError(f"packed {used} of {len(items)} rows")
@@ -228,16 +229,18 @@ def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int) -
     return build_packed(filled + empty, max_seq_length, width)
 
 
-def packing_saving(lengths: Sequence[int], max_seq_length: int, batch: int) -> float:
-    """Share of the computed positions packing saves over mlx-lm's padded batches, for rows in this order,
-    `batch` per batch: what decides whether a run packs (pure; the same on every rank)."""
+def packing_saving(lengths: Sequence[int], max_seq_length: int, batch: int, width: int | None = None) -> float:
+    """Share of the computed positions packing (into sequences of `width`, default each batch's own padded
+    width) saves over mlx-lm's padded batches, for rows in this order, `batch` per batch: what decides whether a
+    run packs (pure; the same on every rank)."""
     padded = packed = 0
     for i in range(0, len(lengths), batch):
         chunk = lengths[i:i + batch]
-        width = padded_width(chunk, max_seq_length)
-        seqs, _ = plan_packing([input_positions(n, max_seq_length) for n in chunk], width, len(chunk))
-        padded += len(chunk) * width
-        packed += sequence_bucket(sum(1 for seq in seqs if seq), len(chunk)) * width
+        own = padded_width(chunk, max_seq_length)
+        wide = max(width or 0, own)
+        seqs, _ = plan_packing([input_positions(n, max_seq_length) for n in chunk], wide, len(chunk))
+        padded += len(chunk) * own
+        packed += sequence_bucket(sum(1 for seq in seqs if seq), len(chunk)) * wide
     return max(0.0, 1.0 - packed / padded) if padded else 0.0
 
 
@@ -268,20 +271,22 @@ def packing_is_exact(model: Any, items: Sequence[tuple[Sequence[int], int]], max
 
 
 def decide_packing(setting: str, model: Any, dataset: Any, *, max_seq_length: int, global_batch: int,
-                   seed: int, sample: int = 1024) -> tuple[bool, str]:
-    """Whether a run packs, and why, from `train.packing` (`auto` | `on` | `off`), the data and the model. The
-    same inputs give the same answer on every rank and in calibration. `auto` packs when it saves at least
-    PACK_MIN_SAVING of the computed positions (short or variable rows) and is exact on this model; `on` packs
-    whenever it is exact and raises ValueError when it is not."""
+                   seed: int, sample: int = 1024) -> tuple[bool, str, int]:
+    """Whether a run packs, why, and the width of its sequences, from `train.packing` (`auto` | `on` | `off`), the
+    data and the model. The same inputs give the same answer on every rank and in calibration. `auto` packs when
+    it saves at least PACK_MIN_SAVING of the computed positions (short or variable rows) and is exact on this
+    model; `on` packs whenever it is exact and raises ValueError when it is not. The width is the padded width of
+    the longest sampled row: one width for the run, so packed batches take a few shapes only (each compiles)."""
     from worker.data import stream_rows
 
-    if setting == "off":
-        return False, "train.packing is off"
     rows = [dataset[i] for i in stream_rows(0, min(len(dataset), sample), len(dataset), seed)]
+    width = padded_width([len(t) for t, _ in rows] or [1], max_seq_length)
+    if setting == "off":
+        return False, "train.packing is off", width
     sizes = [input_positions(len(tokens), max_seq_length) for tokens, _ in rows]
-    saving = packing_saving([len(t) for t, _ in rows], max_seq_length, global_batch)
+    saving = packing_saving([len(t) for t, _ in rows], max_seq_length, global_batch, width)
     if setting == "auto" and saving < PACK_MIN_SAVING:
-        return False, f"packing would save {saving:.0%} of the computed positions (< {PACK_MIN_SAVING:.0%})"
+        return False, f"packing would save {saving:.0%} of the computed positions (< {PACK_MIN_SAVING:.0%})", width
     pair: list[tuple[Sequence[int], int]] = []
     used = 0
     for (tokens, offset), size in sorted(zip(rows, sizes), key=lambda r: r[1]):
@@ -293,8 +298,8 @@ def decide_packing(setting: str, model: Any, dataset: Any, *, max_seq_length: in
     if why is not None:
         if setting == "on":
             raise ValueError(f"train.packing is on, but packing is not exact here: {why}")
-        return False, f"not packed: {why}"
-    return True, f"packed: saves {saving:.0%} of the computed positions"
+        return False, f"not packed: {why}", width
+    return True, f"packed into sequences of {width} positions: saves {saving:.0%} of the computed positions", width
 
 
 # --- buckets for the all_sum ---------------------------------------------------------------------------------------

@@ -166,9 +166,10 @@ class SftObjective:
 
     stats: tuple[str, ...] = ()
 
-    def __init__(self, max_seq_length: int, packing: bool) -> None:
+    def __init__(self, max_seq_length: int, packing: bool, width: int | None = None) -> None:
         self.max_seq_length = max_seq_length
         self.packing = packing
+        self.width = width  # the run's packed sequence width (decide_packing)
         self.loss: Callable[..., Any] = packed_loss_sum if packing else token_loss_sum
 
     def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
@@ -176,7 +177,7 @@ class SftObjective:
         items = [dataset[i] for i in stream_rows(position, global_batch, len(dataset), seed)]
         mine = rank_slice(items, offset, size)
         (weight, tokens), (total_weight, total_tokens) = sft_weight(mine, length), sft_weight(items, length)
-        inputs = pack_rows(mine, length).arrays() if self.packing else build_batch(mine, length)
+        inputs = pack_rows(mine, length, self.width).arrays() if self.packing else build_batch(mine, length)
         return Micro(inputs, weight, total_weight, tokens, total_tokens, global_batch)
 
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -389,7 +390,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
         self.objective: Any = None  # SftObjective | DpoObjective, set in load()
-        self.packing: tuple[bool, str] = (False, "")  # (packed?, why), set in load()
+        self.packing: tuple[bool, str, int] = (False, "", 0)  # (packed?, why, width), set in load()
         self.step: TrainStep | None = None  # built after restore: it captures the model and optimizer state
 
     # -- setup ---------------------------------------------------------------------------------------------
@@ -441,13 +442,13 @@ class Trainer:
             reference.eval()
             self.objective = DpoObjective(reference, cfg.dpo.beta, cfg.max_seq_length)
             self.train_set, self.valid_set = load_preference_datasets(Path(cfg.data), tokenizer)
-            self.packing = (False, "DPO pairs are not packed")
+            self.packing = (False, "DPO pairs are not packed", 0)
         else:
             self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
             self.model.train()
             self.packing = decide_packing(cfg.packing, self.model, self.train_set, max_seq_length=cfg.max_seq_length,
                                           global_batch=cfg.global_batch, seed=cfg.seed)
-            self.objective = SftObjective(cfg.max_seq_length, self.packing[0])
+            self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)

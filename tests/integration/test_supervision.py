@@ -104,6 +104,9 @@ def test_sigterm_or_sigint_stops_the_run_writes_the_summary_and_exits_128_plus_t
     job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400))
     jobs.append(job)
     job.rank_pid_at_step(0, 3)
+    # ... and the coordinator has heard rank 1 at step 2 too: each node's events arrive over its own follower, and
+    # a step of this tiny model takes milliseconds, so rank 0's step 3 can be in before rank 1's first step is.
+    job.rank_pid_at_step(1, 2)
     run_id = job.run_dir().name
     os.kill(job.proc.pid, signum)  # the coordinator alone, as systemd, `kill` or Ctrl-C would
     rc, summary = job.finish(timeout=120)

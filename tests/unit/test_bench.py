@@ -226,7 +226,7 @@ def test_bench_times_the_runs_step_on_the_runs_batches(tmp_path: Path) -> None:
     code, result, stderr = run_bench("--model", str(model), "--seq-len", "128", "--method", "lora", "--num-layers",
                                      "-1", "--data", str(smoke), "--global-batch", "8", "--max-batch", "4", budget=30)
     assert code == 0, stderr
-    assert result["packing"][0] is True and result["packing"][1].startswith("packed: saves")
+    assert result["packing"][0] is True and result["packing"][1].startswith("packed into sequences of")
     for p in result["curve"]:
         assert 0 < p["tokens_per_row"] < 128  # the smoke rows are short: real tokens, not padded positions
         assert p["tokens_per_s"] == pytest.approx(p["rows_per_s"] * p["tokens_per_row"], rel=0.05)

@@ -290,13 +290,23 @@ def test_packing_is_refused_for_a_model_that_ignores_the_mask(tiny: Path) -> Non
 def test_decide_packing_follows_the_setting_and_the_data(tiny: Path) -> None:
     model, tok = load_tiny(tiny)
     dataset = rows_of(tok, 40)  # the demo's rows: 5 to 30-odd tokens, in batches of 4
-    assert decide_packing("off", model, dataset, max_seq_length=128, global_batch=4, seed=0) == \
-        (False, "train.packing is off")
-    packs, why = decide_packing("auto", model, dataset, max_seq_length=128, global_batch=4, seed=0)
-    assert packs and why.startswith("packed: saves")
+    off = decide_packing("off", model, dataset, max_seq_length=128, global_batch=4, seed=0)
+    assert off[:2] == (False, "train.packing is off")
+    packs, why, width = decide_packing("auto", model, dataset, max_seq_length=128, global_batch=4, seed=0)
+    longest = max(len(t) for t, _ in dataset)
+    assert packs and why.startswith(f"packed into sequences of {width} positions: saves")
+    assert width == min(1 + 32 * -(-longest // 32), 128) - 1  # the longest sampled row's padded width
     full = [(list(range(1, 130)), 0)] * 8  # every row as long as the batch: nothing to save
-    packs, why = decide_packing("auto", model, full, max_seq_length=128, global_batch=4, seed=0)
+    packs, why, _ = decide_packing("auto", model, full, max_seq_length=128, global_batch=4, seed=0)
     assert not packs and "< 10%" in why
+
+
+def test_packed_batches_of_a_run_take_one_width() -> None:
+    short = [([1] * n, 0) for n in (5, 9)]
+    assert pack_rows(short, 512).inputs.shape[1] == 32  # its own padded width by default
+    assert pack_rows(short, 512, 127).inputs.shape[1] == 127  # the run's width
+    long = [([1] * 200, 0), ([1] * 5, 0)]
+    assert pack_rows(long, 512, 127).inputs.shape[1] == 224  # never narrower than the rows need
 
 
 # --- method setup ------------------------------------------------------------------------------------------------
