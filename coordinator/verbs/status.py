@@ -35,6 +35,7 @@ from coordinator.models import Inventory, Node
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
 from coordinator.transport import Fleet
+from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
 
 DEFAULT_RUN_DIR = Path("runs")
 DEFAULT_STATUS_PROBE_TIMEOUT = 60.0
@@ -196,26 +197,26 @@ class RunEvents:
                                                str(record.get("evidence", ""))[:200]))
             del self.incidents[:-RECENT_INCIDENTS]
             return
-        rank, node = _int(record.get("rank")), record.get("node")
-        if rank is None or not isinstance(node, str):
+        # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;
+        # the coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
+        event, node = parse_event(record), record.get("node")
+        if isinstance(event, EventError) or event.rank is None or not isinstance(node, str):
             return
-        seen = self.ranks.setdefault((rank, node), _RankSeen(node))
-        t = _float(record.get("t"))
-        if t is not None:
-            seen.last_t = t if seen.last_t is None else max(seen.last_t, t)
-        step = _int(record.get("step"))
-        if kind == "started":
+        seen = self.ranks.setdefault((event.rank, node), _RankSeen(node))
+        if event.t is not None:
+            seen.last_t = event.t if seen.last_t is None else max(seen.last_t, event.t)
+        if isinstance(event, StartedEvent):
             seen.state = "running"
-            seen.step = _int(record.get("resumed_from")) or 0
-        elif kind == "step":
+            seen.step = event.resumed_from or 0
+        elif isinstance(event, StepEvent):
             seen.state = "running"
-            seen.step = max(seen.step, step or 0)
-            seen.tokens_per_s = _float(record.get("tok_s"))
-            seen.loss = _float(record.get("loss"))
-        elif kind == "finished":
+            seen.step = max(seen.step, event.step or 0)
+            seen.tokens_per_s = event.tok_s
+            seen.loss = event.loss
+        elif isinstance(event, FinishedEvent):
             seen.state = "finished"
-            seen.step = max(seen.step, step or 0)
-        elif kind == "error":
+            seen.step = max(seen.step, event.step or 0)
+        elif isinstance(event, ErrorEvent):
             seen.state = "failed"
 
     def feed_lines(self, lines: Iterable[str]) -> None:
@@ -263,14 +264,8 @@ def parse_left_out(doc: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple((str(x["node"]), str(x.get("reason", ""))) for x in raw if isinstance(x, Mapping) and "node" in x)
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+# The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.
+_int = coerce_int
 
 
 # --- I/O: run directories --------------------------------------------------------------------------------------
