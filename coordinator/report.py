@@ -22,7 +22,6 @@ import base64
 import html
 import io
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
+from worker.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    EvalEvent,
+    StartedEvent,
+    StepEvent,
+    coerce_float,
+    coerce_int,
+    parse_event,
+)
 
 # Events after which a `started` event means a new attempt (heartbeats precede `started` during model load).
 _LATE_EVENTS = frozenset({"step", "eval", "checkpoint", "finished", "error", "incident", "digest"})
@@ -126,16 +135,13 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
 
 
 def _num(d: Mapping[str, Any], key: str) -> float | None:
-    """A finite number from JSON, else None (bools, strings and NaN are not numbers here)."""
-    v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    return float(v) if math.isfinite(v) else None
+    """A finite number from JSON, else None (bools, strings and NaN are not numbers here): worker.events' rule."""
+    return coerce_float(d.get(key))
 
 
 def _int(d: Mapping[str, Any], key: str) -> int | None:
-    v = d.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    """An int from JSON (3.0 is 3), else None: the same rule as the events (worker.events)."""
+    return coerce_int(d.get(key))
 
 
 def _str(d: Mapping[str, Any], key: str) -> str | None:
@@ -332,32 +338,33 @@ def build_report(files: RunFiles) -> Report:
         if t is not None and kind != "incident":
             times.append(t)
             attempt_start[attempt] = min(attempt_start.get(attempt, t), t)
-        step = _int(ev, "step")
-        if kind == "started":
+        # A rank's event, as the coordinator copied it (with its `node`), read under worker.events' contract;
+        # the coordinator's own records (incident, supervisor, ...) are EventErrors here and read below.
+        event = parse_event(ev)
+        if isinstance(event, StartedEvent):
             attempt_nodes.setdefault(attempt, {})[node] = None
-            iters = _int(ev, "iters") or iters
-            if ev.get("resumed_from") is not None:
-                resumed[attempt] = str(ev.get("resumed_from"))
-        elif kind == "step" and step is not None:
+            iters = event.iters or iters
+            # Shown as the rank wrote it (an older worker named the checkpoint rather than its step).
+            resumed_from = event.resumed_from if event.resumed_from is not None else event.invalid.get("resumed_from")
+            if resumed_from is not None:
+                resumed[attempt] = str(resumed_from)
+        elif isinstance(event, StepEvent) and event.step is not None:
             key = (attempt, node)
             attempt_nodes.setdefault(attempt, {})[node] = None
-            ranks[key] = _int(ev, "rank")
-            points.setdefault(key, []).append(Point(step, t, _num(ev, "loss"), _num(ev, "tok_s"),
-                                                    _num(ev, "compute_tok_s")))
-        elif kind == "eval" and step is not None:
-            val = _num(ev, "val_loss")
-            if val is not None:
-                evals.setdefault((attempt, step), EvalPoint(attempt, step, val, t))
-        elif kind == "checkpoint" and step is not None:
-            row = ckpts.setdefault((attempt, step), CheckpointRow(attempt, step, t, {}, {}))
-            sha, path = _str(ev, "sha256"), _str(ev, "path")
-            if sha:
-                row.sha256[node] = sha
-            if path:
-                row.paths[node] = path
-        elif kind == "error":
-            errors.append({"node": node, "rank": _int(ev, "rank"), "attempt": attempt,
-                           "message": _evidence_text(ev.get("error") or ev.get("message") or ev.get("traceback")
+            ranks[key] = event.rank
+            points.setdefault(key, []).append(Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s))
+        elif isinstance(event, EvalEvent) and event.step is not None:
+            if event.val_loss is not None:
+                evals.setdefault((attempt, event.step), EvalPoint(attempt, event.step, event.val_loss, t))
+        elif isinstance(event, CheckpointEvent) and event.step is not None:
+            row = ckpts.setdefault((attempt, event.step), CheckpointRow(attempt, event.step, t, {}, {}))
+            if event.sha256:
+                row.sha256[node] = event.sha256
+            if event.path:
+                row.paths[node] = event.path
+        elif isinstance(event, ErrorEvent):
+            errors.append({"node": node, "rank": event.rank, "attempt": attempt,
+                           "message": _evidence_text(event.extra.get("error") or event.message or event.traceback
                                                      or {k: v for k, v in ev.items()
                                                          if k not in ("node", "rank", "event", "t", "run_id")})})
     series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts, key=lambda p: p.step)))

@@ -83,8 +83,9 @@ class Phase(_StrEnum):
 #   - a float field takes any JSON number (a non-finite one, which only a non-conforming writer can produce,
 #     reads as None, as the writer would have written it);
 #   - str and bool fields take exactly that JSON type;
-#   - anything else (3.5 for a step, "3", a list) reads as None AND names the field in `Event.invalid`: a bad
-#     field never costs the rest of the event (an `error` event with a bad step must still fail the rank).
+#   - anything else (3.5 for a step, "3", a list) reads as None, and `Event.invalid` keeps it (field -> the value
+#     as written, for a reader that shows it): a bad field never costs the rest of the event (an `error` event
+#     with a bad step must still fail the rank).
 # A line that is not a JSON object, or whose `event` is missing or not a known kind, is an `EventError`.
 
 
@@ -146,9 +147,9 @@ class Event:
     t: float | None = None  # the worker's unix time
     run_id: str | None = None
     rank: int | None = None
-    # Not on the wire: the fields that were present with a value of the wrong type (read as None; see above),
-    # and any fields this version does not know (kept, so a record passes through unchanged).
-    invalid: tuple[str, ...] = ()
+    # Not on the wire: the fields that were present with a value of the wrong type (read as None; see above:
+    # name -> the value as written), and any fields this version does not know (kept, so a record passes through).
+    invalid: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -317,7 +318,7 @@ def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError
     except ValueError:
         return EventError(f"unknown event kind {kind!r}", kind)
     args: dict[str, Any] = {}
-    invalid: list[str] = []
+    invalid: dict[str, Any] = {}
     known = {"event"}
     for f in fields(cls):
         if f.name in ("invalid", "extra"):
@@ -326,9 +327,9 @@ def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError
         coerced, ok = _COERCE[str(f.type)](value.get(f.name))
         args[f.name] = coerced
         if not ok:
-            invalid.append(f.name)
+            invalid[f.name] = value.get(f.name)
     extra = {str(k): v for k, v in value.items() if k not in known}
-    return cls(**args, invalid=tuple(invalid), extra=extra)  # type: ignore[return-value]
+    return cls(**args, invalid=invalid, extra=extra)  # type: ignore[return-value]
 
 
 def _clean(value: Any) -> Any:
