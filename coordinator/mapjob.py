@@ -47,6 +47,7 @@ from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
+from worker.events import MapErrorEvent, MapFinishedEvent, MapProgressEvent, parse_map_event
 
 MAP_CACHE_SCHEMA = 1
 TICK_S = 0.5
@@ -346,12 +347,13 @@ class MapRun:
                             sink.flush()
                     elif msg.get("src") == "event":
                         self.record({"node": name, **msg})
-                        if msg.get("event") == "progress":
-                            w.rows_per_s = msg.get("rows_per_s")
-                        elif msg.get("event") == "finished":
+                        event = parse_map_event(msg)  # worker.events' contract for a map worker's events
+                        if isinstance(event, MapProgressEvent):
+                            w.rows_per_s = event.rows_per_s
+                        elif isinstance(event, MapFinishedEvent):
                             finished = True
-                        elif msg.get("event") == "error":
-                            w.error = str(msg.get("message"))
+                        elif isinstance(event, MapErrorEvent):
+                            w.error = str(event.message)
                 if not finished:
                     raise MapError(w.error or f"worker.mapper exited with status {status} before it finished")
                 w.queue.pop(0)

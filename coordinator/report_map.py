@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
+from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,7 @@ class MapReport:
     problems: list[str] = field(default_factory=list)
 
 
-def _float(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+_float = coerce_float  # the events' one rule for numbers (worker.events)
 
 
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
@@ -78,16 +78,20 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         t = _float(ev.get("t"))
         if t is not None:
             times.append(t)
-        if t is None or not isinstance(ev.get("node"), str):
+        node = ev.get("node")
+        if t is None or not isinstance(node, str):
             continue
+        # A map worker's event as the coordinator copied it (with its `node`), read under worker.events' contract
+        # (the coordinator's own records, incident and reassigned, are EventErrors here).
+        event = parse_map_event(ev)
         # A node's worker counts from 0 for each work item (its shard, then any rows re-assigned to it): the
         # curve adds the earlier items' rows.
-        pts = progress.setdefault(ev["node"], [])
-        if ev.get("event") == "started":
-            offset[ev["node"]] = pts[-1][1] if pts else 0
-            pts.append((t, offset[ev["node"]]))
-        elif ev.get("event") in ("progress", "finished") and isinstance(ev.get("done"), int):
-            pts.append((t, offset.get(ev["node"], 0) + ev["done"]))
+        pts = progress.setdefault(node, [])
+        if isinstance(event, MapStartedEvent):
+            offset[node] = pts[-1][1] if pts else 0
+            pts.append((t, offset[node]))
+        elif isinstance(event, MapProgressEvent | MapFinishedEvent) and event.done is not None:
+            pts.append((t, offset.get(node, 0) + event.done))
     return MapReport(
         run_id=files.run_id, state=str(s.get("state", "unknown")), rows=int(s.get("rows") or plan.get("rows") or 0),
         rows_done=int(s.get("rows_done") or 0), task=(plan.get("task") or {}).get("task"), nodes=nodes,

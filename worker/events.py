@@ -64,6 +64,17 @@ class EventKind(_StrEnum):
     #                  fault ("job") when every rank fails together because of the job, not of its node
 
 
+class MapEventKind(_StrEnum):
+    """A map worker's events (worker.mapper prints them as {"src": "event", ...}; the coordinator copies them
+    into the run's events.jsonl with their `node`). Fields beyond t and event:"""
+
+    STARTED = "started"  # pid, rows (of this work item), ranges ([[start, end], ...])
+    PROGRESS = "progress"  # done, rows, rows_per_s
+    HEARTBEAT = "heartbeat"  # done, pid
+    FINISHED = "finished"  # done, seconds
+    ERROR = "error"  # message, traceback
+
+
 class Phase(_StrEnum):
     LOAD = "load"  # distributed init, model/data loading, resume
     STEP = "step"  # forward/backward, gradient all_sum, optimizer update
@@ -132,8 +143,24 @@ def _as_bool(value: Any) -> tuple[bool | None, bool]:
     return (value, True) if isinstance(value, bool) else (None, False)
 
 
+def _as_ranges(value: Any) -> tuple[list[list[int]] | None, bool]:
+    """[[start, end], ...] of ints (under the int rule)."""
+    if value is None:
+        return None, True
+    if not isinstance(value, list):
+        return None, False
+    out: list[list[int]] = []
+    for item in value:
+        pair = [_as_int(x) for x in item] if isinstance(item, list) and len(item) == 2 else []
+        if len(pair) != 2 or not all(ok and x is not None for x, ok in pair):
+            return None, False
+        out.append([x for x, _ in pair])  # type: ignore[misc]
+    return out, True
+
+
 # Annotation (a string under `from __future__ import annotations`) -> its coercer.
-_COERCE = {"int | None": _as_int, "float | None": _as_float, "str | None": _as_str, "bool | None": _as_bool}
+_COERCE = {"int | None": _as_int, "float | None": _as_float, "str | None": _as_str, "bool | None": _as_bool,
+           "list[list[int]] | None": _as_ranges}
 _BASE = ("t", "run_id", "rank")  # every event; `event` is the kind itself
 
 
@@ -142,7 +169,7 @@ class Event:
     """What every event carries. Subclasses add their kind's fields, all optional: readers see a partial
     event (an older worker, a chaos rank) as None fields, never as a missing key."""
 
-    KIND: ClassVar[EventKind]
+    KIND: ClassVar[EventKind | MapEventKind]
 
     t: float | None = None  # the worker's unix time
     run_id: str | None = None
@@ -153,7 +180,7 @@ class Event:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
-    def kind(self) -> EventKind:
+    def kind(self) -> EventKind | MapEventKind:
         return self.KIND
 
     def to_json(self) -> dict[str, Any]:
@@ -292,6 +319,48 @@ EVENT_TYPES: dict[EventKind, type[Event]] = {cls.KIND: cls for cls in (
 
 
 @dataclass(frozen=True)
+class MapStartedEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.STARTED
+    pid: int | None = None
+    rows: int | None = None
+    ranges: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class MapProgressEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.PROGRESS
+    done: int | None = None
+    rows: int | None = None
+    rows_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MapHeartbeatEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.HEARTBEAT
+    done: int | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class MapFinishedEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.FINISHED
+    done: int | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class MapErrorEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.ERROR
+    message: str | None = None
+    traceback: str | None = None
+
+
+AnyMapEvent = Union[MapStartedEvent, MapProgressEvent, MapHeartbeatEvent, MapFinishedEvent, MapErrorEvent]
+MAP_EVENT_TYPES: dict[MapEventKind, type[Event]] = {cls.KIND: cls for cls in (
+    MapStartedEvent, MapProgressEvent, MapHeartbeatEvent, MapFinishedEvent, MapErrorEvent)}
+
+
+@dataclass(frozen=True)
 class EventError:
     """A line that is not an event: `reason` says why; `kind` is its `event` value when it had a string one."""
 
@@ -303,6 +372,15 @@ def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError
     """One events.jsonl line (or its decoded JSON object) -> its typed event, under the coercion rule above.
     Keys other than the kind's fields (the coordinator's `node` and `attempt` on its copy, DPO statistics) are
     kept in `extra`. Never raises."""
+    return _parse(value, EVENT_TYPES)  # type: ignore[arg-type,return-value]
+
+
+def parse_map_event(value: str | bytes | Mapping[str, Any]) -> AnyMapEvent | EventError:
+    """A map worker's event (`MapEventKind`), under the same rule as `parse_event`. Never raises."""
+    return _parse(value, MAP_EVENT_TYPES)  # type: ignore[arg-type,return-value]
+
+
+def _parse(value: str | bytes | Mapping[str, Any], types: Mapping[str, type[Event]]) -> Event | EventError:
     if isinstance(value, (str, bytes)):
         try:
             value = json.loads(value)
@@ -313,9 +391,8 @@ def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError
     kind = value.get("event")
     if not isinstance(kind, str):
         return EventError("no event kind (the `event` key is missing or not a string)")
-    try:
-        cls = EVENT_TYPES[EventKind(kind)]
-    except ValueError:
+    cls = types.get(kind)
+    if cls is None:
         return EventError(f"unknown event kind {kind!r}", kind)
     args: dict[str, Any] = {}
     invalid: dict[str, Any] = {}
@@ -329,7 +406,7 @@ def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError
         if not ok:
             invalid[f.name] = value.get(f.name)
     extra = {str(k): v for k, v in value.items() if k not in known}
-    return cls(**args, invalid=invalid, extra=extra)  # type: ignore[return-value]
+    return cls(**args, invalid=invalid, extra=extra)
 
 
 def _clean(value: Any) -> Any:

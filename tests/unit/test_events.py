@@ -11,6 +11,7 @@ import pytest
 
 from worker.events import (
     EVENT_TYPES,
+    MAP_EVENT_TYPES,
     CheckpointEvent,
     CheckpointInvalidEvent,
     DigestEvent,
@@ -22,12 +23,19 @@ from worker.events import (
     EventLog,
     FinishedEvent,
     HeartbeatEvent,
+    MapErrorEvent,
+    MapEventKind,
+    MapFinishedEvent,
+    MapHeartbeatEvent,
+    MapProgressEvent,
+    MapStartedEvent,
     StartedEvent,
     StepEvent,
     WarningEvent,
     coerce_float,
     coerce_int,
     parse_event,
+    parse_map_event,
 )
 
 BASE = {"t": 1700000000.5, "run_id": "run-1", "rank": 1}
@@ -128,3 +136,34 @@ def test_a_line_that_is_no_event_is_an_event_error(line: str, reason: str, kind:
     parsed = parse_event(line)
     assert isinstance(parsed, EventError)
     assert parsed.reason.startswith(reason) and parsed.kind == kind
+
+
+MAP_T = {"t": 1700000000.5}
+MAP_FULL: dict[MapEventKind, Event] = {
+    MapEventKind.STARTED: MapStartedEvent(**MAP_T, pid=77, rows=40, ranges=[[0, 30], [50, 60]]),
+    MapEventKind.PROGRESS: MapProgressEvent(**MAP_T, done=10, rows=40, rows_per_s=2.5),
+    MapEventKind.HEARTBEAT: MapHeartbeatEvent(**MAP_T, done=10, pid=77),
+    MapEventKind.FINISHED: MapFinishedEvent(**MAP_T, done=40, seconds=16.0),
+    MapEventKind.ERROR: MapErrorEvent(**MAP_T, message="ValueError: bad row", traceback="Traceback ..."),
+}
+
+
+@pytest.mark.parametrize("kind", list(MapEventKind))
+def test_every_map_event_kind_round_trips(kind: MapEventKind) -> None:
+    assert set(MAP_EVENT_TYPES) == set(MapEventKind) == set(MAP_FULL)
+    event = MAP_FULL[kind]
+    line = json.dumps(event.to_json(), allow_nan=False)
+    assert parse_map_event(line) == event
+    # As worker.mapper prints it and the coordinator copies it (its `src`, the channel's `node` kept as extra).
+    printed = {"src": "event", "event": str(kind), **{k: v for k, v in event.to_json().items()
+                                                      if k not in ("run_id", "rank", "event")}, "node": "lin"}
+    parsed = parse_map_event(printed)
+    assert isinstance(parsed, type(event)) and parsed.extra == {"src": "event", "node": "lin"}
+
+
+def test_map_ranges_must_be_pairs_of_integers() -> None:
+    ok = parse_map_event({"event": "started", "ranges": [[0, 3.0]]})
+    assert isinstance(ok, MapStartedEvent) and ok.ranges == [[0, 3]]
+    bad = parse_map_event({"event": "started", "ranges": [[0]]})
+    assert isinstance(bad, MapStartedEvent) and bad.ranges is None and bad.invalid == {"ranges": [[0]]}
+    assert isinstance(parse_map_event({"event": "step"}), EventError)
