@@ -248,8 +248,8 @@ async def measure_rates(fleet: Fleet, pb: Playbook, names: Sequence[str], facts:
                 msg = json.loads(line)
                 if msg.get("src") == "bench":
                     rate = float(msg["examples_per_s"])
-                elif msg.get("event") == "error":
-                    error = str(msg.get("message"))
+                elif isinstance(event := parse_map_event(msg), MapErrorEvent):
+                    error = str(event.message)
         if rate is None or not rate > 0:
             raise MapError(f"{name}: calibration of the {pb.map.task if pb.map else ''} task failed: {error or 'no result'}")
         ui.message(f"{name}: {rate:.2f} examples/s (measured)")
