@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
+from worker.runconfig import ChaosSpec, DpoSpec, LoraSpec, RankSpec, RunConfig
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -133,43 +134,31 @@ def build_tmp_cleanup(run_id: str) -> str:
 
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> dict[str, Any]:
-    """The worker's run.json (identical on every node; each rank finds its node's run dir by its rank)."""
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> RunConfig:
+    """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
+    worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
+    `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node."""
     t = pb.train
-    return {
-        "run_id": run_id,
-        "model": pb.model,
-        "data": pb.data,
-        "method": t.method,
-        "iters": t.iters,
-        "learning_rate": t.learning_rate,
-        "optimizer": t.optimizer,
-        "max_seq_length": t.max_seq_length,
-        "grad_accumulation": t.grad_accumulation,
-        "grad_checkpoint": t.grad_checkpoint,
-        "packing": t.packing,
-        "train_embeddings": t.train_embeddings,
-        "num_layers": t.num_layers,
-        "save_every": t.save_every,
-        "steps_per_eval": t.steps_per_eval,
-        "val_batches": t.val_batches,
-        "seed": t.seed,
-        "keep_checkpoints": t.keep_checkpoints,
-        "lora": {"rank": t.lora.rank, "scale": t.lora.scale, "dropout": t.lora.dropout},
-        **({"dpo": {"beta": t.dpo.beta, "reference": t.dpo.reference, "fine_tune_type": t.dpo.fine_tune_type}}
-           if t.method == "dpo" else {}),
-        "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
-        "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
-        "resume": resume,
-        **({"restart_from_scratch": True} if restart_from_scratch else {}),
-        "heartbeat_s": 1.0,
-        "consistency_every": pb.faults.consistency_every,
+    if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
+        raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
+    return RunConfig(
+        run_id=run_id, model=pb.model, data=pb.data, method=t.method, iters=t.iters,
+        learning_rate=t.learning_rate, optimizer=t.optimizer, max_seq_length=t.max_seq_length,
+        grad_accumulation=t.grad_accumulation, grad_checkpoint=t.grad_checkpoint, packing=t.packing,
+        train_embeddings=t.train_embeddings, num_layers=t.num_layers,
+        lora=LoraSpec(rank=t.lora.rank, scale=t.lora.scale, dropout=t.lora.dropout),
+        dpo=DpoSpec(beta=t.dpo.beta, reference=t.dpo.reference, fine_tune_type=t.dpo.fine_tune_type)
+        if t.method == "dpo" else DpoSpec(),
+        save_every=t.save_every, steps_per_eval=t.steps_per_eval, val_batches=t.val_batches, seed=t.seed,
+        keep_checkpoints=t.keep_checkpoints,
+        ranks=tuple(RankSpec(rank=r.rank, node=r.node.name, batch_size=r.batch_size) for r in ranks),
+        run_dir=Path(), resume=resume, restart_from_scratch=restart_from_scratch, heartbeat_s=1.0,
+        consistency_every=pb.faults.consistency_every,
         # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
-        "fence": ({"factor": FENCE_OVER_STALL * pb.faults.stall_factor,
-                   "min_s": FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)}
-                  if pb.faults.fence else None),
-        "chaos": [c.to_json() for c in chaos],
-    }
+        fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
+               FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
+        chaos=tuple(ChaosSpec(kind=c.kind, rank=c.rank, step=c.step, factor=c.factor) for c in chaos),
+    )
 
 
 def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
@@ -467,7 +456,7 @@ class Launch:
                 await transport.run(["sh", "-c", rotate], timeout=30)
             # run.json holds the node's paths: 0600 in a 0700 dir, like everything the run writes there.
             written = await write_remote_files(transport, node, {
-                f"{run_dir}/run.json": (json.dumps({**config, "run_dir": run_dir}, indent=2), "600"),
+                f"{run_dir}/run.json": (json.dumps(replace(config, run_dir=Path(run_dir)).to_json(), indent=2), "600"),
                 f"{run_dir}/events/.keep": ("", "600"),
             }, dir_mode="700")
             resolved = os.path.dirname(written[f"{run_dir}/run.json"])
