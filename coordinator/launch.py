@@ -48,7 +48,7 @@ from coordinator.probe import shell_path
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
-from worker.runconfig import ChaosSpec, DpoSpec, LoraSpec, RankSpec, RunConfig
+from worker.runconfig import DpoSpec, LoraSpec, RankSpec, RunConfig
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -157,7 +157,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
         fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
                FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
-        chaos=tuple(ChaosSpec(kind=c.kind, rank=c.rank, step=c.step, factor=c.factor) for c in chaos),
+        chaos=tuple(chaos),
     )
 
 

@@ -160,3 +160,14 @@ def test_run_config_of_every_playbook_is_what_the_worker_parses(path: Path) -> N
         assert (parsed.resume, parsed.restart_from_scratch, len(parsed.chaos)) == (resume, scratch, len(drills))
         assert parsed.fence is not None if pb.faults.fence else parsed.fence is None
         assert parsed.digest() == expanded.digest()
+
+
+def test_chaos_spec_parses_into_the_workers_record() -> None:
+    """One record for a planned fault: `--chaos` parses into worker.runconfig.ChaosSpec, as run.json carries it."""
+    from coordinator.chaos import parse_chaos
+    from coordinator.errors import ConfigError
+    from worker.runconfig import ChaosSpec
+
+    assert parse_chaos("slow:rank=1,factor=3", world_size=2) == ChaosSpec(kind="slow", rank=1, step=1, factor=3.0)
+    with pytest.raises(ConfigError, match="not a rank of this job"):
+        parse_chaos("kill:rank=2", world_size=2)
