@@ -45,6 +45,7 @@ from coordinator.monitor import (
 )
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
+from coordinator.rundir import FORMAT, META, PLAN, SUMMARY, MetaRank, RunMeta, SummaryBase
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
@@ -289,34 +290,24 @@ def write_private(path: Path, text: str, *, mode: int = 0o600) -> None:
 # --- the summary -----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RunSummary:
-    run_id: str
+@dataclass(kw_only=True)
+class RunSummary(SummaryBase):
+    """A training run's summary.json: the common part (rundir.SummaryBase) and a training run's own."""
+
     state: RunState
     steps: int
-    nodes: list[dict[str, Any]]
-    split: dict[str, float]
-    incidents: list[Incident] = field(default_factory=list)
     checkpoint: str | None = None
     tokens_per_s: float | None = None  # the run's: median over its steps of all ranks' tokens / step wall time
-    run_dir: str = ""
-    message: str = ""
     attempts: int = 1
     recoveries: list[dict[str, Any]] = field(default_factory=list)
-    quarantined: list[str] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.resume.ResumeDecision)
-    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
-                "nodes": self.nodes, "split": self.split, "incidents": [i.to_json() for i in self.incidents],
-                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
-                "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
-                "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined, "resumed_from": self.resumed_from,
-                "degraded": bool(self.left_out), "left_out": self.left_out}
+        return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
+                "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "attempts": self.attempts, "recoveries": self.recoveries, "resumed_from": self.resumed_from}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -490,7 +481,7 @@ class Launch:
         if self.pb.path:
             text = current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8"))
             write_private(self.run_dir / "playbook.yaml", str(text))
-        write_private(self.run_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
+        write_private(self.run_dir / PLAN, json.dumps({"format": FORMAT, **plan_json}, indent=2) + "\n")
         hostfile = self.run_dir / "hostfile.json"
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
         ssh_config = self.run_dir / "ssh_config"
@@ -518,17 +509,15 @@ class Launch:
 
     def write_meta(self) -> None:
         """runs/<id>/meta.json: what `coordinator attach|stop RUN_ID` needs to find this attempt again."""
-        meta = {
-            "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory_path, "nodes": self.nodes,
-            "playbook": str(Path(self.pb.path).resolve()) if self.pb.path else None,
-            "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size,
-                       "calibrated_tokens_per_s": r.calibrated_tokens_per_s} for r in self.ranks],
-            "remote_run_dirs": self.remote_run_dirs, "remote_tmp_dir": self.remote_tmp,
-            "launcher_pid": self.launcher.pid if self.launcher else None,
-            "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
-            "left_out": self.left_out, "drill": self.drill, "restart_from_scratch": self.restart_from_scratch,
-        }
-        write_private(self.run_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
+        meta = RunMeta(
+            run_id=self.run_id, attempt=self.attempt, inventory=self.inventory_path, nodes=tuple(self.nodes),
+            playbook=str(Path(self.pb.path).resolve()) if self.pb.path else None,
+            ranks=tuple(MetaRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks),
+            remote_run_dirs=dict(self.remote_run_dirs), remote_tmp_dir=self.remote_tmp,
+            launcher_pid=self.launcher.pid if self.launcher else None,
+            coordinator_pid=os.getpid(), split={r.node.name: r.batch_size for r in self.ranks},
+            left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch)
+        write_private(self.run_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
         """Feed the monitor what `worker.follow` on the node reports, over the node's own connection. A channel
@@ -801,7 +790,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:
-    path = run_dir / "summary.json"
+    path = run_dir / SUMMARY
     # Evidence can quote a traceback or an env: the active redactor blanks every secret the run knows of.
     write_private(path, json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n")
     return path

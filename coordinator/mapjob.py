@@ -44,6 +44,7 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
+from coordinator.rundir import SummaryBase
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
@@ -168,31 +169,22 @@ class NodeWork:
         return sum(b - a for a, b in self.assigned)
 
 
-@dataclass
-class MapSummary:
-    run_id: str
-    state: str  # succeeded | failed | stopped
+@dataclass(kw_only=True)
+class MapSummary(SummaryBase):
+    """A map run's summary.json: the common part (rundir.SummaryBase; state succeeded | failed | stopped) and a
+    map run's own."""
+
     rows: int
     rows_done: int
-    nodes: list[dict[str, Any]]
-    split: dict[str, float]
-    incidents: list[Incident] = field(default_factory=list)
     output: str | None = None
     manifest: str | None = None
     finish_spread: float | None = None
-    run_dir: str = ""
-    message: str = ""
-    quarantined: list[str] = field(default_factory=list)
     reassignments: list[dict[str, Any]] = field(default_factory=list)
-    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "kind": "map", "state": self.state, "rows": self.rows,
-                "rows_done": self.rows_done, "steps": self.rows_done, "nodes": self.nodes, "split": self.split,
-                "incidents": [i.to_json() for i in self.incidents], "output": self.output, "manifest": self.manifest,
-                "finish_spread": self.finish_spread, "run_dir": self.run_dir, "message": self.message,
-                "quarantined": self.quarantined, "reassignments": self.reassignments,
-                "degraded": bool(self.left_out), "left_out": self.left_out}
+        return {**self.base_json(), "kind": "map", "rows": self.rows, "rows_done": self.rows_done,
+                "steps": self.rows_done, "output": self.output, "manifest": self.manifest,
+                "finish_spread": self.finish_spread, "reassignments": self.reassignments}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
+from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -76,6 +77,7 @@ def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         problems.append(f"{path.name} is not a JSON object")
         return None
+    check_format(value, str(path))  # a newer format than this coordinator reads: an error naming both versions
     return value
 
 
@@ -106,18 +108,18 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
         raise ReportError(f"{run_id!r} is not a run id (a directory name under {run_root}/)")
     run_dir = run_root / run_id
     if not run_dir.is_dir():
-        known = sorted(p.name for p in run_root.iterdir() if (p / "events.jsonl").exists() or
-                       (p / "summary.json").exists()) if run_root.is_dir() else []
+        known = sorted(p.name for p in run_root.iterdir() if (p / EVENTS).exists() or
+                       (p / SUMMARY).exists()) if run_root.is_dir() else []
         hint = f"; runs there: {', '.join(known[-5:])}" if known else ""
         raise ReportError(f"no run {run_id!r}: {run_dir} is not a directory{hint}")
-    names = ("summary.json", "plan.json", "events.jsonl")
+    names = (SUMMARY, PLAN, EVENTS)
     if not any((run_dir / n).is_file() for n in names):
         raise ReportError(f"{run_dir} is not a run directory: it has none of {', '.join(names)}")
     problems: list[str] = []
-    summary = _read_json_object(run_dir / "summary.json", problems)
-    plan = _read_json_object(run_dir / "plan.json", problems)
+    summary = _read_json_object(run_dir / SUMMARY, problems)
+    plan = _read_json_object(run_dir / PLAN, problems)
     events: list[dict[str, Any]] = []
-    events_path = run_dir / "events.jsonl"
+    events_path = run_dir / EVENTS
     if events_path.is_file():
         try:
             events, bad = parse_events(events_path.read_text(encoding="utf-8", errors="replace"))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
+from coordinator.rundir import MANIFEST, MAP_PLAN
 from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
 
@@ -58,13 +59,13 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
     plan: dict[str, Any] = {}
     try:
-        plan = json.loads((run_dir / "map.json").read_text(encoding="utf-8"))
+        plan = json.loads((run_dir / MAP_PLAN).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         problems.append("map.json is missing or unreadable")
     manifest = None
-    if (run_dir / "manifest.json").is_file():
+    if (run_dir / MANIFEST).is_file():
         try:
-            manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+            manifest = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
         except ValueError:
             problems.append("manifest.json is unreadable")
     nodes = [MapNodeRow(str(n.get("name")), str(n.get("state")), int(n.get("rows") or 0), int(n.get("rows_done") or 0),

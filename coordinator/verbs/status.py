@@ -34,6 +34,7 @@ from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, R
 from coordinator.models import Inventory, Node
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
+from coordinator.rundir import EVENTS, META, SUMMARY, RunMeta, parse_meta, read_json_object
 from coordinator.transport import Fleet
 from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
 
@@ -234,12 +235,14 @@ class RunEvents:
                 self.bad_lines += 1
 
 
-def build_run_status(run_id: str, meta: Mapping[str, Any], summary: Mapping[str, Any] | None, events: RunEvents,
-                     now: float, *, iters: int | None = None) -> RunStatus:
-    """A run from its meta.json, summary.json (None while it runs) and folded events. `now` is wall-clock
-    (events carry the worker's `t` in unix time)."""
-    planned = [(int(r["rank"]), str(r["node"])) for r in meta.get("ranks") or []
-               if isinstance(r, Mapping) and _int(r.get("rank")) is not None and "node" in r]
+def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Mapping[str, Any] | None,
+                     events: RunEvents, now: float, *, iters: int | None = None) -> RunStatus:
+    """A run from its meta.json (`RunMeta`, or its decoded JSON), summary.json (None while it runs) and folded
+    events. `now` is wall-clock (events carry the worker's `t` in unix time). ConfigError for a meta.json no
+    reader can use (coordinator.rundir.parse_meta)."""
+    if not isinstance(meta, RunMeta):
+        meta = parse_meta(meta, default_run_id=run_id)
+    planned = [(r.rank, r.node) for r in meta.ranks]
     ranks = []
     for rank, node in sorted(planned):
         seen = events.ranks.get((rank, node))
@@ -249,11 +252,12 @@ def build_run_status(run_id: str, meta: Mapping[str, Any], summary: Mapping[str,
         age = None if seen.last_t is None else max(0.0, now - seen.last_t)
         ranks.append(RankStatus(rank=rank, node=node, state=seen.state, step=seen.step,
                                 tokens_per_s=seen.tokens_per_s, loss=seen.loss, last_heartbeat_age_s=age))
-    nodes = tuple(str(n) for n in meta.get("nodes") or dict.fromkeys(node for _, node in planned))
+    nodes = meta.nodes
     state = str(summary.get("state", "unknown")) if summary is not None else "running"
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
                      incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
-                     left_out=parse_left_out(summary if summary is not None and "left_out" in summary else meta))
+                     left_out=parse_left_out(summary) if summary is not None and "left_out" in summary
+                     else tuple((x["node"], x["reason"]) for x in meta.left_out))
 
 
 def parse_left_out(doc: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -284,14 +288,6 @@ def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
     if end < 0:
         return [], offset
     return data[: end + 1].decode("utf-8", errors="replace").splitlines(), offset + end + 1
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _playbook_iters(run_dir: Path) -> int | None:
@@ -327,7 +323,7 @@ class RunWatcher:
             return []
         for child in children:
             try:
-                found.append(((child / "meta.json").stat().st_mtime, child))
+                found.append(((child / META).stat().st_mtime, child))
             except OSError:
                 continue
         return [p for _, p in sorted(found, key=lambda x: x[0], reverse=True)[: self.limit]]
@@ -337,17 +333,20 @@ class RunWatcher:
         now = time.time() if now is None else now
         runs: list[RunStatus] = []
         for run_dir in self._recent_dirs():
-            meta = _read_json(run_dir / "meta.json")
+            try:
+                doc = read_json_object(run_dir / META)
+                meta = parse_meta(doc, name=str(run_dir / META), default_run_id=run_dir.name) if doc else None
+                summary = read_json_object(run_dir / SUMMARY) if (run_dir / SUMMARY).exists() else None
+            except ConfigError:  # a newer format, or a meta.json no reader can use: not this version's to show
+                continue
             if meta is None:
                 continue
-            summary = _read_json(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
             tracked = self._tracked.get(run_dir.name)
             if tracked is None:
                 tracked = self._tracked[run_dir.name] = _Tracked(RunEvents(), iters=_playbook_iters(run_dir))
-            lines, tracked.offset = read_new_lines(run_dir / "events.jsonl", tracked.offset)
+            lines, tracked.offset = read_new_lines(run_dir / EVENTS, tracked.offset)
             tracked.events.feed_lines(lines)
-            runs.append(build_run_status(str(meta.get("run_id") or run_dir.name), meta, summary, tracked.events, now,
-                                         iters=tracked.iters))
+            runs.append(build_run_status(meta.run_id, meta, summary, tracked.events, now, iters=tracked.iters))
         return runs
 
 

@@ -1,0 +1,181 @@
+"""The coordinator's run directory, `runs/<run-id>/`: its file names, the format of the JSON files it writes
+there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
+runs alike). Pure but for `read_json_object`, `read_meta` and `write_meta`.
+
+Format: summary.json, meta.json and plan.json carry `"format": FORMAT`. A file without it was written before the
+key existed (format 1: the same vocabulary) and reads as before; a file of a newer format than this coordinator
+knows is refused with a message naming both versions (`RunFileFormatError`, exit 2), never misread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import ConfigError
+from coordinator.monitor import Incident
+
+# --- layout ----------------------------------------------------------------------------------------------------
+
+SUMMARY = "summary.json"  # the run's outcome (train: launch.RunSummary; map: mapjob.MapSummary)
+META = "meta.json"  # the current attempt, for attach/stop/status (RunMeta)
+PLAN = "plan.json"  # the training plan: split, batches, calibrated rates (job.py)
+EVENTS = "events.jsonl"  # every rank event (with its node) and every coordinator record, all attempts
+MAP_PLAN = "map.json"  # a map run's plan (its shards)
+MANIFEST = "manifest.json"  # a map run's output manifest
+PLAYBOOK = "playbook.yaml"  # the playbook as launched (secrets redacted)
+HOSTFILE = "hostfile.json"
+LAUNCHER_LOG = "launcher.log"
+LAUNCHER_ARGV = "launcher.argv"
+SSH_CONFIG = "ssh_config"
+
+FORMAT = 2  # of summary.json, meta.json, plan.json; 1 = written before the `format` key
+
+
+class RunFileFormatError(ConfigError):
+    """A run file of a format this coordinator does not read (newer, or not a format number)."""
+
+
+def check_format(doc: Mapping[str, Any], name: str) -> int:
+    """The format of a decoded run file (`name` for the message): 1 without the key; raises
+    `RunFileFormatError` for a newer or malformed one."""
+    raw = doc.get("format", 1)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise RunFileFormatError(f"{name}: format {raw!r} is not a format number (this coordinator reads 1-{FORMAT})")
+    if raw > FORMAT:
+        raise RunFileFormatError(f"{name} is format {raw}, newer than this coordinator reads (1-{FORMAT}): "
+                                 "upgrade mlx-coordinator to read this run")
+    return raw
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A run file's JSON object, format-checked; None when it is missing, unreadable or not an object (callers
+    say so in their own words); `RunFileFormatError` when it is of a format this coordinator does not read."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    check_format(value, str(path))
+    return value
+
+
+# --- meta.json ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetaRank:
+    rank: int
+    node: str
+    batch_size: int | None = None  # None: a hand-written or partial meta.json (status shows it all the same)
+    calibrated_tokens_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "batch_size": self.batch_size,
+                "calibrated_tokens_per_s": self.calibrated_tokens_per_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMeta:
+    """meta.json: what `coordinator attach|stop|status` needs to find the current attempt again."""
+
+    run_id: str
+    attempt: int = 0
+    inventory: str | None = None
+    nodes: tuple[str, ...] = ()
+    playbook: str | None = None
+    ranks: tuple[MetaRank, ...] = ()
+    remote_run_dirs: Mapping[str, str] = field(default_factory=dict)
+    remote_tmp_dir: str | None = None
+    launcher_pid: int | None = None
+    coordinator_pid: int | None = None
+    split: Mapping[str, int] = field(default_factory=dict)
+    left_out: tuple[Mapping[str, str], ...] = ()  # {node, reason}
+    drill: bool = False
+    restart_from_scratch: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory,
+                "nodes": list(self.nodes), "playbook": self.playbook, "ranks": [r.to_json() for r in self.ranks],
+                "remote_run_dirs": dict(self.remote_run_dirs), "remote_tmp_dir": self.remote_tmp_dir,
+                "launcher_pid": self.launcher_pid, "coordinator_pid": self.coordinator_pid,
+                "split": dict(self.split), "left_out": [dict(x) for x in self.left_out], "drill": self.drill,
+                "restart_from_scratch": self.restart_from_scratch}
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str = "") -> RunMeta:
+    """A decoded meta.json -> `RunMeta`. Lenient where a reader can do without (a rank without a batch size, a
+    missing pid); `ConfigError` naming the file for what no reader can (a rank without its number or node) and
+    `RunFileFormatError` for a newer format."""
+    check_format(doc, name)
+    ranks = []
+    for i, r in enumerate(doc.get("ranks") or []):
+        if not isinstance(r, Mapping) or _opt_int(r.get("rank")) is None or not isinstance(r.get("node"), str):
+            raise ConfigError(f"{name}: ranks[{i}] must be an object with an integer rank and a node name")
+        rate = r.get("calibrated_tokens_per_s")
+        ranks.append(MetaRank(int(r["rank"]), str(r["node"]), _opt_int(r.get("batch_size")),
+                              float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None))
+    nodes_raw = doc.get("nodes")
+    nodes = tuple(str(n) for n in nodes_raw) if isinstance(nodes_raw, list) \
+        else tuple(dict.fromkeys(r.node for r in ranks))
+    left_raw = doc.get("left_out")
+    left_out = tuple({"node": str(x["node"]), "reason": str(x.get("reason", ""))}
+                     for x in left_raw if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else ()
+    dirs, split = doc.get("remote_run_dirs"), doc.get("split")
+    return RunMeta(
+        run_id=str(doc.get("run_id") or default_run_id), attempt=_opt_int(doc.get("attempt")) or 0,
+        inventory=doc["inventory"] if isinstance(doc.get("inventory"), str) else None, nodes=nodes,
+        playbook=doc["playbook"] if isinstance(doc.get("playbook"), str) else None, ranks=tuple(ranks),
+        remote_run_dirs={str(k): str(v) for k, v in dirs.items()} if isinstance(dirs, Mapping) else {},
+        remote_tmp_dir=doc["remote_tmp_dir"] if isinstance(doc.get("remote_tmp_dir"), str) else None,
+        launcher_pid=_opt_int(doc.get("launcher_pid")), coordinator_pid=_opt_int(doc.get("coordinator_pid")),
+        split={str(k): v for k, v in split.items() if _opt_int(v) is not None} if isinstance(split, Mapping) else {},
+        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")))
+
+
+def read_meta(run_dir: Path) -> RunMeta:
+    """runs/<id>/meta.json, for attach and stop: ConfigError (exit 2) when it is missing or unreadable."""
+    path = run_dir / META
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"no run at {run_dir} (missing {META}): see `ls {run_dir.parent}`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"unreadable run metadata: {exc}", path=str(path)) from None
+    if not isinstance(doc, dict):
+        raise ConfigError("unreadable run metadata: not a JSON object", path=str(path))
+    return parse_meta(doc, name=str(path), default_run_id=run_dir.name)
+
+
+# --- summary.json ------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SummaryBase:
+    """What the summary.json of every run kind says (launch.RunSummary and mapjob.MapSummary add their own)."""
+
+    run_id: str
+    state: str
+    nodes: list[dict[str, Any]]
+    split: dict[str, float]
+    incidents: list[Incident] = field(default_factory=list)
+    run_dir: str = ""
+    message: str = ""
+    quarantined: list[str] = field(default_factory=list)
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
+
+    def base_json(self) -> dict[str, Any]:
+        # str(state): a RunState writes its word, never an enum's repr.
+        return {"format": FORMAT, "run_id": self.run_id, "state": str(self.state), "nodes": self.nodes,
+                "split": self.split, "incidents": [i.to_json() for i in self.incidents], "run_dir": self.run_dir,
+                "message": self.message, "quarantined": self.quarantined, "degraded": bool(self.left_out),
+                "left_out": self.left_out}
+

@@ -1,0 +1,105 @@
+"""The run directory's contract (coordinator.rundir): meta.json round-trips through its typed record, files of
+the previous format (no `format` key) still read, a newer format is refused with both versions named, and the
+summary of train and map runs shares one base."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.errors import ConfigError
+from coordinator.launch import RunSummary
+from coordinator.mapjob import MapSummary
+from coordinator.monitor import Action, Incident, IncidentKind, RunState
+from coordinator.report import ReportError, read_run_files
+from coordinator.rundir import (
+    FORMAT,
+    META,
+    SUMMARY,
+    MetaRank,
+    RunFileFormatError,
+    RunMeta,
+    SummaryBase,
+    check_format,
+    parse_meta,
+    read_json_object,
+    read_meta,
+)
+from coordinator.verbs.status import RunWatcher
+
+META_RECORD = RunMeta(
+    run_id="r1", attempt=1, inventory="/inv.yaml", nodes=("mac", "lin"), playbook="/pb.yaml",
+    ranks=(MetaRank(0, "mac", 3, 300.0), MetaRank(1, "lin", 1, None)), remote_run_dirs={"mac": "~/runs/r1/mac"},
+    remote_tmp_dir="/tmp/mlxc-r1-ab", launcher_pid=123, coordinator_pid=456, split={"mac": 3, "lin": 1},
+    left_out=({"node": "old", "reason": "quarantined"},), drill=True, restart_from_scratch=True)
+# meta.json as the coordinator wrote it before the `format` key (format 1).
+OLD_META = {k: v for k, v in META_RECORD.to_json().items() if k != "format"}
+
+
+def test_meta_round_trips_through_its_json() -> None:
+    doc = json.loads(json.dumps(META_RECORD.to_json()))
+    assert doc["format"] == FORMAT
+    assert parse_meta(doc) == META_RECORD
+
+
+def test_a_meta_json_of_the_previous_format_still_reads(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / META).write_text(json.dumps(OLD_META))
+    assert check_format(OLD_META, META) == 1
+    assert read_meta(run) == META_RECORD
+
+
+def test_a_newer_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / META).write_text(json.dumps({**OLD_META, "format": FORMAT + 1}))
+    with pytest.raises(RunFileFormatError, match=f"format {FORMAT + 1}, newer than this coordinator reads \\(1-{FORMAT}\\)"):
+        read_meta(run)
+    with pytest.raises(RunFileFormatError, match="not a format number"):
+        check_format({"format": "2"}, META)
+    # status leaves such a run out rather than misreading it (or failing the whole table)
+    assert RunWatcher(tmp_path).scan(now=0.0) == []
+
+
+def test_report_of_a_newer_summary_is_a_clear_error(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / SUMMARY).write_text(json.dumps({"format": FORMAT + 1, "state": "succeeded"}))
+    with pytest.raises(RunFileFormatError, match=f"summary.json is format {FORMAT + 1}"):
+        read_run_files(tmp_path, "r1")
+    result = CliRunner().invoke(main, ["report", "r1", "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2 and f"format {FORMAT + 1}" in result.output and "Traceback" not in result.output
+
+
+def test_an_old_summary_still_reads(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / SUMMARY).write_text(json.dumps({"run_id": "r1", "state": "succeeded", "steps": 2}))
+    assert read_json_object(run / SUMMARY) == {"run_id": "r1", "state": "succeeded", "steps": 2}
+    assert read_run_files(tmp_path, "r1").summary == {"run_id": "r1", "state": "succeeded", "steps": 2}
+    with pytest.raises(ReportError, match="no run 'r2'"):
+        read_run_files(tmp_path, "r2")
+
+
+def test_a_meta_rank_without_its_number_is_an_error_naming_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"meta.json: ranks\[1\]"):
+        parse_meta({**OLD_META, "ranks": [{"rank": 0, "node": "mac"}, {"node": "lin"}]})
+
+
+def test_train_and_map_summaries_share_one_base() -> None:
+    inc = Incident(kind=IncidentKind.CRASH, node="lin", rank=1, step=3, detected_after_s=0.5, evidence={},
+                   action=Action.QUARANTINE, t=1.0)
+    common = {"run_id": "r1", "nodes": [{"name": "mac"}], "split": {"mac": 1.0}, "incidents": [inc],
+              "run_dir": "runs/r1", "message": "m", "quarantined": ["lin"], "left_out": [{"node": "x", "reason": "y"}]}
+    train = RunSummary(state=RunState.FAILED, steps=3, **common)  # type: ignore[arg-type]
+    mapped = MapSummary(state="failed", rows=10, rows_done=4, **common)  # type: ignore[arg-type]
+    base = SummaryBase(state="failed", **common).base_json()  # type: ignore[arg-type]
+    assert base["format"] == FORMAT and base["degraded"] is True and base["incidents"][0]["kind"] == "crash"
+    for summary in (train.to_json(), mapped.to_json()):
+        assert {k: summary[k] for k in base} == base
+    assert (train.to_json()["steps"], mapped.to_json()["kind"], mapped.to_json()["steps"]) == (3, "map", 4)
