@@ -26,7 +26,7 @@ from coordinator.models import Inventory
 from coordinator.monitor import RunState
 from coordinator.playbook import Playbook, load_playbook
 from coordinator.quarantine import QuarantineStore
-from coordinator.rundir import META, SUMMARY, RunMeta, read_json_object, read_meta
+from coordinator.rundir import HOSTFILE, META, PLAYBOOK, SUMMARY, RunMeta, read_json_object, read_meta
 from coordinator.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
@@ -35,7 +35,7 @@ STOP_WAIT_S = 120.0  # how long `coordinator stop` waits for a live coordinator 
 
 def _playbook(run_dir: Path, meta: RunMeta) -> Playbook:
     playbook_path = meta.playbook
-    return load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / "playbook.yaml")
+    return load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / PLAYBOOK)
 
 
 def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playbook,
@@ -44,7 +44,7 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playb
     if any(r.batch_size is None for r in meta.ranks):
         raise ConfigError(f"{run_dir / META}: a rank has no batch_size: the run cannot be adopted")
     ranks = [RankPlan(r.rank, by_name[r.node], r.batch_size or 0, r.calibrated_tokens_per_s) for r in meta.ranks]
-    hostfile = Hostfile.from_json(json.loads((run_dir / "hostfile.json").read_text(encoding="utf-8")))
+    hostfile = Hostfile.from_json(json.loads((run_dir / HOSTFILE).read_text(encoding="utf-8")))
     launch = Launch(fleet, pb, ranks, hostfile, {}, run_id=meta.run_id, run_dir=run_dir, view=view,
                     attempt=meta.attempt)
     launch.remote_run_dirs = dict(meta.remote_run_dirs)

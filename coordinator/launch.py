@@ -45,7 +45,21 @@ from coordinator.monitor import (
 )
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
-from coordinator.rundir import FORMAT, META, PLAN, SUMMARY, MetaRank, RunMeta, SummaryBase
+from coordinator.rundir import (
+    EVENTS,
+    FORMAT,
+    HOSTFILE,
+    LAUNCHER_ARGV,
+    LAUNCHER_LOG,
+    META,
+    PLAN,
+    PLAYBOOK,
+    SSH_CONFIG,
+    SUMMARY,
+    MetaRank,
+    RunMeta,
+    SummaryBase,
+)
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
@@ -413,7 +427,7 @@ class Launch:
         self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
-        self.events_file = run_dir / "events.jsonl"
+        self.events_file = run_dir / EVENTS
 
     def split(self) -> dict[str, float]:
         """Each node's share of the global batch in this attempt."""
@@ -480,17 +494,17 @@ class Launch:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.pb.path:
             text = current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8"))
-            write_private(self.run_dir / "playbook.yaml", str(text))
+            write_private(self.run_dir / PLAYBOOK, str(text))
         write_private(self.run_dir / PLAN, json.dumps({"format": FORMAT, **plan_json}, indent=2) + "\n")
-        hostfile = self.run_dir / "hostfile.json"
+        hostfile = self.run_dir / HOSTFILE
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
-        ssh_config = self.run_dir / "ssh_config"
+        ssh_config = self.run_dir / SSH_CONFIG
         write_private(ssh_config, build_ssh_config([r.node for r in self.ranks]))
         bindir = self.run_dir / "bin"
         bindir.mkdir(mode=0o700, exist_ok=True)
         real_ssh = _which("ssh") or "/usr/bin/ssh"
         write_private(bindir / "ssh", build_ssh_wrapper(ssh_config.resolve(), real_ssh), mode=0o700)
-        for name in ("events.jsonl", "launcher.log"):  # appended to later: created 0600 now
+        for name in (EVENTS, LAUNCHER_LOG):  # appended to later: created 0600 now
             os.close(os.open(self.run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         return hostfile
 
@@ -501,10 +515,10 @@ class Launch:
         env["PATH"] = f"{(self.run_dir / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}"
         argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, self.remote_tmp,
                                    pick_port(len(self.ranks) * 2), {})
-        write_private(self.run_dir / "launcher.argv", shlex.join(argv) + "\n")
+        write_private(self.run_dir / LAUNCHER_ARGV, shlex.join(argv) + "\n")
         if self._launcher_stdin is not None:
             os.close(self._launcher_stdin)
-        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / "launcher.log", env)
+        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / LAUNCHER_LOG, env)
         self.write_meta()
 
     def write_meta(self) -> None:
@@ -645,7 +659,7 @@ class Launch:
                 if after is AfterLauncherExit.FAILED:
                     # mlx.launch exited (it always exits 0) but not every rank finished and nothing else explains
                     # it: the exit itself is the failure.
-                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / "launcher.log"))
+                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / LAUNCHER_LOG))
                     self._record_incident(sink, incident)
                     return mon
                 if after is AfterLauncherExit.RESOLVE:

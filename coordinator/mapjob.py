@@ -44,7 +44,7 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
-from coordinator.rundir import SummaryBase
+from coordinator.rundir import EVENTS, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
@@ -284,7 +284,7 @@ class MapRun:
         self.reassignments: list[dict[str, Any]] = []
         self.parts = run_dir / "parts"
         self.parts.mkdir(parents=True, exist_ok=True)
-        self.events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
+        self.events = (run_dir / EVENTS).open("a", encoding="utf-8")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.started = time.monotonic()
         self.log = structlog.get_logger("coordinator.mapjob")
@@ -448,7 +448,7 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
-    with run_context(inv, pb, opts, resume_marker="map.json", ui=ui) as (run_id, run_dir):
+    with run_context(inv, pb, opts, resume_marker=MAP_PLAN, ui=ui) as (run_id, run_dir):
         return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {}, left_out)
 
 
@@ -481,8 +481,8 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
         split = {n: (c / total if total else 0.0) for n, c in zip(names, counts, strict=True)}
         plan = {"rows": total, "input": input_path(pb), "task": pb.map.model_dump(), "rates": rates, "split": split,
                 "shards": {n: [list(r) for r in rs] for n, rs in given.items()}, "resumed": bool(opts.resume)}
-        (run_dir / "map.json").write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
-        (run_dir / "playbook.yaml").write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
+        (run_dir / MAP_PLAN).write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
+        (run_dir / PLAYBOOK).write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
                                                encoding="utf-8")
         ui.message("shards: " + ", ".join(f"{n} {sum(b - a for a, b in rs)} rows ({100 * split[n]:.1f}%)"
                                           for n, rs in given.items()))
@@ -529,8 +529,8 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
         manifest = {"run_id": run_id, "rows": total, "output": str(out), "sha256": digest,
                     "input": input_path(pb), "task": pb.map.task if pb.map else None,
                     "rows_by_node": {k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())}}
-        (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        summary.output, summary.manifest, summary.state = str(out), str(run_dir / "manifest.json"), "succeeded"
+        (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        summary.output, summary.manifest, summary.state = str(out), str(run_dir / MANIFEST), "succeeded"
         if pb.map is not None and pb.map.output:
             dest = Path(pb.map.output)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -538,7 +538,7 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
             summary.output = str(dest)
     elif not stopped:
         summary.message = f"{total - summary.rows_done} of {total} rows not done"
-    (run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
+    (run_dir / SUMMARY).write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
     return summary
 
 

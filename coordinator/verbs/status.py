@@ -34,7 +34,7 @@ from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, R
 from coordinator.models import Inventory, Node
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
-from coordinator.rundir import EVENTS, META, SUMMARY, RunMeta, parse_meta, read_json_object
+from coordinator.rundir import EVENTS, META, PLAYBOOK, SUMMARY, RunMeta, parse_meta, read_json_object
 from coordinator.transport import Fleet
 from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
 
@@ -292,7 +292,7 @@ def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
 
 def _playbook_iters(run_dir: Path) -> int | None:
     try:
-        doc = yaml.safe_load((run_dir / "playbook.yaml").read_text(encoding="utf-8"))
+        doc = yaml.safe_load((run_dir / PLAYBOOK).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return None
     train = doc.get("train") if isinstance(doc, dict) else None
