@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
-from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format
+from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -378,14 +378,13 @@ def build_report(files: RunFiles) -> Report:
     if not raw_incidents and isinstance(summary.get("incidents"), list):
         raw_incidents = [(i, 0) for i in summary["incidents"] if isinstance(i, Mapping)]
     incidents = []
-    for inc, attempt in raw_incidents:
-        inc_node = _str(inc, "node") or "?"
-        inc_step = _int(inc, "step")
+    for raw, attempt in raw_incidents:
+        inc = parse_incident_record(raw)
+        inc_node = inc.node or "?"
         incidents.append(IncidentRow(
-            attempt=attempt, kind=_str(inc, "kind") or "?", node=inc_node, rank=_int(inc, "rank"), step=inc_step,
-            action=_str(inc, "action") or "?", detected_after_s=_num(inc, "detected_after_s"),
-            evidence=_evidence_text(inc.get("evidence")),
-            t_wall=_wall_time_of(inc_step, attempt, series, inc_node, attempt_start.get(attempt))))
+            attempt=attempt, kind=inc.kind or "?", node=inc_node, rank=inc.rank, step=inc.step,
+            action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
+            t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
     n_attempts = max([*attempts_of, 0]) + 1 if events else (_int(summary, "attempts") or 1)
     attempts = []

@@ -17,6 +17,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError
 from coordinator.monitor import Incident
+from worker.events import coerce_float, coerce_int
 
 # --- layout ----------------------------------------------------------------------------------------------------
 
@@ -179,3 +180,34 @@ class SummaryBase:
                 "message": self.message, "quarantined": self.quarantined, "degraded": bool(self.left_out),
                 "left_out": self.left_out}
 
+
+
+# --- incident records (events.jsonl's `incident` lines, summary.json's `incidents`) --------------------------------
+
+
+@dataclass(frozen=True)
+class IncidentRecord:
+    """An incident as written by `monitor.Incident.to_json` (plus `attempt` on its events.jsonl line), read back
+    under the events' number rule (worker.events). Absent or mistyped fields are None: each reader shows its
+    own placeholder. `evidence` is whatever JSON value was written (an object, or text in older files)."""
+
+    kind: str | None = None
+    node: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    action: str | None = None
+    detected_after_s: float | None = None
+    evidence: Any = None
+    t: float | None = None
+    attempt: int | None = None
+
+
+def parse_incident_record(doc: Mapping[str, Any]) -> IncidentRecord:
+    def text(key: str) -> str | None:
+        value = doc.get(key)
+        return value if isinstance(value, str) else None
+
+    return IncidentRecord(kind=text("kind"), node=text("node"), rank=coerce_int(doc.get("rank")),
+                          step=coerce_int(doc.get("step")), action=text("action"),
+                          detected_after_s=coerce_float(doc.get("detected_after_s")), evidence=doc.get("evidence"),
+                          t=coerce_float(doc.get("t")), attempt=coerce_int(doc.get("attempt")))

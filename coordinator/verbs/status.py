@@ -34,7 +34,16 @@ from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, R
 from coordinator.models import Inventory, Node
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
-from coordinator.rundir import EVENTS, META, PLAYBOOK, SUMMARY, RunMeta, parse_meta, read_json_object
+from coordinator.rundir import (
+    EVENTS,
+    META,
+    PLAYBOOK,
+    SUMMARY,
+    RunMeta,
+    parse_incident_record,
+    parse_meta,
+    read_json_object,
+)
 from coordinator.transport import Fleet
 from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
 
@@ -189,13 +198,12 @@ class RunEvents:
     bad_lines: int = 0
 
     def feed(self, record: Mapping[str, Any]) -> None:
-        kind = record.get("event")
-        if kind == "incident":
-            name = str(record.get("kind", "unknown"))
+        if record.get("event") == "incident":
+            inc = parse_incident_record(record)
+            name = inc.kind or "unknown"
             self.incident_counts[name] += 1
-            self.incidents.append(IncidentNote(name, str(record.get("node", "?")), _int(record.get("rank")),
-                                               _int(record.get("step")), str(record.get("action", "")),
-                                               str(record.get("evidence", ""))[:200]))
+            self.incidents.append(IncidentNote(name, inc.node or "?", inc.rank, inc.step, inc.action or "",
+                                               str(inc.evidence if inc.evidence is not None else "")[:200]))
             del self.incidents[:-RECENT_INCIDENTS]
             return
         # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;

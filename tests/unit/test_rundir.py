@@ -20,11 +20,13 @@ from coordinator.rundir import (
     FORMAT,
     META,
     SUMMARY,
+    IncidentRecord,
     MetaRank,
     RunFileFormatError,
     RunMeta,
     SummaryBase,
     check_format,
+    parse_incident_record,
     parse_meta,
     read_json_object,
     read_meta,
@@ -103,3 +105,16 @@ def test_train_and_map_summaries_share_one_base() -> None:
     for summary in (train.to_json(), mapped.to_json()):
         assert {k: summary[k] for k in base} == base
     assert (train.to_json()["steps"], mapped.to_json()["kind"], mapped.to_json()["steps"]) == (3, "map", 4)
+
+
+def test_an_incident_reads_back_as_written() -> None:
+    inc = Incident(kind=IncidentKind.STALL, node="lin", rank=1, step=7, detected_after_s=61.25,
+                   evidence={"phase": "step"}, action=Action.STOP, t=12.5)
+    line = json.loads(json.dumps({"event": "incident", "attempt": 2, **inc.to_json()}))
+    assert parse_incident_record(line) == IncidentRecord(kind="stall", node="lin", rank=1, step=7, action="stop",
+                                                         detected_after_s=61.25, evidence={"phase": "step"}, t=12.5,
+                                                         attempt=2)
+    # the events' number rule: a step of 7.0 is 7, a step of "7" is none
+    assert parse_incident_record({**line, "step": 7.0}).step == 7
+    assert parse_incident_record({**line, "step": "7", "kind": 3}) == IncidentRecord(
+        node="lin", rank=1, action="stop", detected_after_s=61.25, evidence={"phase": "step"}, t=12.5, attempt=2)
