@@ -1,6 +1,6 @@
 """The coordinator's run directory, `runs/<run-id>/`: its file names, the format of the JSON files it writes
 there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
-runs alike). Pure but for `read_json_object`, `read_meta` and `write_meta`.
+runs alike, `IncidentRecord` for an incident read back). Pure but for `read_json_object` and `read_meta`.
 
 Format: summary.json, meta.json and plan.json carry `"format": FORMAT`. A file without it was written before the
 key existed (format 1: the same vocabulary) and reads as before; a file of a newer format than this coordinator
