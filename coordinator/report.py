@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
-from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record
+from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record, parse_summary
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -316,7 +316,7 @@ def _wall_time_of(step: int | None, attempt: int, series: Sequence[Series], node
 
 def build_report(files: RunFiles) -> Report:
     """Interpret a run directory's files. Pure; never raises on odd content (it becomes `problems`)."""
-    summary = files.summary or {}
+    summary = parse_summary(files.summary or {})
     plan = files.plan or {}
     problems = list(files.problems)
     events = list(files.events)
@@ -373,20 +373,19 @@ def build_report(files: RunFiles) -> Report:
               for (a, node), pts in sorted(points.items())]
 
     # incidents: summary.json has them all (every attempt) without the attempt; events.jsonl has the attempt.
-    incident_events = [(ev, a) for ev, a in zip(events, attempts_of, strict=True) if ev.get("event") == "incident"]
-    raw_incidents: Sequence[tuple[Mapping[str, Any], int]] = incident_events
-    if not raw_incidents and isinstance(summary.get("incidents"), list):
-        raw_incidents = [(i, 0) for i in summary["incidents"] if isinstance(i, Mapping)]
+    records = [(parse_incident_record(ev), a) for ev, a in zip(events, attempts_of, strict=True)
+               if ev.get("event") == "incident"]
+    if not records and summary.incidents is not None:
+        records = [(i, 0) for i in summary.incidents]
     incidents = []
-    for raw, attempt in raw_incidents:
-        inc = parse_incident_record(raw)
+    for inc, attempt in records:
         inc_node = inc.node or "?"
         incidents.append(IncidentRow(
             attempt=attempt, kind=inc.kind or "?", node=inc_node, rank=inc.rank, step=inc.step,
             action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
             t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
-    n_attempts = max([*attempts_of, 0]) + 1 if events else (_int(summary, "attempts") or 1)
+    n_attempts = max([*attempts_of, 0]) + 1 if events else (summary.attempts or 1)
     attempts = []
     for a in range(n_attempts):
         steps_a = [p.step for s in series if s.attempt == a for p in s.points]
@@ -394,9 +393,10 @@ def build_report(files: RunFiles) -> Report:
                                    min(steps_a) if steps_a else None, max(steps_a) if steps_a else None))
 
     # nodes: summary.json's rows (final attempt), else the last attempt's nodes from the events ------------------
-    split_raw = summary.get("split") if isinstance(summary.get("split"), Mapping) else plan.get("split")
-    split = {str(k): float(v) for k, v in (split_raw or {}).items()
-             if isinstance(v, int | float) and not isinstance(v, bool)}
+    plan_split = plan.get("split")
+    split = dict(summary.split) if summary.split is not None else \
+        {str(k): f for k, v in plan_split.items() if (f := coerce_float(v)) is not None} \
+        if isinstance(plan_split, Mapping) else {}
     plan_rates = {str(n.get("name")): _num(n, "tokens_per_s") for n in plan.get("nodes", []) if isinstance(n, Mapping)}
     batch_raw = plan.get("batch")
     plan_batch: Mapping[str, Any] = batch_raw if isinstance(batch_raw, Mapping) else {}
@@ -406,15 +406,12 @@ def build_report(files: RunFiles) -> Report:
         return sum(vals) / len(vals) if vals else None
 
     nodes: list[NodeRow] = []
-    summary_nodes = [n for n in summary.get("nodes", []) if isinstance(n, Mapping)] \
-        if isinstance(summary.get("nodes"), list) else []
-    if summary_nodes:
-        for n in summary_nodes:
-            name = _str(n, "name") or "?"
-            nodes.append(NodeRow(name, _int(n, "rank"), _int(n, "batch_size"), _str(n, "state") or "?", _int(n, "step"),
-                                 _num(n, "loss"), _num(n, "tokens_per_s"), mean_tok(name),
-                                 _num(n, "calibrated_tokens_per_s") or plan_rates.get(name), split.get(name),
-                                 _int(n, "peak_memory"), _str(n, "checkpoint")))
+    if summary.nodes:
+        for n in summary.nodes:
+            name = n.name or "?"
+            nodes.append(NodeRow(name, n.rank, n.batch_size, n.state or "?", n.step, n.loss, n.tokens_per_s,
+                                 mean_tok(name), n.calibrated_tokens_per_s or plan_rates.get(name), split.get(name),
+                                 n.peak_memory, n.checkpoint))
     else:
         last = n_attempts - 1
         for s in sorted((s for s in series if s.attempt == last), key=lambda s: (s.rank is None, s.rank or 0)):
@@ -424,7 +421,7 @@ def build_report(files: RunFiles) -> Report:
                                  plan_rates.get(s.node), split.get(s.node), None, None))
 
     # Nodes that took part only in earlier attempts (a culprit left out of the relaunch) keep a row.
-    quarantined = [str(q) for q in summary.get("quarantined", [])] if isinstance(summary.get("quarantined"), list) else []
+    quarantined = list(summary.quarantined)
     final_names = {n.name for n in nodes}
     for s in reversed(series):
         if s.node not in final_names:
@@ -434,17 +431,16 @@ def build_report(files: RunFiles) -> Report:
             nodes.append(NodeRow(s.node, s.rank, None, f"{why} after attempt {s.attempt + 1}", final.step, final.loss,
                                  final.tok_s, mean_tok(s.node), plan_rates.get(s.node), None, None, None))
 
-    state = _str(summary, "state") or ("unknown: no summary.json (the coordinator did not finish, or it is still "
+    state = summary.state or ("unknown: no summary.json (the coordinator did not finish, or it is still "
                                        "running)" if files.summary is None else "unknown")
-    steps = _int(summary, "steps")
+    steps = summary.steps
     if steps is None and series:
         steps = max(p.step for s in series for p in s.points)
-    recoveries = [r for r in summary.get("recoveries", []) if isinstance(r, dict)] \
-        if isinstance(summary.get("recoveries"), list) else []
+    recoveries = [dict(r) for r in summary.recoveries]
     return Report(
-        run_id=_str(summary, "run_id") or files.run_id, state=state, steps=steps, iters=iters,
-        message=_str(summary, "message") or "", tokens_per_s=_num(summary, "tokens_per_s"),
-        predicted_tokens_per_s=_num(plan, "predicted_tokens_per_s"), checkpoint=_str(summary, "checkpoint"),
+        run_id=summary.run_id or files.run_id, state=state, steps=steps, iters=iters,
+        message=summary.message or "", tokens_per_s=summary.tokens_per_s,
+        predicted_tokens_per_s=_num(plan, "predicted_tokens_per_s"), checkpoint=summary.checkpoint,
         mode=_str(plan, "mode"), backend=_str(plan, "backend"), global_batch=_int(plan, "global_batch"),
         quarantined=quarantined, recoveries=recoveries, nodes=nodes, split=split, series=series,
         evals=sorted(evals.values(), key=lambda e: (e.attempt, e.step)), incidents=incidents,

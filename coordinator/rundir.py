@@ -211,3 +211,81 @@ def parse_incident_record(doc: Mapping[str, Any]) -> IncidentRecord:
                           step=coerce_int(doc.get("step")), action=text("action"),
                           detected_after_s=coerce_float(doc.get("detected_after_s")), evidence=doc.get("evidence"),
                           t=coerce_float(doc.get("t")), attempt=coerce_int(doc.get("attempt")))
+
+
+# --- summary.json read back ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SummaryNode:
+    """One row of summary.json's `nodes` (a training run's rank, or a map run's node), every field optional."""
+
+    name: str | None = None
+    rank: int | None = None
+    batch_size: int | None = None
+    state: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    calibrated_tokens_per_s: float | None = None
+    peak_memory: int | None = None
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class SummaryFile:
+    """summary.json as read back by `report`, `status` and `stop`: what every run kind writes (SummaryBase) and
+    a training run's own fields, None (or empty) where absent or mistyped, under the events' number rule."""
+
+    format: int = FORMAT
+    run_id: str | None = None
+    kind: str = "train"
+    state: str | None = None
+    steps: int | None = None
+    iters: int | None = None
+    message: str | None = None
+    checkpoint: str | None = None
+    tokens_per_s: float | None = None
+    attempts: int | None = None
+    nodes: tuple[SummaryNode, ...] = ()
+    split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
+    incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
+    quarantined: tuple[str, ...] = ()
+    recoveries: tuple[Mapping[str, Any], ...] = ()
+    left_out: tuple[tuple[str, str], ...] | None = None  # (node, reason); None: absent (older summaries)
+
+
+def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile:
+    """A decoded summary.json -> `SummaryFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+
+    def text(d: Mapping[str, Any], key: str) -> str | None:
+        value = d.get(key)
+        return value if isinstance(value, str) else None
+
+    def rows(key: str) -> list[Mapping[str, Any]]:
+        value = doc.get(key)
+        return [x for x in value if isinstance(x, Mapping)] if isinstance(value, list) else []
+
+    nodes = tuple(SummaryNode(
+        name=text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
+        state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
+        tokens_per_s=coerce_float(n.get("tokens_per_s")),
+        calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
+        peak_memory=coerce_int(n.get("peak_memory")), checkpoint=text(n, "checkpoint")) for n in rows("nodes"))
+    split_raw = doc.get("split")
+    split = {str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None} \
+        if isinstance(split_raw, Mapping) else None
+    quarantined = doc.get("quarantined")
+    left_raw = doc.get("left_out")
+    return SummaryFile(
+        format=version, run_id=text(doc, "run_id"), kind=text(doc, "kind") or "train", state=text(doc, "state"),
+        steps=coerce_int(doc.get("steps")), iters=coerce_int(doc.get("iters")), message=text(doc, "message"),
+        checkpoint=text(doc, "checkpoint"), tokens_per_s=coerce_float(doc.get("tokens_per_s")),
+        attempts=coerce_int(doc.get("attempts")), nodes=nodes, split=split,
+        incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
+        if isinstance(doc.get("incidents"), list) else None,
+        quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
+        recoveries=tuple(dict(r) for r in rows("recoveries")),
+        left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
+                       if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None)

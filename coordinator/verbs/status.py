@@ -42,6 +42,7 @@ from coordinator.rundir import (
     RunMeta,
     parse_incident_record,
     parse_meta,
+    parse_summary,
     read_json_object,
 )
 from coordinator.transport import Fleet
@@ -261,19 +262,12 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
         ranks.append(RankStatus(rank=rank, node=node, state=seen.state, step=seen.step,
                                 tokens_per_s=seen.tokens_per_s, loss=seen.loss, last_heartbeat_age_s=age))
     nodes = meta.nodes
-    state = str(summary.get("state", "unknown")) if summary is not None else "running"
+    done = parse_summary(summary) if summary is not None else None
+    state = (done.state or "unknown") if done is not None else "running"
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
                      incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
-                     left_out=parse_left_out(summary) if summary is not None and "left_out" in summary
+                     left_out=done.left_out if done is not None and done.left_out is not None
                      else tuple((x["node"], x["reason"]) for x in meta.left_out))
-
-
-def parse_left_out(doc: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """`left_out: [{node, reason}]` of a summary.json or meta.json -> ((node, reason), ...); anything else: ()."""
-    raw = doc.get("left_out")
-    if not isinstance(raw, list):
-        return ()
-    return tuple((str(x["node"]), str(x.get("reason", ""))) for x in raw if isinstance(x, Mapping) and "node" in x)
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.

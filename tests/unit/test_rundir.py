@@ -25,9 +25,11 @@ from coordinator.rundir import (
     RunFileFormatError,
     RunMeta,
     SummaryBase,
+    SummaryNode,
     check_format,
     parse_incident_record,
     parse_meta,
+    parse_summary,
     read_json_object,
     read_meta,
 )
@@ -118,3 +120,27 @@ def test_an_incident_reads_back_as_written() -> None:
     assert parse_incident_record({**line, "step": 7.0}).step == 7
     assert parse_incident_record({**line, "step": "7", "kind": 3}) == IncidentRecord(
         node="lin", rank=1, action="stop", detected_after_s=61.25, evidence={"phase": "step"}, t=12.5, attempt=2)
+
+
+def test_a_run_summary_reads_back_through_its_typed_record() -> None:
+    inc = Incident(kind=IncidentKind.CRASH, node="lin", rank=1, step=3, detected_after_s=0.5, evidence={},
+                   action=Action.QUARANTINE, t=1.0)
+    written = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, checkpoint="/c",
+                         tokens_per_s=99.5, message="m", split={"mac": 0.75, "lin": 0.25}, incidents=[inc],
+                         quarantined=["lin"], left_out=[{"node": "old", "reason": "quarantined"}],
+                         recoveries=[{"attempt": 1}],
+                         nodes=[{"name": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
+                                 "loss": 2, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
+                                 "peak_memory": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
+    read = parse_summary(json.loads(json.dumps(written.to_json())))
+    assert (read.format, read.run_id, read.kind, read.state, read.steps, read.iters, read.attempts) == (
+        FORMAT, "r1", "train", "failed", 3, 10, 2)
+    assert (read.checkpoint, read.tokens_per_s, read.message, read.quarantined) == ("/c", 99.5, "m", ("lin",))
+    assert read.split == {"mac": 0.75, "lin": 0.25} and read.left_out == (("old", "quarantined"),)
+    assert read.recoveries == ({"attempt": 1},) and [i.kind for i in read.incidents or ()] == ["crash"]
+    assert read.nodes == (SummaryNode(name="mac", rank=0, batch_size=3, state="finished", step=3, loss=2.0,
+                                      tokens_per_s=70.0, peak_memory=1024, checkpoint="/c"),)
+    # an old summary (no format, no left_out, no incidents) reads with its gaps as None
+    old = parse_summary({"run_id": "r0", "state": "succeeded", "steps": 2, "split": "garbage"})
+    assert (old.format, old.state, old.steps, old.split, old.left_out, old.incidents) == (1, "succeeded", 2, None, None,
+                                                                                         None)
