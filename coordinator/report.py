@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
-from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record, parse_summary
+from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record, parse_plan, parse_summary
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -317,7 +317,7 @@ def _wall_time_of(step: int | None, attempt: int, series: Sequence[Series], node
 def build_report(files: RunFiles) -> Report:
     """Interpret a run directory's files. Pure; never raises on odd content (it becomes `problems`)."""
     summary = parse_summary(files.summary or {})
-    plan = files.plan or {}
+    plan = parse_plan(files.plan or {})
     problems = list(files.problems)
     events = list(files.events)
     attempts_of = assign_attempts(events)
@@ -393,13 +393,8 @@ def build_report(files: RunFiles) -> Report:
                                    min(steps_a) if steps_a else None, max(steps_a) if steps_a else None))
 
     # nodes: summary.json's rows (final attempt), else the last attempt's nodes from the events ------------------
-    plan_split = plan.get("split")
-    split = dict(summary.split) if summary.split is not None else \
-        {str(k): f for k, v in plan_split.items() if (f := coerce_float(v)) is not None} \
-        if isinstance(plan_split, Mapping) else {}
-    plan_rates = {str(n.get("name")): _num(n, "tokens_per_s") for n in plan.get("nodes", []) if isinstance(n, Mapping)}
-    batch_raw = plan.get("batch")
-    plan_batch: Mapping[str, Any] = batch_raw if isinstance(batch_raw, Mapping) else {}
+    split = dict(summary.split if summary.split is not None else plan.split or {})
+    plan_rates = plan.node_tokens_per_s
 
     def mean_tok(node: str) -> float | None:
         vals = [p.tok_s for s in series if s.node == node for p in s.points if p.tok_s is not None]
@@ -416,7 +411,7 @@ def build_report(files: RunFiles) -> Report:
         last = n_attempts - 1
         for s in sorted((s for s in series if s.attempt == last), key=lambda s: (s.rank is None, s.rank or 0)):
             final = s.points[-1]
-            batch = plan_batch.get(s.node) if isinstance(plan_batch.get(s.node), int) else None
+            batch = plan.batch.get(s.node)
             nodes.append(NodeRow(s.node, s.rank, batch, "unknown", final.step, final.loss, final.tok_s, mean_tok(s.node),
                                  plan_rates.get(s.node), split.get(s.node), None, None))
 
@@ -440,8 +435,8 @@ def build_report(files: RunFiles) -> Report:
     return Report(
         run_id=summary.run_id or files.run_id, state=state, steps=steps, iters=iters,
         message=summary.message or "", tokens_per_s=summary.tokens_per_s,
-        predicted_tokens_per_s=_num(plan, "predicted_tokens_per_s"), checkpoint=summary.checkpoint,
-        mode=_str(plan, "mode"), backend=_str(plan, "backend"), global_batch=_int(plan, "global_batch"),
+        predicted_tokens_per_s=plan.predicted_tokens_per_s, checkpoint=summary.checkpoint,
+        mode=plan.mode, backend=plan.backend, global_batch=plan.global_batch,
         quarantined=quarantined, recoveries=recoveries, nodes=nodes, split=split, series=series,
         evals=sorted(evals.values(), key=lambda e: (e.attempt, e.step)), incidents=incidents,
         checkpoints=sorted(ckpts.values(), key=lambda c: (c.attempt, c.step)), attempts=attempts, errors=errors,

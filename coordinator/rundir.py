@@ -289,3 +289,40 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         recoveries=tuple(dict(r) for r in rows("recoveries")),
         left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
                        if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None)
+
+
+# --- plan.json read back -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """plan.json as `report` reads it back (job.py writes the plan with its calibration curves; the fields
+    here are the ones a reader uses), None or empty where absent or mistyped."""
+
+    format: int = FORMAT
+    split: Mapping[str, float] | None = None
+    batch: Mapping[str, int] = field(default_factory=dict)
+    node_tokens_per_s: Mapping[str, float | None] = field(default_factory=dict)  # its `nodes` rows' calibrated rates
+    global_batch: int | None = None
+    mode: str | None = None
+    backend: str | None = None
+    predicted_tokens_per_s: float | None = None
+    attempt: int | None = None
+
+
+def parse_plan(doc: Mapping[str, Any], *, name: str = PLAN) -> PlanFile:
+    """A decoded plan.json -> `PlanFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+    split_raw, batch_raw, nodes_raw = doc.get("split"), doc.get("batch"), doc.get("nodes")
+    return PlanFile(
+        format=version,
+        split={str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None}
+        if isinstance(split_raw, Mapping) else None,
+        batch={str(k): b for k, v in batch_raw.items() if (b := coerce_int(v)) is not None}
+        if isinstance(batch_raw, Mapping) else {},
+        node_tokens_per_s={str(n.get("name")): coerce_float(n.get("tokens_per_s")) for n in nodes_raw
+                           if isinstance(n, Mapping)} if isinstance(nodes_raw, list) else {},
+        global_batch=coerce_int(doc.get("global_batch")),
+        mode=doc["mode"] if isinstance(doc.get("mode"), str) else None,
+        backend=doc["backend"] if isinstance(doc.get("backend"), str) else None,
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")), attempt=coerce_int(doc.get("attempt")))

@@ -22,6 +22,7 @@ from coordinator.rundir import (
     SUMMARY,
     IncidentRecord,
     MetaRank,
+    PlanFile,
     RunFileFormatError,
     RunMeta,
     SummaryBase,
@@ -29,6 +30,7 @@ from coordinator.rundir import (
     check_format,
     parse_incident_record,
     parse_meta,
+    parse_plan,
     parse_summary,
     read_json_object,
     read_meta,
@@ -144,3 +146,17 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
     old = parse_summary({"run_id": "r0", "state": "succeeded", "steps": 2, "split": "garbage"})
     assert (old.format, old.state, old.steps, old.split, old.left_out, old.incidents) == (1, "succeeded", 2, None, None,
                                                                                          None)
+
+
+def test_plan_json_reads_back_through_its_typed_record() -> None:
+    doc = {"format": FORMAT, "split": {"mac": 0.75, "lin": 0.25}, "batch": {"mac": 3, "lin": 1.0},
+           "nodes": [{"name": "mac", "tokens_per_s": 300}, {"name": "lin", "tokens_per_s": None}], "global_batch": 4,
+           "mode": "calibrated", "predicted_tokens_per_s": 390.5, "backend": "ring", "attempt": 0}
+    plan = parse_plan(json.loads(json.dumps(doc)))
+    assert plan == PlanFile(format=FORMAT, split={"mac": 0.75, "lin": 0.25}, batch={"mac": 3, "lin": 1},
+                            node_tokens_per_s={"mac": 300.0, "lin": None}, global_batch=4, mode="calibrated",
+                            backend="ring", predicted_tokens_per_s=390.5, attempt=0)
+    old = parse_plan({k: v for k, v in doc.items() if k != "format"} | {"batch": "garbage", "split": None})
+    assert (old.format, old.batch, old.split, old.global_batch) == (1, {}, None, 4)
+    with pytest.raises(RunFileFormatError, match=r"plan\.json is format 3"):
+        parse_plan({**doc, "format": 3})
