@@ -10,13 +10,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
-from coordinator.rundir import MANIFEST, MAP_PLAN
+from coordinator.rundir import MANIFEST, MAP_PLAN, IncidentRecord, parse_summary
 from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
 
@@ -42,7 +41,7 @@ class MapReport:
     nodes: list[MapNodeRow]
     split: dict[str, float]
     finish_spread: float | None
-    incidents: list[dict[str, Any]]
+    incidents: list[IncidentRecord]
     reassignments: list[dict[str, Any]]
     manifest: dict[str, Any] | None
     progress: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # node -> (t, rows done)
@@ -55,7 +54,7 @@ _float = coerce_float  # the events' one rule for numbers (worker.events)
 
 
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
-    s = files.summary or {}
+    s = parse_summary(files.summary or {})
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
     plan: dict[str, Any] = {}
     try:
@@ -68,10 +67,8 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
             manifest = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
         except ValueError:
             problems.append("manifest.json is unreadable")
-    nodes = [MapNodeRow(str(n.get("name")), str(n.get("state")), int(n.get("rows") or 0), int(n.get("rows_done") or 0),
-                        list(n.get("ranges") or []), _float(n.get("examples_per_s_calibrated")),
-                        _float(n.get("rows_per_s")), _float(n.get("finished_after_s")))
-             for n in s.get("nodes", []) if isinstance(n, Mapping)]
+    nodes = [MapNodeRow(str(n.name), str(n.state), n.rows or 0, n.rows_done or 0, [list(r) for r in n.ranges],
+                        n.examples_per_s_calibrated, n.rows_per_s, n.finished_after_s) for n in s.nodes]
     progress: dict[str, list[tuple[float, int]]] = {}
     offset: dict[str, int] = {}
     times = []
@@ -94,11 +91,10 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         elif isinstance(event, MapProgressEvent | MapFinishedEvent) and event.done is not None:
             pts.append((t, offset.get(node, 0) + event.done))
     return MapReport(
-        run_id=files.run_id, state=str(s.get("state", "unknown")), rows=int(s.get("rows") or plan.get("rows") or 0),
-        rows_done=int(s.get("rows_done") or 0), task=(plan.get("task") or {}).get("task"), nodes=nodes,
-        split=dict(s.get("split") or plan.get("split") or {}), finish_spread=_float(s.get("finish_spread")),
-        incidents=[dict(i) for i in s.get("incidents", []) if isinstance(i, Mapping)],
-        reassignments=[dict(x) for x in s.get("reassignments", []) if isinstance(x, Mapping)], manifest=manifest,
+        run_id=files.run_id, state=s.state or "unknown", rows=s.rows or int(plan.get("rows") or 0),
+        rows_done=s.rows_done or 0, task=(plan.get("task") or {}).get("task"), nodes=nodes,
+        split=dict(s.split or plan.get("split") or {}), finish_spread=s.finish_spread,
+        incidents=list(s.incidents or ()), reassignments=[dict(x) for x in s.reassignments], manifest=manifest,
         progress=progress, start_t=min(times) if times else None, end_t=max(times) if times else None,
         problems=problems)
 
@@ -162,9 +158,8 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
     out.append("<h2>Incidents</h2>")
     if r.incidents:
         out.append(_table(["kind", "node", "action", "detected after (s)", "evidence"],
-                          [[_e(i.get("kind")), _e(i.get("node")), _e(i.get("action")),
-                            _fmt(_float(i.get("detected_after_s")), ",.2f"), _e(str(i.get("evidence"))[:300])]
-                           for i in r.incidents], numeric=(3,)))
+                          [[_e(i.kind), _e(i.node), _e(i.action), _fmt(i.detected_after_s, ",.2f"),
+                            _e(str(i.evidence)[:300])] for i in r.incidents], numeric=(3,)))
     else:
         out.append('<p class="ok">No incident.</p>')
     if r.reassignments:

@@ -230,6 +230,20 @@ class SummaryNode:
     calibrated_tokens_per_s: float | None = None
     peak_memory: int | None = None
     checkpoint: str | None = None
+    # a map run's node
+    rows: int | None = None
+    rows_done: int | None = None
+    ranges: tuple[tuple[int, int], ...] = ()  # [start, end) row ranges; malformed pairs are left out
+    examples_per_s_calibrated: float | None = None
+    rows_per_s: float | None = None
+    finished_after_s: float | None = None
+
+
+def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list):
+        return ()
+    pairs = [(coerce_int(x[0]), coerce_int(x[1])) for x in value if isinstance(x, list) and len(x) == 2]
+    return tuple((a, b) for a, b in pairs if a is not None and b is not None)
 
 
 @dataclass(frozen=True)
@@ -253,6 +267,13 @@ class SummaryFile:
     quarantined: tuple[str, ...] = ()
     recoveries: tuple[Mapping[str, Any], ...] = ()
     left_out: tuple[tuple[str, str], ...] | None = None  # (node, reason); None: absent (older summaries)
+    # a map run's (kind "map")
+    rows: int | None = None
+    rows_done: int | None = None
+    finish_spread: float | None = None
+    output: str | None = None
+    manifest: str | None = None
+    reassignments: tuple[Mapping[str, Any], ...] = ()  # {from, rows, to}
 
 
 def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile:
@@ -272,7 +293,11 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
         tokens_per_s=coerce_float(n.get("tokens_per_s")),
         calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
-        peak_memory=coerce_int(n.get("peak_memory")), checkpoint=text(n, "checkpoint")) for n in rows("nodes"))
+        peak_memory=coerce_int(n.get("peak_memory")), checkpoint=text(n, "checkpoint"),
+        rows=coerce_int(n.get("rows")), rows_done=coerce_int(n.get("rows_done")), ranges=_ranges(n.get("ranges")),
+        examples_per_s_calibrated=coerce_float(n.get("examples_per_s_calibrated")),
+        rows_per_s=coerce_float(n.get("rows_per_s")), finished_after_s=coerce_float(n.get("finished_after_s")))
+        for n in rows("nodes"))
     split_raw = doc.get("split")
     split = {str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None} \
         if isinstance(split_raw, Mapping) else None
@@ -288,7 +313,10 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
         recoveries=tuple(dict(r) for r in rows("recoveries")),
         left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
-                       if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None)
+                       if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None,
+        rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
+        finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
+        manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
 
 
 # --- plan.json read back -----------------------------------------------------------------------------------------

@@ -160,3 +160,20 @@ def test_plan_json_reads_back_through_its_typed_record() -> None:
     assert (old.format, old.batch, old.split, old.global_batch) == (1, {}, None, 4)
     with pytest.raises(RunFileFormatError, match=r"plan\.json is format 3"):
         parse_plan({**doc, "format": 3})
+
+
+def test_a_map_summary_reads_back_through_the_same_record() -> None:
+    written = MapSummary(run_id="m1", state="failed", rows=30, rows_done=26, split={"a": 0.6, "b": 0.4},
+                         finish_spread=0.12, output="/o", manifest="/m", message="4 of 30 rows not done",
+                         reassignments=[{"from": "b", "rows": 4, "to": {"a": [[24, 28]]}}],
+                         nodes=[{"name": "a", "state": "finished", "rows": 22, "rows_done": 22,
+                                 "ranges": [[0, 18], [24, 28.0], [1]], "examples_per_s_calibrated": 3.0,
+                                 "rows_per_s": 2.5, "finished_after_s": 8}])
+    read = parse_summary(json.loads(json.dumps(written.to_json())))
+    assert (read.kind, read.state, read.rows, read.rows_done, read.steps, read.finish_spread) == (
+        "map", "failed", 30, 26, 26, 0.12)
+    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", ({"from": "b", "rows": 4,
+                                                                              "to": {"a": [[24, 28]]}},))
+    (node,) = read.nodes
+    assert (node.name, node.rows, node.rows_done, node.ranges, node.examples_per_s_calibrated, node.rows_per_s,
+            node.finished_after_s) == ("a", 22, 22, ((0, 18), (24, 28)), 3.0, 2.5, 8.0)
