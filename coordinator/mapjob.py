@@ -44,7 +44,7 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
-from coordinator.rundir import EVENTS, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
+from coordinator.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
@@ -479,8 +479,9 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
             work[name].queue = [list(ranges)]
         counts = largest_remainder(total, [rates[n] for n in names]) if total else [0] * len(names)
         split = {n: (c / total if total else 0.0) for n, c in zip(names, counts, strict=True)}
-        plan = {"rows": total, "input": input_path(pb), "task": pb.map.model_dump(), "rates": rates, "split": split,
-                "shards": {n: [list(r) for r in rs] for n, rs in given.items()}, "resumed": bool(opts.resume)}
+        plan = {"format": FORMAT, "rows": total, "input": input_path(pb), "task": pb.map.model_dump(), "rates": rates,
+                "split": split, "shards": {n: [list(r) for r in rs] for n, rs in given.items()},
+                "resumed": bool(opts.resume)}
         (run_dir / MAP_PLAN).write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
         (run_dir / PLAYBOOK).write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
                                                encoding="utf-8")

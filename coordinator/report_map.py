@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
-from coordinator.rundir import MANIFEST, MAP_PLAN, IncidentRecord, parse_summary
+from coordinator.rundir import (
+    MANIFEST,
+    MAP_PLAN,
+    IncidentRecord,
+    MapPlanFile,
+    parse_map_plan,
+    parse_summary,
+    read_json_object,
+)
 from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
 
@@ -56,11 +64,12 @@ _float = coerce_float  # the events' one rule for numbers (worker.events)
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     s = parse_summary(files.summary or {})
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
-    plan: dict[str, Any] = {}
-    try:
-        plan = json.loads((run_dir / MAP_PLAN).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    plan = MapPlanFile()
+    doc = read_json_object(run_dir / MAP_PLAN)  # format-checked: a newer one is an error naming both versions
+    if doc is None:
         problems.append("map.json is missing or unreadable")
+    else:
+        plan = parse_map_plan(doc, name=str(run_dir / MAP_PLAN))
     manifest = None
     if (run_dir / MANIFEST).is_file():
         try:
@@ -91,9 +100,9 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         elif isinstance(event, MapProgressEvent | MapFinishedEvent) and event.done is not None:
             pts.append((t, offset.get(node, 0) + event.done))
     return MapReport(
-        run_id=files.run_id, state=s.state or "unknown", rows=s.rows or int(plan.get("rows") or 0),
-        rows_done=s.rows_done or 0, task=(plan.get("task") or {}).get("task"), nodes=nodes,
-        split=dict(s.split or plan.get("split") or {}), finish_spread=s.finish_spread,
+        run_id=files.run_id, state=s.state or "unknown", rows=s.rows or plan.rows or 0,
+        rows_done=s.rows_done or 0, task=plan.task, nodes=nodes,
+        split=dict(s.split or plan.split or {}), finish_spread=s.finish_spread,
         incidents=list(s.incidents or ()), reassignments=[dict(x) for x in s.reassignments], manifest=manifest,
         progress=progress, start_t=min(times) if times else None, end_t=max(times) if times else None,
         problems=problems)

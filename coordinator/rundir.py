@@ -354,3 +354,24 @@ def parse_plan(doc: Mapping[str, Any], *, name: str = PLAN) -> PlanFile:
         mode=doc["mode"] if isinstance(doc.get("mode"), str) else None,
         backend=doc["backend"] if isinstance(doc.get("backend"), str) else None,
         predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")), attempt=coerce_int(doc.get("attempt")))
+
+
+@dataclass(frozen=True)
+class MapPlanFile:
+    """map.json (a map run's plan, mapjob.run_map) as the map report reads it back."""
+
+    format: int = FORMAT
+    rows: int | None = None
+    task: str | None = None  # the playbook's map.task (score | generate | command)
+    split: Mapping[str, float] | None = None
+
+
+def parse_map_plan(doc: Mapping[str, Any], *, name: str = MAP_PLAN) -> MapPlanFile:
+    """A decoded map.json -> `MapPlanFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+    task, split_raw = doc.get("task"), doc.get("split")
+    return MapPlanFile(
+        format=version, rows=coerce_int(doc.get("rows")),
+        task=task["task"] if isinstance(task, Mapping) and isinstance(task.get("task"), str) else None,
+        split={str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None}
+        if isinstance(split_raw, Mapping) else None)

@@ -21,6 +21,7 @@ from coordinator.rundir import (
     META,
     SUMMARY,
     IncidentRecord,
+    MapPlanFile,
     MetaRank,
     PlanFile,
     RunFileFormatError,
@@ -29,6 +30,7 @@ from coordinator.rundir import (
     SummaryNode,
     check_format,
     parse_incident_record,
+    parse_map_plan,
     parse_meta,
     parse_plan,
     parse_summary,
@@ -177,3 +179,11 @@ def test_a_map_summary_reads_back_through_the_same_record() -> None:
     (node,) = read.nodes
     assert (node.name, node.rows, node.rows_done, node.ranges, node.examples_per_s_calibrated, node.rows_per_s,
             node.finished_after_s) == ("a", 22, 22, ((0, 18), (24, 28)), 3.0, 2.5, 8.0)
+
+
+def test_map_json_reads_back_and_an_old_one_too() -> None:
+    doc = {"format": FORMAT, "rows": 30, "input": "/d/train.jsonl", "task": {"task": "score", "field": "text"},
+           "rates": {"a": 3.0}, "split": {"a": 0.6, "b": 0.4}, "shards": {"a": [[0, 18]]}, "resumed": False}
+    assert parse_map_plan(json.loads(json.dumps(doc))) == MapPlanFile(rows=30, task="score", split={"a": 0.6, "b": 0.4})
+    old = parse_map_plan({k: v for k, v in doc.items() if k != "format"} | {"task": None})
+    assert (old.format, old.rows, old.task) == (1, 30, None)
