@@ -2,9 +2,9 @@
 there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
 runs alike, `IncidentRecord` for an incident read back). Pure but for `read_json_object` and `read_meta`.
 
-Format: summary.json, meta.json and plan.json carry `"format": FORMAT`. A file without it was written before the
-key existed (format 1: the same vocabulary) and reads as before; a file of a newer format than this coordinator
-knows is refused with a message naming both versions (`RunFileFormatError`, exit 2), never misread.
+Format: summary.json, meta.json, plan.json and map.json carry `"format": FORMAT`. A file without it was written
+before the key existed (format 1: the same vocabulary) and reads as before; a file of a newer format than this
+coordinator knows is refused with a message naming both versions (`RunFileFormatError`, exit 2), never misread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAUNCHER_LOG = "launcher.log"
 LAUNCHER_ARGV = "launcher.argv"
 SSH_CONFIG = "ssh_config"
 
-FORMAT = 2  # of summary.json, meta.json, plan.json; 1 = written before the `format` key
+FORMAT = 2  # of summary.json, meta.json, plan.json, map.json; 1 = written before the `format` key
 
 
 class RunFileFormatError(ConfigError):
