@@ -7,24 +7,16 @@ applies them (worker/chaos.py) on the first attempt of a run only: a relaunch af
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from coordinator.errors import ConfigError
+from worker.runconfig import CHAOS_KINDS, ChaosSpec
 
-KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
+# One record for a planned fault on both sides: the worker's own (worker.runconfig.ChaosSpec), which run.json
+# carries and the worker validates again; the coordinator only parses `--chaos SPEC` into it.
+Chaos = ChaosSpec
+KINDS = CHAOS_KINDS
 KEYS = {"rank": int, "step": int, "factor": float}
-
-
-@dataclass(frozen=True)
-class Chaos:
-    kind: str
-    rank: int
-    step: int = 1
-    factor: float = 3.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "step": self.step, "factor": self.factor}
 
 
 def parse_chaos(spec: str, *, world_size: int | None = None) -> Chaos:

@@ -26,56 +26,47 @@ from coordinator.models import Inventory
 from coordinator.monitor import RunState
 from coordinator.playbook import Playbook, load_playbook
 from coordinator.quarantine import QuarantineStore
+from coordinator.rundir import HOSTFILE, META, PLAYBOOK, SUMMARY, RunMeta, read_json_object, read_meta
 from coordinator.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 STOP_WAIT_S = 120.0  # how long `coordinator stop` waits for a live coordinator to carry out its request
 
 
-def read_meta(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "meta.json"
-    try:
-        meta: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"no run at {run_dir} (missing meta.json): see `ls {run_dir.parent}`") from None
-    except ValueError as exc:
-        raise ConfigError(f"unreadable run metadata: {exc}", path=str(path)) from None
-    return meta
+def _playbook(run_dir: Path, meta: RunMeta) -> Playbook:
+    playbook_path = meta.playbook
+    return load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / PLAYBOOK)
 
 
-def _playbook(run_dir: Path, meta: dict[str, Any]) -> Playbook:
-    playbook_path = meta.get("playbook")
-    return load_playbook(playbook_path if playbook_path and Path(playbook_path).exists() else run_dir / "playbook.yaml")
-
-
-def _adopt(fleet: Fleet, run_dir: Path, meta: dict[str, Any], inv: Inventory, pb: Playbook,
+def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playbook,
            view: ViewFn | None) -> Launch:
     by_name = {n.name: n for n in inv.nodes}
-    ranks = [RankPlan(r["rank"], by_name[r["node"]], r["batch_size"], r.get("calibrated_tokens_per_s"))
-             for r in meta["ranks"]]
-    hostfile = Hostfile.from_json(json.loads((run_dir / "hostfile.json").read_text(encoding="utf-8")))
-    launch = Launch(fleet, pb, ranks, hostfile, {}, run_id=meta["run_id"], run_dir=run_dir, view=view,
-                    attempt=int(meta.get("attempt", 0)))
-    launch.remote_run_dirs = dict(meta.get("remote_run_dirs") or {})
-    launch.launcher_pid = meta.get("launcher_pid")
-    launch.inventory_path = meta.get("inventory")
-    launch.remote_tmp = str(meta.get("remote_tmp_dir") or launch.remote_tmp)
+    if any(r.batch_size is None for r in meta.ranks):
+        raise ConfigError(f"{run_dir / META}: a rank has no batch_size: the run cannot be adopted")
+    ranks = [RankPlan(r.rank, by_name[r.node], r.batch_size or 0, r.calibrated_tokens_per_s) for r in meta.ranks]
+    hostfile = Hostfile.from_json(json.loads((run_dir / HOSTFILE).read_text(encoding="utf-8")))
+    launch = Launch(fleet, pb, ranks, hostfile, {}, run_id=meta.run_id, run_dir=run_dir, view=view,
+                    attempt=meta.attempt)
+    launch.remote_run_dirs = dict(meta.remote_run_dirs)
+    launch.launcher_pid = meta.launcher_pid
+    launch.inventory_path = meta.inventory
+    launch.remote_tmp = meta.remote_tmp_dir or launch.remote_tmp
     # What every attempt of the run carries on, whoever supervises it (`job.supervise`).
-    launch.left_out = list(meta.get("left_out") or [])
-    launch.drill = bool(meta.get("drill"))
-    launch.restart_from_scratch = bool(meta.get("restart_from_scratch"))
+    launch.left_out = [dict(x) for x in meta.left_out]
+    launch.drill = meta.drill
+    launch.restart_from_scratch = meta.restart_from_scratch
     return launch
 
 
-def _inventory(meta: dict[str, Any], inventory: str | None) -> Inventory:
-    path = inventory or meta.get("inventory")
+def _inventory(meta: RunMeta, inventory: str | None) -> Inventory:
+    path = inventory or meta.inventory
     if not path:
         raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
     inv = load_inventory(path)
-    missing = [n for n in meta["nodes"] if n not in inv.names()]
+    missing = [n for n in meta.nodes if n not in inv.names()]
     if missing:
         raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
-    return inv.limit(list(meta["nodes"]))
+    return inv.limit(list(meta.nodes))
 
 
 async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | None = None,
@@ -87,7 +78,7 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     ui = ui or QuietUI()
     sup = supervision or Supervision()
     meta = read_meta(run_dir)
-    run_id = str(meta["run_id"])
+    run_id = meta.run_id
     inv = _inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
     with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
@@ -109,7 +100,7 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
     `stopped`, nothing quarantined) and waited for; without one, this process takes the run's lock and stops
     the launcher's process group, every rank on every node and our temp files itself."""
     meta = read_meta(run_dir)
-    run_id = str(meta["run_id"])
+    run_id = meta.run_id
     if holder_of(run_dir / LOCK_NAME) is not None:
         return await _ask_to_stop(run_dir, run_id, wait_s)
     inv = _inventory(meta, inventory)
@@ -153,8 +144,5 @@ async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> RunSummary:
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """summary.json ({} when missing or unreadable); a newer format than this coordinator reads is an error."""
+    return read_json_object(run_dir / SUMMARY) or {}

@@ -58,6 +58,7 @@ from coordinator.quarantine import (
     new_entry,
 )
 from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
+from coordinator.rundir import EVENTS
 from coordinator.shards import MapRow
 from coordinator.supervision import (
     NodeLocks,
@@ -434,7 +435,7 @@ async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_di
     """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
     aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given."""
     decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
-                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / "events.jsonl")
+                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / EVENTS)
     ui.message(decision.describe())
     return decision
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,9 +45,25 @@ from coordinator.monitor import (
 )
 from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
+from coordinator.rundir import (
+    EVENTS,
+    FORMAT,
+    HOSTFILE,
+    LAUNCHER_ARGV,
+    LAUNCHER_LOG,
+    META,
+    PLAN,
+    PLAYBOOK,
+    SSH_CONFIG,
+    SUMMARY,
+    MetaRank,
+    RunMeta,
+    SummaryBase,
+)
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv, pythonpath_prepend
 from coordinator.yamlsrc import NAME_PATTERN
+from worker.runconfig import DpoSpec, LoraSpec, RankSpec, RunConfig
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -133,43 +149,31 @@ def build_tmp_cleanup(run_id: str) -> str:
 
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> dict[str, Any]:
-    """The worker's run.json (identical on every node; each rank finds its node's run dir by its rank)."""
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> RunConfig:
+    """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
+    worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
+    `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node."""
     t = pb.train
-    return {
-        "run_id": run_id,
-        "model": pb.model,
-        "data": pb.data,
-        "method": t.method,
-        "iters": t.iters,
-        "learning_rate": t.learning_rate,
-        "optimizer": t.optimizer,
-        "max_seq_length": t.max_seq_length,
-        "grad_accumulation": t.grad_accumulation,
-        "grad_checkpoint": t.grad_checkpoint,
-        "packing": t.packing,
-        "train_embeddings": t.train_embeddings,
-        "num_layers": t.num_layers,
-        "save_every": t.save_every,
-        "steps_per_eval": t.steps_per_eval,
-        "val_batches": t.val_batches,
-        "seed": t.seed,
-        "keep_checkpoints": t.keep_checkpoints,
-        "lora": {"rank": t.lora.rank, "scale": t.lora.scale, "dropout": t.lora.dropout},
-        **({"dpo": {"beta": t.dpo.beta, "reference": t.dpo.reference, "fine_tune_type": t.dpo.fine_tune_type}}
-           if t.method == "dpo" else {}),
-        "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size} for r in ranks],
-        "run_dir": "",  # filled per node: the same file cannot name two nodes' dirs
-        "resume": resume,
-        **({"restart_from_scratch": True} if restart_from_scratch else {}),
-        "heartbeat_s": 1.0,
-        "consistency_every": pb.faults.consistency_every,
+    if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
+        raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
+    return RunConfig(
+        run_id=run_id, model=pb.model, data=pb.data, method=t.method, iters=t.iters,
+        learning_rate=t.learning_rate, optimizer=t.optimizer, max_seq_length=t.max_seq_length,
+        grad_accumulation=t.grad_accumulation, grad_checkpoint=t.grad_checkpoint, packing=t.packing,
+        train_embeddings=t.train_embeddings, num_layers=t.num_layers,
+        lora=LoraSpec(rank=t.lora.rank, scale=t.lora.scale, dropout=t.lora.dropout),
+        dpo=DpoSpec(beta=t.dpo.beta, reference=t.dpo.reference, fine_tune_type=t.dpo.fine_tune_type)
+        if t.method == "dpo" else DpoSpec(),
+        save_every=t.save_every, steps_per_eval=t.steps_per_eval, val_batches=t.val_batches, seed=t.seed,
+        keep_checkpoints=t.keep_checkpoints,
+        ranks=tuple(RankSpec(rank=r.rank, node=r.node.name, batch_size=r.batch_size) for r in ranks),
+        run_dir=Path(), resume=resume, restart_from_scratch=restart_from_scratch, heartbeat_s=1.0,
+        consistency_every=pb.faults.consistency_every,
         # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
-        "fence": ({"factor": FENCE_OVER_STALL * pb.faults.stall_factor,
-                   "min_s": FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)}
-                  if pb.faults.fence else None),
-        "chaos": [c.to_json() for c in chaos],
-    }
+        fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
+               FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
+        chaos=tuple(chaos),
+    )
 
 
 def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
@@ -300,34 +304,24 @@ def write_private(path: Path, text: str, *, mode: int = 0o600) -> None:
 # --- the summary -----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RunSummary:
-    run_id: str
+@dataclass(kw_only=True)
+class RunSummary(SummaryBase):
+    """A training run's summary.json: the common part (rundir.SummaryBase) and a training run's own."""
+
     state: RunState
     steps: int
-    nodes: list[dict[str, Any]]
-    split: dict[str, float]
-    incidents: list[Incident] = field(default_factory=list)
     checkpoint: str | None = None
     tokens_per_s: float | None = None  # the run's: median over its steps of all ranks' tokens / step wall time
-    run_dir: str = ""
-    message: str = ""
     attempts: int = 1
     recoveries: list[dict[str, Any]] = field(default_factory=list)
-    quarantined: list[str] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.resume.ResumeDecision)
-    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "state": str(self.state), "steps": self.steps, "iters": self.iters,
-                "nodes": self.nodes, "split": self.split, "incidents": [i.to_json() for i in self.incidents],
-                "checkpoint": self.checkpoint, "tokens_per_s": self.tokens_per_s,
-                "predicted_tokens_per_s": self.predicted_tokens_per_s, "run_dir": self.run_dir,
-                "message": self.message, "attempts": self.attempts, "recoveries": self.recoveries,
-                "quarantined": self.quarantined, "resumed_from": self.resumed_from,
-                "degraded": bool(self.left_out), "left_out": self.left_out}
+        return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
+                "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "attempts": self.attempts, "recoveries": self.recoveries, "resumed_from": self.resumed_from}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -433,7 +427,7 @@ class Launch:
         self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
         self.tasks: list[asyncio.Task[None]] = []
-        self.events_file = run_dir / "events.jsonl"
+        self.events_file = run_dir / EVENTS
 
     def split(self) -> dict[str, float]:
         """Each node's share of the global batch in this attempt."""
@@ -467,7 +461,7 @@ class Launch:
                 await transport.run(["sh", "-c", rotate], timeout=30)
             # run.json holds the node's paths: 0600 in a 0700 dir, like everything the run writes there.
             written = await write_remote_files(transport, node, {
-                f"{run_dir}/run.json": (json.dumps({**config, "run_dir": run_dir}, indent=2), "600"),
+                f"{run_dir}/run.json": (json.dumps(replace(config, run_dir=Path(run_dir)).to_json(), indent=2), "600"),
                 f"{run_dir}/events/.keep": ("", "600"),
             }, dir_mode="700")
             resolved = os.path.dirname(written[f"{run_dir}/run.json"])
@@ -501,17 +495,17 @@ class Launch:
         if self.pb.path:
             text = str(current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8")))
             # The copy must stay YAML that `status` and the dashboard can read: a bare `***` is an alias there.
-            write_private(self.run_dir / "playbook.yaml", text.replace(REDACTED, "REDACTED"))
-        write_private(self.run_dir / "plan.json", json.dumps(plan_json, indent=2) + "\n")
-        hostfile = self.run_dir / "hostfile.json"
+            write_private(self.run_dir / PLAYBOOK, text.replace(REDACTED, "REDACTED"))
+        write_private(self.run_dir / PLAN, json.dumps({"format": FORMAT, **plan_json}, indent=2) + "\n")
+        hostfile = self.run_dir / HOSTFILE
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
-        ssh_config = self.run_dir / "ssh_config"
+        ssh_config = self.run_dir / SSH_CONFIG
         write_private(ssh_config, build_ssh_config([r.node for r in self.ranks]))
         bindir = self.run_dir / "bin"
         bindir.mkdir(mode=0o700, exist_ok=True)
         real_ssh = _which("ssh") or "/usr/bin/ssh"
         write_private(bindir / "ssh", build_ssh_wrapper(ssh_config.resolve(), real_ssh), mode=0o700)
-        for name in ("events.jsonl", "launcher.log"):  # appended to later: created 0600 now
+        for name in (EVENTS, LAUNCHER_LOG):  # appended to later: created 0600 now
             os.close(os.open(self.run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
         return hostfile
 
@@ -522,25 +516,23 @@ class Launch:
         env["PATH"] = f"{(self.run_dir / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}"
         argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, self.remote_tmp,
                                    pick_port(len(self.ranks) * 2), {})
-        write_private(self.run_dir / "launcher.argv", shlex.join(argv) + "\n")
+        write_private(self.run_dir / LAUNCHER_ARGV, shlex.join(argv) + "\n")
         if self._launcher_stdin is not None:
             os.close(self._launcher_stdin)
-        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / "launcher.log", env)
+        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / LAUNCHER_LOG, env)
         self.write_meta()
 
     def write_meta(self) -> None:
         """runs/<id>/meta.json: what `coordinator attach|stop RUN_ID` needs to find this attempt again."""
-        meta = {
-            "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory_path, "nodes": self.nodes,
-            "playbook": str(Path(self.pb.path).resolve()) if self.pb.path else None,
-            "ranks": [{"rank": r.rank, "node": r.node.name, "batch_size": r.batch_size,
-                       "calibrated_tokens_per_s": r.calibrated_tokens_per_s} for r in self.ranks],
-            "remote_run_dirs": self.remote_run_dirs, "remote_tmp_dir": self.remote_tmp,
-            "launcher_pid": self.launcher.pid if self.launcher else None,
-            "coordinator_pid": os.getpid(), "split": {r.node.name: r.batch_size for r in self.ranks},
-            "left_out": self.left_out, "drill": self.drill, "restart_from_scratch": self.restart_from_scratch,
-        }
-        write_private(self.run_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
+        meta = RunMeta(
+            run_id=self.run_id, attempt=self.attempt, inventory=self.inventory_path, nodes=tuple(self.nodes),
+            playbook=str(Path(self.pb.path).resolve()) if self.pb.path else None,
+            ranks=tuple(MetaRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks),
+            remote_run_dirs=dict(self.remote_run_dirs), remote_tmp_dir=self.remote_tmp,
+            launcher_pid=self.launcher.pid if self.launcher else None,
+            coordinator_pid=os.getpid(), split={r.node.name: r.batch_size for r in self.ranks},
+            left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch)
+        write_private(self.run_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
         """Feed the monitor what `worker.follow` on the node reports, over the node's own connection. A channel
@@ -668,7 +660,7 @@ class Launch:
                 if after is AfterLauncherExit.FAILED:
                     # mlx.launch exited (it always exits 0) but not every rank finished and nothing else explains
                     # it: the exit itself is the failure.
-                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / "launcher.log"))
+                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / LAUNCHER_LOG))
                     self._record_incident(sink, incident)
                     return mon
                 if after is AfterLauncherExit.RESOLVE:
@@ -813,7 +805,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:
-    path = run_dir / "summary.json"
+    path = run_dir / SUMMARY
     # Evidence can quote a traceback or an env: the active redactor blanks every secret the run knows of.
     write_private(path, json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n")
     return path

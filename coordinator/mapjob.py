@@ -44,9 +44,11 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
+from coordinator.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
+from worker.events import MapErrorEvent, MapFinishedEvent, MapProgressEvent, parse_map_event
 
 MAP_CACHE_SCHEMA = 1
 TICK_S = 0.5
@@ -167,31 +169,22 @@ class NodeWork:
         return sum(b - a for a, b in self.assigned)
 
 
-@dataclass
-class MapSummary:
-    run_id: str
-    state: str  # succeeded | failed | stopped
+@dataclass(kw_only=True)
+class MapSummary(SummaryBase):
+    """A map run's summary.json: the common part (rundir.SummaryBase; state succeeded | failed | stopped) and a
+    map run's own."""
+
     rows: int
     rows_done: int
-    nodes: list[dict[str, Any]]
-    split: dict[str, float]
-    incidents: list[Incident] = field(default_factory=list)
     output: str | None = None
     manifest: str | None = None
     finish_spread: float | None = None
-    run_dir: str = ""
-    message: str = ""
-    quarantined: list[str] = field(default_factory=list)
     reassignments: list[dict[str, Any]] = field(default_factory=list)
-    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "kind": "map", "state": self.state, "rows": self.rows,
-                "rows_done": self.rows_done, "steps": self.rows_done, "nodes": self.nodes, "split": self.split,
-                "incidents": [i.to_json() for i in self.incidents], "output": self.output, "manifest": self.manifest,
-                "finish_spread": self.finish_spread, "run_dir": self.run_dir, "message": self.message,
-                "quarantined": self.quarantined, "reassignments": self.reassignments,
-                "degraded": bool(self.left_out), "left_out": self.left_out}
+        return {**self.base_json(), "kind": "map", "rows": self.rows, "rows_done": self.rows_done,
+                "steps": self.rows_done, "output": self.output, "manifest": self.manifest,
+                "finish_spread": self.finish_spread, "reassignments": self.reassignments}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------
@@ -247,8 +240,8 @@ async def measure_rates(fleet: Fleet, pb: Playbook, names: Sequence[str], facts:
                 msg = json.loads(line)
                 if msg.get("src") == "bench":
                     rate = float(msg["examples_per_s"])
-                elif msg.get("event") == "error":
-                    error = str(msg.get("message"))
+                elif isinstance(event := parse_map_event(msg), MapErrorEvent):
+                    error = str(event.message)
         if rate is None or not rate > 0:
             raise MapError(f"{name}: calibration of the {pb.map.task if pb.map else ''} task failed: {error or 'no result'}")
         ui.message(f"{name}: {rate:.2f} examples/s (measured)")
@@ -291,7 +284,7 @@ class MapRun:
         self.reassignments: list[dict[str, Any]] = []
         self.parts = run_dir / "parts"
         self.parts.mkdir(parents=True, exist_ok=True)
-        self.events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
+        self.events = (run_dir / EVENTS).open("a", encoding="utf-8")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.started = time.monotonic()
         self.log = structlog.get_logger("coordinator.mapjob")
@@ -346,12 +339,13 @@ class MapRun:
                             sink.flush()
                     elif msg.get("src") == "event":
                         self.record({"node": name, **msg})
-                        if msg.get("event") == "progress":
-                            w.rows_per_s = msg.get("rows_per_s")
-                        elif msg.get("event") == "finished":
+                        event = parse_map_event(msg)  # worker.events' contract for a map worker's events
+                        if isinstance(event, MapProgressEvent):
+                            w.rows_per_s = event.rows_per_s
+                        elif isinstance(event, MapFinishedEvent):
                             finished = True
-                        elif msg.get("event") == "error":
-                            w.error = str(msg.get("message"))
+                        elif isinstance(event, MapErrorEvent):
+                            w.error = str(event.message)
                 if not finished:
                     raise MapError(w.error or f"worker.mapper exited with status {status} before it finished")
                 w.queue.pop(0)
@@ -454,7 +448,7 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
-    with run_context(inv, pb, opts, resume_marker="map.json", ui=ui) as (run_id, run_dir):
+    with run_context(inv, pb, opts, resume_marker=MAP_PLAN, ui=ui) as (run_id, run_dir):
         return await _run_map(inv, pb, opts, ui, store, run_id, run_dir, debug or {}, left_out)
 
 
@@ -485,10 +479,11 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
             work[name].queue = [list(ranges)]
         counts = largest_remainder(total, [rates[n] for n in names]) if total else [0] * len(names)
         split = {n: (c / total if total else 0.0) for n, c in zip(names, counts, strict=True)}
-        plan = {"rows": total, "input": input_path(pb), "task": pb.map.model_dump(), "rates": rates, "split": split,
-                "shards": {n: [list(r) for r in rs] for n, rs in given.items()}, "resumed": bool(opts.resume)}
-        (run_dir / "map.json").write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
-        (run_dir / "playbook.yaml").write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
+        plan = {"format": FORMAT, "rows": total, "input": input_path(pb), "task": pb.map.model_dump(), "rates": rates,
+                "split": split, "shards": {n: [list(r) for r in rs] for n, rs in given.items()},
+                "resumed": bool(opts.resume)}
+        (run_dir / MAP_PLAN).write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
+        (run_dir / PLAYBOOK).write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
                                                encoding="utf-8")
         ui.message("shards: " + ", ".join(f"{n} {sum(b - a for a, b in rs)} rows ({100 * split[n]:.1f}%)"
                                           for n, rs in given.items()))
@@ -535,8 +530,8 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
         manifest = {"run_id": run_id, "rows": total, "output": str(out), "sha256": digest,
                     "input": input_path(pb), "task": pb.map.task if pb.map else None,
                     "rows_by_node": {k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())}}
-        (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        summary.output, summary.manifest, summary.state = str(out), str(run_dir / "manifest.json"), "succeeded"
+        (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        summary.output, summary.manifest, summary.state = str(out), str(run_dir / MANIFEST), "succeeded"
         if pb.map is not None and pb.map.output:
             dest = Path(pb.map.output)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -544,7 +539,7 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
             summary.output = str(dest)
     elif not stopped:
         summary.message = f"{total - summary.rows_done} of {total} rows not done"
-    (run_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
+    (run_dir / SUMMARY).write_text(json.dumps(summary.to_json(), indent=2) + "\n", encoding="utf-8")
     return summary
 
 

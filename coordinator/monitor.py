@@ -16,7 +16,6 @@ the same error as a culprit of an earlier attempt on another node (it followed t
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -24,7 +23,19 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.signatures import error_signature, explain_error
-from worker.events import RecentSteps
+from worker.events import (
+    CheckpointEvent,
+    DigestEvent,
+    ErrorEvent,
+    EvalEvent,
+    EventError,
+    FinishedEvent,
+    HeartbeatEvent,
+    RecentSteps,
+    StartedEvent,
+    StepEvent,
+    parse_event,
+)
 
 
 class WorkerState(StrEnum):
@@ -331,64 +342,66 @@ class Monitor:
 
     def _event(self, obs: Observation) -> list[Incident]:
         rank = obs.rank
-        event = obs.data
+        raw = obs.data  # the wire record: kept verbatim in evidence and in `events`
+        event = parse_event(raw)  # the typed reading every decision below uses (worker.events' coercion rule)
+        step = getattr(event, "step", None)
         view = self.ranks.get(rank) if rank is not None else None
         if view is None or view.node != obs.node:
             # The channel's node does not own this rank: never trust what an event claims about its origin.
-            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=_int(event.get("step")),
+            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=step,
                                       detected_after_s=0.0,
-                                      evidence={"event": event, "reason": "rank not planned on this node"},
+                                      evidence={"event": raw, "reason": "rank not planned on this node"},
                                       action=Action.WARN, t=obs.at))
-        claimed = event.get("rank")
-        if claimed is not None and claimed != rank:
-            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=_int(event.get("step")),
+        claimed = raw.get("rank")
+        # A rank read under the event contract (1.0 is rank 1; "1" or 1.5 is no rank at all, so not this one).
+        if claimed is not None and (claimed != rank if isinstance(event, EventError) else event.rank != rank):
+            return self._add(Incident(kind=IncidentKind.SPOOFED, node=obs.node, rank=rank, step=step,
                                       detected_after_s=0.0,
-                                      evidence={"event": event, "reason": f"event claims rank {claimed}"},
+                                      evidence={"event": raw, "reason": f"event claims rank {claimed}"},
                                       action=Action.WARN, t=obs.at))
-        self.events.append({"node": obs.node, **event})
-        view.last_event_at = obs.at
-        kind = event.get("event")
-        if kind == "started":
+        self.events.append({"node": obs.node, **raw})
+        view.last_event_at = obs.at  # any line from the rank's file is a sign of life, even one of an unknown kind
+        if isinstance(event, StartedEvent):
             view.state = WorkerState.RUNNING
-            view.pid = _int(event.get("pid"))
+            view.pid = event.pid
             view.started_at = obs.at
             view.last_progress_at = obs.at
-            view.resumed_from = _int(event.get("resumed_from"))
+            view.resumed_from = event.resumed_from
             if view.resumed_from is not None:
                 view.step = view.resumed_from
-            view.trainable = str(event["trainable"]) if event.get("trainable") is not None else None
-            view.packing = str(event["packing_reason"]) if event.get("packing_reason") is not None else None
-        elif kind == "heartbeat":
-            view.phase = str(event.get("phase")) if event.get("phase") is not None else None
-        elif kind == "step":
+            view.trainable = event.trainable
+            view.packing = event.packing_reason
+        elif isinstance(event, HeartbeatEvent):
+            view.phase = event.phase
+        elif isinstance(event, StepEvent):
             return self._step(view, event, obs)
-        elif kind == "digest":
+        elif isinstance(event, DigestEvent):
             return self._digest(view, event, obs)
-        elif kind == "eval":
-            view.val_loss = _float(event.get("val_loss"))
-        elif kind == "checkpoint":
-            view.checkpoint = str(event.get("path"))
-            view.checkpoint_step = _int(event.get("step"))
+        elif isinstance(event, EvalEvent):
+            view.val_loss = event.val_loss
+        elif isinstance(event, CheckpointEvent):
+            view.checkpoint = str(event.path)
+            view.checkpoint_step = event.step
             return self._checkpoint(view, event, obs)
-        elif kind == "finished":
+        elif isinstance(event, FinishedEvent):
             view.state = WorkerState.FINISHED
-            view.step = _int(event.get("step")) or view.step
-            if event.get("checkpoint"):
-                view.checkpoint = str(event.get("checkpoint"))
-        elif kind == "error":
+            view.step = event.step or view.step
+            if event.checkpoint:
+                view.checkpoint = event.checkpoint
+        elif isinstance(event, ErrorEvent):
             view.state = WorkerState.FAILED
-            view.error = str(event.get("message"))
+            view.error = str(event.message)
             # An error after another fault, or about a lost peer, is an echo (peers lose the ring when a rank
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
             echo = self.first_fatal_at is not None or is_echo(view.error)
             # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
-            job = event.get("fault") == "job"
-            evidence: dict[str, Any] = {"message": view.error, "traceback": str(event.get("traceback", ""))[-2000:],
+            job = event.fault == "job"
+            evidence: dict[str, Any] = {"message": view.error, "traceback": (event.traceback or "")[-2000:],
                                         "echo": echo}
             if job:
                 evidence["fault"] = "job"
-            elif not is_echo(view.error) and not event.get("fenced"):
+            elif not is_echo(view.error) and not event.fenced:
                 # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
                 # with the same signature is the same failure, not an echo of the first).
                 sig = error_signature(view.error, {v.node for v in self.ranks.values()})
@@ -403,10 +416,10 @@ class Monitor:
                                       action=Action.STOP if echo or job else Action.QUARANTINE, t=obs.at))
         return []
 
-    def _step(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
+    def _step(self, view: RankView, event: StepEvent, obs: Observation) -> list[Incident]:
         found: list[Incident] = []
-        step = _int(event.get("step")) or 0
-        tokens = _int(event.get("tokens"))
+        step = event.step or 0
+        tokens = event.tokens
         peers = [v.step for v in self.ranks.values() if v.rank != view.rank]
         lies = []
         if step > self.iters:
@@ -419,32 +432,31 @@ class Monitor:
         if lies:
             if not any(i.kind == IncidentKind.IMPLAUSIBLE_PROGRESS and i.rank == view.rank for i in self.incidents):
                 found += self._add(Incident(kind=IncidentKind.IMPLAUSIBLE_PROGRESS, node=obs.node, rank=view.rank,
-                                            step=view.step, detected_after_s=0.0, evidence={"claims": lies, "event": event},
+                                            step=view.step, detected_after_s=0.0, evidence={"claims": lies, "event": obs.data},
                                             action=Action.QUARANTINE, t=obs.at))
             return found  # a lying report is never applied to the view
         if step > view.step:
             view.last_progress_at = obs.at
-            step_time = _float(event.get("step_time_s"))
+            step_time = event.step_time_s
             if step_time is not None:
                 view.steps.add(step_time)
         self.first_step_at.setdefault(view.rank, obs.at)
         view.step = max(view.step, step)
-        view.loss = _float(event.get("loss"))
-        view.tokens_per_s = _float(event.get("tok_s"))
-        view.peak_memory = _int(event.get("peak_memory"))
-        view.grad_norm = _float(event.get("grad_norm"))
-        view.compute_tokens_per_s = _float(event.get("compute_tok_s"))
-        local_loss = _float(event.get("local_loss"))
-        finite = event.get("local_loss_finite")
+        view.loss = event.loss
+        view.tokens_per_s = event.tok_s
+        view.peak_memory = event.peak_memory
+        view.grad_norm = event.grad_norm
+        view.compute_tokens_per_s = event.compute_tok_s
+        local_loss = event.local_loss
+        finite = event.local_loss_finite
         if finite is False:
             found += self._add(Incident(kind=IncidentKind.NAN, node=obs.node, rank=view.rank, step=step, detected_after_s=0.0,
-                                        evidence={"local_loss": event.get("local_loss"), "loss": event.get("loss")},
+                                        evidence={"local_loss": obs.data.get("local_loss"), "loss": obs.data.get("loss")},
                                         action=Action.QUARANTINE, t=obs.at))
-        self.step_locals.setdefault(step, {})[view.rank] = (local_loss, _float(event.get("local_grad_norm")),
-                                                            finite is not False)
+        self.step_locals.setdefault(step, {})[view.rank] = (local_loss, event.local_grad_norm, finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
             self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
-        total, wall = _int(event.get("total_tokens")), _float(event.get("step_time_s"))
+        total, wall = event.total_tokens, event.step_time_s
         if total is not None and total > 0 and wall is not None and wall > 0:
             self.step_totals.setdefault(step, total / wall)
         found += self._stragglers(step, obs)
@@ -532,20 +544,20 @@ class Monitor:
                                             action=Action.WARN, t=obs.at))
         return found
 
-    def _digest(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
-        step = _int(event.get("step"))
+    def _digest(self, view: RankView, event: DigestEvent, obs: Observation) -> list[Incident]:
+        step = event.step
         if step is None:
             return []
         table = self.digests.setdefault(step, {})
-        table[view.rank] = (str(event.get("params_sha256")), str(event.get("optimizer_sha256")))
+        table[view.rank] = (str(event.params_sha256), str(event.optimizer_sha256))
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
         return self._vote(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
 
-    def _checkpoint(self, view: RankView, event: dict[str, Any], obs: Observation) -> list[Incident]:
-        step, sha = _int(event.get("step")), event.get("sha256")
-        if step is None or not isinstance(sha, str):
+    def _checkpoint(self, view: RankView, event: CheckpointEvent, obs: Observation) -> list[Incident]:
+        step, sha = event.step, event.sha256
+        if step is None or sha is None:
             return []
         table = self.manifests.setdefault(step, {})
         table[view.rank] = sha
@@ -914,21 +926,3 @@ def robust_outliers(values: dict[int, float], mads: float, rel: float) -> set[in
         if dist > rel * max(abs(median), 1e-12) and (mad == 0 or dist > mads * mad):
             out.add(key)
     return out
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return int(value)
-    return None
-
-
-def _float(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None

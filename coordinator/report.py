@@ -22,7 +22,6 @@ import base64
 import html
 import io
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
+from coordinator.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record, parse_plan, parse_summary
+from worker.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    EvalEvent,
+    StartedEvent,
+    StepEvent,
+    coerce_float,
+    coerce_int,
+    parse_event,
+)
 
 # Events after which a `started` event means a new attempt (heartbeats precede `started` during model load).
 _LATE_EVENTS = frozenset({"step", "eval", "checkpoint", "finished", "error", "incident", "digest"})
@@ -67,6 +77,7 @@ def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         problems.append(f"{path.name} is not a JSON object")
         return None
+    check_format(value, str(path))  # a newer format than this coordinator reads: an error naming both versions
     return value
 
 
@@ -97,18 +108,18 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
         raise ReportError(f"{run_id!r} is not a run id (a directory name under {run_root}/)")
     run_dir = run_root / run_id
     if not run_dir.is_dir():
-        known = sorted(p.name for p in run_root.iterdir() if (p / "events.jsonl").exists() or
-                       (p / "summary.json").exists()) if run_root.is_dir() else []
+        known = sorted(p.name for p in run_root.iterdir() if (p / EVENTS).exists() or
+                       (p / SUMMARY).exists()) if run_root.is_dir() else []
         hint = f"; runs there: {', '.join(known[-5:])}" if known else ""
         raise ReportError(f"no run {run_id!r}: {run_dir} is not a directory{hint}")
-    names = ("summary.json", "plan.json", "events.jsonl")
+    names = (SUMMARY, PLAN, EVENTS)
     if not any((run_dir / n).is_file() for n in names):
         raise ReportError(f"{run_dir} is not a run directory: it has none of {', '.join(names)}")
     problems: list[str] = []
-    summary = _read_json_object(run_dir / "summary.json", problems)
-    plan = _read_json_object(run_dir / "plan.json", problems)
+    summary = _read_json_object(run_dir / SUMMARY, problems)
+    plan = _read_json_object(run_dir / PLAN, problems)
     events: list[dict[str, Any]] = []
-    events_path = run_dir / "events.jsonl"
+    events_path = run_dir / EVENTS
     if events_path.is_file():
         try:
             events, bad = parse_events(events_path.read_text(encoding="utf-8", errors="replace"))
@@ -126,16 +137,13 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
 
 
 def _num(d: Mapping[str, Any], key: str) -> float | None:
-    """A finite number from JSON, else None (bools, strings and NaN are not numbers here)."""
-    v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    return float(v) if math.isfinite(v) else None
+    """A finite number from JSON, else None (bools, strings and NaN are not numbers here): worker.events' rule."""
+    return coerce_float(d.get(key))
 
 
 def _int(d: Mapping[str, Any], key: str) -> int | None:
-    v = d.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    """An int from JSON (3.0 is 3), else None: the same rule as the events (worker.events)."""
+    return coerce_int(d.get(key))
 
 
 def _str(d: Mapping[str, Any], key: str) -> str | None:
@@ -308,8 +316,8 @@ def _wall_time_of(step: int | None, attempt: int, series: Sequence[Series], node
 
 def build_report(files: RunFiles) -> Report:
     """Interpret a run directory's files. Pure; never raises on odd content (it becomes `problems`)."""
-    summary = files.summary or {}
-    plan = files.plan or {}
+    summary = parse_summary(files.summary or {})
+    plan = parse_plan(files.plan or {})
     problems = list(files.problems)
     events = list(files.events)
     attempts_of = assign_attempts(events)
@@ -332,53 +340,52 @@ def build_report(files: RunFiles) -> Report:
         if t is not None and kind != "incident":
             times.append(t)
             attempt_start[attempt] = min(attempt_start.get(attempt, t), t)
-        step = _int(ev, "step")
-        if kind == "started":
+        # A rank's event, as the coordinator copied it (with its `node`), read under worker.events' contract;
+        # the coordinator's own records (incident, supervisor, ...) are EventErrors here and read below.
+        event = parse_event(ev)
+        if isinstance(event, StartedEvent):
             attempt_nodes.setdefault(attempt, {})[node] = None
-            iters = _int(ev, "iters") or iters
-            if ev.get("resumed_from") is not None:
-                resumed[attempt] = str(ev.get("resumed_from"))
-        elif kind == "step" and step is not None:
+            iters = event.iters or iters
+            # Shown as the rank wrote it (an older worker named the checkpoint rather than its step).
+            resumed_from = event.resumed_from if event.resumed_from is not None else event.invalid.get("resumed_from")
+            if resumed_from is not None:
+                resumed[attempt] = str(resumed_from)
+        elif isinstance(event, StepEvent) and event.step is not None:
             key = (attempt, node)
             attempt_nodes.setdefault(attempt, {})[node] = None
-            ranks[key] = _int(ev, "rank")
-            points.setdefault(key, []).append(Point(step, t, _num(ev, "loss"), _num(ev, "tok_s"),
-                                                    _num(ev, "compute_tok_s")))
-        elif kind == "eval" and step is not None:
-            val = _num(ev, "val_loss")
-            if val is not None:
-                evals.setdefault((attempt, step), EvalPoint(attempt, step, val, t))
-        elif kind == "checkpoint" and step is not None:
-            row = ckpts.setdefault((attempt, step), CheckpointRow(attempt, step, t, {}, {}))
-            sha, path = _str(ev, "sha256"), _str(ev, "path")
-            if sha:
-                row.sha256[node] = sha
-            if path:
-                row.paths[node] = path
-        elif kind == "error":
-            errors.append({"node": node, "rank": _int(ev, "rank"), "attempt": attempt,
-                           "message": _evidence_text(ev.get("error") or ev.get("message") or ev.get("traceback")
+            ranks[key] = event.rank
+            points.setdefault(key, []).append(Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s))
+        elif isinstance(event, EvalEvent) and event.step is not None:
+            if event.val_loss is not None:
+                evals.setdefault((attempt, event.step), EvalPoint(attempt, event.step, event.val_loss, t))
+        elif isinstance(event, CheckpointEvent) and event.step is not None:
+            row = ckpts.setdefault((attempt, event.step), CheckpointRow(attempt, event.step, t, {}, {}))
+            if event.sha256:
+                row.sha256[node] = event.sha256
+            if event.path:
+                row.paths[node] = event.path
+        elif isinstance(event, ErrorEvent):
+            errors.append({"node": node, "rank": event.rank, "attempt": attempt,
+                           "message": _evidence_text(event.extra.get("error") or event.message or event.traceback
                                                      or {k: v for k, v in ev.items()
                                                          if k not in ("node", "rank", "event", "t", "run_id")})})
     series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts, key=lambda p: p.step)))
               for (a, node), pts in sorted(points.items())]
 
     # incidents: summary.json has them all (every attempt) without the attempt; events.jsonl has the attempt.
-    incident_events = [(ev, a) for ev, a in zip(events, attempts_of, strict=True) if ev.get("event") == "incident"]
-    raw_incidents: Sequence[tuple[Mapping[str, Any], int]] = incident_events
-    if not raw_incidents and isinstance(summary.get("incidents"), list):
-        raw_incidents = [(i, 0) for i in summary["incidents"] if isinstance(i, Mapping)]
+    records = [(parse_incident_record(ev), a) for ev, a in zip(events, attempts_of, strict=True)
+               if ev.get("event") == "incident"]
+    if not records and summary.incidents is not None:
+        records = [(i, 0) for i in summary.incidents]
     incidents = []
-    for inc, attempt in raw_incidents:
-        inc_node = _str(inc, "node") or "?"
-        inc_step = _int(inc, "step")
+    for inc, attempt in records:
+        inc_node = inc.node or "?"
         incidents.append(IncidentRow(
-            attempt=attempt, kind=_str(inc, "kind") or "?", node=inc_node, rank=_int(inc, "rank"), step=inc_step,
-            action=_str(inc, "action") or "?", detected_after_s=_num(inc, "detected_after_s"),
-            evidence=_evidence_text(inc.get("evidence")),
-            t_wall=_wall_time_of(inc_step, attempt, series, inc_node, attempt_start.get(attempt))))
+            attempt=attempt, kind=inc.kind or "?", node=inc_node, rank=inc.rank, step=inc.step,
+            action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
+            t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
-    n_attempts = max([*attempts_of, 0]) + 1 if events else (_int(summary, "attempts") or 1)
+    n_attempts = max([*attempts_of, 0]) + 1 if events else (summary.attempts or 1)
     attempts = []
     for a in range(n_attempts):
         steps_a = [p.step for s in series if s.attempt == a for p in s.points]
@@ -386,37 +393,30 @@ def build_report(files: RunFiles) -> Report:
                                    min(steps_a) if steps_a else None, max(steps_a) if steps_a else None))
 
     # nodes: summary.json's rows (final attempt), else the last attempt's nodes from the events ------------------
-    split_raw = summary.get("split") if isinstance(summary.get("split"), Mapping) else plan.get("split")
-    split = {str(k): float(v) for k, v in (split_raw or {}).items()
-             if isinstance(v, int | float) and not isinstance(v, bool)}
-    plan_rates = {str(n.get("name")): _num(n, "tokens_per_s") for n in plan.get("nodes", []) if isinstance(n, Mapping)}
-    batch_raw = plan.get("batch")
-    plan_batch: Mapping[str, Any] = batch_raw if isinstance(batch_raw, Mapping) else {}
+    split = dict(summary.split if summary.split is not None else plan.split or {})
+    plan_rates = plan.node_tokens_per_s
 
     def mean_tok(node: str) -> float | None:
         vals = [p.tok_s for s in series if s.node == node for p in s.points if p.tok_s is not None]
         return sum(vals) / len(vals) if vals else None
 
     nodes: list[NodeRow] = []
-    summary_nodes = [n for n in summary.get("nodes", []) if isinstance(n, Mapping)] \
-        if isinstance(summary.get("nodes"), list) else []
-    if summary_nodes:
-        for n in summary_nodes:
-            name = _str(n, "name") or "?"
-            nodes.append(NodeRow(name, _int(n, "rank"), _int(n, "batch_size"), _str(n, "state") or "?", _int(n, "step"),
-                                 _num(n, "loss"), _num(n, "tokens_per_s"), mean_tok(name),
-                                 _num(n, "calibrated_tokens_per_s") or plan_rates.get(name), split.get(name),
-                                 _int(n, "peak_memory"), _str(n, "checkpoint")))
+    if summary.nodes:
+        for n in summary.nodes:
+            name = n.name or "?"
+            nodes.append(NodeRow(name, n.rank, n.batch_size, n.state or "?", n.step, n.loss, n.tokens_per_s,
+                                 mean_tok(name), n.calibrated_tokens_per_s or plan_rates.get(name), split.get(name),
+                                 n.peak_memory, n.checkpoint))
     else:
         last = n_attempts - 1
         for s in sorted((s for s in series if s.attempt == last), key=lambda s: (s.rank is None, s.rank or 0)):
             final = s.points[-1]
-            batch = plan_batch.get(s.node) if isinstance(plan_batch.get(s.node), int) else None
+            batch = plan.batch.get(s.node)
             nodes.append(NodeRow(s.node, s.rank, batch, "unknown", final.step, final.loss, final.tok_s, mean_tok(s.node),
                                  plan_rates.get(s.node), split.get(s.node), None, None))
 
     # Nodes that took part only in earlier attempts (a culprit left out of the relaunch) keep a row.
-    quarantined = [str(q) for q in summary.get("quarantined", [])] if isinstance(summary.get("quarantined"), list) else []
+    quarantined = list(summary.quarantined)
     final_names = {n.name for n in nodes}
     for s in reversed(series):
         if s.node not in final_names:
@@ -426,18 +426,17 @@ def build_report(files: RunFiles) -> Report:
             nodes.append(NodeRow(s.node, s.rank, None, f"{why} after attempt {s.attempt + 1}", final.step, final.loss,
                                  final.tok_s, mean_tok(s.node), plan_rates.get(s.node), None, None, None))
 
-    state = _str(summary, "state") or ("unknown: no summary.json (the coordinator did not finish, or it is still "
+    state = summary.state or ("unknown: no summary.json (the coordinator did not finish, or it is still "
                                        "running)" if files.summary is None else "unknown")
-    steps = _int(summary, "steps")
+    steps = summary.steps
     if steps is None and series:
         steps = max(p.step for s in series for p in s.points)
-    recoveries = [r for r in summary.get("recoveries", []) if isinstance(r, dict)] \
-        if isinstance(summary.get("recoveries"), list) else []
+    recoveries = [dict(r) for r in summary.recoveries]
     return Report(
-        run_id=_str(summary, "run_id") or files.run_id, state=state, steps=steps, iters=iters,
-        message=_str(summary, "message") or "", tokens_per_s=_num(summary, "tokens_per_s"),
-        predicted_tokens_per_s=_num(plan, "predicted_tokens_per_s"), checkpoint=_str(summary, "checkpoint"),
-        mode=_str(plan, "mode"), backend=_str(plan, "backend"), global_batch=_int(plan, "global_batch"),
+        run_id=summary.run_id or files.run_id, state=state, steps=steps, iters=iters,
+        message=summary.message or "", tokens_per_s=summary.tokens_per_s,
+        predicted_tokens_per_s=plan.predicted_tokens_per_s, checkpoint=summary.checkpoint,
+        mode=plan.mode, backend=plan.backend, global_batch=plan.global_batch,
         quarantined=quarantined, recoveries=recoveries, nodes=nodes, split=split, series=series,
         evals=sorted(evals.values(), key=lambda e: (e.attempt, e.step)), incidents=incidents,
         checkpoints=sorted(ckpts.values(), key=lambda c: (c.attempt, c.step)), attempts=attempts, errors=errors,

@@ -10,12 +10,21 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
+from coordinator.rundir import (
+    MANIFEST,
+    MAP_PLAN,
+    IncidentRecord,
+    MapPlanFile,
+    parse_map_plan,
+    parse_summary,
+    read_json_object,
+)
+from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ class MapReport:
     nodes: list[MapNodeRow]
     split: dict[str, float]
     finish_spread: float | None
-    incidents: list[dict[str, Any]]
+    incidents: list[IncidentRecord]
     reassignments: list[dict[str, Any]]
     manifest: dict[str, Any] | None
     progress: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # node -> (t, rows done)
@@ -49,28 +58,26 @@ class MapReport:
     problems: list[str] = field(default_factory=list)
 
 
-def _float(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+_float = coerce_float  # the events' one rule for numbers (worker.events)
 
 
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
-    s = files.summary or {}
+    s = parse_summary(files.summary or {})
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
-    plan: dict[str, Any] = {}
-    try:
-        plan = json.loads((run_dir / "map.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    plan = MapPlanFile()
+    doc = read_json_object(run_dir / MAP_PLAN)  # format-checked: a newer one is an error naming both versions
+    if doc is None:
         problems.append("map.json is missing or unreadable")
+    else:
+        plan = parse_map_plan(doc, name=str(run_dir / MAP_PLAN))
     manifest = None
-    if (run_dir / "manifest.json").is_file():
+    if (run_dir / MANIFEST).is_file():
         try:
-            manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+            manifest = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
         except ValueError:
             problems.append("manifest.json is unreadable")
-    nodes = [MapNodeRow(str(n.get("name")), str(n.get("state")), int(n.get("rows") or 0), int(n.get("rows_done") or 0),
-                        list(n.get("ranges") or []), _float(n.get("examples_per_s_calibrated")),
-                        _float(n.get("rows_per_s")), _float(n.get("finished_after_s")))
-             for n in s.get("nodes", []) if isinstance(n, Mapping)]
+    nodes = [MapNodeRow(str(n.name), str(n.state), n.rows or 0, n.rows_done or 0, [list(r) for r in n.ranges],
+                        n.examples_per_s_calibrated, n.rows_per_s, n.finished_after_s) for n in s.nodes]
     progress: dict[str, list[tuple[float, int]]] = {}
     offset: dict[str, int] = {}
     times = []
@@ -78,22 +85,25 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         t = _float(ev.get("t"))
         if t is not None:
             times.append(t)
-        if t is None or not isinstance(ev.get("node"), str):
+        node = ev.get("node")
+        if t is None or not isinstance(node, str):
             continue
+        # A map worker's event as the coordinator copied it (with its `node`), read under worker.events' contract
+        # (the coordinator's own records, incident and reassigned, are EventErrors here).
+        event = parse_map_event(ev)
         # A node's worker counts from 0 for each work item (its shard, then any rows re-assigned to it): the
         # curve adds the earlier items' rows.
-        pts = progress.setdefault(ev["node"], [])
-        if ev.get("event") == "started":
-            offset[ev["node"]] = pts[-1][1] if pts else 0
-            pts.append((t, offset[ev["node"]]))
-        elif ev.get("event") in ("progress", "finished") and isinstance(ev.get("done"), int):
-            pts.append((t, offset.get(ev["node"], 0) + ev["done"]))
+        pts = progress.setdefault(node, [])
+        if isinstance(event, MapStartedEvent):
+            offset[node] = pts[-1][1] if pts else 0
+            pts.append((t, offset[node]))
+        elif isinstance(event, MapProgressEvent | MapFinishedEvent) and event.done is not None:
+            pts.append((t, offset.get(node, 0) + event.done))
     return MapReport(
-        run_id=files.run_id, state=str(s.get("state", "unknown")), rows=int(s.get("rows") or plan.get("rows") or 0),
-        rows_done=int(s.get("rows_done") or 0), task=(plan.get("task") or {}).get("task"), nodes=nodes,
-        split=dict(s.get("split") or plan.get("split") or {}), finish_spread=_float(s.get("finish_spread")),
-        incidents=[dict(i) for i in s.get("incidents", []) if isinstance(i, Mapping)],
-        reassignments=[dict(x) for x in s.get("reassignments", []) if isinstance(x, Mapping)], manifest=manifest,
+        run_id=files.run_id, state=s.state or "unknown", rows=s.rows or plan.rows or 0,
+        rows_done=s.rows_done or 0, task=plan.task, nodes=nodes,
+        split=dict(s.split or plan.split or {}), finish_spread=s.finish_spread,
+        incidents=list(s.incidents or ()), reassignments=[dict(x) for x in s.reassignments], manifest=manifest,
         progress=progress, start_t=min(times) if times else None, end_t=max(times) if times else None,
         problems=problems)
 
@@ -157,9 +167,8 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
     out.append("<h2>Incidents</h2>")
     if r.incidents:
         out.append(_table(["kind", "node", "action", "detected after (s)", "evidence"],
-                          [[_e(i.get("kind")), _e(i.get("node")), _e(i.get("action")),
-                            _fmt(_float(i.get("detected_after_s")), ",.2f"), _e(str(i.get("evidence"))[:300])]
-                           for i in r.incidents], numeric=(3,)))
+                          [[_e(i.kind), _e(i.node), _e(i.action), _fmt(i.detected_after_s, ",.2f"),
+                            _e(str(i.evidence)[:300])] for i in r.incidents], numeric=(3,)))
     else:
         out.append('<p class="ok">No incident.</p>')
     if r.reassignments:

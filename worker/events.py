@@ -15,9 +15,11 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO, Union
 
 
 class _StrEnum(str, Enum):
@@ -62,6 +64,17 @@ class EventKind(_StrEnum):
     #                  fault ("job") when every rank fails together because of the job, not of its node
 
 
+class MapEventKind(_StrEnum):
+    """A map worker's events (worker.mapper prints them as {"src": "event", ...}; the coordinator copies them
+    into the run's events.jsonl with their `node`). Fields beyond t and event:"""
+
+    STARTED = "started"  # pid, rows (of this work item), ranges ([[start, end], ...])
+    PROGRESS = "progress"  # done, rows, rows_per_s
+    HEARTBEAT = "heartbeat"  # done, pid
+    FINISHED = "finished"  # done, seconds
+    ERROR = "error"  # message, traceback
+
+
 class Phase(_StrEnum):
     LOAD = "load"  # distributed init, model/data loading, resume
     STEP = "step"  # forward/backward, gradient all_sum, optimizer update
@@ -70,6 +83,330 @@ class Phase(_StrEnum):
     DIGEST = "digest"  # hashing parameters and optimizer state for a digest event
     SYNC = "sync"  # waiting for every rank at a barrier (after writing a checkpoint)
     IDLE = "idle"  # between phases, and after the end
+
+
+# --- the typed contract: one record per event kind, and its one parser ------------------------------------------
+#
+# Coercion rule (the one rule every reader of events uses, through `parse_event`):
+#   - null, or a field that is absent, reads as None (the writer writes non-finite floats as null);
+#   - an int field takes a JSON integer, or a finite float with no fractional part (3.0 reads as 3: the same
+#     number, as a writer that did arithmetic may spell it); a bool is never a number;
+#   - a float field takes any JSON number (a non-finite one, which only a non-conforming writer can produce,
+#     reads as None, as the writer would have written it);
+#   - str and bool fields take exactly that JSON type;
+#   - anything else (3.5 for a step, "3", a list) reads as None, and `Event.invalid` keeps it (field -> the value
+#     as written, for a reader that shows it): a bad field never costs the rest of the event (an `error` event
+#     with a bad step must still fail the rank).
+# A line that is not a JSON object, or whose `event` is missing or not a known kind, is an `EventError`.
+
+
+def coerce_int(value: Any) -> int | None:
+    """An int under the coercion rule above, else None (for the coordinator's readers of its own records)."""
+    return _as_int(value)[0]
+
+
+def coerce_float(value: Any) -> float | None:
+    """A float under the coercion rule above, else None."""
+    return _as_float(value)[0]
+
+
+def _as_int(value: Any) -> tuple[int | None, bool]:
+    """(the value, whether it was valid) under the coercion rule above."""
+    if value is None:
+        return None, True
+    if isinstance(value, bool):
+        return None, False
+    if isinstance(value, int):
+        return value, True
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value), True
+    return None, False
+
+
+def _as_float(value: Any) -> tuple[float | None, bool]:
+    if value is None:
+        return None, True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, False
+    return (float(value), True) if math.isfinite(value) else (None, True)
+
+
+def _as_str(value: Any) -> tuple[str | None, bool]:
+    if value is None:
+        return None, True
+    return (value, True) if isinstance(value, str) else (None, False)
+
+
+def _as_bool(value: Any) -> tuple[bool | None, bool]:
+    if value is None:
+        return None, True
+    return (value, True) if isinstance(value, bool) else (None, False)
+
+
+def _as_ranges(value: Any) -> tuple[list[list[int]] | None, bool]:
+    """[[start, end], ...] of ints (under the int rule)."""
+    if value is None:
+        return None, True
+    if not isinstance(value, list):
+        return None, False
+    out: list[list[int]] = []
+    for item in value:
+        pair = [_as_int(x) for x in item] if isinstance(item, list) and len(item) == 2 else []
+        if len(pair) != 2 or not all(ok and x is not None for x, ok in pair):
+            return None, False
+        out.append([x for x, _ in pair])  # type: ignore[misc]
+    return out, True
+
+
+# Annotation (a string under `from __future__ import annotations`) -> its coercer.
+_COERCE = {"int | None": _as_int, "float | None": _as_float, "str | None": _as_str, "bool | None": _as_bool,
+           "list[list[int]] | None": _as_ranges}
+_BASE = ("t", "run_id", "rank")  # every event; `event` is the kind itself
+
+
+@dataclass(frozen=True)
+class Event:
+    """What every event carries. Subclasses add their kind's fields, all optional: readers see a partial
+    event (an older worker, a chaos rank) as None fields, never as a missing key."""
+
+    KIND: ClassVar[EventKind | MapEventKind]
+
+    t: float | None = None  # the worker's unix time
+    run_id: str | None = None
+    rank: int | None = None
+    # Not on the wire: the fields that were present with a value of the wrong type (read as None; see above:
+    # name -> the value as written), and any fields this version does not know (kept, so a record passes through).
+    invalid: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> EventKind | MapEventKind:
+        return self.KIND
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form (`EventLog.emit` writes the same shape): t, run_id, rank, event, then the fields."""
+        out: dict[str, Any] = {"t": self.t, "run_id": self.run_id, "rank": self.rank, "event": str(self.KIND)}
+        for f in fields(self):
+            if f.name not in _BASE and f.name not in ("invalid", "extra"):
+                out[f.name] = getattr(self, f.name)
+        out.update({k: v for k, v in self.extra.items() if k not in out})
+        return _clean(out)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class StartedEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.STARTED
+    world_size: int | None = None
+    node: str | None = None
+    batch_size: int | None = None
+    global_batch: int | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    trainable_params: int | None = None
+    total_params: int | None = None
+    trainable_pct: float | None = None
+    trainable: str | None = None
+    resumed_from: int | None = None
+    data_position: int | None = None
+    iters: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    checkpoint_writer: bool | None = None
+    checkpoint_dir: str | None = None
+    train_rows: int | None = None
+    valid_rows: int | None = None
+    packing: bool | None = None
+    packing_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class StepEvent(Event):
+    """DPO runs add their objective's statistics (pairs, total_pairs, ...): kept in `extra`."""
+
+    KIND: ClassVar[EventKind] = EventKind.STEP
+    step: int | None = None
+    loss: float | None = None
+    tokens: int | None = None
+    total_tokens: int | None = None
+    tok_s: float | None = None
+    step_time_s: float | None = None
+    peak_memory: int | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    data_position: int | None = None
+    epoch: int | None = None
+    local_loss: float | None = None
+    local_loss_finite: bool | None = None
+    local_grad_norm: float | None = None
+    compute_s: float | None = None
+    compute_tok_s: float | None = None
+
+
+@dataclass(frozen=True)
+class DigestEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.DIGEST
+    step: int | None = None
+    params_sha256: str | None = None
+    optimizer_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.EVAL
+    step: int | None = None
+    val_loss: float | None = None
+    val_tokens: int | None = None
+    eval_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT
+    step: int | None = None
+    path: str | None = None
+    sha256: str | None = None
+    writer: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointInvalidEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT_INVALID
+    step: int | None = None
+    path: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class WarningEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.WARNING
+    code: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class HeartbeatEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.HEARTBEAT
+    step: int | None = None
+    phase: str | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class FinishedEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.FINISHED
+    step: int | None = None
+    checkpoint: str | None = None
+    loss: float | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Event):
+    KIND: ClassVar[EventKind] = EventKind.ERROR
+    message: str | None = None
+    traceback: str | None = None
+    step: int | None = None
+    phase: str | None = None
+    exit_code: int | None = None
+    fenced: bool | None = None
+    fault: str | None = None  # "job": every rank fails together because of the job, not of its node
+
+
+AnyEvent = Union[StartedEvent, StepEvent, DigestEvent, EvalEvent, CheckpointEvent, CheckpointInvalidEvent,
+                 WarningEvent, HeartbeatEvent, FinishedEvent, ErrorEvent]
+EVENT_TYPES: dict[EventKind, type[Event]] = {cls.KIND: cls for cls in (
+    StartedEvent, StepEvent, DigestEvent, EvalEvent, CheckpointEvent, CheckpointInvalidEvent, WarningEvent,
+    HeartbeatEvent, FinishedEvent, ErrorEvent)}
+
+
+@dataclass(frozen=True)
+class MapStartedEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.STARTED
+    pid: int | None = None
+    rows: int | None = None
+    ranges: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class MapProgressEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.PROGRESS
+    done: int | None = None
+    rows: int | None = None
+    rows_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MapHeartbeatEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.HEARTBEAT
+    done: int | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class MapFinishedEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.FINISHED
+    done: int | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class MapErrorEvent(Event):
+    KIND: ClassVar[MapEventKind] = MapEventKind.ERROR
+    message: str | None = None
+    traceback: str | None = None
+
+
+AnyMapEvent = Union[MapStartedEvent, MapProgressEvent, MapHeartbeatEvent, MapFinishedEvent, MapErrorEvent]
+MAP_EVENT_TYPES: dict[MapEventKind, type[Event]] = {cls.KIND: cls for cls in (
+    MapStartedEvent, MapProgressEvent, MapHeartbeatEvent, MapFinishedEvent, MapErrorEvent)}
+
+
+@dataclass(frozen=True)
+class EventError:
+    """A line that is not an event: `reason` says why; `kind` is its `event` value when it had a string one."""
+
+    reason: str
+    kind: str | None = None
+
+
+def parse_event(value: str | bytes | Mapping[str, Any]) -> AnyEvent | EventError:
+    """One events.jsonl line (or its decoded JSON object) -> its typed event, under the coercion rule above.
+    Keys other than the kind's fields (the coordinator's `node` and `attempt` on its copy, DPO statistics) are
+    kept in `extra`. Never raises."""
+    return _parse(value, EVENT_TYPES)  # type: ignore[arg-type,return-value]
+
+
+def parse_map_event(value: str | bytes | Mapping[str, Any]) -> AnyMapEvent | EventError:
+    """A map worker's event (`MapEventKind`), under the same rule as `parse_event`. Never raises."""
+    return _parse(value, MAP_EVENT_TYPES)  # type: ignore[arg-type,return-value]
+
+
+def _parse(value: str | bytes | Mapping[str, Any], types: Mapping[str, type[Event]]) -> Event | EventError:
+    if isinstance(value, (str, bytes)):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            return EventError(f"not JSON: {exc}")
+    if not isinstance(value, Mapping):
+        return EventError("not a JSON object")
+    kind = value.get("event")
+    if not isinstance(kind, str):
+        return EventError("no event kind (the `event` key is missing or not a string)")
+    cls = types.get(kind)
+    if cls is None:
+        return EventError(f"unknown event kind {kind!r}", kind)
+    args: dict[str, Any] = {}
+    invalid: dict[str, Any] = {}
+    known = {"event"}
+    for f in fields(cls):
+        if f.name in ("invalid", "extra"):
+            continue
+        known.add(f.name)
+        coerced, ok = _COERCE[str(f.type)](value.get(f.name))
+        args[f.name] = coerced
+        if not ok:
+            invalid[f.name] = value.get(f.name)
+    extra = {str(k): v for k, v in value.items() if k not in known}
+    return cls(**args, invalid=invalid, extra=extra)
 
 
 def _clean(value: Any) -> Any:

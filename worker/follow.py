@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from worker.events import StartedEvent, parse_event
+
 
 def process_state(pid: int) -> str | None:
     """One-letter process state (R running, S sleeping, T stopped, Z zombie, D disk), None when gone."""
@@ -87,8 +89,9 @@ def read_events(tail: Tail, rank: int, skip: dict[int, int], pids: dict[int, int
             if not delivered:
                 out.append({"src": "bad", "rank": rank, "text": raw.decode("utf-8", "replace")[:500]})
             continue
-        if isinstance(event, dict) and event.get("event") == "started" and isinstance(event.get("pid"), int):
-            pids[rank] = event["pid"]
+        started = parse_event(event) if isinstance(event, dict) else None
+        if isinstance(started, StartedEvent) and started.pid is not None:
+            pids[rank] = started.pid
         if not delivered:
             out.append({"src": "event", "rank": rank, "event": event})
     return out

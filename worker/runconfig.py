@@ -216,6 +216,32 @@ class RunConfig:
     def plan_json(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.ranks]
 
+    def to_json(self) -> dict[str, Any]:
+        """The run.json this config is read from: `parse_run_config(c.to_json())` gives `c` back (paths with
+        "~" come back expanded: the node expands them). The coordinator builds a RunConfig and writes this, so
+        writer and reader share one record. `dpo` only for DPO, `debug` only when set (the parser rejects a
+        `dpo` section for other methods; the coordinator never sets debug hooks)."""
+        out: dict[str, Any] = {
+            "run_id": self.run_id, "model": self.model, "data": self.data, "method": self.method,
+            "iters": self.iters, "learning_rate": self.learning_rate, "optimizer": self.optimizer,
+            "max_seq_length": self.max_seq_length, "grad_accumulation": self.grad_accumulation,
+            "grad_checkpoint": self.grad_checkpoint, "mask_prompt": self.mask_prompt, "packing": self.packing,
+            "train_embeddings": self.train_embeddings, "num_layers": self.num_layers,
+            "lora": self.lora.mlx_lm_parameters(), "save_every": self.save_every,
+            "steps_per_eval": self.steps_per_eval, "val_batches": self.val_batches, "seed": self.seed,
+            "keep_checkpoints": self.keep_checkpoints,
+            "ranks": self.plan_json(), "run_dir": str(self.run_dir), "resume": self.resume,
+            "restart_from_scratch": self.restart_from_scratch, "heartbeat_s": self.heartbeat_s,
+            "consistency_every": self.consistency_every,
+            "fence": None if self.fence is None else {"factor": self.fence[0], "min_s": self.fence[1]},
+            "chaos": [asdict(c) for c in self.chaos],
+        }
+        if self.method == "dpo":
+            out["dpo"] = asdict(self.dpo)
+        if self.debug != DebugSpec():
+            out["debug"] = asdict(self.debug)
+        return out
+
 
 # --- parsing -----------------------------------------------------------------------------------------------------
 

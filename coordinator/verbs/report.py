@@ -8,6 +8,7 @@ import click
 
 from coordinator.report import build_page, read_run_files
 from coordinator.report_map import build_map_report, render_map_page
+from coordinator.rundir import MAP_PLAN
 
 
 def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Path:
@@ -15,7 +16,7 @@ def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Pat
     to `output` (default `runs/<id>/report/index.html`).
     Raises `ReportError` (exit 2) when RUN_ID is not a run directory."""
     files = read_run_files(run_root, run_id)
-    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / "map.json").is_file():
+    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / MAP_PLAN).is_file():
         page = render_map_page(build_map_report(files, run_root / run_id))
     else:
         page = build_page(files)

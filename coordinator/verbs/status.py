@@ -35,7 +35,19 @@ from coordinator.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, R
 from coordinator.models import Inventory, Node
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.render import dumps
+from coordinator.rundir import (
+    EVENTS,
+    META,
+    PLAYBOOK,
+    SUMMARY,
+    RunMeta,
+    parse_incident_record,
+    parse_meta,
+    parse_summary,
+    read_json_object,
+)
 from coordinator.transport import Fleet
+from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
 
 DEFAULT_RUN_DIR = Path("runs")
 DEFAULT_STATUS_PROBE_TIMEOUT = 60.0
@@ -158,35 +170,34 @@ class RunEvents:
     bad_lines: int = 0
 
     def feed(self, record: Mapping[str, Any]) -> None:
-        kind = record.get("event")
-        if kind == "incident":
-            name = str(record.get("kind", "unknown"))
+        if record.get("event") == "incident":
+            inc = parse_incident_record(record)
+            name = inc.kind or "unknown"
             self.incident_counts[name] += 1
-            self.incidents.append(IncidentNote(name, str(record.get("node", "?")), _int(record.get("rank")),
-                                               _int(record.get("step")), str(record.get("action", "")),
-                                               str(record.get("evidence", ""))[:200]))
+            self.incidents.append(IncidentNote(name, inc.node or "?", inc.rank, inc.step, inc.action or "",
+                                               str(inc.evidence if inc.evidence is not None else "")[:200]))
             del self.incidents[:-RECENT_INCIDENTS]
             return
-        rank, node = _int(record.get("rank")), record.get("node")
-        if rank is None or not isinstance(node, str):
+        # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;
+        # the coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
+        event, node = parse_event(record), record.get("node")
+        if isinstance(event, EventError) or event.rank is None or not isinstance(node, str):
             return
-        seen = self.ranks.setdefault((rank, node), _RankSeen(node))
-        t = _float(record.get("t"))
-        if t is not None:
-            seen.last_t = t if seen.last_t is None else max(seen.last_t, t)
-        step = _int(record.get("step"))
-        if kind == "started":
+        seen = self.ranks.setdefault((event.rank, node), _RankSeen(node))
+        if event.t is not None:
+            seen.last_t = event.t if seen.last_t is None else max(seen.last_t, event.t)
+        if isinstance(event, StartedEvent):
             seen.state = "running"
-            seen.step = _int(record.get("resumed_from")) or 0
-        elif kind == "step":
+            seen.step = event.resumed_from or 0
+        elif isinstance(event, StepEvent):
             seen.state = "running"
-            seen.step = max(seen.step, step or 0)
-            seen.tokens_per_s = _float(record.get("tok_s"))
-            seen.loss = _float(record.get("loss"))
-        elif kind == "finished":
+            seen.step = max(seen.step, event.step or 0)
+            seen.tokens_per_s = event.tok_s
+            seen.loss = event.loss
+        elif isinstance(event, FinishedEvent):
             seen.state = "finished"
-            seen.step = max(seen.step, step or 0)
-        elif kind == "error":
+            seen.step = max(seen.step, event.step or 0)
+        elif isinstance(event, ErrorEvent):
             seen.state = "failed"
 
     def feed_lines(self, lines: Iterable[str]) -> None:
@@ -204,12 +215,14 @@ class RunEvents:
                 self.bad_lines += 1
 
 
-def build_run_status(run_id: str, meta: Mapping[str, Any], summary: Mapping[str, Any] | None, events: RunEvents,
-                     now: float, *, iters: int | None = None) -> RunStatus:
-    """A run from its meta.json, summary.json (None while it runs) and folded events. `now` is wall-clock
-    (events carry the worker's `t` in unix time)."""
-    planned = [(int(r["rank"]), str(r["node"])) for r in meta.get("ranks") or []
-               if isinstance(r, Mapping) and _int(r.get("rank")) is not None and "node" in r]
+def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Mapping[str, Any] | None,
+                     events: RunEvents, now: float, *, iters: int | None = None) -> RunStatus:
+    """A run from its meta.json (`RunMeta`, or its decoded JSON), summary.json (None while it runs) and folded
+    events. `now` is wall-clock (events carry the worker's `t` in unix time). ConfigError for a meta.json no
+    reader can use (coordinator.rundir.parse_meta)."""
+    if not isinstance(meta, RunMeta):
+        meta = parse_meta(meta, default_run_id=run_id)
+    planned = [(r.rank, r.node) for r in meta.ranks]
     ranks = []
     for rank, node in sorted(planned):
         seen = events.ranks.get((rank, node))
@@ -219,29 +232,17 @@ def build_run_status(run_id: str, meta: Mapping[str, Any], summary: Mapping[str,
         age = None if seen.last_t is None else max(0.0, now - seen.last_t)
         ranks.append(RankStatus(rank=rank, node=node, state=seen.state, step=seen.step,
                                 tokens_per_s=seen.tokens_per_s, loss=seen.loss, last_heartbeat_age_s=age))
-    nodes = tuple(str(n) for n in meta.get("nodes") or dict.fromkeys(node for _, node in planned))
-    state = str(summary.get("state", "unknown")) if summary is not None else "running"
+    nodes = meta.nodes
+    done = parse_summary(summary) if summary is not None else None
+    state = (done.state or "unknown") if done is not None else "running"
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
                      incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
-                     left_out=parse_left_out(summary if summary is not None and "left_out" in summary else meta))
+                     left_out=done.left_out if done is not None and done.left_out is not None
+                     else tuple((x["node"], x["reason"]) for x in meta.left_out))
 
 
-def parse_left_out(doc: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """`left_out: [{node, reason}]` of a summary.json or meta.json -> ((node, reason), ...); anything else: ()."""
-    raw = doc.get("left_out")
-    if not isinstance(raw, list):
-        return ()
-    return tuple((str(x["node"]), str(x.get("reason", ""))) for x in raw if isinstance(x, Mapping) and "node" in x)
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+# The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.
+_int = coerce_int
 
 
 # --- I/O: run directories --------------------------------------------------------------------------------------
@@ -262,17 +263,9 @@ def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
     return data[: end + 1].decode("utf-8", errors="replace").splitlines(), offset + end + 1
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _playbook_iters(run_dir: Path) -> int | None:
     try:
-        doc = yaml.safe_load((run_dir / "playbook.yaml").read_text(encoding="utf-8"))
+        doc = yaml.safe_load((run_dir / PLAYBOOK).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return None
     train = doc.get("train") if isinstance(doc, dict) else None
@@ -303,7 +296,7 @@ class RunWatcher:
             return []
         for child in children:
             try:
-                found.append(((child / "meta.json").stat().st_mtime, child))
+                found.append(((child / META).stat().st_mtime, child))
             except OSError:
                 continue
         return [p for _, p in sorted(found, key=lambda x: x[0], reverse=True)[: self.limit]]
@@ -313,17 +306,20 @@ class RunWatcher:
         now = time.time() if now is None else now
         runs: list[RunStatus] = []
         for run_dir in self._recent_dirs():
-            meta = _read_json(run_dir / "meta.json")
+            try:
+                doc = read_json_object(run_dir / META)
+                meta = parse_meta(doc, name=str(run_dir / META), default_run_id=run_dir.name) if doc else None
+                summary = read_json_object(run_dir / SUMMARY) if (run_dir / SUMMARY).exists() else None
+            except ConfigError:  # a newer format, or a meta.json no reader can use: not this version's to show
+                continue
             if meta is None:
                 continue
-            summary = _read_json(run_dir / "summary.json") if (run_dir / "summary.json").exists() else None
             tracked = self._tracked.get(run_dir.name)
             if tracked is None:
                 tracked = self._tracked[run_dir.name] = _Tracked(RunEvents(), iters=_playbook_iters(run_dir))
-            lines, tracked.offset = read_new_lines(run_dir / "events.jsonl", tracked.offset)
+            lines, tracked.offset = read_new_lines(run_dir / EVENTS, tracked.offset)
             tracked.events.feed_lines(lines)
-            runs.append(build_run_status(str(meta.get("run_id") or run_dir.name), meta, summary, tracked.events, now,
-                                         iters=tracked.iters))
+            runs.append(build_run_status(meta.run_id, meta, summary, tracked.events, now, iters=tracked.iters))
         return runs
 
 

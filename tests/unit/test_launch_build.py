@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from coordinator.launch import build_launcher_argv, build_rank_script, build_ssh_config, spawn_launcher
+import pytest
+
+from coordinator.chaos import KINDS, Chaos
+from coordinator.launch import (
+    RankPlan,
+    build_launcher_argv,
+    build_rank_script,
+    build_run_config,
+    build_ssh_config,
+    spawn_launcher,
+)
 from coordinator.models import Connection, Node
+from coordinator.playbook import load_playbook
+from worker.runconfig import parse_run_config
+
+PLAYBOOKS = sorted((Path(__file__).resolve().parents[2] / "playbooks").glob("*.yaml"))
 
 
 def run_script(script: str, rank: int, tmp: Path, env: dict[str, str] | None = None) -> str:
@@ -111,3 +127,47 @@ def test_the_launcher_waits_for_its_ranks_without_spinning(tmp_path: Path) -> No
     assert os.waitstatus_to_exitcode(status) == 0
     assert (tmp_path / "launcher.log").read_text() == "hello-from-rank\n"
     assert usage.ru_utime + usage.ru_stime < 0.5 * wall  # a spinning loop uses ~1 s of CPU per second
+
+
+def test_every_playbook_is_covered_by_the_run_config_round_trip() -> None:
+    """Every playbook in playbooks/ is a training run (round-tripped below) or a map run (no run.json)."""
+    kinds = {p.name: load_playbook(p).kind for p in PLAYBOOKS}
+    assert set(kinds.values()) <= {"train", "map"} and "train" in kinds.values()
+
+
+@pytest.mark.parametrize("path", PLAYBOOKS, ids=lambda p: p.name)
+def test_run_config_of_every_playbook_is_what_the_worker_parses(path: Path) -> None:
+    """build_run_config's RunConfig, written as run.json for a node, reads back through the worker's own parser
+    as the same record: one contract for writer and reader (with every chaos kind, a resume and a fence)."""
+    pb = load_playbook(path)
+    if pb.kind != "train":
+        return  # a map run's nodes get worker.mapper's config, not a run.json
+    nodes = [Node(name="mac", host="10.0.0.1"), Node(name="lin", host="127.0.0.1", connection=Connection.LOCAL)]
+    ranks = [RankPlan(0, nodes[0], 3), RankPlan(1, nodes[0], 2), RankPlan(2, nodes[1], 1)]
+    chaos = [Chaos(kind=k, rank=i % 3, step=i + 1, factor=2.0) for i, k in enumerate(KINDS)]
+    for resume, scratch, drills in ((False, False, []), (True, True, chaos)):
+        config = build_run_config(pb, ranks, "r-1", resume=resume, chaos=drills, restart_from_scratch=scratch)
+        written = replace(config, run_dir=Path("~/mlx-work/runs/r-1/mac")).to_json()
+        parsed = parse_run_config(json.loads(json.dumps(written)))
+        expanded = replace(config, model=os.path.expanduser(config.model), data=os.path.expanduser(config.data),
+                           run_dir=Path(os.path.expanduser("~/mlx-work/runs/r-1/mac")),
+                           dpo=replace(config.dpo, reference=os.path.expanduser(config.dpo.reference)
+                                       if config.dpo.reference else None))
+        assert parsed == expanded
+        assert parsed.to_json() == {**written, "model": expanded.model, "data": expanded.data,
+                                    "run_dir": str(expanded.run_dir), **({"dpo": parsed.to_json()["dpo"]}
+                                                                         if "dpo" in written else {})}
+        assert (parsed.resume, parsed.restart_from_scratch, len(parsed.chaos)) == (resume, scratch, len(drills))
+        assert parsed.fence is not None if pb.faults.fence else parsed.fence is None
+        assert parsed.digest() == expanded.digest()
+
+
+def test_chaos_spec_parses_into_the_workers_record() -> None:
+    """One record for a planned fault: `--chaos` parses into worker.runconfig.ChaosSpec, as run.json carries it."""
+    from coordinator.chaos import parse_chaos
+    from coordinator.errors import ConfigError
+    from worker.runconfig import ChaosSpec
+
+    assert parse_chaos("slow:rank=1,factor=3", world_size=2) == ChaosSpec(kind="slow", rank=1, step=1, factor=3.0)
+    with pytest.raises(ConfigError, match="not a rank of this job"):
+        parse_chaos("kill:rank=2", world_size=2)

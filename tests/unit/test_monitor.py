@@ -539,3 +539,21 @@ def test_kinds_and_actions_compare_as_their_words() -> None:
     assert IncidentKind.JOB_ERROR == "job_error" and "quarantine" in {Action.QUARANTINE}
     assert ObservationKind("tick") is ObservationKind.TICK
     assert json.dumps({"kind": IncidentKind.NAN}) == '{"kind": "nan"}'
+
+
+def test_a_step_written_as_a_float_counts_as_that_step() -> None:
+    """worker.events' one coercion rule: 2.0 is step 2 (status reads it the same way); 1.5 is no step."""
+    mon = Monitor.create(PLAN, iters=9, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="step", step=2.0, loss=2.0, tok_s=300.0))
+    mon.observe(ev("b", 1, 1.0, event="step", step=1.5, loss=2.0, tok_s=100.0))
+    assert (mon.ranks[0].step, mon.ranks[1].step) == (2, 0)
+    mon.observe(ev("b", 1, 1.5, event="finished", step=9.0))
+    assert mon.ranks[1].step == 9 and mon.ranks[1].state == WorkerState.FINISHED
+
+
+def test_an_event_claiming_a_rank_as_a_float_is_that_rank_and_a_string_is_spoofed() -> None:
+    mon = Monitor.create(PLAN, iters=9, now=0.0)
+    assert mon.observe(Observation("event", "a", 0.1, 0, {"rank": 0.0, "event": "started", "pid": 10})) == []
+    spoofed = mon.observe(Observation("event", "b", 0.1, 1, {"rank": "1", "event": "started", "pid": 11}))
+    assert [i.kind for i in spoofed] == [IncidentKind.SPOOFED]

@@ -162,6 +162,16 @@ def test_events_fold_into_per_rank_progress_incidents_and_heartbeats() -> None:
     assert not done.active and done.state == "failed"
 
 
+def test_events_fold_reads_numbers_under_the_event_contract() -> None:
+    """The same rule as the monitor (worker.events): a step of 3.0 is step 3, a step of "3" is none."""
+    ev = RunEvents()
+    ev.feed_lines([json.dumps({"t": NOW - 1.0, "node": "mac", "rank": 0.0, "event": "step", "step": 3.0, "loss": 2}),
+                   json.dumps({"t": NOW - 1.0, "node": "lin", "rank": 1, "event": "step", "step": "3"})])
+    mac, lin = build_run_status("r1", META, None, ev, NOW).ranks
+    assert (mac.state, mac.step, mac.loss) == ("running", 3, 2.0)
+    assert (lin.state, lin.step) == ("running", 0)
+
+
 def test_a_rank_without_events_is_pending() -> None:
     status = build_run_status("r1", META, None, RunEvents(), NOW)
     assert [(r.state, r.step, r.last_heartbeat_age_s) for r in status.ranks] == [("pending", 0, None)] * 2

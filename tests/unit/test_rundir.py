@@ -1,0 +1,189 @@
+"""The run directory's contract (coordinator.rundir): meta.json round-trips through its typed record, files of
+the previous format (no `format` key) still read, a newer format is refused with both versions named, and the
+summary of train and map runs shares one base."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from coordinator.cli import main
+from coordinator.errors import ConfigError
+from coordinator.launch import RunSummary
+from coordinator.mapjob import MapSummary
+from coordinator.monitor import Action, Incident, IncidentKind, RunState
+from coordinator.report import ReportError, read_run_files
+from coordinator.rundir import (
+    FORMAT,
+    META,
+    SUMMARY,
+    IncidentRecord,
+    MapPlanFile,
+    MetaRank,
+    PlanFile,
+    RunFileFormatError,
+    RunMeta,
+    SummaryBase,
+    SummaryNode,
+    check_format,
+    parse_incident_record,
+    parse_map_plan,
+    parse_meta,
+    parse_plan,
+    parse_summary,
+    read_json_object,
+    read_meta,
+)
+from coordinator.verbs.status import RunWatcher
+
+META_RECORD = RunMeta(
+    run_id="r1", attempt=1, inventory="/inv.yaml", nodes=("mac", "lin"), playbook="/pb.yaml",
+    ranks=(MetaRank(0, "mac", 3, 300.0), MetaRank(1, "lin", 1, None)), remote_run_dirs={"mac": "~/runs/r1/mac"},
+    remote_tmp_dir="/tmp/mlxc-r1-ab", launcher_pid=123, coordinator_pid=456, split={"mac": 3, "lin": 1},
+    left_out=({"node": "old", "reason": "quarantined"},), drill=True, restart_from_scratch=True)
+# meta.json as the coordinator wrote it before the `format` key (format 1).
+OLD_META = {k: v for k, v in META_RECORD.to_json().items() if k != "format"}
+
+
+def test_meta_round_trips_through_its_json() -> None:
+    doc = json.loads(json.dumps(META_RECORD.to_json()))
+    assert doc["format"] == FORMAT
+    assert parse_meta(doc) == META_RECORD
+
+
+def test_a_meta_json_of_the_previous_format_still_reads(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / META).write_text(json.dumps(OLD_META))
+    assert check_format(OLD_META, META) == 1
+    assert read_meta(run) == META_RECORD
+
+
+def test_a_newer_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / META).write_text(json.dumps({**OLD_META, "format": FORMAT + 1}))
+    with pytest.raises(RunFileFormatError, match=f"format {FORMAT + 1}, newer than this coordinator reads \\(1-{FORMAT}\\)"):
+        read_meta(run)
+    with pytest.raises(RunFileFormatError, match="not a format number"):
+        check_format({"format": "2"}, META)
+    # status leaves such a run out rather than misreading it (or failing the whole table)
+    assert RunWatcher(tmp_path).scan(now=0.0) == []
+
+
+def test_report_of_a_newer_summary_is_a_clear_error(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / SUMMARY).write_text(json.dumps({"format": FORMAT + 1, "state": "succeeded"}))
+    with pytest.raises(RunFileFormatError, match=f"summary.json is format {FORMAT + 1}"):
+        read_run_files(tmp_path, "r1")
+    result = CliRunner().invoke(main, ["report", "r1", "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2 and f"format {FORMAT + 1}" in result.output and "Traceback" not in result.output
+
+
+def test_an_old_summary_still_reads(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / SUMMARY).write_text(json.dumps({"run_id": "r1", "state": "succeeded", "steps": 2}))
+    assert read_json_object(run / SUMMARY) == {"run_id": "r1", "state": "succeeded", "steps": 2}
+    assert read_run_files(tmp_path, "r1").summary == {"run_id": "r1", "state": "succeeded", "steps": 2}
+    with pytest.raises(ReportError, match="no run 'r2'"):
+        read_run_files(tmp_path, "r2")
+
+
+def test_a_meta_rank_without_its_number_is_an_error_naming_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"meta.json: ranks\[1\]"):
+        parse_meta({**OLD_META, "ranks": [{"rank": 0, "node": "mac"}, {"node": "lin"}]})
+
+
+def test_train_and_map_summaries_share_one_base() -> None:
+    inc = Incident(kind=IncidentKind.CRASH, node="lin", rank=1, step=3, detected_after_s=0.5, evidence={},
+                   action=Action.QUARANTINE, t=1.0)
+    common = {"run_id": "r1", "nodes": [{"name": "mac"}], "split": {"mac": 1.0}, "incidents": [inc],
+              "run_dir": "runs/r1", "message": "m", "quarantined": ["lin"], "left_out": [{"node": "x", "reason": "y"}]}
+    train = RunSummary(state=RunState.FAILED, steps=3, **common)  # type: ignore[arg-type]
+    mapped = MapSummary(state="failed", rows=10, rows_done=4, **common)  # type: ignore[arg-type]
+    base = SummaryBase(state="failed", **common).base_json()  # type: ignore[arg-type]
+    assert base["format"] == FORMAT and base["degraded"] is True and base["incidents"][0]["kind"] == "crash"
+    for summary in (train.to_json(), mapped.to_json()):
+        assert {k: summary[k] for k in base} == base
+    assert (train.to_json()["steps"], mapped.to_json()["kind"], mapped.to_json()["steps"]) == (3, "map", 4)
+
+
+def test_an_incident_reads_back_as_written() -> None:
+    inc = Incident(kind=IncidentKind.STALL, node="lin", rank=1, step=7, detected_after_s=61.25,
+                   evidence={"phase": "step"}, action=Action.STOP, t=12.5)
+    line = json.loads(json.dumps({"event": "incident", "attempt": 2, **inc.to_json()}))
+    assert parse_incident_record(line) == IncidentRecord(kind="stall", node="lin", rank=1, step=7, action="stop",
+                                                         detected_after_s=61.25, evidence={"phase": "step"}, t=12.5,
+                                                         attempt=2)
+    # the events' number rule: a step of 7.0 is 7, a step of "7" is none
+    assert parse_incident_record({**line, "step": 7.0}).step == 7
+    assert parse_incident_record({**line, "step": "7", "kind": 3}) == IncidentRecord(
+        node="lin", rank=1, action="stop", detected_after_s=61.25, evidence={"phase": "step"}, t=12.5, attempt=2)
+
+
+def test_a_run_summary_reads_back_through_its_typed_record() -> None:
+    inc = Incident(kind=IncidentKind.CRASH, node="lin", rank=1, step=3, detected_after_s=0.5, evidence={},
+                   action=Action.QUARANTINE, t=1.0)
+    written = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, checkpoint="/c",
+                         tokens_per_s=99.5, message="m", split={"mac": 0.75, "lin": 0.25}, incidents=[inc],
+                         quarantined=["lin"], left_out=[{"node": "old", "reason": "quarantined"}],
+                         recoveries=[{"attempt": 1}],
+                         nodes=[{"name": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
+                                 "loss": 2, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
+                                 "peak_memory": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
+    read = parse_summary(json.loads(json.dumps(written.to_json())))
+    assert (read.format, read.run_id, read.kind, read.state, read.steps, read.iters, read.attempts) == (
+        FORMAT, "r1", "train", "failed", 3, 10, 2)
+    assert (read.checkpoint, read.tokens_per_s, read.message, read.quarantined) == ("/c", 99.5, "m", ("lin",))
+    assert read.split == {"mac": 0.75, "lin": 0.25} and read.left_out == (("old", "quarantined"),)
+    assert read.recoveries == ({"attempt": 1},) and [i.kind for i in read.incidents or ()] == ["crash"]
+    assert read.nodes == (SummaryNode(name="mac", rank=0, batch_size=3, state="finished", step=3, loss=2.0,
+                                      tokens_per_s=70.0, peak_memory=1024, checkpoint="/c"),)
+    # an old summary (no format, no left_out, no incidents) reads with its gaps as None
+    old = parse_summary({"run_id": "r0", "state": "succeeded", "steps": 2, "split": "garbage"})
+    assert (old.format, old.state, old.steps, old.split, old.left_out, old.incidents) == (1, "succeeded", 2, None, None,
+                                                                                         None)
+
+
+def test_plan_json_reads_back_through_its_typed_record() -> None:
+    doc = {"format": FORMAT, "split": {"mac": 0.75, "lin": 0.25}, "batch": {"mac": 3, "lin": 1.0},
+           "nodes": [{"name": "mac", "tokens_per_s": 300}, {"name": "lin", "tokens_per_s": None}], "global_batch": 4,
+           "mode": "calibrated", "predicted_tokens_per_s": 390.5, "backend": "ring", "attempt": 0}
+    plan = parse_plan(json.loads(json.dumps(doc)))
+    assert plan == PlanFile(format=FORMAT, split={"mac": 0.75, "lin": 0.25}, batch={"mac": 3, "lin": 1},
+                            node_tokens_per_s={"mac": 300.0, "lin": None}, global_batch=4, mode="calibrated",
+                            backend="ring", predicted_tokens_per_s=390.5, attempt=0)
+    old = parse_plan({k: v for k, v in doc.items() if k != "format"} | {"batch": "garbage", "split": None})
+    assert (old.format, old.batch, old.split, old.global_batch) == (1, {}, None, 4)
+    with pytest.raises(RunFileFormatError, match=r"plan\.json is format 3"):
+        parse_plan({**doc, "format": 3})
+
+
+def test_a_map_summary_reads_back_through_the_same_record() -> None:
+    written = MapSummary(run_id="m1", state="failed", rows=30, rows_done=26, split={"a": 0.6, "b": 0.4},
+                         finish_spread=0.12, output="/o", manifest="/m", message="4 of 30 rows not done",
+                         reassignments=[{"from": "b", "rows": 4, "to": {"a": [[24, 28]]}}],
+                         nodes=[{"name": "a", "state": "finished", "rows": 22, "rows_done": 22,
+                                 "ranges": [[0, 18], [24, 28.0], [1]], "examples_per_s_calibrated": 3.0,
+                                 "rows_per_s": 2.5, "finished_after_s": 8}])
+    read = parse_summary(json.loads(json.dumps(written.to_json())))
+    assert (read.kind, read.state, read.rows, read.rows_done, read.steps, read.finish_spread) == (
+        "map", "failed", 30, 26, 26, 0.12)
+    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", ({"from": "b", "rows": 4,
+                                                                              "to": {"a": [[24, 28]]}},))
+    (node,) = read.nodes
+    assert (node.name, node.rows, node.rows_done, node.ranges, node.examples_per_s_calibrated, node.rows_per_s,
+            node.finished_after_s) == ("a", 22, 22, ((0, 18), (24, 28)), 3.0, 2.5, 8.0)
+
+
+def test_map_json_reads_back_and_an_old_one_too() -> None:
+    doc = {"format": FORMAT, "rows": 30, "input": "/d/train.jsonl", "task": {"task": "score", "field": "text"},
+           "rates": {"a": 3.0}, "split": {"a": 0.6, "b": 0.4}, "shards": {"a": [[0, 18]]}, "resumed": False}
+    assert parse_map_plan(json.loads(json.dumps(doc))) == MapPlanFile(rows=30, task="score", split={"a": 0.6, "b": 0.4})
+    old = parse_map_plan({k: v for k, v in doc.items() if k != "format"} | {"task": None})
+    assert (old.format, old.rows, old.task) == (1, 30, None)
