@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from coordinator.job import JobOptions
     from coordinator.launch import RunSummary
-    from coordinator.liveview import RichUI
+    from coordinator.liveview import NodeBars, RichUI
     from coordinator.models import Inventory
     from coordinator.playbook import Playbook
     from coordinator.supervision import Supervision
@@ -153,32 +153,11 @@ def _load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inve
     return inv, pb
 
 
-class _HashProgress:
-    """Shows hashing progress for large models (the probe reports it on stderr)."""
+def _hash_progress(console: Console, enabled: bool) -> NodeBars:
+    """Hashing progress for large models (the probe reports it on stderr)."""
+    from coordinator.liveview import NodeBars
 
-    def __init__(self, console: Console, enabled: bool) -> None:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-        self.enabled = enabled and console.is_terminal
-        self.progress = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), console=console, transient=True)
-        self.tasks: dict[str, Any] = {}
-
-    def __call__(self, node: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if node not in self.tasks:
-            self.tasks[node] = self.progress.add_task(node, total=total)
-        self.progress.update(self.tasks[node], completed=done, total=total)
-
-    def __enter__(self) -> _HashProgress:
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self.progress.stop()
+    return NodeBars(console, enabled, label="hashing {task.description}", transient=True)
 
 
 common_options = [
@@ -248,7 +227,7 @@ def facts(inventory: str, limit: str | None, accept_new_host_keys: bool, connect
 
     inv, pb = _load(inventory, playbook, limit)
     console = Console(stderr=as_json)
-    with _HashProgress(console, not as_json) as progress:
+    with _hash_progress(console, not as_json) as progress:
         result = run_async(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
                                    accept_new_host_keys=accept_new_host_keys, progress=progress))
     out: list[dict[str, Any]] = []
@@ -292,7 +271,7 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         from rich.console import Console
 
         console = Console()
-    with _HashProgress(console, True) if console is not None else contextlib.nullcontext() as progress:
+    with _hash_progress(console, True) if console is not None else contextlib.nullcontext() as progress:
         result = run_async(collect(inv, pb, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
                                    accept_new_host_keys=accept_new_host_keys, progress=progress))
     report = evaluate(inv, pb, result)

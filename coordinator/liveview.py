@@ -40,6 +40,37 @@ def _fmt_s(seconds: float | None) -> str:
         f"{seconds // 60}:{seconds % 60:02d}"
 
 
+class NodeBars:
+    """Per-node byte progress bars on a terminal (hashing a model, copying files); nothing when piped or disabled.
+    Call it with (node, bytes done, bytes total); use it as a context manager around the work."""
+
+    def __init__(self, console: Console, enabled: bool, *, label: str = "{task.description}", eta: bool = False,
+                 transient: bool = False) -> None:
+        from rich import progress as rp
+
+        self.enabled = enabled and console.is_terminal
+        columns = [rp.TextColumn(label), rp.BarColumn(), rp.DownloadColumn(), rp.TransferSpeedColumn(),
+                   *([rp.TimeRemainingColumn()] if eta else [])]
+        self.progress = rp.Progress(*columns, console=console, transient=transient)
+        self.tasks: dict[str, rp.TaskID] = {}
+
+    def __call__(self, node: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if node not in self.tasks:
+            self.tasks[node] = self.progress.add_task(node, total=total)
+        self.progress.update(self.tasks[node], completed=done, total=total)
+
+    def __enter__(self) -> NodeBars:
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
 def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
     eta = mon.eta_s(now)
     title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"

@@ -34,6 +34,7 @@ import asyncssh
 import click
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.liveview import NodeBars
 from coordinator.models import Connection, Inventory, Node
 from coordinator.playbook import Playbook
 from coordinator.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
@@ -456,7 +457,7 @@ def register(main: click.Group) -> None:
                 raise ConfigError(f"--source {source_path} lacks {', '.join(missing)}/ (one subdir per synced dir)")
         targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
         echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
-        ui = _Bars(enabled=not as_json and not check)
+        ui = _bars(enabled=not as_json and not check)
         with ui:
             report = run_async(run_sync(targets, pb, source_node=src, source_path=source_path, check=check,
                                         connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
@@ -483,34 +484,10 @@ def register(main: click.Group) -> None:
         sys.exit(0 if report.ok else 1)
 
 
-class _Bars:
+def _bars(enabled: bool) -> NodeBars:
     """Per-node progress bars (bytes, MB/s, ETA) on a terminal; nothing otherwise."""
+    from rich.console import Console
 
-    def __init__(self, enabled: bool) -> None:
-        from rich.console import Console
+    return NodeBars(Console(stderr=True), enabled, eta=True)
 
-        console = Console(stderr=True)
-        self.enabled = enabled and console.is_terminal
-        self.tasks: dict[str, Any] = {}
-        self.progress: Any = None
-        if self.enabled:
-            from rich import progress as rp
 
-            self.progress = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn(),
-                                        rp.TransferSpeedColumn(), rp.TimeRemainingColumn(), console=console)
-
-    def __call__(self, node: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if node not in self.tasks:
-            self.tasks[node] = self.progress.add_task(node, total=total)
-        self.progress.update(self.tasks[node], completed=done, total=total)
-
-    def __enter__(self) -> _Bars:
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self.progress.stop()
