@@ -45,7 +45,7 @@ from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.playbook import Playbook
-from coordinator.preflight import evaluate, probe_connected
+from coordinator.preflight import evaluate, probe_connected, strategy_refusal
 from coordinator.quarantine import (
     Entry,
     LeftOut,
@@ -405,6 +405,9 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
     ui.preflight(state.report)
     if not state.report.ok() and not opts.skip_preflight:
         raise PreflightFailed(state.report)
+    refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
+    if refusal is not None:
+        raise LaunchError(refusal)
     return state
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.estimate import num_layers
+from coordinator.estimate import model_shape, num_layers
 from coordinator.models import LintResult, Status
 from coordinator.playbook import Playbook
+from coordinator.strategy import NodeBudget, StrategyError, compute_strategy, fsdp_refusal
 
 MLX_LM_DEFAULT_LAYERS = 16
 
@@ -35,13 +36,46 @@ def lint_backend(pb: Playbook, cuda: Mapping[str, bool]) -> list[LintResult]:
     return []
 
 
+def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets: Mapping[str, NodeBudget],
+                  backend: str) -> list[LintResult]:
+    """`train.strategy` against the fleet (`budgets`: node -> usable memory; `backend`: the resolved one). A
+    strategy that resolves to fsdp fails: its backend has no sum_scatter, or the worker does not run fsdp yet.
+    auto says nothing where it stays dp or cannot choose fsdp (LoRA, DoRA, unknown size): the resources check
+    reports that fit."""
+    t = pb.train
+    auto = t.strategy == "auto"
+    if auto and t.fine_tune_type != "full":
+        return []
+    shape = model_shape(model_config, None) if model_config else None
+    if shape is None or not budgets:
+        if t.strategy == "fsdp":
+            return [LintResult("strategy", Status.FAIL, fsdp_refusal(backend), _FSDP_REMEDY)]
+        return [] if auto else [LintResult("strategy", Status.SKIP,
+                                           "model size or node memory unknown: strategy not planned")]
+    try:
+        decision = compute_strategy(t.strategy, shape, t, budgets)
+    except StrategyError as exc:
+        return [LintResult("strategy", Status.FAIL, str(exc), "use LoRA, grad_checkpoint: true, a smaller batch or "
+                           "max_seq_length, or more / larger nodes")]
+    if decision.strategy == "fsdp":
+        return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {fsdp_refusal(backend)}", _FSDP_REMEDY)]
+    return [] if auto else [LintResult("strategy", Status.PASS, decision.describe())]
+
+
+_FSDP_REMEDY = "fit a dp replica instead (LoRA, grad_checkpoint: true, a smaller batch or max_seq_length)"
+
+
 def lint_playbook(pb: Playbook, model_config: Mapping[str, Any] | None,
-                  cuda: Mapping[str, bool] | None = None) -> list[LintResult]:
-    """Training-trap findings for `pb`; `cuda` (node -> has an NVIDIA GPU) adds the backend finding."""
+                  cuda: Mapping[str, bool] | None = None, *, budgets: Mapping[str, NodeBudget] | None = None,
+                  backend: str | None = None) -> list[LintResult]:
+    """Training-trap findings for `pb`; `cuda` (node -> has an NVIDIA GPU) adds the backend finding, `budgets`
+    (node -> usable memory) and `backend` (resolved) the strategy finding."""
     if pb.kind != "train":
         return []
     t = pb.train
     out: list[LintResult] = lint_backend(pb, cuda or {})
+    if budgets is not None or t.strategy != "auto":
+        out += lint_strategy(pb, model_config, budgets or {}, backend or pb.backend)
     layers = num_layers(model_config) if model_config else None
     requested = t.num_layers
     if layers is None:

@@ -231,6 +231,9 @@ class TrainConfig(_Strict):
     # full on all layers only: train embeddings, lm_head and the final norm too (mlx-lm's full does not).
     train_embeddings: bool = False
     optimizer: Optimizer = "adam"
+    # dp: a full replica per rank; fsdp: weights, grads and Adam state sharded across ranks (full fine-tunes only;
+    # not run by the worker in this version); auto: dp when it fits the smallest node (coordinator/strategy.py).
+    strategy: Literal["auto", "dp", "fsdp"] = "auto"
     seed: Int = 0
     keep_checkpoints: PositiveInt = 2  # newest N checkpoints kept on every node
     lora: LoraConfig = Field(default_factory=lambda: LoraConfig())
@@ -250,6 +253,9 @@ class TrainConfig(_Strict):
     def _embeddings(self) -> TrainConfig:
         if self.train_embeddings and (self.fine_tune_type != "full" or self.num_layers is not None):
             raise ValueError("train_embeddings needs full fine-tuning of all layers (num_layers unset or -1)")
+        if self.strategy == "fsdp" and self.fine_tune_type != "full":
+            raise ValueError(f"strategy fsdp shards a full fine-tune (this one is {self.fine_tune_type}): use "
+                             "strategy dp or auto")
         return self
 
     @field_validator("num_layers")

@@ -18,12 +18,14 @@ from typing import Any
 from coordinator.checks import evaluate_preflight
 from coordinator.checks.context import CheckContext
 from coordinator.errors import ConfigError, TransportError
+from coordinator.estimate import model_shape
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import DEFAULT_PROBE_TIMEOUT, ProgressFn, fact_prober, gather_facts
-from coordinator.hostfile import has_cuda
+from coordinator.hostfile import has_cuda, resolve_backend
 from coordinator.lint import lint_playbook
-from coordinator.models import ConnectInfo, Inventory, PreflightReport
+from coordinator.models import ConnectInfo, Inventory, LintResult, PreflightReport
 from coordinator.playbook import Playbook
+from coordinator.strategy import NodeBudget, StrategyError, compute_strategy, fsdp_refusal, node_budget
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
 _MANIFEST_LINE = re.compile(r"^(?P<sha>[0-9a-fA-F]{64}) [ *](?P<path>.+)$")
@@ -108,11 +110,43 @@ def model_config(facts: Mapping[str, NodeFacts]) -> dict[str, Any] | None:
     return next(c for c in configs if repr(sorted(c.items())) == keyed)
 
 
+def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudget]:
+    """Each node's usable training memory, for the strategy planner; {} unless every node's is known (a plan
+    for part of the fleet would be wrong for the whole)."""
+    budgets = {n.name: node_budget(fleet.facts[n.name]) if n.name in fleet.facts else None for n in inventory.nodes}
+    known = {n: b for n, b in budgets.items() if b is not None}
+    return known if len(known) == len(budgets) else {}
+
+
+def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
+    """Why the run must not start with its `train.strategy` (None: it runs dp). Launch checks this even under
+    `--skip-preflight`: the worker runs dp only, so a run that resolves to fsdp must be refused, not run as dp.
+    auto with neither strategy fitting is the resources check's failure (which --skip-preflight overrides)."""
+    t = playbook.train
+    if t.strategy == "dp" or (t.strategy == "auto" and t.fine_tune_type != "full"):
+        return None
+    backend = resolve_backend(playbook.backend, facts, inventory.nodes)
+    if t.strategy == "auto":
+        shape = model_shape(model_config(facts), None)
+        budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
+        if shape is None or not budgets:
+            return None
+        try:
+            if compute_strategy("auto", shape, t, budgets).strategy == "dp":
+                return None
+        except StrategyError:
+            return None
+    return f"train.strategy {t.strategy} resolves to fsdp: {fsdp_refusal(backend)}"
+
+
 def evaluate(inventory: Inventory, playbook: Playbook | None, fleet: FleetFacts) -> PreflightReport:
     """The preflight report (the checks of every node, the playbook's lint) from the fleet's facts. Reads the
     playbook's manifest file when it names one (ConfigError when unreadable)."""
     manifest = load_manifest(playbook) if playbook is not None else None
     ctx = CheckContext.build(inventory.nodes, fleet.connect, fleet.facts, playbook, manifest, fleet.probe_errors)
     cuda = {n: has_cuda(f) for n, f in fleet.facts.items()}
-    lint = tuple(lint_playbook(playbook, model_config(fleet.facts), cuda)) if playbook is not None else ()
+    lint: tuple[LintResult, ...] = ()
+    if playbook is not None:
+        lint = tuple(lint_playbook(playbook, model_config(fleet.facts), cuda, budgets=fleet_budgets(inventory, fleet),
+                                   backend=resolve_backend(playbook.backend, fleet.facts, inventory.nodes)))
     return evaluate_preflight(ctx, lint)

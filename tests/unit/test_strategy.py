@@ -1,0 +1,234 @@
+"""The strategy planner (coordinator/strategy.py), its lint finding and the launch refusal: model shape, train
+section and node budgets in, a decision or a refusal with the numbers out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coordinator.errors import ConfigError
+from coordinator.estimate import GiB, ModelShape, estimate_training_memory, model_shape
+from coordinator.facts.linux import parse_nvidia_smi
+from coordinator.facts.model import Memory, NodeFacts
+from coordinator.lint import lint_playbook
+from coordinator.models import Inventory, LintResult, Node, Status
+from coordinator.playbook import Playbook, TrainConfig, parse_playbook
+from coordinator.preflight import FleetFacts, fleet_budgets, strategy_refusal
+from coordinator.strategy import (
+    NodeBudget,
+    StrategyError,
+    block_params,
+    compute_strategy,
+    fsdp_refusal,
+    node_budget,
+    per_rank_need,
+)
+from tests.factsutil import MODEL_CONFIG
+
+SHAPE = ModelShape(params=1_000_000_000, hidden=2048, layers=16, vocab=32000, intermediate=8192, heads=16)
+FULL = TrainConfig(method="full", batch_size=4, max_seq_length=512)
+RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"
+
+
+def test_fsdp_need_is_the_sharded_state_plus_one_gathered_unit_plus_the_activations() -> None:
+    # A block: q and o (2048 x 16 heads x 128) + k and v (same: no GQA) + gate, up, down (3 x 2048 x 8192) + norms.
+    assert block_params(SHAPE) == 2 * 2048 * 2048 * 2 + 3 * 2048 * 8192 + 2 * 2048 == 67_112_960
+    est = estimate_training_memory(SHAPE, method="full", batch_per_rank=2, seq_len=512)
+    assert est.weights + est.grads + est.optimizer == 8_000_000_000  # 2 + 2 + 4 bytes per parameter
+    dp, fsdp = per_rank_need(SHAPE, FULL, world_size=2, budget=NodeBudget(100 * GiB))
+    assert dp == est.total
+    # Half the state, plus one block gathered in bf16 (larger than the 32000 x 2048 embedding here).
+    assert fsdp == 4_000_000_000 + 2 * 67_112_960 + est.activations
+    # A vocabulary larger than a block: the embedding is the largest unit gathered at once.
+    wide = ModelShape(params=1_000_000_000, hidden=2048, layers=16, vocab=128_000, intermediate=8192, heads=16)
+    _, fsdp_wide = per_rank_need(wide, FULL, world_size=2, budget=NodeBudget(100 * GiB))
+    acts = estimate_training_memory(wide, method="full", batch_per_rank=2, seq_len=512).activations
+    assert fsdp_wide == 4_000_000_000 + 2 * 128_000 * 2048 + acts
+
+
+def test_fsdp_need_shrinks_with_the_world_and_dp_does_not() -> None:
+    big = TrainConfig(method="full", batch_size=8, max_seq_length=512)
+    needs = [per_rank_need(SHAPE, big, world_size=n, budget=NodeBudget(GiB)) for n in (2, 4, 8)]
+    assert needs[0][1] > needs[1][1] > needs[2][1]
+    # dp's state is whole on every rank: only the activations (batch per rank) shrink.
+    state = 8_000_000_000
+    assert all(dp > state for dp, _ in needs)
+
+
+def _needs(train: TrainConfig, world: int) -> tuple[int, int]:
+    return per_rank_need(SHAPE, train, world_size=world, budget=NodeBudget(GiB))
+
+
+# budgets per node, relative to the needs: "dp" = exactly dp's need (fits), "fsdp" = exactly fsdp's (dp does not
+# fit), "below" = one byte short of fsdp's.
+STRATEGY_CASES = [
+    # requested, method, node budgets -> chosen (None: StrategyError), in the error
+    ("auto", "full", ("dp", "dp"), "dp", ""),
+    ("auto", "full", ("dp", "fsdp"), "fsdp", ""),  # the smallest node decides
+    ("auto", "full", ("fsdp", "fsdp", "fsdp"), "fsdp", ""),
+    ("auto", "full", ("dp", "below"), None, "neither dp nor fsdp fits"),
+    ("auto", "lora", ("dp", "dp"), "dp", ""),
+    ("auto", "lora", ("dp", "fsdp"), None, "dp does not fit (lora: fsdp is for full fine-tunes)"),
+    ("dp", "full", ("dp", "dp"), "dp", ""),
+    ("dp", "full", ("fsdp", "dp"), None, "train.strategy dp: dp does not fit"),
+    ("fsdp", "full", ("dp", "dp"), "fsdp", ""),  # forced: even where dp would fit
+    ("fsdp", "full", ("fsdp", "fsdp"), "fsdp", ""),
+    ("fsdp", "full", ("fsdp", "below"), None, "train.strategy fsdp: fsdp does not fit"),
+]
+
+
+@pytest.mark.parametrize(("requested", "method", "sizes", "chosen", "error"), STRATEGY_CASES)
+def test_compute_strategy(requested: str, method: str, sizes: tuple[str, ...], chosen: str | None,
+                          error: str) -> None:
+    train = TrainConfig(method=method, batch_size=4, max_seq_length=512)  # type: ignore[arg-type]
+    dp, fsdp = _needs(train, len(sizes))
+    assert fsdp < dp  # "fsdp" must be short of dp's need
+    size = {"dp": dp, "fsdp": fsdp, "below": fsdp - 1}
+    budgets = {f"n{i}": NodeBudget(size[s]) for i, s in enumerate(sizes)}
+    if chosen is None:
+        with pytest.raises(StrategyError) as info:
+            compute_strategy(requested, SHAPE, train, budgets)
+        assert error in str(info.value)
+        return
+    decision = compute_strategy(requested, SHAPE, train, budgets)
+    assert decision.strategy == chosen and decision.world_size == len(sizes)
+    assert [n.node for n in decision.needs] == list(budgets)
+
+
+def test_the_refusal_names_every_nodes_numbers() -> None:
+    dp, fsdp = _needs(FULL, 2)
+    with pytest.raises(StrategyError) as info:
+        compute_strategy("auto", SHAPE, FULL, {"small": NodeBudget(fsdp - 1), "big": NodeBudget(dp)})
+    text = str(info.value)
+    for name, usable in (("small", fsdp - 1), ("big", dp)):
+        assert f"{name}: {usable / GiB:.1f} GiB usable, dp needs ~{dp / GiB:.1f} GiB, fsdp over 2 needs " \
+               f"~{fsdp / GiB:.1f} GiB" in text
+    with pytest.raises(StrategyError, match="no node memory known"):
+        compute_strategy("auto", SHAPE, FULL, {})
+
+
+@pytest.mark.parametrize(("backend", "reason"), [
+    ("ring", RING_REASON),
+    ("jaccl", "[jaccl] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"),
+    ("jaccl-ring", "[jaccl-ring] sum_scatter not supported"),
+    ("nccl", "fsdp training needs a backend with sum_scatter; not implemented for nccl in this version"),
+])
+def test_fsdp_refusal_by_backend(backend: str, reason: str) -> None:
+    assert reason in fsdp_refusal(backend)
+
+
+# ------------------------------------------------------------------------------------------------- playbook
+
+
+def playbook(**train: Any) -> Playbook:
+    return parse_playbook({"name": "job", "model": "/m", "data": "/d", "train": train}, path="playbook.yaml")
+
+
+def test_playbook_strategy_key() -> None:
+    assert playbook().train.strategy == "auto"
+    assert playbook(method="full", strategy="fsdp").train.strategy == "fsdp"
+    assert playbook(method="lora", strategy="dp").train.strategy == "dp"
+    with pytest.raises(ConfigError, match="strategy fsdp shards a full fine-tune \\(this one is lora\\)"):
+        playbook(method="lora", strategy="fsdp")
+    with pytest.raises(ConfigError, match="strategy"):
+        playbook(method="full", strategy="zero3")
+
+
+# ------------------------------------------------------------------------------------------------- lint
+
+CFG_SHAPE = model_shape(MODEL_CONFIG, None)
+
+
+def strategy_lint(budget_of: str | int | None, backend: str = "ring", **train: Any) -> list[LintResult]:
+    """The strategy finding for a two-node fleet whose nodes have `budget_of` usable: "dp" (dp fits), "fsdp"
+    (only fsdp), "below" (neither), a byte count, or None (memory unknown)."""
+    pb = playbook(**train)
+    assert CFG_SHAPE is not None
+    dp, fsdp = per_rank_need(CFG_SHAPE, pb.train, world_size=2, budget=NodeBudget(GiB))
+    usable = {"dp": dp, "fsdp": fsdp, "below": fsdp - 1}.get(budget_of, budget_of) if isinstance(budget_of, str) \
+        else budget_of
+    budgets = {} if usable is None else {"a": NodeBudget(int(usable)), "b": NodeBudget(int(usable))}
+    results = lint_playbook(pb, MODEL_CONFIG, budgets=budgets, backend=backend)
+    found = [r for r in results if r.id == "strategy"]
+    for r in found:
+        assert r.summary.strip() and (r.status is not Status.FAIL or r.remedy.strip())
+    return found
+
+
+def test_lint_fsdp_on_ring_fails_with_the_sum_scatter_reason() -> None:
+    [forced] = strategy_lint("dp", method="full", strategy="fsdp")
+    assert forced.status is Status.FAIL and forced.summary.endswith(RING_REASON)
+    [chosen] = strategy_lint("fsdp", method="full")  # auto chose fsdp: dp does not fit
+    assert chosen.status is Status.FAIL and "fsdp (chosen by auto)" in chosen.summary
+    assert chosen.summary.endswith(RING_REASON)
+    [unknown] = strategy_lint(None, method="full", strategy="fsdp")  # no memory known: still refused
+    assert unknown.status is Status.FAIL and unknown.summary == RING_REASON
+
+
+def test_lint_fsdp_on_nccl_fails_as_not_implemented() -> None:
+    [r] = strategy_lint("fsdp", backend="nccl", method="full")
+    assert r.status is Status.FAIL
+    assert "fsdp training needs a backend with sum_scatter; not implemented for nccl in this version" in r.summary
+
+
+def test_lint_dp_and_auto() -> None:
+    assert strategy_lint("dp", method="full") == []  # auto stays dp: the resources check reports that fit
+    assert strategy_lint("dp", method="lora") == []
+    assert strategy_lint(None, method="full") == []
+    [forced] = strategy_lint("dp", method="full", strategy="dp")
+    assert forced.status is Status.PASS and forced.summary.startswith("dp (forced)")
+    [short] = strategy_lint("fsdp", method="full", strategy="dp")
+    assert short.status is Status.FAIL and "train.strategy dp: dp does not fit" in short.summary
+    [neither] = strategy_lint("below", method="full")
+    assert neither.status is Status.FAIL and "neither dp nor fsdp fits" in neither.summary
+    [skip] = strategy_lint(None, method="full", strategy="dp")
+    assert skip.status is Status.SKIP
+
+
+def test_lint_without_budgets_leaves_auto_alone() -> None:
+    """The lint as test_lint calls it (no fleet): no strategy finding for the default."""
+    assert [r.id for r in lint_playbook(playbook(method="full"), MODEL_CONFIG)] == ["num_layers", "save_every",
+                                                                                    "eval_cost"]
+
+
+# ------------------------------------------------------------------------------------------------- launch
+
+NODES = (Node(name="a", host="10.0.0.1"), Node(name="b", host="10.0.0.2"))
+INV = Inventory(NODES)
+
+
+def gpu_node(name: str, mib: int) -> NodeFacts:
+    return NodeFacts(node=name, model_config=dict(MODEL_CONFIG), gpu=parse_nvidia_smi(
+        f"0, NVIDIA H100 80GB HBM3, GPU-1, {mib}, 0, 0, 580.159.04, 9.0\n"))
+
+
+def test_node_budget_reads_gpu_memory_then_host_memory() -> None:
+    assert node_budget(gpu_node("a", 81559)) == NodeBudget(int(81559 * 1024**2 * 0.9), fused_attention=True)
+    host = NodeFacts(node="c", memory=Memory(total_bytes=64 * GiB))
+    assert node_budget(host) == NodeBudget(int(64 * GiB * 0.9), fused_attention=False)
+    assert node_budget(NodeFacts(node="d")) is None
+    facts = {"a": gpu_node("a", 81559)}  # b has no facts: no partial plan
+    assert fleet_budgets(INV, FleetFacts({}, facts, {})) == {}
+
+
+def test_launch_refuses_a_run_that_resolves_to_fsdp() -> None:
+    roomy = {n.name: gpu_node(n.name, 81559) for n in NODES}
+    assert strategy_refusal(INV, playbook(method="full"), roomy) is None  # auto: dp fits
+    assert strategy_refusal(INV, playbook(method="full", strategy="dp"), roomy) is None
+    forced = strategy_refusal(INV, playbook(method="full", strategy="fsdp"), roomy)
+    # Both nodes have NVIDIA GPUs: backend ring as written (the default) stays ring.
+    assert forced == f"train.strategy fsdp resolves to fsdp: {RING_REASON}"
+    pb_auto = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "auto",
+                              "train": {"method": "full", "strategy": "fsdp"}}, path="p.yaml")
+    assert strategy_refusal(INV, pb_auto, roomy) == ("train.strategy fsdp resolves to fsdp: fsdp training needs a "
+                                                     "backend with sum_scatter; not implemented for nccl in this "
+                                                     "version (the worker runs dp only)")
+    # auto on GPUs too small for a replica but large enough for a shard: refused, not run as dp.
+    assert CFG_SHAPE is not None
+    dp, fsdp = per_rank_need(CFG_SHAPE, playbook(method="full").train, world_size=2, budget=NodeBudget(GiB))
+    mib = (fsdp // 1024**2 + 1) * 10 // 9 + 1  # usable = 0.9 x the GPU's memory
+    assert int(mib * 1024**2 * 0.9) < dp
+    small = {n.name: gpu_node(n.name, mib) for n in NODES}
+    assert strategy_refusal(INV, playbook(method="full"), small) == f"train.strategy auto resolves to fsdp: {RING_REASON}"
+    assert strategy_refusal(INV, playbook(method="lora"), small) is None  # LoRA never resolves to fsdp
