@@ -87,9 +87,18 @@ class Browser:
         raise AssertionError(f"browser: timed out waiting for {what or script} (last: {value!r}); page text: "
                              f"{str(self.js('return document.body.innerText'))[:1500]}")
 
-    def click(self, css: str) -> None:
-        element = self._s("POST", "/element", {"using": "css selector", "value": css})
-        self._s("POST", f"/element/{next(iter(element.values()))}/click", {})
+    def click(self, css: str, *, attempts: int = 5) -> None:
+        """Find and click `css`. A live page may redraw the element between the find and the click (a pushed
+        update re-renders it: "stale element reference"): find it again, a few times."""
+        for attempt in range(attempts):
+            element = self._s("POST", "/element", {"using": "css selector", "value": css})
+            try:
+                self._s("POST", f"/element/{next(iter(element.values()))}/click", {})
+                return
+            except RuntimeError as exc:
+                if "stale element reference" not in str(exc) or attempt == attempts - 1:
+                    raise
+                time.sleep(0.1)
 
     def accept_alert(self) -> None:
         """Press OK on the page's confirm() dialog."""
