@@ -57,7 +57,7 @@ def test_stop_asks_the_live_coordinator_which_stops_the_run_and_quarantines_noth
     assert json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())["state"] == "stopped"
     no_rank_left(run_id)
     for h in hosts:
-        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id} 2>/dev/null || true"]).stdout.strip() == ""
+        assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id}-* 2>/dev/null || true"]).stdout.strip() == ""
     assert not (tmp_path / "runs" / run_id / "lock").exists()
 
 
