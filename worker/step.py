@@ -54,6 +54,7 @@ def _number(x: mx.array) -> float:
 
 
 def flatten(tree: Any) -> dict[str, mx.array]:
+    """`tree_flatten` into a name -> array dict (dotted names, as safetensors files and mlx-lm use)."""
     out: dict[str, mx.array] = {}
     tree_flatten(tree, destination=out)
     return out
@@ -374,6 +375,14 @@ class WeightMismatch(RuntimeError):
     """The loss scored another number of units than the host counted: the exact weighting would be wrong."""
 
 
+def _check_weight(scored: mx.array, counted: int) -> None:
+    """The global weight is counted on the host; a loss that scored another number would make the weighting
+    inexact."""
+    value = _number(scored)
+    if value != counted:
+        raise WeightMismatch(f"the loss scored {value:g} units, the host counted {counted}")
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one step did: its micro-batches, this rank's sums and own statistics, the combined loss and grad norm,
@@ -508,10 +517,7 @@ class TrainStep:
             return self._run_whole(micros, tic, before_apply, clock)
         local = self.local([m.inputs for m in micros])
         weight = sum(m.weight for m in micros)
-        scored = _number(local.weight)
-        if scored != weight:
-            # The global weight is counted on the host; a disagreement would make the weighting inexact.
-            raise WeightMismatch(f"the loss scored {scored:g} units, the host counted {weight}")
+        _check_weight(local.weight, weight)
         if after_local is not None:
             local = after_local(local)
         local_loss, local_norm = local.local_stats()
@@ -534,9 +540,7 @@ class TrainStep:
         """`run` for one rank and one micro-batch: one compiled graph, one evaluation."""
         loss, norm, loss_sum, weight, tokens = self._whole(*micros[0].inputs)
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, weight, tokens)
-        scored = _number(weight)
-        if scored != micros[0].weight:
-            raise WeightMismatch(f"the loss scored {scored:g} units, the host counted {micros[0].weight}")
+        _check_weight(weight, micros[0].weight)
         if before_apply is not None:
             before_apply(tic)
         elapsed = clock() - tic

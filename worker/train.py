@@ -61,7 +61,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_map_with_path
 
 from worker.chaos import RankChaos, arrays_sha256, lie_about, perturb, signal_self
 from worker.checkpoint import (
@@ -90,6 +90,7 @@ from worker.step import (
     WeightMismatch,
     all_sum_arrays,
     decide_packing,
+    flatten,
     pack_rows,
     packed_loss_sum,
     sft_weight,
@@ -113,13 +114,6 @@ class ResumeRefused(TrainingError):
     the coordinator stops the run without quarantining anyone."""
 
     fault = "job"
-
-
-def flatten(tree: Any) -> dict[str, mx.array]:
-    """`tree_flatten` into a name -> array dict (dotted names, as safetensors files and mlx-lm use)."""
-    out: dict[str, mx.array] = {}
-    tree_flatten(tree, destination=out)
-    return out
 
 
 def scalar(x: mx.array) -> float:
