@@ -128,7 +128,7 @@ def assert_finished_on_survivors(summary: dict, culprit: str, iters: int = ITERS
     assert summary["steps"] == iters
     assert summary["attempts"] == 2
     assert summary["quarantined"] == [culprit]
-    assert culprit not in {node["name"] for node in summary["nodes"]}
+    assert culprit not in {node["node"] for node in summary["nodes"]}
     assert all(node["step"] == iters for node in summary["nodes"])
     [recovery] = summary["recoveries"]
     assert recovery["culprits"] == [culprit]
@@ -240,7 +240,7 @@ def test_changed_model_file_fails_preflight_for_the_odd_node(testbed: TestBed, r
     assert "preflight failed" in proc.stderr and hosts[2].name in proc.stderr
     report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
     data = json.loads(report.stdout)
-    verdicts = {n["name"]: next(c for c in n["checks"] if c["id"] == "model") for n in data["nodes"]}
+    verdicts = {n["node"]: next(c for c in n["checks"] if c["id"] == "model") for n in data["nodes"]}
     assert verdicts[hosts[2].name]["status"] == "fail" and "config.json" in verdicts[hosts[2].name]["summary"]
     assert all(verdicts[h.name]["status"] == "pass" for h in hosts[:2])
 
@@ -424,7 +424,7 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
     assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
     # No culprit: the same two nodes carry on from the last checkpoint and finish.
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
-    assert summary["quarantined"] == [] and sorted(n["name"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
+    assert summary["quarantined"] == [] and sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
     no_rank_left(summary["run_id"])
 
 

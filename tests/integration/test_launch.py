@@ -84,7 +84,7 @@ def test_launch_trains_on_every_node_and_checkpoints_everywhere(testbed: TestBed
     assert [h["ips"] for h in hostfile["hosts"]] == [[h.ip] for h in hosts]
     evs = events(tmp_path, run_id)
     by_rank: dict[int, set[str]] = {}
-    planned = {node["rank"]: node["name"] for node in summary["nodes"]}
+    planned = {node["rank"]: node["node"] for node in summary["nodes"]}
     for ev in evs:
         if "rank" in ev and ev.get("event") != "incident":
             assert ev["node"] == planned[ev["rank"]]  # an event's origin is its node's channel

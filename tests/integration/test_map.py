@@ -113,7 +113,7 @@ def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: 
                        env=env_for(tmp_path), timeout=400)
     summary = summary_of(proc)
     assert proc.returncode == 0 and summary["state"] == "succeeded", proc.stderr[-4000:]
-    nodes = {n["name"]: n for n in summary["nodes"]}
+    nodes = {n["node"]: n for n in summary["nodes"]}
     fast, slow = nodes[hosts[0].name], nodes[hosts[1].name]
     rate_share = slow["examples_per_s_calibrated"] / (slow["examples_per_s_calibrated"] + fast["examples_per_s_calibrated"])
     assert rate_share < 0.45  # the cap is seen by the calibration
@@ -123,7 +123,7 @@ def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: 
     rates = [fast["examples_per_s_calibrated"], slow["examples_per_s_calibrated"]]
     assert [fast["rows"], slow["rows"]] == largest_remainder(9000, rates)
     assert fast["ranges"] == [[0, fast["rows"]]] and slow["ranges"] == [[fast["rows"], 9000]]
-    assert fast["state"] == slow["state"] == "finished" and summary["finish_spread"] is not None
+    assert fast["state"] == slow["state"] == "finished" and summary["finish_spread_s"] is not None
     out = [json.loads(line) for line in Path(summary["output"]).read_text().splitlines()]
     assert [o["index"] for o in out] == list(range(9000)) and all(o["tokens"] > 0 for o in out)
 
@@ -155,7 +155,7 @@ def test_a_node_killed_mid_shard_has_its_rows_reassigned(testbed: TestBed, tmp_p
     assert [i["node"] for i in culprits] == [victim.name] and culprits[0]["kind"] in ("crash", "error")
     [moved] = summary["reassignments"]
     assert moved["from"] == victim.name and set(moved["to"]) == {hosts[0].name, hosts[2].name}
-    nodes = {n["name"]: n for n in summary["nodes"]}
+    nodes = {n["node"]: n for n in summary["nodes"]}
     assert nodes[victim.name]["state"] == "failed" and 20 <= nodes[victim.name]["rows_done"] < 150
     assert moved["rows"] == 150 - nodes[victim.name]["rows_done"]
     check_output(summary, data)

@@ -105,7 +105,7 @@ class Outcome:
         return self.cp.returncode
 
     def check(self, node: str, check_id: str) -> dict[str, Any]:
-        checks = {c["id"]: c for n in self.report["nodes"] if n["name"] == node for c in n["checks"]}
+        checks = {c["id"]: c for n in self.report["nodes"] if n["node"] == node for c in n["checks"]}
         assert check_id in checks, (node, check_id, self.report)
         return checks[check_id]
 
@@ -113,7 +113,7 @@ class Outcome:
         return str(self.check(node, check_id)["status"])
 
     def statuses(self, node: str) -> dict[str, str]:
-        return {c["id"]: c["status"] for n in self.report["nodes"] if n["name"] == node for c in n["checks"]}
+        return {c["id"]: c["status"] for n in self.report["nodes"] if n["node"] == node for c in n["checks"]}
 
     def dump(self) -> str:
         return json.dumps(self.report, indent=1) + "\n--- stderr\n" + self.cp.stderr
@@ -220,7 +220,7 @@ def test_mixed_fleet_with_ring_is_ready(fleet: Fleet, run_cli: RunCli) -> None:
     # The shape (coordinator.models.PreflightReport.to_json), exactly.
     assert set(report) == REPORT_KEYS
     assert list(report["summary"]) == SUMMARY_KEYS
-    assert [n["name"] for n in report["nodes"]] == ["mbp", "studio", "lin"]  # inventory order
+    assert [n["node"] for n in report["nodes"]] == ["mbp", "studio", "lin"]  # inventory order
     for node in report["nodes"]:
         assert set(node) == {"name", "checks"}
         for c in node["checks"]:

@@ -120,7 +120,7 @@ def test_setup_bootstraps_pip_from_the_wheelhouse_where_python3_has_no_ensurepip
 
 def software_result(stdout: str) -> dict[str, Any]:
     doc = json.loads(stdout)
-    return next(c for n in doc["nodes"] if n["name"] == "fresh" for c in n["checks"] if c["id"] == "software")
+    return next(c for n in doc["nodes"] if n["node"] == "fresh" for c in n["checks"] if c["id"] == "software")
 
 
 # --- --network: two fake Macs joined by one Thunderbolt 5 cable --------------------------------------------------

@@ -267,7 +267,7 @@ GOOD = {"rtt_ms": 0.2, "rtt_min_ms": 0.1, "rtt_max_ms": 0.9, "pings": 50, "up_bp
 def test_parse_client_output() -> None:
     m = parse_client_output("noise\n" + json.dumps(GOOD) + "\n")
     assert (m.rtt_ms, m.up_bps, m.down_bps, m.bottleneck_bps) == (0.2, 1e9, 5e8, 5e8)
-    assert m.to_json()["a_to_b_gbps"] == pytest.approx(8.0)
+    assert m.to_json()["a_to_b_gbit_per_s"] == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize(("text", "message"), [
