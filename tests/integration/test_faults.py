@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 
@@ -343,6 +344,7 @@ def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run
                    env={"XDG_STATE_HOME": str(tmp_path / "state")}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
+    validate_output("launch", summary)  # attach prints the same summary as launch
     assert summary["state"] == "succeeded" and summary["steps"] == 60
     assert steps_before < 60
     no_rank_left(run_id)
@@ -444,8 +446,9 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
         testbed.exec(h, ["sh", "-c", f"mkdir -p /srv/bad && printf '{good}' > /srv/bad/train.jsonl && "
                                      f"printf '{rows[0]}' > /srv/bad/valid.jsonl"], check=True)
     # The tiny model's vocabulary is built from the data: provision it from good rows (a fixed split: no bench).
-    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), env=env, timeout=300)
+    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env=env, timeout=300)
     assert ready.returncode == 0, ready.stderr[-3000:]
+    validate_output("calibrate", json.loads(ready.stdout))  # docs/json.md's schema, unknown keys refused
     for h in hosts:
         testbed.exec(h, ["sh", "-c", f"printf '{bad}' > /srv/bad/train.jsonl"], check=True)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), "--skip-preflight",

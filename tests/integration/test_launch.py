@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 
@@ -43,6 +44,7 @@ def launch(run_cli: RunCli, tmp: Path, inv: Path, pb: Path, *extra: str) -> tupl
         summary = json.loads(proc.stdout)
     except ValueError:
         pytest.fail(f"no JSON summary (rc {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    validate_output("launch", summary)  # docs/json.md's schema, unknown keys refused
     return proc, summary
 
 

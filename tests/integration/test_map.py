@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.jsonout import MapSummaryOut, validate_output
 from coordinator.shards import largest_remainder
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed, _netns_pids
@@ -113,6 +114,7 @@ def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: 
                        env=env_for(tmp_path), timeout=400)
     summary = summary_of(proc)
     assert proc.returncode == 0 and summary["state"] == "succeeded", proc.stderr[-4000:]
+    assert isinstance(validate_output("launch", summary), MapSummaryOut)
     nodes = {n["node"]: n for n in summary["nodes"]}
     fast, slow = nodes[hosts[0].name], nodes[hosts[1].name]
     rate_share = slow["examples_per_s_calibrated"] / (slow["examples_per_s_calibrated"] + fast["examples_per_s_calibrated"])

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 
@@ -29,6 +30,7 @@ def test_nettest_measures_every_pair(testbed: TestBed, tmp_path: Path, run_cli: 
     cp = run_cli("nettest", "-i", str(inv), "--json", "--seconds", SECONDS, "--pings", "20")
     assert cp.returncode == 0, cp.stderr + cp.stdout
     doc = json.loads(cp.stdout)
+    validate_output("nettest", doc)  # docs/json.md's schema, unknown keys refused
     pairs = _pairs(doc)
     assert set(pairs) == {("h1", "h2"), ("h1", "h3"), ("h2", "h3")}
     # RTT on a loaded 2-core CI box may reach the `unknown` link's 5 ms warning: a warning is still a measurement.
@@ -65,6 +67,7 @@ def test_nettest_unreachable_host_fails_only_its_pairs(testbed: TestBed, tmp_pat
     cp = run_cli("nettest", "-i", str(inv), "--json", "--seconds", SECONDS)
     assert cp.returncode == 1, cp.stderr + cp.stdout
     doc = json.loads(cp.stdout)
+    validate_output("nettest", doc)  # docs/json.md's schema, unknown keys refused
     pairs = _pairs(doc)
     assert doc["ok"] is False and doc["summary"]["fail"] == 2
     good = pairs[("h1", "h2")]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from coordinator.models import CHECK_IDS
 from tests.integration.conftest import RunCli
 from tests.testbed import PROFILES_DIR, SSH_PORT, VENV_PYTHON, Host, TestBed
@@ -127,6 +128,7 @@ def preflight(run_cli: RunCli, inventory: Path, playbook: Path, *args: str) -> O
     assert "Traceback" not in cp.stderr, cp.stderr
     assert cp.returncode in (0, 1), (cp.returncode, cp.stdout, cp.stderr)
     report = json.loads(cp.stdout)
+    validate_output("preflight", report)  # docs/json.md's schema, unknown keys refused
     out = Outcome(cp, report)
     assert report["ok"] is (cp.returncode == 0), out.dump()
     for node in report["nodes"]:  # every check of every node, always, in the documented order

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.jsonout import validate_output
 from coordinator.models import Node
 from coordinator.quarantine import QuarantineStore, inventory_key, new_entry
 from tests.integration.conftest import RunCli
@@ -115,4 +116,5 @@ def test_a_degraded_launch_fails_loudly_unless_allowed_and_its_summary_says_so(
     cleared = run_cli("quarantine", "clear", hosts[1].name, "-i", str(inv), env=env)
     assert cleared.returncode == 0 and cleared.stdout.startswith(f"cleared {hosts[1].name} {hosts[1].ip}:{SSH_PORT}")
     listed = run_cli("quarantine", "list", "--json", env=env)
+    validate_output("quarantine list", json.loads(listed.stdout))  # docs/json.md's schema
     assert [e["inventory"] for e in json.loads(listed.stdout)["entries"]] == ["/elsewhere/inv.yaml"]
