@@ -214,7 +214,7 @@ class MapSummaryOut(_SummaryOut):
     steps: int  # = rows_done, for readers of a training summary
     output: str | None
     manifest: str | None
-    finish_spread_s: float | None
+    finish_spread: float | None  # (latest - earliest) / latest finish time: a fraction, no unit
     reassignments: list[ReassignmentOut]
 
 

@@ -184,7 +184,7 @@ class MapSummary(SummaryBase):
     def to_json(self) -> dict[str, Any]:
         return {**self.base_json(), "kind": "map", "rows": self.rows, "rows_done": self.rows_done,
                 "steps": self.rows_done, "output": self.output, "manifest": self.manifest,
-                "finish_spread_s": self.finish_spread, "reassignments": self.reassignments}
+                "finish_spread": self.finish_spread, "reassignments": self.reassignments}
 
 
 # --- the I/O shell ---------------------------------------------------------------------------------------------

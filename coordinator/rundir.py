@@ -36,7 +36,7 @@ LAUNCHER_ARGV = "launcher.argv"
 SSH_CONFIG = "ssh_config"
 
 # Of summary.json, meta.json, plan.json, map.json. 1: written before the `format` key; 2: the same keys with
-# `format`; 3: the one JSON vocabulary (a node is `node`, never `name`; `peak_memory_bytes`, `finish_spread_s`).
+# `format`; 3: the one JSON vocabulary (a node is `node`, never `name`; `peak_memory_bytes`).
 # The readers here take every one of them (a 1 or 2 file's old keys included).
 FORMAT = 3
 
@@ -320,7 +320,7 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
                        if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None,
         rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
-        finish_spread=coerce_float(doc.get("finish_spread_s", doc.get("finish_spread"))), output=text(doc, "output"),
+        finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
         manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
 
 

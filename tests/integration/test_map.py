@@ -125,7 +125,7 @@ def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: 
     rates = [fast["examples_per_s_calibrated"], slow["examples_per_s_calibrated"]]
     assert [fast["rows"], slow["rows"]] == largest_remainder(9000, rates)
     assert fast["ranges"] == [[0, fast["rows"]]] and slow["ranges"] == [[fast["rows"], 9000]]
-    assert fast["state"] == slow["state"] == "finished" and summary["finish_spread_s"] is not None
+    assert fast["state"] == slow["state"] == "finished" and summary["finish_spread"] is not None
     out = [json.loads(line) for line in Path(summary["output"]).read_text().splitlines()]
     assert [o["index"] for o in out] == list(range(9000)) and all(o["tokens"] > 0 for o in out)
 
