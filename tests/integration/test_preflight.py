@@ -224,7 +224,7 @@ def test_mixed_fleet_with_ring_is_ready(fleet: Fleet, run_cli: RunCli) -> None:
     assert list(report["summary"]) == SUMMARY_KEYS
     assert [n["node"] for n in report["nodes"]] == ["mbp", "studio", "lin"]  # inventory order
     for node in report["nodes"]:
-        assert set(node) == {"name", "checks"}
+        assert set(node) == {"node", "checks"}
         for c in node["checks"]:
             assert set(c) == CHECK_KEYS and isinstance(c["evidence"], dict) and isinstance(c["summary"], str)
             assert c["summary"] and (c["remedy"] == "" or c["status"] != "pass")
