@@ -300,7 +300,7 @@ def test_evaluate_pair_and_report() -> None:
     assert NettestReport((ok, warn), 1.0).ok() and not NettestReport((ok, warn), 1.0).ok(strict=True)
     doc: dict[str, Any] = json.loads(json.dumps(report.to_json()))
     first = doc["pairs"][0]
-    assert first["link"] == {"kind": "thunderbolt", "speed_gbps": 80.0, "ends": [a.to_json(), b.to_json()]}
+    assert first["link"] == {"kind": "thunderbolt", "speed_gbit_per_s": 80.0, "ends": [a.to_json(), b.to_json()]}
     assert (first["a"], first["b"], first["a_ip"], first["b_ip"]) == ("a", "b", "10.0.0.1", "10.0.0.2")
     assert doc["pairs"][2]["error"] == "c: cannot connect to 10.0.0.3"
     assert doc["node_errors"] == {"c": "unreachable"} and doc["ok"] is False
