@@ -36,6 +36,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Node
 from coordinator.plan import CurvePoint, NodeCalibration, Plan, PlanError
+from coordinator.rundir import CurveRecord, PlanNode
 from coordinator.ship import ship_worker, worker_bundle
 from coordinator.transport import Fleet, Transport, build_worker_argv
 
@@ -276,29 +277,28 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
         raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
 
 
-def calibration_to_json(
+def build_plan_nodes(
     plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
-) -> dict[str, Any]:
-    """`{"nodes": [{"name", "tokens_per_s", "batch_size", "share", "curve": [...]}], "split": {node: share}}` in the
-    plan's (rank) order. `tokens_per_s` is the node's predicted rate at its planned batch (what its share is
-    proportional to); `curve` is what was measured. Raises PlanError when a planned node has no calibration."""
+) -> tuple[PlanNode, ...]:
+    """Each planned node's `PlanNode` in the plan's (rank) order: `tokens_per_s` is its predicted rate at its
+    planned batch (what its share is proportional to); `curve` is what was measured. Raises PlanError when a
+    planned node has no calibration."""
     by_name = dict(calibrations) if isinstance(calibrations, Mapping) else {c.node: c for c in calibrations}
     missing = [n for n in plan.batch if n not in by_name]
     if missing:
         raise PlanError(f"no calibration for planned node(s): {', '.join(missing)}")
-    nodes = []
-    for name, batch in plan.batch.items():
-        nodes.append({
-            "name": name,
-            "tokens_per_s": round(plan.node_tokens_per_s(name) or 0.0, 3),
-            "batch_size": batch,
-            "share": plan.split[name],
-            "curve": [
-                {"batch": p.batch, "tokens_per_s": p.tokens_per_s, "peak_memory": p.peak_memory}
-                for p in by_name[name].curve
-            ],
-        })
-    return {"nodes": nodes, "split": dict(plan.split)}
+    return tuple(PlanNode(node=name, tokens_per_s=round(plan.node_tokens_per_s(name) or 0.0, 3), batch_size=batch,
+                          share=plan.split[name],
+                          curve=tuple(CurveRecord(p.batch, p.tokens_per_s, p.peak_memory) for p in by_name[name].curve))
+                 for name, batch in plan.batch.items())
+
+
+def calibration_to_json(
+    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
+) -> dict[str, Any]:
+    """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}}` (docs/json.md); PlanError as
+    `build_plan_nodes`."""
+    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split)}
 
 
 def describe_bench_time(obj: Mapping[str, Any]) -> str:

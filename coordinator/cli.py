@@ -591,7 +591,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         for col in ("node", "examples/s", "shard", "rows", "share"):
             table.add_column(col)
         for row in result["nodes"]:
-            table.add_row(row["name"], f"{row['examples_per_s']:,.2f}", f"[{row['shard'][0]}, {row['shard'][1]})",
+            table.add_row(row["node"], f"{row['examples_per_s']:,.2f}", f"[{row['shard'][0]}, {row['shard'][1]})",
                           str(row["rows"]), f"{100 * row['share']:.1f}%")
         console.print(table)
         return

@@ -12,13 +12,11 @@ by a live one, and `stop` then asks that one to stop instead of pulling the run 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from coordinator.errors import ConfigError, CoordinatorError
-from coordinator.hostfile import Hostfile
 from coordinator.inventory import load_inventory
 from coordinator.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.launch import Launch, RankPlan, RunSummary, ViewFn, summarize, write_summary
@@ -26,7 +24,7 @@ from coordinator.models import Inventory
 from coordinator.monitor import RunState
 from coordinator.playbook import Playbook, load_playbook
 from coordinator.quarantine import QuarantineStore
-from coordinator.rundir import HOSTFILE, META, PLAYBOOK, SUMMARY, RunMeta, read_json_object, read_meta
+from coordinator.rundir import META, PLAYBOOK, RunMeta, read_hostfile, read_meta, read_summary
 from coordinator.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
 from coordinator.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 
@@ -44,7 +42,7 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playb
     if any(r.batch_size is None for r in meta.ranks):
         raise ConfigError(f"{run_dir / META}: a rank has no batch_size: the run cannot be adopted")
     ranks = [RankPlan(r.rank, by_name[r.node], r.batch_size or 0, r.calibrated_tokens_per_s) for r in meta.ranks]
-    hostfile = Hostfile.from_json(json.loads((run_dir / HOSTFILE).read_text(encoding="utf-8")))
+    hostfile = read_hostfile(run_dir)
     launch = Launch(fleet, pb, ranks, hostfile, {}, run_id=meta.run_id, run_dir=run_dir, view=view,
                     attempt=meta.attempt)
     launch.remote_run_dirs = dict(meta.remote_run_dirs)
@@ -94,8 +92,18 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
             return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), run_id, run_dir, adopted, {}, sup)
 
 
+@dataclass(frozen=True)
+class StopResult:
+    """How the run ended, as its summary.json says (whoever wrote it: this process or the live coordinator)."""
+
+    run_id: str
+    state: str  # "stopped", or how it ended before the request was carried out
+    steps: int
+    message: str
+
+
 async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-               wait_s: float = STOP_WAIT_S) -> RunSummary:
+               wait_s: float = STOP_WAIT_S) -> StopResult:
     """Stop a run cleanly. A live coordinator is asked to (`stop-request`; it tears down and writes the summary,
     `stopped`, nothing quarantined) and waited for; without one, this process takes the run's lock and stops
     the launcher's process group, every rank on every node and our temp files itself."""
@@ -111,16 +119,16 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
             mon = launch.new_monitor()
             mon.stopped = True
             await launch.teardown(mon)
-        previous = _summary(run_dir)
+        previous = read_summary(run_dir)
         summary = summarize(launch, mon, launch.split(), "stopped by `coordinator stop`")
         summary.state = RunState.STOPPED
-        summary.steps = max(summary.steps, int(previous.get("steps") or 0))
+        summary.steps = max(summary.steps, (previous.steps if previous else None) or 0)
         summary.left_out = list(launch.left_out)
         write_summary(run_dir, summary)
-        return summary
+        return StopResult(summary.run_id, str(summary.state), summary.steps, summary.message)
 
 
-async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> RunSummary:
+async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> StopResult:
     """Leave a stop request for the live coordinator and wait until it has released the run (its summary is
     then written). The request stays if the wait runs out: that coordinator acts on it at its next tick."""
     holder = holder_of(run_dir / LOCK_NAME)
@@ -132,17 +140,7 @@ async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> RunSummary:
             raise CoordinatorError(f"run {run_id}: asked {who} to stop; it has not finished within {wait_s:g}s "
                                    "(the request stands: it is carried out once the attempt's monitor runs)")
         await asyncio.sleep(0.2)
-    data = _summary(run_dir)
-    if not data:
+    written = read_summary(run_dir)
+    if written is None:
         raise CoordinatorError(f"run {run_id}: its coordinator ended without a summary.json")
-    summary = RunSummary(run_id=run_id, state=RunState(str(data.get("state", "failed"))),
-                         steps=int(data.get("steps") or 0), nodes=list(data.get("nodes") or []),
-                         split=dict(data.get("split") or {}), run_dir=str(run_dir),
-                         message=str(data.get("message") or ""))
-    summary.quarantined = list(data.get("quarantined") or [])
-    return summary
-
-
-def _summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json ({} when missing or unreadable); a newer format than this coordinator reads is an error."""
-    return read_json_object(run_dir / SUMMARY) or {}
+    return StopResult(run_id, written.state or "failed", written.steps or 0, written.message or "")

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import structlog
 
 from coordinator.assets import provision
-from coordinator.calibrate import BenchSpec, calibrate, calibration_to_json, fingerprint_from_facts
+from coordinator.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
 from coordinator.chaos import Chaos
 from coordinator.checks.context import manifest_digest, node_manifest
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
@@ -58,7 +58,7 @@ from coordinator.quarantine import (
     new_entry,
 )
 from coordinator.resume import ResumeDecision, ResumeRefused, check_resume
-from coordinator.rundir import EVENTS
+from coordinator.rundir import EVENTS, PlanRecord
 from coordinator.shards import MapRow
 from coordinator.supervision import (
     NodeLocks,
@@ -640,11 +640,11 @@ async def _run_attempt(
     launch.left_out = list(left_out)
     launch.drill = drill
     launch.should_stop = sup.stop_reason
-    curves = calibration_to_json(plan, [cals[n.name] for n in nodes]) if cals else {"split": plan.split}
-    plan_json: dict[str, Any] = {**curves, "batch": plan.batch, "global_batch": plan.global_batch,
-                                 "mode": str(plan.mode), "predicted_tokens_per_s": plan.predicted_tokens_per_s,
-                                 "backend": hostfile.backend, "attempt": number}
-    local_hostfile = launch.write_local_files(plan_json)
+    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
+                        split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
+                        mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
+                        backend=hostfile.backend, attempt=number)
+    local_hostfile = launch.write_local_files(record)
 
     async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))

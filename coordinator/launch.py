@@ -47,7 +47,6 @@ from coordinator.playbook import Playbook
 from coordinator.probe import shell_path
 from coordinator.rundir import (
     EVENTS,
-    FORMAT,
     HOSTFILE,
     LAUNCHER_ARGV,
     LAUNCHER_LOG,
@@ -57,6 +56,7 @@ from coordinator.rundir import (
     SSH_CONFIG,
     SUMMARY,
     MetaRank,
+    PlanRecord,
     RunMeta,
     SummaryBase,
 )
@@ -488,7 +488,7 @@ class Launch:
         if errors:
             raise LaunchError("could not write rank scripts: " + "; ".join(str(e) for e in errors))
 
-    def write_local_files(self, plan_json: Mapping[str, Any]) -> Path:
+    def write_local_files(self, plan: PlanRecord) -> Path:
         """The run dir's files, 0600 (0700 for the ssh wrapper) in the 0700 run dir: they name hosts, users,
         keys and paths, and the hostfile carries the job's env."""
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -496,7 +496,7 @@ class Launch:
             text = str(current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8")))
             # The copy must stay YAML that `status` and the dashboard can read: a bare `***` is an alias there.
             write_private(self.run_dir / PLAYBOOK, text.replace(REDACTED, "REDACTED"))
-        write_private(self.run_dir / PLAN, json.dumps({"format": FORMAT, **plan_json}, indent=2) + "\n")
+        write_private(self.run_dir / PLAN, json.dumps(plan.to_json(), indent=2) + "\n")
         hostfile = self.run_dir / HOSTFILE
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
         ssh_config = self.run_dir / SSH_CONFIG
@@ -790,9 +790,9 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
     state = mon.outcome() or RunState.FAILED
     nodes = []
     for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
-        nodes.append({"name": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
+        nodes.append({"node": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
                       "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
-                      "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory": view.peak_memory,
+                      "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()

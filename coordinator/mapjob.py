@@ -265,7 +265,7 @@ async def calibrate_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobU
         total = await count_rows(fleet, pb, names)
         rates = await measure_rates(fleet, pb, names, facts, opts, ui)
     shards = compute_shards(total, rates, names)
-    return {"rows": total, "nodes": [{"name": n, "examples_per_s": rates[n], "rows": shards[n][1] - shards[n][0],
+    return {"rows": total, "nodes": [{"node": n, "examples_per_s": rates[n], "rows": shards[n][1] - shards[n][0],
                                       "shard": list(shards[n]), "share": (shards[n][1] - shards[n][0]) / total
                                       if total else 0.0} for n in names],
             "split": {n: (shards[n][1] - shards[n][0]) / total if total else 0.0 for n in names}}
@@ -503,7 +503,7 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
             split: dict[str, float], stopped: bool, left_out: Sequence[LeftOut] = ()) -> MapSummary:
     parts = sorted((run_dir / "parts").glob("*.jsonl"))
     received = received_indices(parts)
-    nodes = [{"name": w.name, "state": w.state, "rows": w.rows, "rows_done": len(w.received),
+    nodes = [{"node": w.name, "state": w.state, "rows": w.rows, "rows_done": len(w.received),
               "ranges": [list(r) for r in w.assigned], "examples_per_s_calibrated": w.rate,
               "rows_per_s": w.rows_per_s,
               "finished_after_s": None if w.finished_at is None else round(w.finished_at - runner.started, 3),

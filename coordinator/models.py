@@ -163,7 +163,7 @@ class PreflightReport:
         return {
             "ok": self.ok(strict=strict),
             "summary": self.counts(),
-            "nodes": [{"name": name, "checks": [c.to_json() for c in checks]} for name, checks in self.nodes],
+            "nodes": [{"node": name, "checks": [c.to_json() for c in checks]} for name, checks in self.nodes],
             "lint": [lint.to_json() for lint in self.lint],
         }
 

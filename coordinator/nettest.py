@@ -143,7 +143,7 @@ class LinkEnd:
     driver: str | None = None  # Linux: the interface's driver or DEVTYPE ("e1000e", "bridge"), when known
 
     def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "ip": self.ip, "kind": str(self.kind), "speed_gbps": self.speed_gbps,
+        return {"node": self.node, "ip": self.ip, "kind": str(self.kind), "speed_gbit_per_s": self.speed_gbps,
                 "interface": self.interface, "port": self.port, "driver": self.driver, "note": self.note}
 
 
@@ -282,9 +282,9 @@ class Measurement:
 
     def to_json(self) -> dict[str, Any]:
         return {"rtt_ms": self.rtt_ms, "rtt_min_ms": self.rtt_min_ms, "rtt_max_ms": self.rtt_max_ms,
-                "a_to_b_bps": self.up_bps, "b_to_a_bps": self.down_bps,
-                "a_to_b_gbps": self.up_bps * 8 / 1e9, "b_to_a_gbps": self.down_bps * 8 / 1e9,
-                "seconds": self.seconds}
+                "a_to_b_bytes_per_s": self.up_bps, "b_to_a_bytes_per_s": self.down_bps,
+                "a_to_b_gbit_per_s": self.up_bps * 8 / 1e9, "b_to_a_gbit_per_s": self.down_bps * 8 / 1e9,
+                "duration_s": self.seconds}
 
 
 def parse_client_output(text: str) -> Measurement:
@@ -324,7 +324,7 @@ class PairResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a.node, "b": self.b.node, "a_ip": self.a.ip, "b_ip": self.b.ip,
-                "link": {"kind": str(self.kind), "speed_gbps": self.speed_gbps,
+                "link": {"kind": str(self.kind), "speed_gbit_per_s": self.speed_gbps,
                          "ends": [self.a.to_json(), self.b.to_json()]},
                 "status": str(self.status), "summary": self.summary,
                 "measurement": self.measurement.to_json() if self.measurement else None, "error": self.error}
@@ -357,5 +357,5 @@ class NettestReport:
         return all(STATUS_SEVERITY[p.status] <= limit for p in self.pairs)
 
     def to_json(self, *, strict: bool = False) -> dict[str, Any]:
-        return {"ok": self.ok(strict=strict), "summary": self.counts(), "seconds": self.seconds,
+        return {"ok": self.ok(strict=strict), "summary": self.counts(), "duration_s": self.seconds,
                 "pairs": [p.to_json() for p in self.pairs], "node_errors": dict(self.node_errors)}

@@ -3,8 +3,9 @@ there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the s
 runs alike, `IncidentRecord` for an incident read back). Pure but for `read_json_object` and `read_meta`.
 
 Format: summary.json, meta.json, plan.json and map.json carry `"format": FORMAT`. A file without it was written
-before the key existed (format 1: the same vocabulary) and reads as before; a file of a newer format than this
-coordinator knows is refused with a message naming both versions (`RunFileFormatError`, exit 2), never misread.
+before the key existed (format 1) and reads as before, as does a format 2 file under its older key names; a file
+of a newer format than this coordinator knows is refused with a message naming both versions (`RunFileFormatError`,
+exit 2), never misread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
+from coordinator.hostfile import Hostfile
 from coordinator.monitor import Incident
 from worker.events import coerce_float, coerce_int
 
@@ -33,7 +35,10 @@ LAUNCHER_LOG = "launcher.log"
 LAUNCHER_ARGV = "launcher.argv"
 SSH_CONFIG = "ssh_config"
 
-FORMAT = 2  # of summary.json, meta.json, plan.json, map.json; 1 = written before the `format` key
+# Of summary.json, meta.json, plan.json, map.json. 1: written before the `format` key; 2: the same keys with
+# `format`; 3: the one JSON vocabulary (a node is `node`, never `name`; `peak_memory_bytes`).
+# The readers here take every one of them (a 1 or 2 file's old keys included).
+FORMAT = 3
 
 
 class RunFileFormatError(ConfigError):
@@ -289,11 +294,11 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         return [x for x in value if isinstance(x, Mapping)] if isinstance(value, list) else []
 
     nodes = tuple(SummaryNode(
-        name=text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
+        name=text(n, "node") or text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
         state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
         tokens_per_s=coerce_float(n.get("tokens_per_s")),
         calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
-        peak_memory=coerce_int(n.get("peak_memory")), checkpoint=text(n, "checkpoint"),
+        peak_memory=coerce_int(n.get("peak_memory_bytes", n.get("peak_memory"))), checkpoint=text(n, "checkpoint"),
         rows=coerce_int(n.get("rows")), rows_done=coerce_int(n.get("rows_done")), ranges=_ranges(n.get("ranges")),
         examples_per_s_calibrated=coerce_float(n.get("examples_per_s_calibrated")),
         rows_per_s=coerce_float(n.get("rows_per_s")), finished_after_s=coerce_float(n.get("finished_after_s")))
@@ -317,6 +322,77 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
         finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
         manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
+
+
+def read_summary(run_dir: Path) -> SummaryFile | None:
+    """runs/<id>/summary.json, typed; None when it is missing or unreadable (the run has not ended, or its
+    coordinator died first); `RunFileFormatError` for a newer format."""
+    path = run_dir / SUMMARY
+    doc = read_json_object(path)
+    return None if doc is None else parse_summary(doc, name=str(path))
+
+
+def read_hostfile(run_dir: Path) -> Hostfile:
+    """runs/<id>/hostfile.json (the attempt's mlx hostfile), for adopting a run: ConfigError naming the file when
+    it is missing or not a hostfile."""
+    path = run_dir / HOSTFILE
+    doc = read_json_object(path)
+    if doc is None or not isinstance(doc.get("hosts"), list) \
+            or not all(isinstance(h, Mapping) and isinstance(h.get("ssh"), str) for h in doc["hosts"]):
+        raise ConfigError("missing or unreadable hostfile (a list of hosts, each with its ssh name)", path=str(path))
+    return Hostfile.from_json(doc)
+
+
+# --- plan.json --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CurveRecord:
+    """One measured point of a node's calibration curve, as plan.json and `calibrate --json` write it."""
+
+    batch: int
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch": self.batch, "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes}
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """One node of a calibrated plan: its predicted rate at its planned batch (what its share is proportional
+    to), and the curve it was measured on (calibrate.build_plan_nodes)."""
+
+    node: str
+    tokens_per_s: float
+    batch_size: int
+    share: float
+    curve: tuple[CurveRecord, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "tokens_per_s": self.tokens_per_s, "batch_size": self.batch_size,
+                "share": self.share, "curve": [p.to_json() for p in self.curve]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """plan.json as job.py writes it, one per attempt: the split, batches and, for a calibrated plan, each
+    node's curve (`nodes` is empty for a plan that measured nothing)."""
+
+    split: Mapping[str, float]
+    batch: Mapping[str, int]
+    global_batch: int
+    mode: str
+    predicted_tokens_per_s: float | None
+    backend: str
+    attempt: int
+    nodes: tuple[PlanNode, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
+                "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
+                "attempt": self.attempt}
 
 
 # --- plan.json read back -----------------------------------------------------------------------------------------
@@ -348,7 +424,7 @@ def parse_plan(doc: Mapping[str, Any], *, name: str = PLAN) -> PlanFile:
         if isinstance(split_raw, Mapping) else None,
         batch={str(k): b for k, v in batch_raw.items() if (b := coerce_int(v)) is not None}
         if isinstance(batch_raw, Mapping) else {},
-        node_tokens_per_s={str(n.get("name")): coerce_float(n.get("tokens_per_s")) for n in nodes_raw
+        node_tokens_per_s={str(n.get("node", n.get("name"))): coerce_float(n.get("tokens_per_s")) for n in nodes_raw
                            if isinstance(n, Mapping)} if isinstance(nodes_raw, list) else {},
         global_batch=coerce_int(doc.get("global_batch")),
         mode=doc["mode"] if isinstance(doc.get("mode"), str) else None,

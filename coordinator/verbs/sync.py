@@ -76,7 +76,7 @@ class SyncReport:
         return {"ok": self.ok, "check": self.checked_only, "plan": self.plan.to_json() if self.plan else None,
                 "errors": self.node_errors, "verified": {n: not v for n, v in self.verified.items()},
                 "differences": {n: v for n, v in self.verified.items() if v}, "sent_bytes": self.sent_bytes,
-                "seconds": round(self.seconds, 3), "transfer_seconds": round(self.transfer_seconds, 3),
+                "elapsed_s": round(self.seconds, 3), "transfer_s": round(self.transfer_seconds, 3),
                 "refused": self.refused, "fallback": self.fallback}
 
 

@@ -51,7 +51,7 @@ def test_two_node_dpo_lowers_the_loss_and_resumes(testbed: TestBed, run_cli: Run
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert summary["state"] == "succeeded" and summary["steps"] == 20
     assert [i for i in summary["incidents"] if i["action"] != "warn"] == []  # (a loaded test machine may warn)
-    assert {n["name"]: n["batch_size"] for n in summary["nodes"]} == {"h1": 4, "h2": 2}
+    assert {n["node"]: n["batch_size"] for n in summary["nodes"]} == {"h1": 4, "h2": 2}
     run_id = summary["run_id"]
     evs = [json.loads(line) for line in (tmp_path / "runs" / run_id / "events.jsonl").read_text().splitlines()]
     steps = [e for e in evs if e.get("event") == "step" and e["rank"] == 0]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.jsonout import validate_output
 from coordinator.probe import MACOS_COMMANDS
 from tests.integration.conftest import RunCli
 from tests.testbed import PROFILES_DIR, VENV_PYTHON, TestBed
@@ -46,6 +47,7 @@ def facts(run_cli: RunCli, inv: Path, *args: str) -> tuple[subprocess.CompletedP
     assert "Traceback" not in cp.stderr, cp.stderr
     doc = json.loads(cp.stdout)
     assert set(doc) == {"nodes"}
+    validate_output("facts", doc)  # docs/json.md's schema, unknown keys refused
     return cp, doc
 
 

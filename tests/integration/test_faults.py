@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 
@@ -128,7 +129,7 @@ def assert_finished_on_survivors(summary: dict, culprit: str, iters: int = ITERS
     assert summary["steps"] == iters
     assert summary["attempts"] == 2
     assert summary["quarantined"] == [culprit]
-    assert culprit not in {node["name"] for node in summary["nodes"]}
+    assert culprit not in {node["node"] for node in summary["nodes"]}
     assert all(node["step"] == iters for node in summary["nodes"])
     [recovery] = summary["recoveries"]
     assert recovery["culprits"] == [culprit]
@@ -240,7 +241,7 @@ def test_changed_model_file_fails_preflight_for_the_odd_node(testbed: TestBed, r
     assert "preflight failed" in proc.stderr and hosts[2].name in proc.stderr
     report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
     data = json.loads(report.stdout)
-    verdicts = {n["name"]: next(c for c in n["checks"] if c["id"] == "model") for n in data["nodes"]}
+    verdicts = {n["node"]: next(c for c in n["checks"] if c["id"] == "model") for n in data["nodes"]}
     assert verdicts[hosts[2].name]["status"] == "fail" and "config.json" in verdicts[hosts[2].name]["summary"]
     assert all(verdicts[h.name]["status"] == "pass" for h in hosts[:2])
 
@@ -343,6 +344,7 @@ def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run
                    env={"XDG_STATE_HOME": str(tmp_path / "state")}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
+    validate_output("launch", summary)  # attach prints the same summary as launch
     assert summary["state"] == "succeeded" and summary["steps"] == 60
     assert steps_before < 60
     no_rank_left(run_id)
@@ -424,7 +426,7 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
     assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
     # No culprit: the same two nodes carry on from the last checkpoint and finish.
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
-    assert summary["quarantined"] == [] and sorted(n["name"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
+    assert summary["quarantined"] == [] and sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
     no_rank_left(summary["run_id"])
 
 
@@ -444,8 +446,9 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
         testbed.exec(h, ["sh", "-c", f"mkdir -p /srv/bad && printf '{good}' > /srv/bad/train.jsonl && "
                                      f"printf '{rows[0]}' > /srv/bad/valid.jsonl"], check=True)
     # The tiny model's vocabulary is built from the data: provision it from good rows (a fixed split: no bench).
-    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), env=env, timeout=300)
+    ready = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env=env, timeout=300)
     assert ready.returncode == 0, ready.stderr[-3000:]
+    validate_output("calibrate", json.loads(ready.stdout))  # docs/json.md's schema, unknown keys refused
     for h in hosts:
         testbed.exec(h, ["sh", "-c", f"printf '{bad}' > /srv/bad/train.jsonl"], check=True)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), "--skip-preflight",

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 
@@ -43,6 +44,7 @@ def launch(run_cli: RunCli, tmp: Path, inv: Path, pb: Path, *extra: str) -> tupl
         summary = json.loads(proc.stdout)
     except ValueError:
         pytest.fail(f"no JSON summary (rc {proc.returncode})\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    validate_output("launch", summary)  # docs/json.md's schema, unknown keys refused
     return proc, summary
 
 
@@ -84,7 +86,7 @@ def test_launch_trains_on_every_node_and_checkpoints_everywhere(testbed: TestBed
     assert [h["ips"] for h in hostfile["hosts"]] == [[h.ip] for h in hosts]
     evs = events(tmp_path, run_id)
     by_rank: dict[int, set[str]] = {}
-    planned = {node["rank"]: node["name"] for node in summary["nodes"]}
+    planned = {node["rank"]: node["node"] for node in summary["nodes"]}
     for ev in evs:
         if "rank" in ev and ev.get("event") != "incident":
             assert ev["node"] == planned[ev["rank"]]  # an event's origin is its node's channel

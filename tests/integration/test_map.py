@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.jsonout import MapSummaryOut, validate_output
 from coordinator.shards import largest_remainder
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed, _netns_pids
@@ -113,7 +114,8 @@ def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: 
                        env=env_for(tmp_path), timeout=400)
     summary = summary_of(proc)
     assert proc.returncode == 0 and summary["state"] == "succeeded", proc.stderr[-4000:]
-    nodes = {n["name"]: n for n in summary["nodes"]}
+    assert isinstance(validate_output("launch", summary), MapSummaryOut)
+    nodes = {n["node"]: n for n in summary["nodes"]}
     fast, slow = nodes[hosts[0].name], nodes[hosts[1].name]
     rate_share = slow["examples_per_s_calibrated"] / (slow["examples_per_s_calibrated"] + fast["examples_per_s_calibrated"])
     assert rate_share < 0.45  # the cap is seen by the calibration
@@ -155,7 +157,7 @@ def test_a_node_killed_mid_shard_has_its_rows_reassigned(testbed: TestBed, tmp_p
     assert [i["node"] for i in culprits] == [victim.name] and culprits[0]["kind"] in ("crash", "error")
     [moved] = summary["reassignments"]
     assert moved["from"] == victim.name and set(moved["to"]) == {hosts[0].name, hosts[2].name}
-    nodes = {n["name"]: n for n in summary["nodes"]}
+    nodes = {n["node"]: n for n in summary["nodes"]}
     assert nodes[victim.name]["state"] == "failed" and 20 <= nodes[victim.name]["rows_done"] < 150
     assert moved["rows"] == 150 - nodes[victim.name]["rows_done"]
     check_output(summary, data)

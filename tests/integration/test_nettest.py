@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 
@@ -29,6 +30,7 @@ def test_nettest_measures_every_pair(testbed: TestBed, tmp_path: Path, run_cli: 
     cp = run_cli("nettest", "-i", str(inv), "--json", "--seconds", SECONDS, "--pings", "20")
     assert cp.returncode == 0, cp.stderr + cp.stdout
     doc = json.loads(cp.stdout)
+    validate_output("nettest", doc)  # docs/json.md's schema, unknown keys refused
     pairs = _pairs(doc)
     assert set(pairs) == {("h1", "h2"), ("h1", "h3"), ("h2", "h3")}
     # RTT on a loaded 2-core CI box may reach the `unknown` link's 5 ms warning: a warning is still a measurement.
@@ -39,9 +41,9 @@ def test_nettest_measures_every_pair(testbed: TestBed, tmp_path: Path, run_cli: 
         assert p["status"] in ("pass", "warn"), p
         assert p["error"] is None
         m = p["measurement"]
-        assert m["a_to_b_bps"] > 0 and m["b_to_a_bps"] > 0, p
+        assert m["a_to_b_bytes_per_s"] > 0 and m["b_to_a_bytes_per_s"] > 0, p
         assert 0 < m["rtt_min_ms"] <= m["rtt_ms"] <= m["rtt_max_ms"], p
-        assert p["link"]["kind"] == "virtual" and p["link"]["speed_gbps"] is None, p["link"]  # veth: no speed
+        assert p["link"]["kind"] == "virtual" and p["link"]["speed_gbit_per_s"] is None, p["link"]  # veth: no speed
         for end in p["link"]["ends"]:
             assert (end["kind"], end["interface"]) == ("virtual", "eth0"), end
             # "eth0: type ether, 10000 Mb/s, virtual": the speed a veth reports is made up, and not used.
@@ -65,11 +67,12 @@ def test_nettest_unreachable_host_fails_only_its_pairs(testbed: TestBed, tmp_pat
     cp = run_cli("nettest", "-i", str(inv), "--json", "--seconds", SECONDS)
     assert cp.returncode == 1, cp.stderr + cp.stdout
     doc = json.loads(cp.stdout)
+    validate_output("nettest", doc)  # docs/json.md's schema, unknown keys refused
     pairs = _pairs(doc)
     assert doc["ok"] is False and doc["summary"]["fail"] == 2
     good = pairs[("h1", "h2")]
-    assert good["status"] in ("pass", "warn") and good["measurement"]["a_to_b_bps"] > 0
-    assert good["measurement"]["b_to_a_bps"] > 0 and good["measurement"]["rtt_ms"] > 0
+    assert good["status"] in ("pass", "warn") and good["measurement"]["a_to_b_bytes_per_s"] > 0
+    assert good["measurement"]["b_to_a_bytes_per_s"] > 0 and good["measurement"]["rtt_ms"] > 0
     for key in (("h1", "h3"), ("h2", "h3")):
         p = pairs[key]
         assert p["status"] == "fail" and p["measurement"] is None

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from coordinator.models import CHECK_IDS
 from tests.integration.conftest import RunCli
 from tests.testbed import PROFILES_DIR, SSH_PORT, VENV_PYTHON, Host, TestBed
@@ -105,7 +106,7 @@ class Outcome:
         return self.cp.returncode
 
     def check(self, node: str, check_id: str) -> dict[str, Any]:
-        checks = {c["id"]: c for n in self.report["nodes"] if n["name"] == node for c in n["checks"]}
+        checks = {c["id"]: c for n in self.report["nodes"] if n["node"] == node for c in n["checks"]}
         assert check_id in checks, (node, check_id, self.report)
         return checks[check_id]
 
@@ -113,7 +114,7 @@ class Outcome:
         return str(self.check(node, check_id)["status"])
 
     def statuses(self, node: str) -> dict[str, str]:
-        return {c["id"]: c["status"] for n in self.report["nodes"] if n["name"] == node for c in n["checks"]}
+        return {c["id"]: c["status"] for n in self.report["nodes"] if n["node"] == node for c in n["checks"]}
 
     def dump(self) -> str:
         return json.dumps(self.report, indent=1) + "\n--- stderr\n" + self.cp.stderr
@@ -127,6 +128,7 @@ def preflight(run_cli: RunCli, inventory: Path, playbook: Path, *args: str) -> O
     assert "Traceback" not in cp.stderr, cp.stderr
     assert cp.returncode in (0, 1), (cp.returncode, cp.stdout, cp.stderr)
     report = json.loads(cp.stdout)
+    validate_output("preflight", report)  # docs/json.md's schema, unknown keys refused
     out = Outcome(cp, report)
     assert report["ok"] is (cp.returncode == 0), out.dump()
     for node in report["nodes"]:  # every check of every node, always, in the documented order
@@ -220,9 +222,9 @@ def test_mixed_fleet_with_ring_is_ready(fleet: Fleet, run_cli: RunCli) -> None:
     # The shape (coordinator.models.PreflightReport.to_json), exactly.
     assert set(report) == REPORT_KEYS
     assert list(report["summary"]) == SUMMARY_KEYS
-    assert [n["name"] for n in report["nodes"]] == ["mbp", "studio", "lin"]  # inventory order
+    assert [n["node"] for n in report["nodes"]] == ["mbp", "studio", "lin"]  # inventory order
     for node in report["nodes"]:
-        assert set(node) == {"name", "checks"}
+        assert set(node) == {"node", "checks"}
         for c in node["checks"]:
             assert set(c) == CHECK_KEYS and isinstance(c["evidence"], dict) and isinstance(c["summary"], str)
             assert c["summary"] and (c["remedy"] == "" or c["status"] != "pass")

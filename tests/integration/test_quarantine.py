@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.jsonout import validate_output
 from coordinator.models import Node
 from coordinator.quarantine import QuarantineStore, inventory_key, new_entry
 from tests.integration.conftest import RunCli
@@ -43,7 +44,7 @@ def test_a_chaos_drill_quarantines_nothing_beyond_its_run_and_another_inventorys
     # Inside the drill run the culprit is still left out of the relaunch...
     assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 6
     assert summary["quarantined"] == [hosts[1].name]
-    assert [n["name"] for n in summary["nodes"]] == [hosts[0].name]
+    assert [n["node"] for n in summary["nodes"]] == [hosts[0].name]
     assert "persists no quarantine" in drill.stderr
     # ...but nothing persists.
     assert not state_file(tmp_path).exists() or json.loads(state_file(tmp_path).read_text())["entries"] == []
@@ -66,7 +67,7 @@ def test_a_chaos_drill_quarantines_nothing_beyond_its_run_and_another_inventorys
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout)
     assert summary["state"] == "succeeded"
-    assert sorted(n["name"] for n in summary["nodes"]) == sorted([hosts[0].name, hosts[1].name])
+    assert sorted(n["node"] for n in summary["nodes"]) == sorted([hosts[0].name, hosts[1].name])
     assert summary["degraded"] is False and summary["left_out"] == []
     assert "left out" not in run.stderr and "DEGRADED" not in run.stderr
 
@@ -102,7 +103,7 @@ def test_a_degraded_launch_fails_loudly_unless_allowed_and_its_summary_says_so(
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert f"DEGRADED: 1 of 2 node(s) of {inv}; left out:" in allowed.stderr
     summary = json.loads(allowed.stdout)
-    assert summary["state"] == "succeeded" and [n["name"] for n in summary["nodes"]] == [hosts[0].name]
+    assert summary["state"] == "succeeded" and [n["node"] for n in summary["nodes"]] == [hosts[0].name]
     assert summary["degraded"] is True
     [left] = summary["left_out"]
     assert left["node"] == hosts[1].name and left["reason"].startswith("quarantined: crash at step 5 (run fault-1,")
@@ -115,4 +116,5 @@ def test_a_degraded_launch_fails_loudly_unless_allowed_and_its_summary_says_so(
     cleared = run_cli("quarantine", "clear", hosts[1].name, "-i", str(inv), env=env)
     assert cleared.returncode == 0 and cleared.stdout.startswith(f"cleared {hosts[1].name} {hosts[1].ip}:{SSH_PORT}")
     listed = run_cli("quarantine", "list", "--json", env=env)
+    validate_output("quarantine list", json.loads(listed.stdout))  # docs/json.md's schema
     assert [e["inventory"] for e in json.loads(listed.stdout)["entries"]] == ["/elsewhere/inv.yaml"]

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 
@@ -39,6 +40,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestBed]:
 
 def node_results(stdout: str) -> dict[str, dict[str, Any]]:
     doc = json.loads(stdout)
+    validate_output("setup", doc)  # docs/json.md's schema, unknown keys refused
     return {n["node"]: n for n in doc["nodes"]}
 
 
@@ -120,7 +122,7 @@ def test_setup_bootstraps_pip_from_the_wheelhouse_where_python3_has_no_ensurepip
 
 def software_result(stdout: str) -> dict[str, Any]:
     doc = json.loads(stdout)
-    return next(c for n in doc["nodes"] if n["name"] == "fresh" for c in n["checks"] if c["id"] == "software")
+    return next(c for n in doc["nodes"] if n["node"] == "fresh" for c in n["checks"] if c["id"] == "software")
 
 
 # --- --network: two fake Macs joined by one Thunderbolt 5 cable --------------------------------------------------
@@ -169,6 +171,7 @@ def test_setup_network_prints_the_commands_and_runs_them_only_with_apply(macs: T
     cp = run_cli("setup", "-i", str(inv), "--network", "--apply", "--json", timeout=120)
     assert cp.returncode == 0, cp.stderr
     doc = json.loads(cp.stdout)
+    validate_output("setup --network", doc)
     assert doc["applied"] is True
     by_node = {n["node"]: n for n in doc["nodes"]}
     assert by_node["mbp"]["status"] == "changed" and by_node["lin"]["status"] == "ok"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 
@@ -74,6 +75,7 @@ def test_status_json_rows_for_mac_linux_and_a_dead_host(bed: TestBed, run_cli: R
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "Traceback" not in cp.stderr
     doc = json.loads(cp.stdout)
+    validate_output("status", doc)  # docs/json.md's schema, unknown keys refused
     rows = {r["node"]: r for r in doc["nodes"]}
     assert [r["node"] for r in doc["nodes"]] == ["mac", "lin", "down"]
 

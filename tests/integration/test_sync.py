@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.integration.test_preflight import TINY_CONFIG
 from tests.testbed import REPO, Host, TestBed
@@ -76,7 +77,7 @@ def test_sync_repairs_missing_truncated_stale_and_extra(testbed: TestBed, tmp_pa
 
     check = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--check", "--json")
     assert check.returncode == 0, check.stderr + check.stdout
-    plan = json.loads(check.stdout)["plan"]
+    plan = validate_output("sync", json.loads(check.stdout)).model_dump(by_alias=True)["plan"]
     by_node = {n["node"]: n for n in plan["nodes"]}
     assert set(by_node) == {"h2", "h3"}
     assert by_node["h2"]["files"] == 6
@@ -89,6 +90,7 @@ def test_sync_repairs_missing_truncated_stale_and_extra(testbed: TestBed, tmp_pa
     cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json")
     assert cp.returncode == 0, cp.stderr + cp.stdout
     doc = json.loads(cp.stdout)
+    validate_output("sync", doc)  # docs/json.md's schema, unknown keys refused
     assert doc["ok"] and doc["verified"] == {"h2": True, "h3": True}
     # Sent once down the chain: the union of what h2 and h3 miss (all of it), not twice.
     assert doc["sent_bytes"] == sum(p.stat().st_size for p in _files(h1))

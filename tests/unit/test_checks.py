@@ -1075,9 +1075,9 @@ def test_report_json_shape() -> None:
     doc = json.loads(json.dumps(report.to_json()))
     assert list(doc) == ["ok", "summary", "nodes", "lint"]
     assert list(doc["summary"]) == ["pass", "warn", "fail", "error", "skip"]
-    assert [n["name"] for n in doc["nodes"]] == ["mbp", "m4"]
+    assert [n["node"] for n in doc["nodes"]] == ["mbp", "m4"]
     for node in doc["nodes"]:
-        assert list(node) == ["name", "checks"]
+        assert list(node) == ["node", "checks"]
         assert [c["id"] for c in node["checks"]] == list(CHECK_IDS)
         for c in node["checks"]:
             assert list(c) == ["id", "status", "summary", "remedy", "evidence"]

@@ -267,7 +267,7 @@ GOOD = {"rtt_ms": 0.2, "rtt_min_ms": 0.1, "rtt_max_ms": 0.9, "pings": 50, "up_bp
 def test_parse_client_output() -> None:
     m = parse_client_output("noise\n" + json.dumps(GOOD) + "\n")
     assert (m.rtt_ms, m.up_bps, m.down_bps, m.bottleneck_bps) == (0.2, 1e9, 5e8, 5e8)
-    assert m.to_json()["a_to_b_gbps"] == pytest.approx(8.0)
+    assert m.to_json()["a_to_b_gbit_per_s"] == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -300,7 +300,7 @@ def test_evaluate_pair_and_report() -> None:
     assert NettestReport((ok, warn), 1.0).ok() and not NettestReport((ok, warn), 1.0).ok(strict=True)
     doc: dict[str, Any] = json.loads(json.dumps(report.to_json()))
     first = doc["pairs"][0]
-    assert first["link"] == {"kind": "thunderbolt", "speed_gbps": 80.0, "ends": [a.to_json(), b.to_json()]}
+    assert first["link"] == {"kind": "thunderbolt", "speed_gbit_per_s": 80.0, "ends": [a.to_json(), b.to_json()]}
     assert (first["a"], first["b"], first["a_ip"], first["b_ip"]) == ("a", "b", "10.0.0.1", "10.0.0.2")
     assert doc["pairs"][2]["error"] == "c: cannot connect to 10.0.0.3"
     assert doc["node_errors"] == {"c": "unreachable"} and doc["ok"] is False

@@ -450,18 +450,18 @@ def test_calibration_to_json_shape() -> None:
     out = calibration_to_json(plan, {"ultra": slow, "m4max": fast})
     assert out == {
         "nodes": [
-            {"name": "m4max", "tokens_per_s": pytest.approx(plan.node_tokens_per_s("m4max")),
+            {"node": "m4max", "tokens_per_s": pytest.approx(plan.node_tokens_per_s("m4max")),
              "batch_size": plan.batch["m4max"], "share": plan.split["m4max"],
-             "curve": [{"batch": 1, "tokens_per_s": 900.0, "peak_memory": 2_000_000},
-                       {"batch": 2, "tokens_per_s": 1500.0, "peak_memory": 3_000_000}]},
-            {"name": "ultra", "tokens_per_s": pytest.approx(plan.node_tokens_per_s("ultra")),
+             "curve": [{"batch": 1, "tokens_per_s": 900.0, "peak_memory_bytes": 2_000_000},
+                       {"batch": 2, "tokens_per_s": 1500.0, "peak_memory_bytes": 3_000_000}]},
+            {"node": "ultra", "tokens_per_s": pytest.approx(plan.node_tokens_per_s("ultra")),
              "batch_size": plan.batch["ultra"], "share": plan.split["ultra"],
-             "curve": [{"batch": 1, "tokens_per_s": 500.0, "peak_memory": 10},
-                       {"batch": 2, "tokens_per_s": 750.0, "peak_memory": 20}]},
+             "curve": [{"batch": 1, "tokens_per_s": 500.0, "peak_memory_bytes": 10},
+                       {"batch": 2, "tokens_per_s": 750.0, "peak_memory_bytes": 20}]},
         ],
         "split": plan.split,
     }
-    assert list(out["nodes"][0]) == ["name", "tokens_per_s", "batch_size", "share", "curve"]
+    assert list(out["nodes"][0]) == ["node", "tokens_per_s", "batch_size", "share", "curve"]
     json.dumps(out)  # serialisable
     with pytest.raises(PlanError, match="no calibration for planned node"):
         calibration_to_json(plan, [fast])

@@ -20,10 +20,13 @@ from coordinator.rundir import (
     FORMAT,
     META,
     SUMMARY,
+    CurveRecord,
     IncidentRecord,
     MapPlanFile,
     MetaRank,
     PlanFile,
+    PlanNode,
+    PlanRecord,
     RunFileFormatError,
     RunMeta,
     SummaryBase,
@@ -133,9 +136,9 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
                          tokens_per_s=99.5, message="m", split={"mac": 0.75, "lin": 0.25}, incidents=[inc],
                          quarantined=["lin"], left_out=[{"node": "old", "reason": "quarantined"}],
                          recoveries=[{"attempt": 1}],
-                         nodes=[{"name": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
+                         nodes=[{"node": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
                                  "loss": 2, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
-                                 "peak_memory": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
+                                 "peak_memory_bytes": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
     read = parse_summary(json.loads(json.dumps(written.to_json())))
     assert (read.format, read.run_id, read.kind, read.state, read.steps, read.iters, read.attempts) == (
         FORMAT, "r1", "train", "failed", 3, 10, 2)
@@ -152,7 +155,7 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
 
 def test_plan_json_reads_back_through_its_typed_record() -> None:
     doc = {"format": FORMAT, "split": {"mac": 0.75, "lin": 0.25}, "batch": {"mac": 3, "lin": 1.0},
-           "nodes": [{"name": "mac", "tokens_per_s": 300}, {"name": "lin", "tokens_per_s": None}], "global_batch": 4,
+           "nodes": [{"node": "mac", "tokens_per_s": 300}, {"node": "lin", "tokens_per_s": None}], "global_batch": 4,
            "mode": "calibrated", "predicted_tokens_per_s": 390.5, "backend": "ring", "attempt": 0}
     plan = parse_plan(json.loads(json.dumps(doc)))
     assert plan == PlanFile(format=FORMAT, split={"mac": 0.75, "lin": 0.25}, batch={"mac": 3, "lin": 1},
@@ -160,8 +163,11 @@ def test_plan_json_reads_back_through_its_typed_record() -> None:
                             backend="ring", predicted_tokens_per_s=390.5, attempt=0)
     old = parse_plan({k: v for k, v in doc.items() if k != "format"} | {"batch": "garbage", "split": None})
     assert (old.format, old.batch, old.split, old.global_batch) == (1, {}, None, 4)
-    with pytest.raises(RunFileFormatError, match=r"plan\.json is format 3"):
-        parse_plan({**doc, "format": 3})
+    # format 2 named a node `name`
+    two = parse_plan({**doc, "format": 2, "nodes": [{"name": "mac", "tokens_per_s": 300}]})
+    assert two.node_tokens_per_s == {"mac": 300.0}
+    with pytest.raises(RunFileFormatError, match=rf"plan\.json is format {FORMAT + 1}"):
+        parse_plan({**doc, "format": FORMAT + 1})
 
 
 def test_a_map_summary_reads_back_through_the_same_record() -> None:
@@ -187,3 +193,20 @@ def test_map_json_reads_back_and_an_old_one_too() -> None:
     assert parse_map_plan(json.loads(json.dumps(doc))) == MapPlanFile(rows=30, task="score", split={"a": 0.6, "b": 0.4})
     old = parse_map_plan({k: v for k, v in doc.items() if k != "format"} | {"task": None})
     assert (old.format, old.rows, old.task) == (1, 30, None)
+
+
+def test_the_plan_record_reads_back_through_parse_plan() -> None:
+    written = PlanRecord(nodes=(PlanNode("mac", 300.0, 3, 0.75, (CurveRecord(1, 120.0, 2048),)),),
+                         split={"mac": 0.75, "lin": 0.25}, batch={"mac": 3, "lin": 1}, global_batch=4,
+                         mode="calibrated", predicted_tokens_per_s=390.5, backend="ring", attempt=1)
+    doc = json.loads(json.dumps(written.to_json()))
+    assert doc["nodes"][0]["curve"] == [{"batch": 1, "tokens_per_s": 120.0, "peak_memory_bytes": 2048}]
+    assert parse_plan(doc) == PlanFile(format=FORMAT, split={"mac": 0.75, "lin": 0.25}, batch={"mac": 3, "lin": 1},
+                                       node_tokens_per_s={"mac": 300.0}, global_batch=4, mode="calibrated",
+                                       backend="ring", predicted_tokens_per_s=390.5, attempt=1)
+
+
+def test_a_format_2_summary_reads_under_its_older_key_names() -> None:
+    read = parse_summary({"format": 2, "state": "succeeded", "nodes": [{"name": "mac", "peak_memory": 1024}]})
+    assert read.format == 2
+    assert (read.nodes[0].name, read.nodes[0].peak_memory) == ("mac", 1024)
