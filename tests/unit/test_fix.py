@@ -29,8 +29,8 @@ from coordinator.fix import (
 )
 from coordinator.models import LintResult, Status
 from coordinator.sync import NodeState, compute_plan
-from tests.factsutil import DATA_FILES, MODEL_FILES, hashes_answer, sha
-from tests.unit.test_checks import MBP_M, STUDIO, STUDIO_M, M, member, playbook, preflight
+from tests.factsutil import DATA_FILES, MODEL_FILES, STUDIO, hashes_answer, sha
+from tests.unit.test_checks import MBP_M, STUDIO_M, M, member, playbook, preflight
 
 RING = {"backend": "ring"}
 THIRD = member("third", STUDIO, "192.168.10.3")
