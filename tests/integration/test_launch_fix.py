@@ -1,7 +1,8 @@
 """`coordinator launch --fix` over real SSH: from nodes with only sshd and a system python (no venv, no model, no
 data) to a training step, in one command. Setup creates each node's venv from the coordinator's wheelhouse
-cache (~/.cache/mlx-coordinator/wheelhouse, as tests/integration/test_setup.py uses it), sync relays the model
-and data from a local dir down the chain of nodes, preflight passes, the run trains."""
+cache (~/.cache/mlx-coordinator/wheelhouse, as tests/integration/test_setup.py uses it), the playbook's assets
+copy the data in once the nodes have a python, sync relays the model from a local dir down the chain of nodes,
+preflight passes, the run trains."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ VENV = "/srv/venvs/mlx"
 FIX_TIMEOUT = 900.0  # three fresh venvs installed side by side on a busy 2-core machine, then the run
 
 
-def write_playbook(path: Path, *, iters: int) -> Path:
+def write_playbook(path: Path, *, iters: int, **extra: object) -> Path:
     doc = {
-        "name": "fix", "kind": "train", "model": "/srv/model", "data": "/srv/data", "backend": "ring",
+        "name": "fix", "kind": "train", "model": "/srv/model", "data": "/srv/data", "backend": "ring", **extra,
         "train": {"method": "lora", "iters": iters, "batch_size": 3, "learning_rate": 1e-3, "max_seq_length": 64,
                   "save_every": 100, "steps_per_eval": 100, "val_batches": 1},
         "split": "equal", "heartbeat_timeout": 30,
@@ -45,7 +46,9 @@ def test_launch_fix_takes_bare_nodes_to_a_training_step(testbed: TestBed, run_cl
     for h in hosts:
         assert not (h.srv / "venvs").exists() and not (h.srv / "model").exists() and not (h.srv / "data").exists()
     inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts, python=f"{VENV}/bin/python", workdir="/srv/work")
-    pb = write_playbook(tmp_path / "pb.yaml", iters=2)
+    # The data also comes from the playbook's `assets:` (the demo's way): a node without python cannot take it
+    # before setup, so --fix provisions it after setup, and sync then finds it identical to the source's.
+    pb = write_playbook(tmp_path / "pb.yaml", iters=2, assets={"data_from": str(DATA)})
     source = make_source(tmp_path / "source")
 
     # The coordinator's own cache ($XDG_CACHE_HOME left alone): the wheelhouse is downloaded once per machine, as
@@ -56,9 +59,13 @@ def test_launch_fix_takes_bare_nodes_to_a_training_step(testbed: TestBed, run_cl
     summary = json.loads(proc.stdout)
     # What --fix did, per node and tool, is said on the terminal (stderr under --json; long lines wrap).
     said = " ".join(proc.stderr.split())
+    model_files = len([p for p in (source / "model").rglob("*") if p.is_file()])
     for h in hosts:
+        assert f"{h.name}: assets not provisioned yet" in said
         assert re.search(rf"--fix setup changed: {h.name}: [^|]*create venv {VENV}", said), proc.stderr[-4000:]
-        assert f"--fix sync changed: {h.name}: copied " in said, proc.stderr[-4000:]
+        assert f"{h.name}: data created" in said
+        # Only the model travels: the data the assets wrote is already the source's, byte for byte.
+        assert f"--fix sync changed: {h.name}: copied {model_files} file(s)" in said, proc.stderr[-4000:]
     assert "--fix: setup on h1, h2, h3" in said
     assert f"from model {source}/model, data {source}/data on this machine (--fix-source)" in said
 
