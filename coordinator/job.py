@@ -468,7 +468,7 @@ async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
         state = await probe_and_check(fleet, inv, pb)
     # What is left: a tool's nodes here are nodes it ran on and did not fix (the tools run once per launch).
     left = compute_fix_plan(state.report, source_named=source_named)
-    if not state.report.ok():
+    if plan.fixes_anything and not state.report.ok():  # else the plan's line above said it already
         ui.message(f"--fix could not fix: {describe_left(left) or 'the findings below'}")
     log.info("fix_done", ok=state.report.ok(), left=left.to_json())
     return state, left
