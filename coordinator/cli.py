@@ -302,6 +302,10 @@ def _job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume:
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("runs"), show_default=True,
               help="Where runs/<run-id>/ is written.")
 @click.option("--skip-preflight", is_flag=True, help="Launch even if preflight fails (findings are still shown).")
+@click.option("--fix", is_flag=True, help="Before preflight decides: `setup` the nodes whose software check fails, "
+              "`sync` those whose model/data differ or are missing, preflight again (docs/setup.md).")
+@click.option("--fix-source", metavar="NODE|DIR", help="With --fix: sync from this node, or from this local dir "
+              "holding model/ and data/ [default: a node whose copy passes, else the playbook's paths here].")
 @click.option("--recalibrate", is_flag=True, help="Measure every node again instead of using cached curves.")
 @click.option("--resume", metavar="RUN_ID", help="Continue RUN_ID from its newest checkpoint that is consistent.")
 @click.option("--restart-from-scratch", is_flag=True,
@@ -330,11 +334,14 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
            resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
            connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
            allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool, with_dashboard: bool,
-           dashboard_host: str, dashboard_port: int) -> None:
+           dashboard_host: str, dashboard_port: int, fix: bool, fix_source: str | None) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
+    import dataclasses
+
     from coordinator.chaos import parse_chaos
+    from coordinator.fix import fix_options
     from coordinator.job import JobUI, run_job
     from coordinator.liveview import RichUI, make_console
     from coordinator.metrics import MetricsServer, MetricsUI
@@ -348,6 +355,7 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     ui = RichUI(console)
     opts = _job_options(run_dir, skip_preflight, recalibrate, resume, connect_timeout, accept_new_host_keys,
                         restart_from_scratch, allow_degraded, allow_shared)
+    opts = dataclasses.replace(opts, fix=fix_options(fix, fix_source))
     sup = Supervision(detach_on_hangup=detach_on_hangup)
     if pb.kind == "map":
         if chaos_specs or metrics_port is not None or restart_from_scratch or detach_on_hangup:

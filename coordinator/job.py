@@ -26,6 +26,17 @@ from coordinator.chaos import Chaos
 from coordinator.checks.context import manifest_digest, node_manifest
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
+from coordinator.fix import (
+    FixOptions,
+    FixPlan,
+    SyncSource,
+    choose_sync_source,
+    compute_fix_plan,
+    compute_sync_outcomes,
+    describe_fix_plan,
+    describe_left,
+    resolve_requested,
+)
 from coordinator.gather import gather_facts
 from coordinator.hostfile import Hostfile, build_hostfile
 from coordinator.launch import (
@@ -121,14 +132,18 @@ class JobOptions:
     cache_dir: Path = field(default_factory=default_cache_dir)
     allow_degraded: bool = False  # a fresh launch may start without quarantined nodes (docs/faults.md)
     allow_shared: bool = False  # run on nodes another live run holds (warned), instead of refusing
+    fix: FixOptions | None = None  # --fix: setup and sync what preflight finds they fix, then preflight again
 
 
 class PreflightFailed(CoordinatorError):
-    def __init__(self, report: PreflightReport) -> None:
+    def __init__(self, report: PreflightReport, fix: FixPlan | None = None) -> None:
         self.report = report
         failing = sorted({name for name, checks in report.nodes for c in checks if c.status in ("fail", "error")})
-        super().__init__(f"preflight failed on {', '.join(failing) or 'the playbook lint'}: fix the findings above "
-                         "(or --skip-preflight)")
+        text = f"preflight failed on {', '.join(failing) or 'the playbook lint'}: "
+        if fix is not None:
+            # After --fix: what is left, named, so nobody reruns --fix hoping for another outcome.
+            text += f"--fix could not fix {describe_left(fix) or 'the findings above'}; "
+        super().__init__(text + "fix the findings above (or --skip-preflight)")
 
 
 @dataclass
@@ -213,14 +228,23 @@ async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[s
     return {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
 
 
-async def provision_assets(fleet: Fleet, pb: Playbook, ui: JobUI) -> None:
+async def provision_assets(fleet: Fleet, pb: Playbook, ui: JobUI, *, strict: bool = True) -> list[str]:
+    """Fill missing model/data dirs from the playbook's `assets:`; LaunchError on a node's failure, unless not
+    `strict` (launch --fix: a node without its python cannot build the tiny model before setup gives it one):
+    then the failed nodes are returned, after a message each."""
     if pb.assets.tiny_model is None and pb.assets.data_from is None:
-        return
+        return []
     ui.message("provisioning assets where missing")
+    failed: list[str] = []
     for name, res in (await provision(fleet, pb)).items():
         if isinstance(res, TransportError):
-            raise LaunchError(str(res))
+            if strict:
+                raise LaunchError(str(res))
+            failed.append(name)
+            ui.message(f"{name}: assets not provisioned yet ({res}); --fix tries again after setup")
+            continue
         ui.message(f"{name}: " + ", ".join(f"{k} {v}" for k, v in res.items()))
+    return failed
 
 
 def hostfile_for(inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -> Hostfile:
@@ -399,16 +423,110 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
     await fleet.connect_all()
     if fleet.failed and opts.skip_preflight:
         raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
-    await provision_assets(fleet, pb, ui)
+    await provision_assets(fleet, pb, ui, strict=opts.fix is None)
     ui.message("probing nodes and running preflight")
     state = await probe_and_check(fleet, inv, pb)
+    left: FixPlan | None = None
+    if opts.fix is not None and not state.report.ok():
+        state, left = await fix_fleet(fleet, inv, pb, opts, opts.fix, ui, state)
     ui.preflight(state.report)
     if not state.report.ok() and not opts.skip_preflight:
-        raise PreflightFailed(state.report)
+        raise PreflightFailed(state.report, left)
     refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
     if refusal is not None:
         raise LaunchError(refusal)
     return state
+
+
+async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, fix: FixOptions, ui: JobUI,
+                    state: FleetState) -> tuple[FleetState, FixPlan]:
+    """launch --fix: `setup` on the nodes whose software finding it fixes (then the assets again, and preflight
+    again), `sync` on the nodes whose model finding it fixes (then preflight again). The decisions are
+    `fix.compute_fix_plan` on each round's report and `fix.choose_sync_source`; each tool's outcome is printed
+    per node, Ansible style (ok / changed / failed). Returns the last preflight and the plan of what is left.
+    Setup's and sync's own connections are opened beside the
+    fleet's (they are the verbs' code, unchanged)."""
+    log = structlog.get_logger("coordinator.job")
+    source_named = fix.source is not None
+    plan = compute_fix_plan(state.report, source_named=source_named)
+    ui.message("--fix: " + describe_fix_plan(plan))
+    log.info("fix_plan", **plan.to_json())
+    if plan.setup:
+        await _fix_setup(inv, pb, opts, plan.setup, ui)
+        if await provision_assets(fleet, pb, ui, strict=False):
+            ui.message("--fix: assets still not provisioned on some nodes (see above)")
+        ui.message("--fix: probing again after setup")
+        state = await probe_and_check(fleet, inv, pb)
+        plan = compute_fix_plan(state.report, source_named=source_named)
+        if plan.sync:
+            ui.message("--fix: " + describe_fix_plan(plan))
+    if plan.sync:
+        source = _fix_source(inv, pb, fix, state.report, plan.sync)
+        await _fix_sync(inv, pb, opts, plan.sync, source, ui)
+    if plan.fixes_anything:
+        ui.message("--fix: running preflight again")
+        state = await probe_and_check(fleet, inv, pb)
+    # What is left: a tool's nodes here are nodes it ran on and did not fix (the tools run once per launch).
+    left = compute_fix_plan(state.report, source_named=source_named)
+    if plan.fixes_anything and not state.report.ok():  # else the plan's line above said it already
+        ui.message(f"--fix could not fix: {describe_left(left) or 'the findings below'}")
+    log.info("fix_done", ok=state.report.ok(), left=left.to_json())
+    return state, left
+
+
+def _fix_source(inv: Inventory, pb: Playbook, fix: FixOptions, report: PreflightReport,
+                targets: Sequence[str]) -> SyncSource:
+    """Look on this machine for what `choose_sync_source` needs: `--fix-source` as a dir, the playbook's paths."""
+    labels = [lb for lb, _ in pb.hashed_dirs()]
+    requested = None
+    if fix.source is not None:
+        base = Path(fix.source).expanduser()
+        requested = resolve_requested(fix.source, inv.names(), labels,
+                                      {lb: (base / lb).is_dir() for lb in labels}, str(base))
+    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
+    return choose_sync_source(report, targets, requested=requested, local_dirs=local,
+                              local_present=all(Path(d).is_dir() for _, d in local))
+
+
+async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], ui: JobUI) -> None:
+    """`coordinator setup --limit names`, its outcome printed per node."""
+    from coordinator.nodesetup import pins_from, run_setup
+
+    software = pb.software
+    pins = pins_from(software.mlx if software else None, software.mlx_lm if software else None)
+    ui.message(f"--fix: setup on {', '.join(names)}: mlx {pins.mlx}, mlx-lm {pins.mlx_lm} ({pins.source})")
+    nodes = [n for n in inv.nodes if n.name in names]
+    report = await run_setup(nodes, pins, connect_timeout=opts.connect_timeout,
+                             accept_new_host_keys=opts.accept_new_host_keys,
+                             on_download=lambda name: ui.message(f"--fix: wheels for {name}: from the cache, else "
+                                                                  "downloaded now (once; hundreds of MB)"))
+    for n in report.nodes:
+        detail = " | ".join(x for x in ("; ".join(n.actions), n.message) if x)
+        ui.message(f"--fix setup {n.outcome}: {n.node}" + (f": {detail}" if detail else ""))
+    structlog.get_logger("coordinator.job").info("fix_setup", **report.to_json())
+
+
+async def _fix_sync(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], source: SyncSource,
+                    ui: JobUI) -> None:
+    """`coordinator sync --limit names` from `source`, its outcome printed per node."""
+    from coordinator.verbs.sync import SyncError, run_sync
+
+    ui.message(f"--fix: sync on {', '.join(names)} from {source.describe()}")
+    by_name = {n.name: n for n in inv.nodes}
+    targets = Inventory(tuple(by_name[n] for n in names if n != source.node), inv.path)
+    try:
+        report = await run_sync(targets, pb, source_node=by_name[source.node] if source.node else None,
+                                source_path=None, source_dirs=dict(source.dirs) if source.dirs else None,
+                                check=False, connect_timeout=opts.connect_timeout,
+                                accept_new_host_keys=opts.accept_new_host_keys)
+    except (SyncError, TransportError) as exc:
+        for name in targets.names():
+            ui.message(f"--fix sync failed: {name}: {exc}")
+        return
+    outcomes = compute_sync_outcomes(report.plan, report.node_errors, report.verified, targets.names())
+    for name, (outcome, detail) in outcomes.items():
+        ui.message(f"--fix sync {outcome}: {name}: {detail}")
+    structlog.get_logger("coordinator.job").info("fix_sync", **report.to_json())
 
 
 async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],

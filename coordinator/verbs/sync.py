@@ -25,7 +25,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,8 +159,11 @@ class _Stream:
 
 async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | None, source_path: Path | None,
                    check: bool, connect_timeout: float = 5.0, accept_new_host_keys: bool = False,
-                   progress: Progress | None = None, on_plan: Callable[[SyncPlan], None] | None = None) -> SyncReport:
-    """Plan, copy and verify (see the module docstring). Per-node failures are in the report."""
+                   progress: Progress | None = None, on_plan: Callable[[SyncPlan], None] | None = None,
+                   source_dirs: Mapping[str, str] | None = None) -> SyncReport:
+    """Plan, copy and verify (see the module docstring). Per-node failures are in the report. `source_dirs`
+    (label -> local dir) is a local source laid out otherwise than `source_path/<label>` (launch --fix: the
+    playbook's own paths on this machine)."""
     started = time.perf_counter()
     dirs = dict(pb.hashed_dirs())
     nodes = [n for n in inventory.nodes if source_node is None or n.name != source_node.name]
@@ -180,13 +183,15 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
                 sides[node.name] = _Side(node, fleet.transports[node.name], got, dirs)
             else:
                 report.node_errors[node.name] = str(got)
-        if source_path is not None:
+        if source_path is not None or source_dirs is not None:
             import worker
 
-            local = Node(name=f"local:{source_path}", host="localhost", connection=Connection.LOCAL,
-                         python=sys.executable)
+            local_dirs = dict(source_dirs) if source_dirs is not None else {lb: str(Path(str(source_path)) / lb)
+                                                                            for lb in dirs}
+            local = Node(name=f"local:{source_path or ','.join(local_dirs.values())}", host="localhost",
+                         connection=Connection.LOCAL, python=sys.executable)
             src_side: _Side | None = _Side(local, LocalTransport(local), str(Path(worker.__file__).resolve().parents[1]),
-                                           {lb: str(source_path / lb) for lb in dirs})
+                                           local_dirs)
         elif source_node is not None:
             src_side = sides.get(source_node.name)
             if src_side is None:
