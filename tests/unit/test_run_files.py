@@ -30,8 +30,12 @@ from coordinator.launch import (
 )
 from coordinator.models import Connection, Node
 from coordinator.playbook import parse_playbook
+from coordinator.rundir import PlanRecord
 from coordinator.transport import Fleet
 from coordinator.yamlsrc import MAX_NAME_LENGTH
+
+EMPTY_PLAN = PlanRecord(split={}, batch={}, global_batch=0, mode="equal", predicted_tokens_per_s=None,
+                        backend="ring", attempt=1)
 
 
 def test_the_longest_playbook_name_makes_a_run_id_and_temp_dir_that_fit_a_file_name() -> None:
@@ -73,7 +77,7 @@ def test_run_dir_files_are_private(tmp_path: Path) -> None:
     old = os.umask(0)
     try:
         make_run_dir(launch.run_dir, tmp_path / "runs")
-        launch.write_local_files({"batch": {}})
+        launch.write_local_files(EMPTY_PLAN)
         launch.write_meta()
     finally:
         os.umask(old)
@@ -141,7 +145,7 @@ def test_the_run_dirs_playbook_copy_is_redacted_and_still_yaml(tmp_path: Path, m
     launch.pb = parse_playbook(yaml.safe_load(source.read_text()), path=str(source))
     make_run_dir(launch.run_dir, tmp_path / "runs")
     monkeypatch.setattr(coordinator.launch, "current_redactor", lambda: Redactor(("hf_secretvalue123",)))
-    launch.write_local_files({"batch": {}})
+    launch.write_local_files(EMPTY_PLAN)
     copy = (launch.run_dir / "playbook.yaml").read_text()
     assert "hf_secretvalue123" not in copy
     assert yaml.safe_load(copy)["env"] == {"HF_TOKEN": "REDACTED", "PLAIN": "ok"}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.models import Connection, Node
+from coordinator.rundir import PlanRecord
 from coordinator.supervision import (
     FileLock,
     Holder,
@@ -26,6 +27,9 @@ from coordinator.supervision import (
     request_stop,
 )
 from worker.follow import Tail, parse_skip, read_events
+
+EMPTY_PLAN = PlanRecord(split={}, batch={}, global_batch=0, mode="equal", predicted_tokens_per_s=None,
+                        backend="ring", attempt=1)
 
 
 def holder(pid: int = 4242, run_id: str = "r1") -> Holder:
@@ -172,7 +176,7 @@ def test_attach_adopts_what_the_launch_decided_for_the_whole_run_from_meta_json(
                       run_dir=run_dir)
     launched.left_out = [{"node": "b", "reason": "crash at step 3"}]
     launched.drill, launched.restart_from_scratch = True, True
-    launched.write_local_files({"batch": {}})
+    launched.write_local_files(EMPTY_PLAN)
     launched.write_meta()
     adopted = _adopt(Fleet([node]), run_dir, read_meta(run_dir), Inventory((node,)), pb, None)
     assert adopted.left_out == launched.left_out and adopted.drill and adopted.restart_from_scratch
