@@ -509,7 +509,7 @@ async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequ
 async def _fix_sync(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], source: SyncSource,
                     ui: JobUI) -> None:
     """`coordinator sync --limit names` from `source`, its outcome printed per node."""
-    from coordinator.verbs.sync import SyncError, run_sync
+    from coordinator.syncrun import SyncError, run_sync
 
     ui.message(f"--fix: sync on {', '.join(names)} from {source.describe()}")
     by_name = {n.name: n for n in inv.nodes}
@@ -784,7 +784,7 @@ async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[
             await start()
         monitor = await launch.monitor()
     except (KeyboardInterrupt, asyncio.CancelledError):
-        # The signal handlers (cli.py) cancel the job; the teardown below is the answer, so the cancellation
+        # The signal handlers (cli/common.py) cancel the job; the teardown below is the answer, so the cancellation
         # is consumed here (and the task's count of pending cancellations with it).
         task = asyncio.current_task()
         if task is not None:

@@ -300,7 +300,7 @@ class RunStatusOut(_Out):
 
 
 class StatusOut(_Out):
-    """`status --json` (verbs/status.StatusReport): every node's row and the active runs."""
+    """`status --json` (coordinator.status.StatusReport): every node's row and the active runs."""
 
     nodes: list[StatusNodeOut]
     runs: list[RunStatusOut]
@@ -407,7 +407,7 @@ class SyncPlanOut(_Out):
 
 
 class SyncOut(_Out):
-    """`sync --json` (verbs/sync.SyncReport)."""
+    """`sync --json` (coordinator.syncrun.SyncReport)."""
 
     ok: bool
     check: bool

@@ -1,7 +1,7 @@
 """What `coordinator status`, `coordinator monitor` and the Prometheus exporter show, and the exporter itself.
 
 The status records (`NodeStatus`, `RunStatus`, `RankStatus`) are plain frozen values built by pure functions
-(`coordinator.verbs.status.build_*`, `run_status_from_monitor` here); the exporter turns the latest records
+(`coordinator.status.build_*`, `run_status_from_monitor` here); the exporter turns the latest records
 into Prometheus metrics on each scrape.
 
 Exporter: `MetricsServer(port, host="127.0.0.1")` serves `/metrics` from a PRIVATE `CollectorRegistry` (no

@@ -1,5 +1,5 @@
 """`coordinator nettest`'s pure core: which link a data-plane IP rides on, which pairs to measure, and whether a
-measured link is as fast as its kind should be. No I/O here (the verb in `coordinator/verbs/nettest.py` runs
+measured link is as fast as its kind should be. No I/O here (`coordinator/nettestrun.py` runs
 `worker/nettest.py` on the nodes and hands the numbers to these functions).
 
 Link kind: the interface holding the node's data IP (`NodeFacts.interfaces`) -> its networksetup hardware port

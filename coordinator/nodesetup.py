@@ -608,3 +608,7 @@ def pins_from(mlx: str | None, mlx_lm: str | None) -> Pins:
     if mlx or mlx_lm:
         return Pins(mlx or own.mlx, mlx_lm or own.mlx_lm, "the playbook's software: and the coordinator's own")
     return own
+
+
+class SetupFailed(CoordinatorError):
+    """At least one node ended `failed` (the per-node lines say why)."""

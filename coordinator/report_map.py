@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
+from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when, build_page, read_run_files
 from coordinator.rundir import (
     MANIFEST,
     MAP_PLAN,
@@ -185,3 +185,20 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
         out.append("<p>No output was gathered (the run did not finish every row).</p>")
     out.append(_footer(generated_at, "summary.json, map.json, manifest.json and events.jsonl"))
     return "\n".join(out) + "\n"
+
+
+def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Path:
+    """Build the report of `run_root/run_id` (a training run, or a map run: `coordinator.report_map`) and write it
+    to `output` (default `runs/<id>/report/index.html`).
+    Raises `ReportError` (exit 2) when RUN_ID is not a run directory."""
+    files = read_run_files(run_root, run_id)
+    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / MAP_PLAN).is_file():
+        page = render_map_page(build_map_report(files, run_root / run_id))
+    else:
+        page = build_page(files)
+    path = output if output is not None else run_root / run_id / "report" / "index.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,5 +1,5 @@
 """`coordinator sync`'s pure core: parse each node's manifest answer, decide what to copy, delete and resume
-where, check free disk space, and order the relay chain. No I/O here (coordinator/verbs/sync.py runs
+where, check free disk space, and order the relay chain. No I/O here (coordinator/syncrun.py runs
 `worker/relay.py` on the nodes and hands the answers to these functions).
 
 Manifests are keyed `<label>/<path>` (label: model, data, reference; as preflight's model check keys them) with

@@ -167,7 +167,7 @@ FleetFn = Callable[[], Mapping[str, Any]]
 @dataclass
 class DashboardState:
     """The run root tailed, and the subscribers (SSE streams) the deltas go to. `fleet` returns the fleet page's
-    document (the probe runs elsewhere; see `coordinator.verbs.dashboard`)."""
+    document (the probe runs elsewhere; see `coordinator.dashboard.fleet`)."""
 
     run_root: Path
     fleet: FleetFn = field(default=lambda: {"nodes": [], "warnings": []})

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from coordinator.cli import run_async
+from coordinator.cli.common import run_async
 
 
 def test_the_console_script_is_entry_and_starts_with_the_collector_off() -> None:
@@ -17,11 +17,12 @@ def test_the_console_script_is_entry_and_starts_with_the_collector_off() -> None
     assert script.value == "coordinator.cli:entry"
     code = (
         "import asyncio, gc, json, coordinator.cli as cli\n"
+        "from coordinator.cli.common import run_async\n"
         "async def inside():\n"
         "    return gc.isenabled()\n"
         "def verb():\n"
         "    before = gc.isenabled()\n"
-        "    print(json.dumps([before, cli.run_async(inside()), gc.get_freeze_count() > 1000]))\n"
+        "    print(json.dumps([before, run_async(inside()), gc.get_freeze_count() > 1000]))\n"
         "cli.main = verb\n"
         "cli.entry()\n"
     )

@@ -226,8 +226,8 @@ def test_open_run_needs_meta(tmp_path: Path) -> None:
 
 
 def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:
+    from coordinator.dashboard.fleet import preflight_verdicts
     from coordinator.models import CheckResult, PreflightReport, Status
-    from coordinator.verbs.dashboard import preflight_verdicts
 
     def node(name: str, *statuses: Status) -> tuple[str, tuple[CheckResult, ...]]:
         return name, tuple(CheckResult(f"c{i}", name, s, "") for i, s in enumerate(statuses))

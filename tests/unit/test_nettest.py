@@ -36,8 +36,8 @@ from coordinator.nettest import (
     parse_client_output,
     plan_pairs,
 )
+from coordinator.nettestrun import run_nettest
 from coordinator.probe import Section
-from coordinator.verbs.nettest import run_nettest
 from tests.factsutil import (
     MBP,
     NODEV,

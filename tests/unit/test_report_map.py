@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 from coordinator.report import read_run_files
-from coordinator.report_map import build_map_report, render_map_page
-from coordinator.verbs.report import write_report
+from coordinator.report_map import build_map_report, render_map_page, write_report
 
 T0 = 1_790_000_000.0
 

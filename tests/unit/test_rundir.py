@@ -40,7 +40,7 @@ from coordinator.rundir import (
     read_json_object,
     read_meta,
 )
-from coordinator.verbs.status import RunWatcher
+from coordinator.statuswatch import RunWatcher
 
 META_RECORD = RunMeta(
     run_id="r1", attempt=1, inventory="/inv.yaml", nodes=("mac", "lin"), playbook="/pb.yaml",

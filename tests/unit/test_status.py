@@ -28,17 +28,9 @@ from coordinator.metrics import (
 from coordinator.models import Inventory, Node
 from coordinator.monitor import Monitor, Observation, PlannedRank
 from coordinator.quarantine import Entry, QuarantineStore, inventory_key, new_entry
-from coordinator.verbs.status import (
-    RunEvents,
-    RunWatcher,
-    build_node_status,
-    build_rows,
-    build_run_status,
-    load_quarantine,
-    node_run,
-    read_new_lines,
-    render_run_table,
-)
+from coordinator.status import RunEvents, build_node_status, build_rows, build_run_status, node_run
+from coordinator.statusview import render_run_table
+from coordinator.statuswatch import RunWatcher, load_quarantine, read_new_lines
 from tests.factsutil import MBP, OLD, facts_from, linux_sections, load_profile, profile_sections, worker_answer
 
 MAC = Node(name="mac", host="10.0.0.2")

@@ -2,8 +2,7 @@
 with `--network`, the macOS Thunderbolt point-to-point addresses (netsetup.py).
 
 Prints one line per node, Ansible style (`ok`, `changed`, `failed`), or `--json`. Exits 1 when a node failed,
-2 for a bad inventory / playbook / flag, else 0.
-"""
+2 for a bad inventory / playbook / flag, else 0."""
 
 from __future__ import annotations
 
@@ -11,14 +10,10 @@ from pathlib import Path
 
 import click
 
-from coordinator.cli import DEFAULT_INVENTORY, run_async
-from coordinator.errors import CoordinatorError
+from coordinator.cli.common import DEFAULT_INVENTORY, run_async
+from coordinator.nodesetup import SetupFailed
 
 COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
-
-
-class SetupFailed(CoordinatorError):
-    """At least one node ended `failed` (the per-node lines say why)."""
 
 
 @click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True, help="The fleet.")
@@ -44,11 +39,11 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
     from rich.console import Console
     from rich.text import Text
 
-    from coordinator.cli import _load
+    from coordinator.cli.common import load
     from coordinator.errors import ConfigError
     from coordinator.render import dumps
 
-    inv, pb = _load(inventory, playbook, limit)
+    inv, pb = load(inventory, playbook, limit)
     console = Console(stderr=as_json, highlight=False)
     if apply_ and not network:
         raise ConfigError("--apply goes with --network (software setup applies unless --check)")
@@ -93,7 +88,7 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
 
 
 def register(main: click.Group) -> None:
-    """Add `coordinator setup` (the CLI's error handling is imported here: cli.py imports this module)."""
-    from coordinator.cli import handle_errors
+    """Add `coordinator setup`."""
+    from coordinator.cli.common import handle_errors
 
     main.command("setup")(handle_errors(setup))

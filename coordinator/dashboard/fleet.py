@@ -1,10 +1,11 @@
-"""`coordinator dashboard`: the fleet, the runs and each run live in a browser (coordinator/dashboard/).
+"""The dashboard's fleet side: the fleet probe and the server's lifetime, for `coordinator dashboard` and
+`coordinator launch --dashboard` (the verb: coordinator/cli/dashboard.py; the page and its HTTP server: model.py,
+server.py).
 
 The fleet page is `coordinator status`'s rows (the same SSH probe, repeated every `--probe-interval` seconds on
 connections opened once) plus each node's last preflight verdict when the dashboard runs beside a launch
 (`coordinator launch --dashboard`, which records the launch's preflight). Runs come from the run directories
-only. Ctrl-C stops cleanly with exit 0.
-"""
+only. Ctrl-C stops cleanly with exit 0."""
 
 from __future__ import annotations
 
@@ -16,10 +17,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import click
-
-from coordinator.cli import run_async
-from coordinator.dashboard.server import DEFAULT_HOST, DEFAULT_PORT, DashboardServer, DashboardState
+from coordinator.dashboard.server import DashboardServer, DashboardState
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, PreflightReport
 
@@ -29,18 +27,20 @@ if TYPE_CHECKING:
     from coordinator.plan import NodeCalibration, Plan
     from coordinator.shards import MapRow
 from coordinator.quarantine import QuarantineStore
+from coordinator.status import DEFAULT_STATUS_PROBE_TIMEOUT, build_report
+from coordinator.statuswatch import RunWatcher, load_quarantine, probe_fleet
 from coordinator.transport import Fleet
-from coordinator.verbs.status import (
-    DEFAULT_RUN_DIR,
-    DEFAULT_STATUS_PROBE_TIMEOUT,
-    RunWatcher,
-    build_report,
-    load_quarantine,
-    load_status_inventory,
-    probe_fleet,
-)
+
+if TYPE_CHECKING:
+    from coordinator.job import JobUI
+    from coordinator.monitor import Monitor
+    from coordinator.plan import NodeCalibration, Plan
+    from coordinator.shards import MapRow
+
 
 DEFAULT_PROBE_INTERVAL = 10.0
+
+
 T = TypeVar("T")
 
 
@@ -177,44 +177,3 @@ def warn_public(host: str) -> str | None:
 
     return None if is_loopback(host) else (f"the dashboard is reachable from the network on {host}: every page "
                                            "needs the token in the URL below")
-
-
-@click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")
-@click.option("--limit", help="Comma-separated node names to show.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_RUN_DIR,
-              show_default=True, help="Where runs/<run-id>/ are.")
-@click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to bind (any but loopback needs the printed token for every page).")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
-              help="Port (0: any free port).")
-@click.option("--probe-interval", default=DEFAULT_PROBE_INTERVAL, show_default=True, type=click.FloatRange(1, 3600),
-              help="Seconds between fleet probes (the run pages are pushed as events are written).")
-@click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
-@click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
-@click.option("--probe-timeout", default=DEFAULT_STATUS_PROBE_TIMEOUT, show_default=True,
-              type=click.FloatRange(1, 3600))
-def dashboard(inventory: str, limit: str | None, run_dir: Path, host: str, port: int, probe_interval: float,
-              accept_new_host_keys: bool, connect_timeout: float, probe_timeout: float) -> None:
-    """Serve a live web dashboard: the fleet, the runs, each run's curves and ranks, a stop button (Ctrl-C ends)."""
-    inv = load_status_inventory(inventory, limit)
-    warning = warn_public(host)
-    if warning:
-        click.echo(f"warning: {warning}", err=True)
-
-    def announce(url: str) -> None:
-        click.echo(f"dashboard: {url}", err=True)
-
-    with contextlib.suppress(KeyboardInterrupt):
-        run_async(serve_dashboard(inv, run_dir, host=host, port=port, interval=probe_interval,
-                                  probe_timeout=probe_timeout, connect_timeout=connect_timeout,
-                                  accept_new_host_keys=accept_new_host_keys, announce=announce))
-
-
-def register(main: click.Group) -> None:
-    """Add `coordinator dashboard` (the CLI's error handling is imported here: cli.py imports this module)."""
-    from coordinator.cli import handle_errors
-
-    main.command("dashboard")(handle_errors(dashboard))
-
-
-__all__ = ["FleetView", "PreflightRecorder", "beside", "preflight_verdicts", "probe_forever", "register", "serve_dashboard"]

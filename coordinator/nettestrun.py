@@ -1,4 +1,5 @@
-"""`coordinator nettest`: pairwise latency and bandwidth between the nodes' data-plane IPs.
+"""`coordinator nettest`'s I/O: pairwise latency and bandwidth between the nodes' data-plane IPs (the verb:
+coordinator/cli/nettest.py).
 
 The I/O shell around `coordinator.nettest` (which holds the pure judging). Steps:
 
@@ -12,24 +13,17 @@ The I/O shell around `coordinator.nettest` (which holds the pure judging). Steps
 
 Failure semantics: a node that cannot be reached or set up makes each of its pairs a `fail` with the reason;
 a pair whose server or client fails is a `fail` too; the other pairs are still measured. Exit 0 when no pair
-fails (`--strict`: no pair warns either), 1 otherwise, 2 on a usage error.
-"""
+fails (`--strict`: no pair warns either), 1 otherwise, 2 on a usage error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import click
-from rich.console import Console
-from rich.table import Table
-
-from coordinator.cli import run_async
-from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.errors import CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.gather import gather_facts
 from coordinator.models import Inventory, Node
@@ -44,14 +38,20 @@ from coordinator.nettest import (
     parse_client_output,
     plan_pairs,
 )
-from coordinator.render import dumps, status_text
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
 
 SERVE_ACCEPT_TIMEOUT = 20.0  # the server gives up when no client connected (or a socket stalls) this long
+
+
 PORT_TIMEOUT = 30.0  # the server must print its port within this (python start-up over SSH)
+
+
 CLIENT_CONNECT_TIMEOUT = 5.0
+
+
 SETUP_TIMEOUT = 60.0  # shipping the worker / probing facts, per node
+
 
 PairProgress = Callable[[str, str], None]
 
@@ -168,65 +168,3 @@ async def _one_pair(a: LinkEnd, b: LinkEnd, ready: dict[str, _Ready], node_error
     except TimeoutError:
         return evaluate_pair(a, b, None, f"{b.node}: nettest server printed no port within {PORT_TIMEOUT:g}s")
     return evaluate_pair(a, b, measurement, None)
-
-
-def _gbps(bps: float) -> str:
-    return f"{bps * 8 / 1e9:.2f}"
-
-
-def render_nettest(report: NettestReport, console: Console, *, strict: bool = False) -> None:
-    """A table of pairs, then the counts."""
-    table = Table(title=f"nettest: {len(report.pairs)} pair(s) in {report.seconds:.1f}s")
-    for col, justify in (("pair", "left"), ("link", "left"), ("rtt ms", "right"), ("a→b Gb/s", "right"),
-                         ("b→a Gb/s", "right"), ("status", "left"), ("summary", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for p in report.pairs:
-        link = str(p.kind) + (f" {p.speed_gbps:g} Gb/s" if p.speed_gbps else "")
-        m = p.measurement
-        table.add_row(f"{p.a.node} ↔ {p.b.node}\n{p.a.ip} ↔ {p.b.ip}", link,
-                      f"{m.rtt_ms:.3f}" if m else "-", _gbps(m.up_bps) if m else "-",
-                      _gbps(m.down_bps) if m else "-", status_text(p.status), p.summary)
-    console.print(table)
-    counts = report.counts()
-    verdict = "[green]ok[/green]" if report.ok(strict=strict) else "[red]FAILED[/red]"
-    console.print(f"{verdict}: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail")
-
-
-def register(main: click.Group) -> None:
-    """Add `nettest` to the CLI."""
-    from coordinator.cli import DEFAULT_INVENTORY, handle_errors
-
-    @main.command()
-    @click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True, help="The fleet.")
-    @click.option("--limit", help="Comma-separated node names to test (at least two).")
-    @click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
-                  help="Bulk transfer time per direction per pair (a pair takes ~2x this plus ~1 s).")
-    @click.option("--pings", default=50, show_default=True, type=click.IntRange(1, 10000),
-                  help="Round trips timed per pair (the median is reported).")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-    @click.option("--strict", is_flag=True, help="Warnings fail too.")
-    @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key fails).")
-    @click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
-    @handle_errors
-    def nettest(inventory: str, limit: str | None, seconds: float, pings: int, as_json: bool, strict: bool,
-                accept_new_host_keys: bool, connect_timeout: float) -> None:
-        """Measure latency and bandwidth between every pair of nodes' data-plane IPs, one pair at a time, and
-        judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi)."""
-        from coordinator.cli import _load
-
-        inv, _ = _load(inventory, None, limit)
-        if len(inv.nodes) < 2:
-            raise ConfigError(f"nettest needs at least two nodes, got {len(inv.nodes)}")
-        console = Console(stderr=as_json)
-
-        def progress(a: str, b: str) -> None:
-            if not as_json:
-                console.print(f"[dim]measuring {a} ↔ {b} ...[/dim]")
-
-        report = run_async(run_nettest(inv, seconds=seconds, pings=pings, connect_timeout=connect_timeout,
-                                       accept_new_host_keys=accept_new_host_keys, progress=progress))
-        if as_json:
-            click.echo(dumps(report.to_json(strict=strict)))
-        else:
-            render_nettest(report, console, strict=strict)
-        sys.exit(0 if report.ok(strict=strict) else 1)

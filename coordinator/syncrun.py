@@ -1,4 +1,5 @@
-"""`coordinator sync`: make the playbook's model and data dirs identical on every node.
+"""`coordinator sync`'s I/O: make the playbook's model and data dirs identical on every node (the verb:
+coordinator/cli/sync.py; `launch --fix` calls `run_sync` too).
 
 The I/O shell around `coordinator.sync` (the pure plan). Steps:
 
@@ -15,8 +16,7 @@ The I/O shell around `coordinator.sync` (the pure plan). Steps:
 
 Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced); a
 relay error fails its node and, the chain being broken there, those after it. Exit 0 when every node ends
-identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on a usage error.
-"""
+identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on a usage error."""
 
 from __future__ import annotations
 
@@ -31,21 +31,30 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
-import click
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
-from coordinator.liveview import NodeBars
 from coordinator.models import Connection, Inventory, Node
 from coordinator.playbook import Playbook
 from coordinator.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
 from coordinator.transport import Fleet, LocalTransport, RawProcess, Transport, python_argv
 
 SETUP_TIMEOUT = 60.0
+
+
 PLAN_TIMEOUT = 3600.0  # the first manifest of a big model hashes it (cached afterwards)
+
+
 PORT_TIMEOUT = 30.0
+
+
 RELAY_IDLE_TIMEOUT = 60.0  # a relay socket silent this long gives up (the node's process then exits by itself)
+
+
 BROKEN_CHAIN_GRACE = 2.0  # seconds the relays get to finish once the source's stream has failed
+
+
 TRANSFER_TIMEOUT = 7 * 24 * 3600.0  # the whole transfer; stalls are bounded by RELAY_IDLE_TIMEOUT instead
+
 
 Progress = Callable[[str, int, int], None]  # node, bytes done, bytes total
 
@@ -392,107 +401,3 @@ async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report
         problem = doc.get("error") or "; ".join(doc.get("errors") or [])
         if problem:
             report.node_errors[name] = (f"source: {problem}" if name == src.node.name else f"SSH fallback: {problem}")
-
-
-def _size(n: int) -> str:
-    if n >= 10**8:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 10**5 else f"{n / 1e3:.1f} kB" if n >= 1000 else f"{n} B"
-
-
-def render_plan(plan: SyncPlan, echo: Callable[[str], None]) -> None:
-    total = sum(s for s, _ in plan.manifest.values())
-    echo(f"source {plan.source}: {len(plan.manifest)} files, {_size(total)}")
-    for p in plan.nodes:
-        if p.in_sync:
-            echo(f"  {p.node}: in sync")
-            continue
-        resumed = sum(p.kept.values())
-        echo(f"  {p.node}: copy {len(p.copy)} files ({_size(p.write_bytes)}"
-             + (f", {_size(resumed)} resumed" if resumed else "") + f"), delete {len(p.delete)}")
-        for path in p.copy[:10]:
-            echo(f"      copy   {path} ({_size(plan.manifest[path][0])})")
-        for path in p.delete[:10]:
-            echo(f"      delete {path}")
-        hidden = max(0, len(p.copy) - 10) + max(0, len(p.delete) - 10)
-        if hidden:
-            echo(f"      ... {hidden} more")
-        if p.disk_problem:
-            echo(f"      PROBLEM: {p.disk_problem}")
-    if plan.chain:
-        echo(f"stream: {_size(plan.stream_bytes)} once, relayed {plan.source} -> " + " -> ".join(plan.chain))
-
-
-def register(main: click.Group) -> None:
-    """Add `sync` to the CLI."""
-    from coordinator.cli import DEFAULT_INVENTORY, handle_errors
-
-    @main.command()
-    @click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True, help="The fleet.")
-    @click.option("-p", "--playbook", required=True, help="Whose model/data dirs to sync.")
-    @click.option("--from", "from_node", help="The node whose copy is right (default: the copy most nodes share).")
-    @click.option("--source", "source_path", type=click.Path(file_okay=False, path_type=Path),
-                  help="A local dir holding the right copy, one subdir per synced dir (model/, data/).")
-    @click.option("--check", is_flag=True, help="Print the plan (files and bytes per node); change nothing.")
-    @click.option("--limit", help="Comma-separated node names to sync (the --from node need not be among them).")
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-    @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key fails).")
-    @click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
-    @handle_errors
-    def sync(inventory: str, playbook: str, from_node: str | None, source_path: Path | None, check: bool,
-             limit: str | None, as_json: bool, accept_new_host_keys: bool, connect_timeout: float) -> None:
-        """Make the playbook's model and data dirs byte-identical on every node: plan from SHA256 manifests,
-        relay only the differing files once down a chain of nodes (pipelined, resumable), delete extras, then
-        verify every node's manifest equals the source's."""
-        from coordinator.cli import _load, run_async
-
-        if from_node and source_path:
-            raise ConfigError("give --from NODE or --source PATH, not both")
-        inv, pb = _load(inventory, playbook, None)
-        assert pb is not None
-        src = None
-        if from_node:
-            found = [n for n in inv.nodes if n.name == from_node]
-            if not found:
-                raise ConfigError(f"--from names unknown node {from_node}; known: {', '.join(inv.names())}")
-            src = found[0]
-        if source_path is not None:
-            missing = [lb for lb, _ in pb.hashed_dirs() if not (source_path / lb).is_dir()]
-            if missing:
-                raise ConfigError(f"--source {source_path} lacks {', '.join(missing)}/ (one subdir per synced dir)")
-        targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
-        echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
-        ui = _bars(enabled=not as_json and not check)
-        with ui:
-            report = run_async(run_sync(targets, pb, source_node=src, source_path=source_path, check=check,
-                                        connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                                        progress=ui, on_plan=lambda plan: render_plan(plan, echo)))
-        if as_json:
-            click.echo(json.dumps(report.to_json(), indent=2))
-        else:
-            for name, err in sorted(report.node_errors.items()):
-                click.echo(f"FAILED {name}: {err}")
-            for name, diffs in sorted(report.verified.items()):
-                click.echo(f"{'identical' if not diffs else 'DIFFERS'} {name}"
-                           + (f": {'; '.join(diffs[:5])}" if diffs else ""))
-            if report.plan is not None and report.plan.problems and not check:
-                click.echo("nothing copied: " + "; ".join(report.plan.problems))
-            if check:
-                click.echo("--check: nothing changed")
-            elif report.plan is not None and not report.plan.problems:
-                rate = report.sent_bytes / report.transfer_seconds / 1e6 if report.transfer_seconds else 0.0
-                sent = (f"sent {_size(report.sent_bytes)} in {report.transfer_seconds:.1f}s ({rate:.1f} MB/s)"
-                        if report.sent_bytes else "nothing to send")
-                click.echo(f"{sent}; total {report.seconds:.1f}s")
-                for name, why in sorted(report.fallback.items()):
-                    click.echo(f"{name}: sent over SSH (the relay chain failed it: {why})")
-        sys.exit(0 if report.ok else 1)
-
-
-def _bars(enabled: bool) -> NodeBars:
-    """Per-node progress bars (bytes, MB/s, ETA) on a terminal; nothing otherwise."""
-    from rich.console import Console
-
-    return NodeBars(Console(stderr=True), enabled, eta=True)
-
-

@@ -1,0 +1,80 @@
+"""`coordinator calibrate`: measure each node and split the global batch by speed (coordinator/job.py
+`calibrate_fleet`, coordinator/calibrate.py, coordinator/plan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from coordinator.cli.common import (
+    DEFAULT_PLAYBOOK,
+    handle_errors,
+    job_options,
+    load,
+    run_async,
+    with_common,
+)
+
+if TYPE_CHECKING:
+
+    pass
+
+
+@with_common
+@click.option("-p", "--playbook", default=DEFAULT_PLAYBOOK, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--recalibrate", is_flag=True, help="Measure again instead of using cached curves.")
+@handle_errors
+def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
+              probe_timeout: float, playbook: str, as_json: bool, recalibrate: bool) -> None:
+    """Measure each node's training throughput and split the playbook's global batch by speed (for a `kind: map`
+    playbook: each node's examples/s of the task and the input's shards)."""
+    from rich.table import Table
+
+    from coordinator.calibrate import calibration_to_json
+    from coordinator.job import calibrate_fleet
+    from coordinator.liveview import RichUI, make_console
+    from coordinator.mapjob import calibrate_map
+    from coordinator.plan import format_split
+    from coordinator.render import dumps
+
+    inv, pb = load(inventory, playbook, limit)
+    assert pb is not None
+    console = make_console(stderr=as_json)
+    opts = job_options(Path("runs"), False, recalibrate, None, connect_timeout, accept_new_host_keys)
+    if pb.split != "calibrated":
+        pb = pb.model_copy(update={"split": "calibrated"})  # `calibrate` always measures and shows the calibrated split
+    if pb.kind == "map":
+        result = run_async(calibrate_map(inv, pb, opts, RichUI(console, show_preflight=False)))
+        if as_json:
+            click.echo(dumps(result))
+            return
+        table = Table(title=f"map calibration: {pb.map.task if pb.map else ''} on {pb.model}, {result['rows']} rows")
+        for col in ("node", "examples/s", "shard", "rows", "share"):
+            table.add_column(col)
+        for row in result["nodes"]:
+            table.add_row(row["node"], f"{row['examples_per_s']:,.2f}", f"[{row['shard'][0]}, {row['shard'][1]})",
+                          str(row["rows"]), f"{100 * row['share']:.1f}%")
+        console.print(table)
+        return
+    plan, cals = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
+    result = calibration_to_json(plan, [cals[n.name] for n in inv.nodes])
+    if as_json:
+        click.echo(dumps(result))
+        return
+    table = Table(title=f"calibration: {pb.model} at seq {pb.train.max_seq_length}, global batch {plan.global_batch}")
+    for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
+        table.add_column(col)
+    for node in inv.nodes:
+        cal = cals[node.name]
+        table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
+                      f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
+                      "yes" if cal.cached else "no")
+    console.print(table)
+    console.print(f"split: [bold]{format_split(plan)}[/bold]")
+
+
+def register(main: click.Group) -> None:
+    main.command("calibrate")(calibrate)

@@ -1,0 +1,60 @@
+"""`coordinator status`: one row per node, and the runs under --run-dir (the rows: coordinator/status.py; reading
+the runs and probing the fleet: coordinator/statuswatch.py; the tables: coordinator/statusview.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from coordinator.cli.common import run_async
+from coordinator.inventory import load_inventory
+from coordinator.models import Inventory
+from coordinator.quarantine import QuarantineStore
+from coordinator.render import dumps
+from coordinator.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+from coordinator.statusview import render_run_table, render_status_table
+from coordinator.statuswatch import collect_status
+
+
+def load_status_inventory(inventory: str, limit: str | None) -> Inventory:
+    inv = load_inventory(inventory)
+    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
+    return inv.limit(names)
+
+
+@click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")
+@click.option("--limit", help="Comma-separated node names to show.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_RUN_DIR,
+              show_default=True, help="Where runs/<run-id>/ are (the newest are read).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
+@click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
+@click.option("--probe-timeout", default=DEFAULT_STATUS_PROBE_TIMEOUT, show_default=True,
+              type=click.FloatRange(1, 3600))
+def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, accept_new_host_keys: bool,
+           connect_timeout: float, probe_timeout: float) -> None:
+    """Show every node: reachable, OS, chip, memory, load, GPU, power, disk, its run and quarantine.
+    Unreachable nodes are rows with their error; exits 0 unless the inventory is invalid (2)."""
+    inv = load_status_inventory(inventory, limit)
+    report = run_async(collect_status(inv, run_dir, QuarantineStore(), connect_timeout=connect_timeout,
+                                      probe_timeout=probe_timeout, accept_new_host_keys=accept_new_host_keys))
+    if as_json:
+        click.echo(dumps(report.to_json()))
+        return
+    console = Console()
+    console.print(render_status_table(report.nodes))
+    for run in report.runs:
+        if run.active:
+            console.print(render_run_table(run))
+    for warning in report.warnings:
+        console.print(f"[yellow]warning[/yellow]: {warning}")
+
+
+def register(main: click.Group) -> None:
+    """Add `coordinator status`."""
+    from coordinator.cli.common import handle_errors
+
+    main.command("status")(handle_errors(status))
+
