@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVE = """
 import asyncio, sys
 from pathlib import Path
-from coordinator.dashboard.server import DashboardServer, DashboardState
+from coordinator.views.dashboard.server import DashboardServer, DashboardState
 async def main():
     async with DashboardServer(DashboardState(Path(sys.argv[1])), port=0) as s:
         print(s.port, flush=True)

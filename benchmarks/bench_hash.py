@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.probe import python_args, worker_source  # noqa: E402 - after the path fix (any cwd)
+from coordinator.facts.probe import python_args, worker_source  # noqa: E402 - after the path fix (any cwd)
 from worker import probe  # noqa: E402 - after the path fix, so the script runs from any cwd
 
 MIB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""Measured training-step memory peaks against `coordinator.estimate.estimate_training_memory`.
+"""Measured training-step memory peaks against `coordinator.planning.estimate.estimate_training_memory`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_memory.py [--quick] [--json]
 
@@ -28,7 +28,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from coordinator.estimate import estimate_training_memory, model_shape
+from coordinator.planning.estimate import estimate_training_memory, model_shape
 
 TOLERANCE = 0.25
 STEPS = 2

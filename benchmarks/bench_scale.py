@@ -353,14 +353,14 @@ def stages(inv_path: Path, pb_path: Path, known: Path, prof: Path, worker_json: 
     """(stage, CPU s of this process, note): the coordinator's non-network work for every node, measured alone."""
     import asyncssh
 
+    from coordinator.config.inventory import load_inventory
+    from coordinator.config.playbook import load_playbook
     from coordinator.facts.build import build_node_facts
-    from coordinator.gather import probe_peers, worker_args
-    from coordinator.inventory import load_inventory
+    from coordinator.facts.probe import build_probe, parse_probe_output, worker_source
+    from coordinator.fleet.gather import probe_peers, worker_args
     from coordinator.models import ConnectInfo
-    from coordinator.playbook import load_playbook
-    from coordinator.preflight import FleetFacts, evaluate
-    from coordinator.probe import build_probe, parse_probe_output, worker_source
-    from coordinator.render import dumps
+    from coordinator.preflight.pipeline import FleetFacts, evaluate
+    from coordinator.views.render import dumps
     from tests.sshserver import ProfileResponder
 
     rows: list[tuple[str, float, str]] = []
@@ -410,12 +410,12 @@ def stages(inv_path: Path, pb_path: Path, known: Path, prof: Path, worker_json: 
 
 async def phases(inv_path: Path, pb_path: Path) -> list[tuple[str, float, float]]:
     """(phase, wall s, CPU s of this process) for the steps `coordinator preflight --json` takes."""
-    from coordinator.gather import gather_facts
-    from coordinator.inventory import load_inventory
-    from coordinator.playbook import load_playbook
-    from coordinator.preflight import FleetFacts, evaluate
-    from coordinator.render import dumps
-    from coordinator.transport import Fleet
+    from coordinator.config.inventory import load_inventory
+    from coordinator.config.playbook import load_playbook
+    from coordinator.fleet.gather import gather_facts
+    from coordinator.fleet.transport import Fleet
+    from coordinator.preflight.pipeline import FleetFacts, evaluate
+    from coordinator.views.render import dumps
 
     rows: list[tuple[str, float, float]] = []
     clock = [time.perf_counter(), time.process_time()]
@@ -460,17 +460,18 @@ ACTIVITIES: tuple[tuple[str, Any], ...] = (
     ("start-up: imports", lambda fs: any(f.startswith("_find_and_load ") for f in fs)),
     ("known_hosts file re-read and parsed for every connection (asyncssh.known_hosts)",
      lambda fs: any("asyncssh/known_hosts.py" in f for f in fs)),
-    ("load inventory + playbook", lambda fs: any(x in f for f in fs for x in ("coordinator/inventory.py",
-                                                                              "coordinator/playbook.py"))),
+    ("load inventory + playbook", lambda fs: any(x in f for f in fs for x in ("coordinator/config/inventory.py",
+                                                                              "coordinator/config/playbook.py"))),
     ("JSON report: to_json + json.dumps(indent=2)", lambda fs: any(x in f for f in fs for x in (
-        "coordinator/render.py", "json/encoder.py")) or any(f.startswith("to_json ") for f in fs)),
-    ("checks + lint (evaluate)", lambda fs: any(x in f for f in fs for x in ("coordinator/checks/", "coordinator/lint.py"))),
+        "coordinator/views/render.py", "json/encoder.py")) or any(f.startswith("to_json ") for f in fs)),
+    ("checks + lint (evaluate)",
+     lambda fs: any(x in f for f in fs for x in ("coordinator/preflight/checks/", "coordinator/preflight/lint.py"))),
     ("facts built from probe output (parse + build)", lambda fs: any(x in f for f in fs for x in (
         "coordinator/facts/", "parse_probe_output "))),
     ("probe command built (worker args: every peer, per node)", lambda fs: any(
         f.startswith(("build_probe ", "worker_args ")) for f in fs)),
     ("probe output read line by line (transport.stream/_merge_lines)", lambda fs: any(
-        f.startswith(("_merge_lines ", "pump ", "stream ")) and "coordinator/transport.py" in f for f in fs)),
+        f.startswith(("_merge_lines ", "pump ", "stream ")) and "coordinator/fleet/transport.py" in f for f in fs)),
     ("SSH handshake, key exchange, auth (asyncssh)", lambda fs: any(x in f for f in fs for x in (
         "asyncssh/kex", "asyncssh/auth.py", "asyncssh/public_key.py", "asyncssh/crypto/", "asyncssh/eddsa.py",
         "_process_kexinit", "_process_userauth", "connect (asyncssh/connection.py"))),

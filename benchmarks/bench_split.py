@@ -25,7 +25,7 @@ What runs, all through the coordinator's CLI (each a subprocess):
      - calibrated: the 2-host job with `split: calibrated`;
      - equal: the same with `split: equal`;
      - bare: the calibrated job again, started by the same CLI code with the monitor replaced by a plain wait for
-       mlx.launch (`coordinator.job.Launch` swapped for `BareLaunch` below, in a subprocess: this script with
+       mlx.launch (`coordinator.run.job.Launch` swapped for `BareLaunch` below, in a subprocess: this script with
        --bare-launch). Same preflight, cached calibration, plan, hostfile, run.json, rank script, ssh wrapper and
        mlx.launch argv, but no `worker.follow` on the hosts, no event stream, no monitor loop, no live view.
   3. Steady-state tokens/s of a run, read from the ranks' own event files on the hosts (the same files for
@@ -37,7 +37,7 @@ What runs, all through the coordinator's CLI (each a subprocess):
 Code under test: a `git archive` snapshot of --code (default HEAD), so edits made to the work tree while the
 benchmark runs cannot change what is measured (--code worktree uses the work tree).
 
-Workaround (reported as a bug): `coordinator.ship.ship_worker` sends the worker bundle on stdin, but the remote
+Workaround (reported as a bug): `coordinator.fleet.ship.ship_worker` sends the worker bundle on stdin, but the remote
 extract script exits without reading it when the worker dir already exists; when the remote side is faster than the
 client (here: the hosts have CPU priority over the coordinator), the channel closes under the client's write and
 the command fails with "Channel not open for sending" (provisioning, prepare, or the follower, which then loses the
@@ -107,13 +107,13 @@ TRANSIENT = "Channel not open for sending"
 def ship_fix() -> None:
     """Work around the ship_worker race (see the docstring) in this process: the remote extract script reads its
     stdin (the worker bundle) before deciding anything, so the channel never closes under a writing client."""
-    import coordinator.ship as ship
+    import coordinator.fleet.ship as ship
 
     first, rest = ship._EXTRACT.split("\n", 1)
     if rest.startswith("payload = sys.stdin.read()"):
-        return  # fixed in coordinator/ship.py: the script reads its stdin first
+        return  # fixed in coordinator/fleet/ship.py: the script reads its stdin first
     if "sys" not in first or "sys.stdin.read()" not in rest:
-        raise RuntimeError("bench_split: coordinator.ship._EXTRACT changed; review ship_fix() (or use --no-ship-fix)")
+        raise RuntimeError("bench_split: coordinator.fleet.ship._EXTRACT changed; review ship_fix() (or use --no-ship-fix)")
     ship._EXTRACT = first + "\n_payload = sys.stdin.read()\n" + rest.replace("sys.stdin.read()", "_payload")
 
 
@@ -131,10 +131,10 @@ def bare_launch_main(cli_args: list[str]) -> None:
     The summary it prints says `failed` (no monitor saw the ranks finish); the benchmark checks the event files."""
     import asyncio
 
-    import coordinator.job
+    import coordinator.run.job
     from coordinator.cli import main
-    from coordinator.launch import Launch
-    from coordinator.monitor import Monitor
+    from coordinator.run.launch import Launch
+    from coordinator.run.monitor import Monitor
 
     class BareLaunch(Launch):
         async def monitor(self) -> Monitor:
@@ -146,7 +146,7 @@ def bare_launch_main(cli_args: list[str]) -> None:
             mon.stopped = True  # no outcome is known: run_job must neither relaunch nor quarantine
             return mon
 
-    coordinator.job.Launch = BareLaunch  # type: ignore[misc]
+    coordinator.run.job.Launch = BareLaunch  # type: ignore[misc]
     if os.environ.get("BENCH_SPLIT_SHIP_FIX") == "1":
         ship_fix()
     main(["launch", *cli_args])

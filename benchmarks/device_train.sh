@@ -21,7 +21,7 @@
 #   the tree survive between calls only while the machine stays warm: 30 s after a call returns. So make call 2
 #   right after call 1; if the machine went back in between, `run` says so and call 1 must be made again.
 # - Install INTO python3's own environment (no `--target`/PYTHONPATH): the coordinator starts the calibration bench
-#   and the ranks with PYTHONPATH set to its shipped worker dir (coordinator/calibrate.py, launch.py), so mlx must
+#   and the ranks with PYTHONPATH set to its shipped worker dir (coordinator/run/calibrate.py, launch.py), so mlx must
 #   import without PYTHONPATH; and libmlx.so finds the CUDA libraries through its RPATH
 #   ($ORIGIN/../../nvidia/{cu13,cublas,cudnn,nccl,...}/lib), i.e. in the same site-packages as the image's
 #   nvidia-* wheels. A machine is bare at every start, so this changes nothing beyond the lease.

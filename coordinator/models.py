@@ -5,9 +5,11 @@ Everything here is a frozen dataclass or a StrEnum; nothing here does I/O.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 LOCAL_HOST = "127.0.0.1"
 """Loopback: the host of a `connection: local` node that names none (the literal host mlx.launch runs without SSH),
@@ -168,7 +170,7 @@ class PreflightReport:
         }
 
 
-# --- what the transport answers (records only: the I/O that makes them is coordinator.transport) ------------
+# --- what the transport answers (records only: the I/O that makes them is coordinator.fleet.transport) ------------
 
 
 @dataclass(frozen=True)
@@ -194,3 +196,23 @@ class ConnectInfo:
     rtt_ms: float  # one exec round trip over the established connection
     host_key: str | None  # "ssh-ed25519 SHA256:..." fingerprint; None for local
     host_key_recorded: bool = False  # the key was unknown and --accept-new-host-keys recorded it
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def majority(values: Mapping[str, K]) -> tuple[K | None, list[str]]:
+    """The value held by strictly more nodes than any other, and the nodes that differ from it.
+
+    With a tie (e.g. two nodes that disagree) there is no majority: (None, every node not in the largest
+    group... i.e. all disagreeing nodes), so both are suspect.
+    """
+    if not values:
+        return None, []
+    counts = Counter(values.values()).most_common()
+    if len(counts) == 1:
+        return counts[0][0], []
+    if counts[0][1] > counts[1][1]:
+        winner = counts[0][0]
+        return winner, [name for name, v in values.items() if v != winner]
+    return None, list(values)

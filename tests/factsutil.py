@@ -24,8 +24,8 @@ from typing import Any
 
 from coordinator.facts.build import build_node_facts
 from coordinator.facts.model import NodeFacts
+from coordinator.facts.probe import Section
 from coordinator.models import Node
-from coordinator.probe import Section
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PROFILES = FIXTURES / "profiles"

@@ -26,7 +26,7 @@ A checkpoint found invalid on resume is never deleted: `set_aside_invalid` renam
 newest-checkpoint search never match again, so the operator can still inspect or repair it.
 
 `python -m worker.checkpoint scan ROOT` and `... set-aside ROOT step-N:CODE ...` do the same for the
-coordinator, which checks a resume before any rank starts (see `coordinator.resume`); each prints one JSON object.
+coordinator, which checks a resume before any rank starts (see `coordinator.run.resume`); each prints one JSON object.
 """
 
 from __future__ import annotations

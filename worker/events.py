@@ -467,7 +467,7 @@ FENCED_PHASES = frozenset({"step", "sync"})
 
 class RecentSteps:
     """A rank's last step times, and the window they give: `factor` x their median, at least `min_s`. One rule
-    for the coordinator's stall (coordinator/monitor.py) and the rank's own fence (`Fence`, 3x the stall)."""
+    for the coordinator's stall (coordinator/run/monitor.py) and the rank's own fence (`Fence`, 3x the stall)."""
 
     KEPT = 20
 

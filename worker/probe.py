@@ -1,7 +1,7 @@
 """Node-side half of the preflight probe: python/package versions, file hashes, peer reachability, model facts.
 
 The coordinator runs this file on every node as `PYTHON -c BOOTSTRAP KEY '<json-args>'` with THIS SOURCE on
-stdin (coordinator/probe.py; compiled once per node and version, then cached), using the node's configured
+stdin (coordinator/facts/probe.py; compiled once per node and version, then cached), using the node's configured
 python (which has mlx and mlx-lm but none of our packages). Hence the module is self-contained and
 stdlib-only, runs on Python 3.9+ (annotations are never evaluated at runtime), and never imports mlx
 (importing it is slow; versions come from package metadata). It is also importable as

@@ -1,4 +1,4 @@
-"""`coordinator attach`: supervise a run again after the coordinator that launched it died (coordinator/control.py)."""
+"""`coordinator attach`: supervise a run again after the coordinator that launched it died (coordinator/run/control.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool, detach_on_hangup: bool) -> None:
     """Supervise RUN_ID again (after the coordinator that launched it died) until it ends, with the same fault
     response as `launch`. Refused (exit 2) while a live coordinator supervises it."""
-    from coordinator import control
-    from coordinator.liveview import RichUI, make_console
-    from coordinator.render import dumps
-    from coordinator.supervision import Supervision
+    from coordinator.run import control
+    from coordinator.run.supervision import Supervision
+    from coordinator.views.liveview import RichUI, make_console
+    from coordinator.views.render import dumps
 
     console = make_console(stderr=as_json)
     ui = RichUI(console)

@@ -1,5 +1,5 @@
-"""`coordinator calibrate`: measure each node and split the global batch by speed (coordinator/job.py
-`calibrate_fleet`, coordinator/calibrate.py, coordinator/plan.py)."""
+"""`coordinator calibrate`: measure each node and split the global batch by speed (coordinator/run/job.py
+`calibrate_fleet`, coordinator/run/calibrate.py, coordinator/planning/plan.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     playbook: each node's examples/s of the task and the input's shards)."""
     from rich.table import Table
 
-    from coordinator.calibrate import calibration_to_json
-    from coordinator.job import calibrate_fleet
-    from coordinator.liveview import RichUI, make_console
-    from coordinator.mapjob import calibrate_map
-    from coordinator.plan import format_split
-    from coordinator.render import dumps
+    from coordinator.planning.plan import format_split
+    from coordinator.run.calibrate import calibration_to_json
+    from coordinator.run.job import calibrate_fleet
+    from coordinator.run.mapjob import calibrate_map
+    from coordinator.views.liveview import RichUI, make_console
+    from coordinator.views.render import dumps
 
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None

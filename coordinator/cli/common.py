@@ -21,12 +21,12 @@ from coordinator.errors import ConfigError, CoordinatorError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from coordinator.job import JobOptions
-    from coordinator.launch import RunSummary
-    from coordinator.liveview import NodeBars, RichUI
+    from coordinator.config.playbook import Playbook
     from coordinator.models import Inventory
-    from coordinator.playbook import Playbook
-    from coordinator.supervision import Supervision
+    from coordinator.run.job import JobOptions
+    from coordinator.run.launch import RunSummary
+    from coordinator.run.supervision import Supervision
+    from coordinator.views.liveview import NodeBars, RichUI
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -84,7 +84,7 @@ class Interrupted(CoordinatorError):
     def __init__(self, signum: int, detail: str) -> None:
         import signal
 
-        from coordinator.supervision import exit_code_for
+        from coordinator.run.supervision import exit_code_for
 
         self.exit_code = exit_code_for(signum)
         super().__init__(f"interrupted by {signal.Signals(signum).name} {detail}")
@@ -92,7 +92,7 @@ class Interrupted(CoordinatorError):
 
 def exit_for(summary: RunSummary, sup: Supervision, console: Console) -> None:
     """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded."""
-    from coordinator.supervision import exit_code_for
+    from coordinator.run.supervision import exit_code_for
 
     if sup.signum is not None:
         if sup.detach:
@@ -126,8 +126,8 @@ def handle_errors(fn: F) -> F:
 
 
 def load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inventory, Playbook | None]:
-    from coordinator.inventory import load_inventory
-    from coordinator.playbook import load_playbook
+    from coordinator.config.inventory import load_inventory
+    from coordinator.config.playbook import load_playbook
 
     inv = load_inventory(inventory)
     names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
@@ -138,7 +138,7 @@ def load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inven
 
 def hash_progress(console: Console, enabled: bool) -> NodeBars:
     """Hashing progress for large models (the probe reports it on stderr)."""
-    from coordinator.liveview import NodeBars
+    from coordinator.views.liveview import NodeBars
 
     return NodeBars(console, enabled, label="hashing {task.description}", transient=True)
 
@@ -165,7 +165,7 @@ def with_common(fn: F) -> F:
 def job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: str | None,
                  connect_timeout: float, accept_new_host_keys: bool, restart_from_scratch: bool = False,
                  allow_degraded: bool = False, allow_shared: bool = False) -> JobOptions:
-    from coordinator.job import JobOptions
+    from coordinator.run.job import JobOptions
 
     if restart_from_scratch and resume is None:
         raise ConfigError("--restart-from-scratch applies to --resume RUN_ID only")
@@ -177,8 +177,8 @@ def job_options(run_dir: Path, skip_preflight: bool, recalibrate: bool, resume: 
 
 def with_live_view(job: Coroutine[Any, Any, T], ui: RichUI, console: Console, sup: Supervision) -> T:
     """Run a job with its live view, which is closed (and a failed preflight shown) whatever happens."""
-    from coordinator.job import PreflightFailed
-    from coordinator.render import render_preflight
+    from coordinator.run.job import PreflightFailed
+    from coordinator.views.render import render_preflight
 
     try:
         return run_supervised(job, sup)

@@ -1,4 +1,4 @@
-"""`coordinator dashboard`: the fleet, the runs and each run live in a browser (coordinator/dashboard/)."""
+"""`coordinator dashboard`: the fleet, the runs and each run live in a browser (coordinator/views/dashboard/)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import click
 
 from coordinator.cli.common import run_async
-from coordinator.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
+from coordinator.views.dashboard.server import DEFAULT_HOST, DEFAULT_PORT
 
 if TYPE_CHECKING:
     pass
 from coordinator.cli.status import load_status_inventory
-from coordinator.dashboard.fleet import DEFAULT_PROBE_INTERVAL, serve_dashboard, warn_public
-from coordinator.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+from coordinator.views.dashboard.fleet import DEFAULT_PROBE_INTERVAL, serve_dashboard, warn_public
+from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")

@@ -1,4 +1,4 @@
-"""`coordinator facts`: every node's facts, gathered in one SSH round trip (coordinator/preflight.py `collect`)."""
+"""`coordinator facts`: every node's facts, gathered in one SSH round trip (coordinator/preflight/pipeline.py `collect`)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def facts(inventory: str, limit: str | None, accept_new_host_keys: bool, connect
     """Gather and print every node's facts."""
     from rich.console import Console
 
-    from coordinator.gather import record_facts
-    from coordinator.preflight import collect
-    from coordinator.render import dumps, facts_to_json, render_facts
+    from coordinator.fleet.gather import record_facts
+    from coordinator.preflight.pipeline import collect
+    from coordinator.views.render import dumps, facts_to_json, render_facts
 
     inv, pb = load(inventory, playbook, limit)
     console = Console(stderr=as_json)

@@ -1,4 +1,4 @@
-"""`coordinator hostfile`: MLX's JSON hostfile for the playbook's backend (coordinator/hostfile.py)."""
+"""`coordinator hostfile`: MLX's JSON hostfile for the playbook's backend (coordinator/planning/hostfile.py)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
              probe_timeout: float, playbook: str, output: Path | None) -> None:
     """Write MLX's JSON hostfile for the playbook's backend (jaccl's rdma matrix from the Thunderbolt facts)."""
-    from coordinator.job import hostfile_for
-    from coordinator.preflight import collect
-    from coordinator.render import dumps
+    from coordinator.preflight.pipeline import collect
+    from coordinator.run.job import hostfile_for
+    from coordinator.views.render import dumps
 
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None

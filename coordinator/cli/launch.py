@@ -1,5 +1,5 @@
-"""`coordinator launch`: preflight, calibrate, split, hostfile, mlx.launch, monitor, tear down (coordinator/job.py;
-`kind: map` playbooks: coordinator/mapjob.py)."""
+"""`coordinator launch`: preflight, calibrate, split, hostfile, mlx.launch, monitor, tear down (coordinator/run/job.py;
+`kind: map` playbooks: coordinator/run/mapjob.py)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from coordinator.models import DEFAULT_METRICS_HOST
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from coordinator.job import JobOptions
-    from coordinator.liveview import RichUI
+    from coordinator.config.playbook import Playbook
     from coordinator.models import Inventory
-    from coordinator.playbook import Playbook
-    from coordinator.supervision import Supervision
+    from coordinator.run.job import JobOptions
+    from coordinator.run.supervision import Supervision
+    from coordinator.views.liveview import RichUI
 
 
 @click.option("-i", "--inventory", default=DEFAULT_INVENTORY, show_default=True, help="The fleet.")
@@ -74,17 +74,17 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
            dashboard_host: str, dashboard_port: int, fix: bool, fix_source: str | None) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
-    A `kind: map` playbook runs each node's shard independently instead (coordinator/mapjob.py)."""
+    A `kind: map` playbook runs each node's shard independently instead (coordinator/run/mapjob.py)."""
     import dataclasses
 
-    from coordinator.chaos import parse_chaos
-    from coordinator.fix import fix_options
-    from coordinator.job import JobUI, run_job
-    from coordinator.liveview import RichUI, make_console
-    from coordinator.metrics import MetricsServer, MetricsUI
-    from coordinator.plan import describe_prediction
-    from coordinator.render import dumps
-    from coordinator.supervision import Supervision
+    from coordinator.planning.plan import describe_prediction
+    from coordinator.preflight.fix import fix_options
+    from coordinator.run.chaos import parse_chaos
+    from coordinator.run.job import JobUI, run_job
+    from coordinator.run.metrics import MetricsServer, MetricsUI
+    from coordinator.run.supervision import Supervision
+    from coordinator.views.liveview import RichUI, make_console
+    from coordinator.views.render import dumps
 
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None
@@ -105,12 +105,12 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     verdicts: dict[str, str] = {}  # each node's preflight, for the dashboard's fleet page
     if with_dashboard:
-        from coordinator.dashboard.fleet import PreflightRecorder
+        from coordinator.views.dashboard.fleet import PreflightRecorder
 
         job_ui = PreflightRecorder(job_ui, verdicts)
     job = run_job(inv, pb, opts, job_ui, chaos=chaos, supervision=sup)
     if with_dashboard:  # served on the launch's own event loop; it ends with the job
-        from coordinator.dashboard.fleet import beside
+        from coordinator.views.dashboard.fleet import beside
 
         job = beside(job, inv, run_dir, host=dashboard_host, port=dashboard_port, preflight=verdicts,
                      announce=lambda url: ui.message(f"dashboard: {url}"), connect_timeout=connect_timeout,
@@ -136,8 +136,8 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
 
 def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, console: Console, as_json: bool,
                 sup: Supervision) -> None:
-    from coordinator.mapjob import run_map
-    from coordinator.render import dumps
+    from coordinator.run.mapjob import run_map
+    from coordinator.views.render import dumps
 
     summary = with_live_view(run_map(inv, pb, opts, ui), ui, console, sup)
     if as_json:
@@ -149,7 +149,7 @@ def _launch_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: RichUI, cons
         for inc in summary.incidents:
             console.print(f"  [red]{inc.kind}[/red] node {inc.node}: {inc.action}; {str(inc.evidence)[:300]}")
     if sup.signum is not None:
-        from coordinator.supervision import exit_code_for
+        from coordinator.run.supervision import exit_code_for
 
         sys.exit(exit_code_for(sup.signum))
     sys.exit(0 if summary.state == "succeeded" else 1)

@@ -6,7 +6,7 @@ the background, one probe at a time, and each frame shows the newest facts (a sl
 the run view). The SSH connections are opened once and reused; a node that dropped is dialled again on the next
 probe. Ctrl-C stops cleanly (live view, connections and the metrics server closed) with exit 0.
 
-The watch loop is coordinator/statuswatch.py (`watch`), the screen coordinator/statusview.py (`render_frame`)."""
+The watch loop is coordinator/views/statuswatch.py (`watch`), the screen coordinator/views/statusview.py (`render_frame`)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from rich.live import Live
 
 from coordinator.cli.common import run_async
 from coordinator.cli.status import load_status_inventory
-from coordinator.metrics import DEFAULT_METRICS_HOST, MetricsServer
-from coordinator.quarantine import QuarantineStore
-from coordinator.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
-from coordinator.statuswatch import watch
+from coordinator.run.metrics import DEFAULT_METRICS_HOST, MetricsServer
+from coordinator.run.quarantine import QuarantineStore
+from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+from coordinator.views.statuswatch import watch
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")

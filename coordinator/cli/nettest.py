@@ -1,5 +1,5 @@
 """`coordinator nettest`: pairwise latency and bandwidth between the nodes' data-plane IPs (the I/O:
-coordinator/nettestrun.py; the judging: coordinator/nettest.py)."""
+coordinator/fleet/nettestrun.py; the judging: coordinator/fleet/nettest.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from rich.table import Table
 
 from coordinator.cli.common import run_async
 from coordinator.errors import ConfigError
-from coordinator.nettest import (
+from coordinator.fleet.nettest import (
     NettestReport,
 )
-from coordinator.nettestrun import run_nettest
-from coordinator.render import dumps, status_text
+from coordinator.fleet.nettestrun import run_nettest
+from coordinator.views.render import dumps, status_text
 
 
 def _gbps(bps: float) -> str:

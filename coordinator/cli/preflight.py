@@ -1,4 +1,4 @@
-"""`coordinator preflight`: the 8-point checklist and the playbook lint (coordinator/preflight.py)."""
+"""`coordinator preflight`: the 8-point checklist and the playbook lint (coordinator/preflight/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def preflight(inventory: str, limit: str | None, accept_new_host_keys: bool, con
               probe_timeout: float, playbook: str, as_json: bool, strict: bool) -> None:
     """Check that every node is ready for the playbook: ssh, os, rdma, thunderbolt, software, model, env,
     resources; plus a lint of the playbook."""
-    from coordinator.preflight import collect, evaluate
-    from coordinator.render import dumps, render_preflight
+    from coordinator.preflight.pipeline import collect, evaluate
+    from coordinator.views.render import dumps, render_preflight
 
     inv, pb = load(inventory, playbook, limit)
     console: Console | None = None

@@ -1,4 +1,4 @@
-"""`coordinator quarantine list|clear`: the machines left out of launches after a fault (coordinator/quarantine.py)."""
+"""`coordinator quarantine list|clear`: the machines left out of launches after a fault (coordinator/run/quarantine.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def quarantine() -> None:
 @handle_errors
 def quarantine_list(inventory: str | None, as_json: bool) -> None:
     """Show quarantined machines: identity (node, address, inventory), reason, age and expiry."""
-    from coordinator.quarantine import QuarantineStore, format_age, inventory_key
-    from coordinator.render import dumps
+    from coordinator.run.quarantine import QuarantineStore, format_age, inventory_key
+    from coordinator.views.render import dumps
 
     now = time.time()
     state = QuarantineStore().read()
@@ -57,7 +57,7 @@ def quarantine_list(inventory: str | None, as_json: bool) -> None:
 def quarantine_clear(node: str, inventory: str | None) -> None:
     """Let NODE take part in launches again: by default every quarantined machine of that name, in any
     inventory; with -i only that inventory's (old-format entries, which apply to any inventory, go too)."""
-    from coordinator.quarantine import QuarantineStore, inventory_key
+    from coordinator.run.quarantine import QuarantineStore, inventory_key
 
     gone = QuarantineStore().clear(node, inventory=inventory_key(inventory) if inventory else None)
     if not gone:

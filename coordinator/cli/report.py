@@ -1,4 +1,5 @@
-"""`coordinator report RUN_ID`: write a self-contained HTML report of a run (coordinator/report.py and report_map.py build it)."""
+"""`coordinator report RUN_ID`: write a self-contained HTML report of a run (coordinator/views/report.py and
+report_map.py build it)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from coordinator.report_map import write_report
+from coordinator.views.report_map import write_report
 
 
 def register(main: click.Group) -> None:

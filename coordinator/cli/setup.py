@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from coordinator.cli.common import DEFAULT_INVENTORY, run_async
-from coordinator.nodesetup import SetupFailed
+from coordinator.fleet.nodesetup import SetupFailed
 
 COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
 
@@ -41,14 +41,14 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
 
     from coordinator.cli.common import load
     from coordinator.errors import ConfigError
-    from coordinator.render import dumps
+    from coordinator.views.render import dumps
 
     inv, pb = load(inventory, playbook, limit)
     console = Console(stderr=as_json, highlight=False)
     if apply_ and not network:
         raise ConfigError("--apply goes with --network (software setup applies unless --check)")
     if network:
-        from coordinator.netsetup import run_network_setup
+        from coordinator.fleet.netsetup import run_network_setup
 
         net = run_async(run_network_setup(inv.nodes, apply=apply_ and not check, connect_timeout=connect_timeout,
                                           accept_new_host_keys=accept_new_host_keys))
@@ -61,7 +61,7 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
             raise SetupFailed("setup --network failed on " + ", ".join(net.failed_nodes()))
         return
 
-    from coordinator.nodesetup import pins_from, run_setup
+    from coordinator.fleet.nodesetup import pins_from, run_setup
 
     software = pb.software if pb is not None else None
     pins = pins_from(software.mlx if software else None, software.mlx_lm if software else None)

@@ -1,5 +1,5 @@
-"""`coordinator status`: one row per node, and the runs under --run-dir (the rows: coordinator/status.py; reading
-the runs and probing the fleet: coordinator/statuswatch.py; the tables: coordinator/statusview.py)."""
+"""`coordinator status`: one row per node, and the runs under --run-dir (the rows: coordinator/views/status.py; reading
+the runs and probing the fleet: coordinator/views/statuswatch.py; the tables: coordinator/views/statusview.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import click
 from rich.console import Console
 
 from coordinator.cli.common import run_async
-from coordinator.inventory import load_inventory
+from coordinator.config.inventory import load_inventory
 from coordinator.models import Inventory
-from coordinator.quarantine import QuarantineStore
-from coordinator.render import dumps
-from coordinator.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
-from coordinator.statusview import render_run_table, render_status_table
-from coordinator.statuswatch import collect_status
+from coordinator.run.quarantine import QuarantineStore
+from coordinator.views.render import dumps
+from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+from coordinator.views.statusview import render_run_table, render_status_table
+from coordinator.views.statuswatch import collect_status
 
 
 def load_status_inventory(inventory: str, limit: str | None) -> Inventory:

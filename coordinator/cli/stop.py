@@ -1,4 +1,4 @@
-"""`coordinator stop`: stop a run cleanly, through its live coordinator when there is one (coordinator/control.py)."""
+"""`coordinator stop`: stop a run cleanly, through its live coordinator when there is one (coordinator/run/control.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def stop(run_id: str, inventory: str | None, run_dir: Path, wait_s: float) -> None:
     """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`, nothing
     quarantined. A live coordinator of the run is asked to do it (and waited for); else this command does."""
-    from coordinator import control
+    from coordinator.run import control
 
     summary = run_async(control.stop(run_dir / run_id, inventory=inventory, wait_s=wait_s))
     if summary.state != "stopped":

@@ -1,5 +1,5 @@
 """`coordinator sync`: make the playbook's model and data dirs identical on every node (the I/O:
-coordinator/syncrun.py; the plan: coordinator/sync.py)."""
+coordinator/fleet/syncrun.py; the plan: coordinator/planning/sync.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import click
 
 from coordinator.errors import ConfigError
-from coordinator.liveview import NodeBars
-from coordinator.sync import SyncPlan
-from coordinator.syncrun import run_sync
+from coordinator.fleet.syncrun import run_sync
+from coordinator.planning.sync import SyncPlan
+from coordinator.views.liveview import NodeBars
 
 
 def _size(n: int) -> str:

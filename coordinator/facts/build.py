@@ -29,7 +29,7 @@ from coordinator.facts.model import (
     Reach,
     Software,
 )
-from coordinator.probe import OPTIONAL_SECTIONS, Section
+from coordinator.facts.probe import OPTIONAL_SECTIONS, Section
 
 T = TypeVar("T")
 

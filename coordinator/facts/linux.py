@@ -135,7 +135,7 @@ def _net_flag(value: str, what: str, line: str) -> bool:
 
 
 def parse_sys_class_net(text: str) -> tuple[NetLink, ...]:
-    """The `sys_class_net` section (`coordinator.probe.SYS_CLASS_NET`) -> one `NetLink` per interface, in order.
+    """The `sys_class_net` section (`coordinator.facts.probe.SYS_CLASS_NET`) -> one `NetLink` per interface, in order.
 
     Each line is `NAME type=T speed=S operstate=O device=0|1 wireless=0|1 devtype=D driver=R lower=A,B path=P`,
     every field present, empty where the file was absent or unreadable. A speed of -1 (the kernel's
@@ -202,7 +202,7 @@ def _smi_number(field: str, what: str, row: str) -> float | None:
 
 NVIDIA_SMI_FIELDS = ("index", "name", "uuid", "memory.total", "memory.used", "utilization.gpu", "driver_version",
                      "compute_cap")
-"""The `--query-gpu` fields of `coordinator.probe.NVIDIA_SMI`, in order (one CSV row per GPU)."""
+"""The `--query-gpu` fields of `coordinator.facts.probe.NVIDIA_SMI`, in order (one CSV row per GPU)."""
 
 MiB = 1024 * 1024
 

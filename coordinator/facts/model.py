@@ -205,7 +205,7 @@ class Disk:
 
 @dataclass(frozen=True)
 class CudaDevice:
-    """One NVIDIA GPU as `nvidia-smi --query-gpu=...` describes it (`coordinator.probe.NVIDIA_SMI`)."""
+    """One NVIDIA GPU as `nvidia-smi --query-gpu=...` describes it (`coordinator.facts.probe.NVIDIA_SMI`)."""
 
     index: int  # nvidia-smi's enumeration index (what CUDA_VISIBLE_DEVICES names)
     name: str  # "NVIDIA H100 80GB HBM3"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.jsonout import validate_output
-from coordinator.probe import MACOS_COMMANDS
+from coordinator.facts.probe import MACOS_COMMANDS
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import PROFILES_DIR, VENV_PYTHON, TestBed
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 import yaml
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
 

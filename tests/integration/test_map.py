@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.jsonout import MapSummaryOut, validate_output
-from coordinator.shards import largest_remainder
+from coordinator.planning.shards import largest_remainder
+from coordinator.views.jsonout import MapSummaryOut, validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed, _netns_pids
 

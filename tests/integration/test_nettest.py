@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from coordinator.jsonout import validate_output
 from coordinator.models import CHECK_IDS
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import PROFILES_DIR, SSH_PORT, VENV_PYTHON, Host, TestBed
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.config.inventory import load_inventory
 from coordinator.errors import TransportError
-from coordinator.inventory import load_inventory
-from coordinator.launch import write_private_files
-from coordinator.ship import ship_worker
-from coordinator.transport import Fleet
+from coordinator.fleet.ship import ship_worker
+from coordinator.fleet.transport import Fleet
+from coordinator.run.launch import write_private_files
 from tests.integration.conftest import RunCli
 from tests.integration.test_launch import launch, write_playbook
 from tests.testbed import TestBed

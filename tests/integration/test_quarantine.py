@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.jsonout import validate_output
 from coordinator.models import Node
-from coordinator.quarantine import QuarantineStore, inventory_key, new_entry
+from coordinator.run.quarantine import QuarantineStore, inventory_key, new_entry
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.integration.test_faults import write_playbook
 from tests.testbed import SSH_PORT, TestBed

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.jsonout import validate_output
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.integration.test_preflight import TINY_CONFIG
 from tests.testbed import REPO, Host, TestBed

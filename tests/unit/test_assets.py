@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.assets import describe_failure, provision_node
 from coordinator.errors import TransportError
+from coordinator.fleet.assets import describe_failure, provision_node
+from coordinator.fleet.transport import LocalTransport
 from coordinator.models import Connection, Node
-from coordinator.transport import LocalTransport
 
 
 def bare_python(tmp: Path) -> Path:

@@ -1,5 +1,5 @@
 """worker.bench: the sweep's decisions (pure, table-driven) and real runs on a tiny random llama model; plus
-coordinator.calibrate end to end over a LocalTransport (ship, run, parse, cache)."""
+coordinator.run.calibrate end to end over a LocalTransport (ship, run, parse, cache)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from coordinator.calibrate import BenchSpec, NodeFingerprint, calibrate
+from coordinator.fleet.transport import Fleet
 from coordinator.models import Connection, Node
-from coordinator.plan import NodeCalibration, compute_plan
-from coordinator.transport import Fleet
+from coordinator.planning.plan import NodeCalibration, compute_plan
+from coordinator.run.calibrate import BenchSpec, NodeFingerprint, calibrate
 from worker.bench import (
     MEASURE,
     ONE_TIME,
@@ -218,7 +218,7 @@ def check_contract(result: dict[str, Any], *, max_batch: int, budget: float) -> 
 def test_bench_times_the_runs_step_on_the_runs_batches(tmp_path: Path) -> None:
     """With --data the bench builds the run's batches (the smoke rows, packed as the run packs them) and reports
     real tokens: fewer per row than seq_len, and what the coordinator turns into the plan's rows x seq_len."""
-    from coordinator.calibrate import calibration_from_bench
+    from coordinator.run.calibrate import calibration_from_bench
     from worker.tinymodel import build_tiny_model
 
     smoke = REPO / "playbooks" / "data" / "smoke"
@@ -296,7 +296,7 @@ def test_bench_too_many_layers_is_an_error(tiny_model: Path) -> None:
     assert result["error"] == "--num-layers 16 but the model only has 2 layers"
 
 
-# --- coordinator.calibrate over a real LocalTransport ------------------------------------------------------------
+# --- coordinator.run.calibrate over a real LocalTransport ------------------------------------------------------------
 
 def test_calibrate_runs_the_bench_and_caches(tiny_model: Path, tmp_path: Path) -> None:
     node = Node(name="local", host="localhost", connection=Connection.LOCAL, python=sys.executable,

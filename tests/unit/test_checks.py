@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from coordinator.checks import evaluate_node, evaluate_preflight
-from coordinator.checks.context import CheckContext, majority
+from coordinator.config.playbook import Playbook, parse_playbook
 from coordinator.errors import HostKeyError, TransportError
 from coordinator.facts import macos
-from coordinator.lint import lint_playbook
+from coordinator.facts.probe import Section
 from coordinator.models import CHECK_IDS, CheckResult, ConnectInfo, Connection, LintResult, Node, PreflightReport, Status
-from coordinator.playbook import Playbook, parse_playbook
-from coordinator.probe import Section
+from coordinator.preflight.checks import evaluate_node, evaluate_preflight
+from coordinator.preflight.checks.context import CheckContext, majority
+from coordinator.preflight.lint import lint_playbook
 from tests.factsutil import (
     DATA_DIR,
     DATA_FILES,
@@ -1158,9 +1158,9 @@ def test_evaluate_node_matches_the_report() -> None:
 
 
 def test_reach_evidence_of_a_large_mesh_is_a_summary_with_the_failures_in_full() -> None:
-    from coordinator.checks.context import CheckContext
-    from coordinator.checks.network import REACH_DETAIL_PEERS, _reachability
     from coordinator.facts.model import Reach
+    from coordinator.preflight.checks.context import CheckContext
+    from coordinator.preflight.checks.network import REACH_DETAIL_PEERS, _reachability
 
     n = REACH_DETAIL_PEERS + 8
     nodes = tuple(Node(name=f"n{i}", host=f"10.9.0.{i + 1}") for i in range(n))
@@ -1175,9 +1175,9 @@ def test_reach_evidence_of_a_large_mesh_is_a_summary_with_the_failures_in_full()
 
 
 def test_a_large_ring_fleet_is_judged_on_its_ring_neighbours_only() -> None:
-    from coordinator.checks.context import CheckContext
-    from coordinator.checks.network import _reachability
     from coordinator.facts.model import Reach
+    from coordinator.preflight.checks.context import CheckContext
+    from coordinator.preflight.checks.network import _reachability
 
     nodes = tuple(Node(name=f"n{i}", host=f"10.9.{i // 200}.{i % 200 + 1}") for i in range(100))
     # n0 was asked to reach n98, n99, n1, n2; n2 is down. Far peers are neither probed nor required.

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.dashboard.model import RankLive, RunFold, rank_verdict, run_view, step_time_stats
-from coordinator.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
 from coordinator.errors import ConfigError
+from coordinator.views.dashboard.model import RankLive, RunFold, rank_verdict, run_view, step_time_stats
+from coordinator.views.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
 
 DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
 
@@ -226,8 +226,8 @@ def test_open_run_needs_meta(tmp_path: Path) -> None:
 
 
 def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:
-    from coordinator.dashboard.fleet import preflight_verdicts
     from coordinator.models import CheckResult, PreflightReport, Status
+    from coordinator.views.dashboard.fleet import preflight_verdicts
 
     def node(name: str, *statuses: Status) -> tuple[str, tuple[CheckResult, ...]]:
         return name, tuple(CheckResult(f"c{i}", name, s, "") for i, s in enumerate(statuses))

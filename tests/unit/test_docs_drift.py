@@ -14,8 +14,8 @@ import click
 from pydantic import BaseModel
 
 from coordinator.cli import main
+from coordinator.config.playbook import Playbook
 from coordinator.models import CHECK_IDS
-from coordinator.playbook import Playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 # Set by the loader (the file the playbook came from), never written in a playbook.

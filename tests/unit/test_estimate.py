@@ -3,7 +3,7 @@ docs/calibration.md). Shapes in, bytes out."""
 
 from __future__ import annotations
 
-from coordinator.estimate import ModelShape, estimate_training_memory, model_shape
+from coordinator.planning.estimate import ModelShape, estimate_training_memory, model_shape
 
 # Llama-3.2-1B-like: 16 layers, hidden 2048, MLP 8192, 32 heads (8 kv), vocab 128256.
 CFG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,

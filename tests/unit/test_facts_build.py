@@ -14,7 +14,7 @@ import pytest
 from coordinator.facts import macos
 from coordinator.facts.build import build_node_facts, node_load, parse_env, parse_worker
 from coordinator.facts.model import DirHashes, FactError, FactErrorKind, FileHash, ParseError, Rdma, RdmaDevice, Reach
-from coordinator.probe import Section
+from coordinator.facts.probe import Section
 from tests.factsutil import (
     ALL_PROFILES,
     DATA_DIR,

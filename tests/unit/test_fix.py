@@ -1,4 +1,4 @@
-"""coordinator/fix.py: launch --fix's decisions, "findings in, actions out".
+"""coordinator/preflight/fix.py: launch --fix's decisions, "findings in, actions out".
 
 The reports come from the real checks on the recorded node profiles (tests/unit/test_checks.py's fleet
 builders), so a change to a check's remedy that would change what --fix does shows up here.
@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from coordinator.errors import ConfigError, TransportError
-from coordinator.fix import (
+from coordinator.models import LintResult, Status
+from coordinator.planning.sync import NodeState, compute_plan
+from coordinator.preflight.fix import (
     FixOptions,
     FixPlan,
     FixTool,
@@ -27,8 +29,6 @@ from coordinator.fix import (
     fixable_by,
     resolve_requested,
 )
-from coordinator.models import LintResult, Status
-from coordinator.sync import NodeState, compute_plan
 from tests.factsutil import DATA_FILES, MODEL_FILES, STUDIO, hashes_answer, sha
 from tests.unit.test_checks import MBP_M, STUDIO_M, M, member, playbook, preflight
 
@@ -222,7 +222,7 @@ def test_sync_outcomes_fail_every_node_on_a_plan_problem() -> None:
 
 
 def test_a_launch_refused_after_fix_names_what_fix_could_not_fix() -> None:
-    from coordinator.job import PreflightFailed
+    from coordinator.run.job import PreflightFailed
 
     down = TransportError("third", "connection refused", kind="connect")
     report, _ = preflight(fleet3(), playbook(**RING), connect={"third": down})

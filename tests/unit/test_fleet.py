@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from coordinator.errors import TransportError
+from coordinator.fleet.transport import Fleet, Transport
 from coordinator.models import ConnectInfo, Node
-from coordinator.transport import Fleet, Transport
 
 
 class FakeTransport:

@@ -11,8 +11,8 @@ from mlx._distributed_utils.common import Hostfile as MlxHostfile
 from coordinator.errors import ConfigError
 from coordinator.facts.linux import parse_nvidia_smi
 from coordinator.facts.model import HardwarePort, NodeFacts, Rdma, RdmaDevice, ThunderboltPort
-from coordinator.hostfile import build_hostfile, resolve_backend
 from coordinator.models import Connection, Node
+from coordinator.planning.hostfile import build_hostfile, resolve_backend
 
 
 def mac(name: str, own: list[tuple[str, str, str | None, float]], ports: dict[str, str],

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.config.inventory import InventoryFormat, detect_inventory_format, expand_host_pattern, load_inventory
+from coordinator.config.yamlsrc import parse_yaml
 from coordinator.errors import ConfigError
-from coordinator.inventory import InventoryFormat, detect_inventory_format, expand_host_pattern, load_inventory
 from coordinator.models import Connection, Node
-from coordinator.yamlsrc import parse_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = REPO / "tests" / "fixtures" / "config" / "good"
@@ -162,7 +162,7 @@ def test_invalid_json_hostfile_has_line_and_column() -> None:
 def test_several_errors_are_all_reported_in_line_order() -> None:
     text = "nodes:\n  - name: a\n    host: h\n    port: 0\n  - name: b\n    hots: x\n"
     path = BAD / "virtual.yaml"
-    from coordinator.inventory import parse_inventory
+    from coordinator.config.inventory import parse_inventory
 
     with pytest.raises(ConfigError) as info:
         parse_inventory(text, str(path))
@@ -179,7 +179,7 @@ def test_empty_and_missing_files() -> None:
 
 
 def test_env_and_label_values_are_kept_as_typed() -> None:
-    from coordinator.inventory import parse_inventory
+    from coordinator.config.inventory import parse_inventory
 
     text = "nodes:\n  - name: a\n    host: h\n    env: {A: off, B: 1.10, C: 010, D: 'x'}\n    labels: {v: 1.20}\n"
     (node,) = parse_inventory(text, "x.yaml").nodes

@@ -1,4 +1,4 @@
-"""docs/json.md is generated from coordinator/jsonout.py, and the models there refuse what a verb does not print.
+"""docs/json.md is generated from coordinator/views/jsonout.py, and the models there refuse what a verb does not print.
 
 The verbs' real outputs are validated where the integration tests run them (facts, preflight, calibrate, launch,
 attach, status, nettest, quarantine list, sync, setup); here: the drift check, the records that print the
@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 
 from coordinator.facts.model import NodeFacts, OsInfo
-from coordinator.jsonout import MapSummaryOut, RunSummaryOut, render_docs, validate_output
-from coordinator.launch import RunSummary
-from coordinator.mapjob import MapSummary
 from coordinator.models import CheckResult, LintResult, PreflightReport, Status
-from coordinator.monitor import Action, Incident, IncidentKind, RunState
-from coordinator.render import facts_to_json
+from coordinator.run.launch import RunSummary
+from coordinator.run.mapjob import MapSummary
+from coordinator.run.monitor import Action, Incident, IncidentKind, RunState
+from coordinator.views.jsonout import MapSummaryOut, RunSummaryOut, render_docs, validate_output
+from coordinator.views.render import facts_to_json
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "json.md"
 
 
 def test_docs_json_md_is_what_the_generator_writes() -> None:
     assert DOCS.read_text(encoding="utf-8") == render_docs(), \
-        "docs/json.md is stale: regenerate it with `python -m coordinator.jsonout > docs/json.md`"
+        "docs/json.md is stale: regenerate it with `python -m coordinator.views.jsonout > docs/json.md`"
 
 
 def _inc() -> Incident:

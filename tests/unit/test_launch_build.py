@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.chaos import KINDS, Chaos
-from coordinator.launch import (
+from coordinator.config.playbook import load_playbook
+from coordinator.models import Connection, Node
+from coordinator.run.chaos import KINDS, Chaos
+from coordinator.run.launch import (
     RankPlan,
     build_launcher_argv,
     build_rank_script,
@@ -21,8 +23,6 @@ from coordinator.launch import (
     build_ssh_config,
     spawn_launcher,
 )
-from coordinator.models import Connection, Node
-from coordinator.playbook import load_playbook
 from worker.runconfig import parse_run_config
 
 PLAYBOOKS = sorted((Path(__file__).resolve().parents[2] / "playbooks").glob("*.yaml"))
@@ -164,8 +164,8 @@ def test_run_config_of_every_playbook_is_what_the_worker_parses(path: Path) -> N
 
 def test_chaos_spec_parses_into_the_workers_record() -> None:
     """One record for a planned fault: `--chaos` parses into worker.runconfig.ChaosSpec, as run.json carries it."""
-    from coordinator.chaos import parse_chaos
     from coordinator.errors import ConfigError
+    from coordinator.run.chaos import parse_chaos
     from worker.runconfig import ChaosSpec
 
     assert parse_chaos("slow:rank=1,factor=3", world_size=2) == ChaosSpec(kind="slow", rank=1, step=1, factor=3.0)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.lint import lint_playbook
+from coordinator.config.playbook import parse_playbook
 from coordinator.models import LintResult, Status
-from coordinator.playbook import parse_playbook
+from coordinator.preflight.lint import lint_playbook
 from tests.factsutil import MODEL_CONFIG
 
 P, W, F, S = Status.PASS, Status.WARN, Status.FAIL, Status.SKIP

@@ -7,9 +7,9 @@ import io
 
 from rich.console import Console
 
-from coordinator.liveview import RichUI, plain_progress_line
-from coordinator.monitor import Monitor, Observation, PlannedRank
-from coordinator.plan import describe_prediction, prediction_gap
+from coordinator.planning.plan import describe_prediction, prediction_gap
+from coordinator.run.monitor import Monitor, Observation, PlannedRank
+from coordinator.views.liveview import RichUI, plain_progress_line
 
 
 def ev(node: str, rank: int, at: float, **data: object) -> Observation:

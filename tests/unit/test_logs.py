@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import structlog
 
-from coordinator.logs import (
+from coordinator.run.logs import (
     LOG_FILE_NAME,
     REDACTED,
     Redactor,

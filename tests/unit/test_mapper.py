@@ -1,4 +1,4 @@
-"""worker.mapper (the node side of map jobs) and the pure half of coordinator.mapjob, in-process or as a local
+"""worker.mapper (the node side of map jobs) and the pure half of coordinator.run.mapjob, in-process or as a local
 subprocess: rows by range, the score/generate/command tasks, the bench, results gathered in input order."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.mapjob import MapError, build_mapper_config, fixed_rates, gather_output, received_indices
-from coordinator.playbook import parse_playbook
+from coordinator.config.playbook import parse_playbook
+from coordinator.run.mapjob import MapError, build_mapper_config, fixed_rates, gather_output, received_indices
 from worker.mapper import MapError as WorkerMapError
 from worker.mapper import read_rows
 from worker.tinymodel import build_tiny_model

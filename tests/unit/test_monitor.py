@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.monitor import (
+from coordinator.run.monitor import (
     FINISH_GRACE_S,
     Action,
     AfterLauncherExit,
@@ -19,7 +19,7 @@ from coordinator.monitor import (
     WorkerState,
     classify_errors,
 )
-from coordinator.signatures import error_signature
+from coordinator.run.signatures import error_signature
 
 PLAN = [PlannedRank(0, "a", 3, 300.0), PlannedRank(1, "b", 1, 100.0)]
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from coordinator.facts.model import HardwarePort, NetInterface, NetLink, NodeFacts, ThunderboltPort
-from coordinator.models import Connection, Inventory, Node, Status
-from coordinator.nettest import (
+from coordinator.facts.probe import Section
+from coordinator.fleet.nettest import (
     FAIL_FRACTION,
     LINK_SPECS,
     WARN_FRACTION,
@@ -36,8 +36,8 @@ from coordinator.nettest import (
     parse_client_output,
     plan_pairs,
 )
-from coordinator.nettestrun import run_nettest
-from coordinator.probe import Section
+from coordinator.fleet.nettestrun import run_nettest
+from coordinator.models import Connection, Inventory, Node, Status
 from tests.factsutil import (
     MBP,
     NODEV,

@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 
-from coordinator.checks.context import CheckContext
-from coordinator.checks.system import check_software
+from coordinator.config.playbook import load_playbook
 from coordinator.errors import ConfigError
 from coordinator.facts.build import build_node_facts
 from coordinator.facts.model import NetInterface, NodeFacts, ParseError, Software
-from coordinator.models import Node, Status
-from coordinator.netsetup import NETMASK, compute_cables, plan_network, render_command
-from coordinator.nodesetup import (
+from coordinator.fleet.netsetup import NETMASK, compute_cables, plan_network, render_command
+from coordinator.fleet.nodesetup import (
     NodeState,
     Pins,
     Platform,
@@ -32,8 +30,10 @@ from coordinator.nodesetup import (
     venv_dir_for,
     wanted_dists,
 )
-from coordinator.playbook import load_playbook
-from coordinator.transport import LocalTransport, sftp_path
+from coordinator.fleet.transport import LocalTransport, sftp_path
+from coordinator.models import Node, Status
+from coordinator.preflight.checks.context import CheckContext
+from coordinator.preflight.checks.system import check_software
 from tests.factsutil import load_profile
 
 PINS = Pins("0.32.4", "0.32.2", "test")

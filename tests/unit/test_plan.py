@@ -1,4 +1,4 @@
-"""coordinator.plan (the split) and the pure parts of coordinator.calibrate (cache key, parsing, JSON)."""
+"""coordinator.planning.plan (the split) and the pure parts of coordinator.run.calibrate (cache key, parsing, JSON)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,21 @@ from typing import Any
 
 import pytest
 
-from coordinator.calibrate import (
+from coordinator.facts.probe import Section, shell_path
+from coordinator.fleet.transport import pythonpath_prepend
+from coordinator.models import Node
+from coordinator.planning.plan import (
+    CurvePoint,
+    NodeCalibration,
+    Plan,
+    PlanError,
+    SplitMode,
+    compute_plan,
+    format_split,
+    isotonic,
+    lift_dips,
+)
+from coordinator.run.calibrate import (
     BenchSpec,
     CalibrationError,
     NodeFingerprint,
@@ -25,21 +39,7 @@ from coordinator.calibrate import (
     parse_bench_stdout,
     parse_cache_record,
 )
-from coordinator.launch import build_rank_script
-from coordinator.models import Node
-from coordinator.plan import (
-    CurvePoint,
-    NodeCalibration,
-    Plan,
-    PlanError,
-    SplitMode,
-    compute_plan,
-    format_split,
-    isotonic,
-    lift_dips,
-)
-from coordinator.probe import Section, shell_path
-from coordinator.transport import pythonpath_prepend
+from coordinator.run.launch import build_rank_script
 from tests.factsutil import capture, facts_from, linux_sections, profile_sections, worker_answer
 
 GB = 1024**3
@@ -302,7 +302,7 @@ def test_format_split() -> None:
     assert format_split(plan) == "m4max 65.5% / ultra 34.5%"
 
 
-# --- coordinator.calibrate: pure parts ---------------------------------------------------------------------------
+# --- coordinator.run.calibrate: pure parts ---------------------------------------------------------------------------
 
 FP = NodeFingerprint(chip="Apple M4 Max", model_id="Mac16,5", memory_bytes=128 * GB, cpu_count=16, gpu_cores=40,
                      os_version="macOS 26.2 (25C56)", mlx_version="0.32.4")
@@ -468,7 +468,7 @@ def test_calibration_to_json_shape() -> None:
 
 
 def test_dpo_pairs_are_planned_on_the_curve_in_pairs() -> None:
-    from coordinator.plan import CurvePoint, NodeCalibration, PlanError, per_example_calibration
+    from coordinator.planning.plan import CurvePoint, NodeCalibration, PlanError, per_example_calibration
 
     cal = NodeCalibration("a", (CurvePoint(1, 100.0, 10), CurvePoint(2, 180.0, 20), CurvePoint(4, 300.0, 40)), 1.0,
                           None, seq_len=64)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from coordinator.config.playbook import ChecksConfig, Playbook, TrainConfig, load_playbook
 from coordinator.errors import ConfigError
-from coordinator.playbook import ChecksConfig, Playbook, TrainConfig, load_playbook
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = REPO / "tests" / "fixtures" / "config" / "good"

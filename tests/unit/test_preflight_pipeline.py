@@ -8,13 +8,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from coordinator.config.playbook import parse_playbook
 from coordinator.errors import TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.job import probe_and_check
+from coordinator.fleet.transport import Transport
 from coordinator.models import ConnectInfo, Inventory, Node, Status
-from coordinator.playbook import parse_playbook
-from coordinator.preflight import FleetFacts, evaluate, fleet_facts
-from coordinator.transport import Transport
+from coordinator.preflight.pipeline import FleetFacts, evaluate, fleet_facts
+from coordinator.run.job import probe_and_check
 from tests.factsutil import MBP, STUDIO, facts_from, profile_sections, worker_answer
 
 NODES = (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("down", "10.0.0.3"), Node("mute", "10.0.0.4"))

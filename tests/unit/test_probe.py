@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from coordinator.probe import build_probe, parse_probe_output, shell_path
+from coordinator.facts.probe import build_probe, parse_probe_output, shell_path
 from tests.sshserver import probe_worker_args
 
 

@@ -15,14 +15,14 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from coordinator.cli import main
+from coordinator.config.playbook import FaultsConfig, Playbook
 from coordinator.errors import ConfigError
-from coordinator.job import JobOptions, QuietUI, usable_inventory
-from coordinator.launch import LaunchError
-from coordinator.liveview import RichUI, build_table
+from coordinator.fleet.transport import known_host_keys
 from coordinator.models import Inventory, Node
-from coordinator.monitor import Monitor, PlannedRank
-from coordinator.playbook import FaultsConfig, Playbook
-from coordinator.quarantine import (
+from coordinator.run.job import JobOptions, QuietUI, usable_inventory
+from coordinator.run.launch import LaunchError
+from coordinator.run.monitor import Monitor, PlannedRank
+from coordinator.run.quarantine import (
     DEFAULT_QUARANTINE_FOR,
     Entry,
     LeftOut,
@@ -37,7 +37,7 @@ from coordinator.quarantine import (
     parse_state,
     replaced,
 )
-from coordinator.transport import known_host_keys
+from coordinator.views.liveview import RichUI, build_table
 
 NOW = 1_700_000_000.0
 A, B = "/fleets/a.yaml", "/fleets/b.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.topology import FULL_MESH_MAX_NODES, reach_peers
+from coordinator.facts.topology import FULL_MESH_MAX_NODES, reach_peers
 
 
 @pytest.mark.parametrize("backend", ["ring", "jaccl", "jaccl-ring", "auto"])

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
-from coordinator.report import (
+from coordinator.views.report import (
     ReportError,
     RunFiles,
     assign_attempts,

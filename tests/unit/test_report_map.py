@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coordinator.report import read_run_files
-from coordinator.report_map import build_map_report, render_map_page, write_report
+from coordinator.views.report import read_run_files
+from coordinator.views.report_map import build_map_report, render_map_page, write_report
 
 T0 = 1_790_000_000.0
 

@@ -1,4 +1,4 @@
-"""coordinator.resume: the resume decision from every node's checkpoint scan (pure: scans in, decision out)."""
+"""coordinator.run.resume: the resume decision from every node's checkpoint scan (pure: scans in, decision out)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coordinator.resume import CheckpointVerdict, ResumeRefused, ScanFailed, decide_resume, parse_scan
+from coordinator.run.resume import CheckpointVerdict, ResumeRefused, ScanFailed, decide_resume, parse_scan
 
 
 def ok(node: str, step: int) -> CheckpointVerdict:

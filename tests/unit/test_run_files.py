@@ -15,10 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.config.playbook import parse_playbook
+from coordinator.config.yamlsrc import MAX_NAME_LENGTH
 from coordinator.errors import ConfigError
-from coordinator.hostfile import Hostfile
-from coordinator.job import make_run_dir
-from coordinator.launch import (
+from coordinator.fleet.transport import Fleet
+from coordinator.models import Connection, Node
+from coordinator.planning.hostfile import Hostfile
+from coordinator.run.job import make_run_dir
+from coordinator.run.launch import (
     MAX_RUN_ID_LENGTH,
     Launch,
     RankPlan,
@@ -28,11 +32,7 @@ from coordinator.launch import (
     remote_tmp_dir,
     write_private,
 )
-from coordinator.models import Connection, Node
-from coordinator.playbook import parse_playbook
-from coordinator.rundir import PlanRecord
-from coordinator.transport import Fleet
-from coordinator.yamlsrc import MAX_NAME_LENGTH
+from coordinator.run.rundir import PlanRecord
 
 EMPTY_PLAN = PlanRecord(split={}, batch={}, global_batch=0, mode="equal", predicted_tokens_per_s=None,
                         backend="ring", attempt=1)
@@ -136,15 +136,15 @@ def test_the_run_dirs_playbook_copy_is_redacted_and_still_yaml(tmp_path: Path, m
     as YAML (a bare `***` would be an alias there)."""
     import yaml
 
-    import coordinator.launch
-    from coordinator.logs import Redactor
+    import coordinator.run.launch
+    from coordinator.run.logs import Redactor
 
     source = tmp_path / "pb.yaml"
     source.write_text("name: t\nmodel: /m\ndata: /d\nenv:\n  HF_TOKEN: hf_secretvalue123\n  PLAIN: ok\n")
     launch = _launch(tmp_path)
     launch.pb = parse_playbook(yaml.safe_load(source.read_text()), path=str(source))
     make_run_dir(launch.run_dir, tmp_path / "runs")
-    monkeypatch.setattr(coordinator.launch, "current_redactor", lambda: Redactor(("hf_secretvalue123",)))
+    monkeypatch.setattr(coordinator.run.launch, "current_redactor", lambda: Redactor(("hf_secretvalue123",)))
     launch.write_local_files(EMPTY_PLAN)
     copy = (launch.run_dir / "playbook.yaml").read_text()
     assert "hf_secretvalue123" not in copy

@@ -1,4 +1,4 @@
-"""The run directory's contract (coordinator.rundir): meta.json round-trips through its typed record, files of
+"""The run directory's contract (coordinator.run.rundir): meta.json round-trips through its typed record, files of
 the previous format (no `format` key) still read, a newer format is refused with both versions named, and the
 summary of train and map runs shares one base."""
 
@@ -12,11 +12,10 @@ from click.testing import CliRunner
 
 from coordinator.cli import main
 from coordinator.errors import ConfigError
-from coordinator.launch import RunSummary
-from coordinator.mapjob import MapSummary
-from coordinator.monitor import Action, Incident, IncidentKind, RunState
-from coordinator.report import ReportError, read_run_files
-from coordinator.rundir import (
+from coordinator.run.launch import RunSummary
+from coordinator.run.mapjob import MapSummary
+from coordinator.run.monitor import Action, Incident, IncidentKind, RunState
+from coordinator.run.rundir import (
     FORMAT,
     META,
     SUMMARY,
@@ -40,7 +39,8 @@ from coordinator.rundir import (
     read_json_object,
     read_meta,
 )
-from coordinator.statuswatch import RunWatcher
+from coordinator.views.report import ReportError, read_run_files
+from coordinator.views.statuswatch import RunWatcher
 
 META_RECORD = RunMeta(
     run_id="r1", attempt=1, inventory="/inv.yaml", nodes=("mac", "lin"), playbook="/pb.yaml",

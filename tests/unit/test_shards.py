@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.shards import (
+from coordinator.planning.shards import (
     ShardError,
     Spread,
     compute_shards,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.signatures import KNOWN_ERRORS, error_signature, explain_error
+from coordinator.run.signatures import KNOWN_ERRORS, error_signature, explain_error
 
 
 def test_a_signature_masks_paths_numbers_hex_and_node_names() -> None:

@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from coordinator.errors import ConfigError
-from coordinator.job import QuietUI
-from coordinator.metrics import (
+from coordinator.models import Inventory, Node
+from coordinator.run.job import QuietUI
+from coordinator.run.metrics import (
     MetricsServer,
     MetricsUI,
     NodeStatus,
@@ -25,12 +26,11 @@ from coordinator.metrics import (
     build_metric_families,
     run_status_from_monitor,
 )
-from coordinator.models import Inventory, Node
-from coordinator.monitor import Monitor, Observation, PlannedRank
-from coordinator.quarantine import Entry, QuarantineStore, inventory_key, new_entry
-from coordinator.status import RunEvents, build_node_status, build_rows, build_run_status, node_run
-from coordinator.statusview import render_run_table
-from coordinator.statuswatch import RunWatcher, load_quarantine, read_new_lines
+from coordinator.run.monitor import Monitor, Observation, PlannedRank
+from coordinator.run.quarantine import Entry, QuarantineStore, inventory_key, new_entry
+from coordinator.views.status import RunEvents, build_node_status, build_rows, build_run_status, node_run
+from coordinator.views.statusview import render_run_table
+from coordinator.views.statuswatch import RunWatcher, load_quarantine, read_new_lines
 from tests.factsutil import MBP, OLD, facts_from, linux_sections, load_profile, profile_sections, worker_answer
 
 MAC = Node(name="mac", host="10.0.0.2")

@@ -1,4 +1,4 @@
-"""The strategy planner (coordinator/strategy.py), its lint finding and the launch refusal: model shape, train
+"""The strategy planner (coordinator/planning/strategy.py), its lint finding and the launch refusal: model shape, train
 section and node budgets in, a decision or a refusal with the numbers out."""
 
 from __future__ import annotations
@@ -7,15 +7,13 @@ from typing import Any
 
 import pytest
 
+from coordinator.config.playbook import Playbook, TrainConfig, parse_playbook
 from coordinator.errors import ConfigError
-from coordinator.estimate import GiB, ModelShape, estimate_training_memory, model_shape
 from coordinator.facts.linux import parse_nvidia_smi
 from coordinator.facts.model import Memory, NodeFacts
-from coordinator.lint import lint_playbook
 from coordinator.models import Inventory, LintResult, Node, Status
-from coordinator.playbook import Playbook, TrainConfig, parse_playbook
-from coordinator.preflight import FleetFacts, fleet_budgets, strategy_refusal
-from coordinator.strategy import (
+from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory, model_shape
+from coordinator.planning.strategy import (
     NodeBudget,
     StrategyError,
     block_params,
@@ -24,6 +22,8 @@ from coordinator.strategy import (
     node_budget,
     per_rank_need,
 )
+from coordinator.preflight.lint import lint_playbook
+from coordinator.preflight.pipeline import FleetFacts, fleet_budgets, strategy_refusal
 from tests.factsutil import MODEL_CONFIG
 
 SHAPE = ModelShape(params=1_000_000_000, hidden=2048, layers=16, vocab=32000, intermediate=8192, heads=16)

@@ -1,4 +1,4 @@
-"""The run and node locks, stop requests and signal bookkeeping (coordinator/supervision.py), and the follower's
+"""The run and node locks, stop requests and signal bookkeeping (coordinator/run/supervision.py), and the follower's
 `--skip` (worker/follow.py) that lets a reopened follower channel go on where the closed one stopped."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.models import Connection, Node
-from coordinator.rundir import PlanRecord
-from coordinator.supervision import (
+from coordinator.run.rundir import PlanRecord
+from coordinator.run.supervision import (
     FileLock,
     Holder,
     RunBusy,
@@ -162,12 +162,12 @@ def test_attach_adopts_what_the_launch_decided_for_the_whole_run_from_meta_json(
     """The nodes left out at start, the drill flag and --restart-from-scratch outlive the coordinator: attach's
     summary (`job.supervise`) still names the left-out nodes, and its relaunches answer faults as the launch's
     would have."""
-    from coordinator.control import _adopt, read_meta
-    from coordinator.hostfile import Hostfile
-    from coordinator.launch import Launch, RankPlan
+    from coordinator.config.playbook import parse_playbook
+    from coordinator.fleet.transport import Fleet
     from coordinator.models import Inventory
-    from coordinator.playbook import parse_playbook
-    from coordinator.transport import Fleet
+    from coordinator.planning.hostfile import Hostfile
+    from coordinator.run.control import _adopt, read_meta
+    from coordinator.run.launch import Launch, RankPlan
 
     node = Node("a", "127.0.0.1", Connection.LOCAL, workdir=str(tmp_path / "w"))
     pb = parse_playbook({"name": "t", "model": "/m", "data": "/d"}, path="pb.yaml").model_copy(update={"path": None})

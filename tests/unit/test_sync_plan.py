@@ -1,4 +1,4 @@
-"""coordinator/sync.py: manifests in, the plan out (copy, delete, resume offsets, disk space, the chain)."""
+"""coordinator/planning/sync.py: manifests in, the plan out (copy, delete, resume offsets, disk space, the chain)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coordinator.sync import NodeState, ParseError, compute_plan, parse_node_state, verify
+from coordinator.planning.sync import NodeState, ParseError, compute_plan, parse_node_state, verify
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 SOURCE = {"model/w.bin": (1000, A), "model/config.json": (10, B), "data/train.jsonl": (50, C)}

@@ -428,7 +428,7 @@ def test_sigterm_gives_error_event_and_exit_143(runs: Runs) -> None:
 
 
 def test_a_rank_resume_with_only_invalid_checkpoints_refuses_unless_restarting_from_scratch(tmp_path: Path) -> None:
-    # The ranks' own check (the coordinator's runs first, coordinator.resume): a job fault, not a node's.
+    # The ranks' own check (the coordinator's runs first, coordinator.run.resume): a job fault, not a node's.
     model = build_tiny_model(tmp_path / "model", SMOKE)
     run_dir = tmp_path / "run"
     cfg = {"model": str(model), "data": str(SMOKE), "max_seq_length": 64, "val_batches": 1, "iters": 4,

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from coordinator.transport import build_command, python_argv
+from coordinator.fleet.transport import build_command, python_argv
 
 
 @pytest.mark.parametrize("arg", ["a b", "$(id)", "`id`", "x;y", "it's", "\n", "--", "*", "~/x"])

@@ -11,8 +11,8 @@ import asyncssh
 import pytest
 
 from coordinator.errors import HostKeyError, TransportError
+from coordinator.fleet.transport import Fleet, SshTransport
 from coordinator.models import ConnectInfo, Node
-from coordinator.transport import Fleet, SshTransport
 from tests.sshserver import SshTestServer, run_for_real
 
 

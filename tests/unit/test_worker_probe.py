@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.probe import python_args
+from coordinator.facts.probe import python_args
 from worker import probe
 
 SOURCE = Path(probe.__file__).read_text(encoding="utf-8")
@@ -40,7 +40,7 @@ def own_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
 
 def run_script(args: dict[str, Any] | None, python: str = sys.executable, extra: list[str] | None = None,
                source: str = SOURCE, key_of: str | None = None) -> tuple[int, dict[str, Any], str]:
-    # The way the coordinator runs it (coordinator.probe.python_args: `-c BOOTSTRAP KEY`, the source on stdin).
+    # The way the coordinator runs it (coordinator.facts.probe.python_args: `-c BOOTSTRAP KEY`, the source on stdin).
     # `key_of`: pretend the source is this other text (the cache key of a different version).
     argv = [python, *python_args(key_of if key_of is not None else source)]
     argv += ([json.dumps(args)] if args is not None else []) + (extra or [])

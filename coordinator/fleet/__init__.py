@@ -1,0 +1,1 @@
+"""Talking to the nodes: SSH transport, fact gathering, shipping the worker, assets, setup, sync, nettest."""

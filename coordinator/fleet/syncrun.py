@@ -1,0 +1,403 @@
+"""`coordinator sync`'s I/O: make the playbook's model and data dirs identical on every node (the verb:
+coordinator/cli/sync.py; `launch --fix` calls `run_sync` too).
+
+The I/O shell around `coordinator.planning.sync` (the pure plan). Steps:
+
+1. connect to the source node (`--from`) and the targets, ship the worker package; `--source PATH` reads a local
+   dir holding one subdir per synced label (`PATH/model`, `PATH/data`) through a local process instead;
+2. `python -m worker.relay plan` everywhere: per-file SHA256 manifests through the probe's stat-keyed hash cache,
+   leftover partials, free space; the source is `--from`/`--source`, else the manifest most nodes share;
+3. `compute_plan`; `--check` stops here and prints it. A node short of disk space fails the sync here, before
+   the first byte;
+4. extras are deleted; every node that needs a file starts `worker.relay serve` bound to its data-plane IP
+   (a per-sync random token on stdin), then the source's `worker.relay send` streams each file once down the
+   chain, every node writing and forwarding as bytes arrive;
+5. `plan` again on every target: each manifest must equal the source's.
+
+Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced); a
+relay error fails its node and, the chain being broken there, those after it. Exit 0 when every node ends
+identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on a usage error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from coordinator.config.playbook import Playbook
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.fleet.transport import Fleet, LocalTransport, RawProcess, Transport, python_argv
+from coordinator.models import Connection, Inventory, Node
+from coordinator.planning.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
+
+SETUP_TIMEOUT = 60.0
+
+
+PLAN_TIMEOUT = 3600.0  # the first manifest of a big model hashes it (cached afterwards)
+
+
+PORT_TIMEOUT = 30.0
+
+
+RELAY_IDLE_TIMEOUT = 60.0  # a relay socket silent this long gives up (the node's process then exits by itself)
+
+
+BROKEN_CHAIN_GRACE = 2.0  # seconds the relays get to finish once the source's stream has failed
+
+
+TRANSFER_TIMEOUT = 7 * 24 * 3600.0  # the whole transfer; stalls are bounded by RELAY_IDLE_TIMEOUT instead
+
+
+Progress = Callable[[str, int, int], None]  # node, bytes done, bytes total
+
+
+class SyncError(CoordinatorError):
+    """The sync could not start (no source, no agreement) or its source failed."""
+
+
+@dataclass
+class SyncReport:
+    plan: SyncPlan | None
+    checked_only: bool
+    node_errors: dict[str, str] = field(default_factory=dict)
+    verified: dict[str, list[str]] = field(default_factory=dict)  # node -> remaining differences
+    sent_bytes: int = 0
+    seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    refused: dict[str, list[str]] = field(default_factory=dict)
+    fallback: dict[str, str] = field(default_factory=dict)  # node -> why the relay chain failed it (then SSH)
+
+    @property
+    def ok(self) -> bool:
+        if self.plan is None or self.node_errors or self.plan.problems:
+            return False
+        return self.checked_only or all(not v for v in self.verified.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "check": self.checked_only, "plan": self.plan.to_json() if self.plan else None,
+                "errors": self.node_errors, "verified": {n: not v for n, v in self.verified.items()},
+                "differences": {n: v for n, v in self.verified.items() if v}, "sent_bytes": self.sent_bytes,
+                "elapsed_s": round(self.seconds, 3), "transfer_s": round(self.transfer_seconds, 3),
+                "refused": self.refused, "fallback": self.fallback}
+
+
+@dataclass(frozen=True)
+class _Side:
+    node: Node
+    transport: Transport
+    worker_dir: str
+    dirs: dict[str, str]
+
+
+def _relay_argv(side: _Side, *args: str) -> list[str]:
+    env = [f"{k}={v}" for k, v in side.node.env if k != "PYTHONPATH"]
+    return ["env", *env, f"PYTHONPATH={side.worker_dir}", *python_argv(side.node.python, "-m", "worker.relay", *args)]
+
+
+async def _call(side: _Side, args: list[str], spec: dict[str, Any], timeout: float) -> str:
+    result = await side.transport.run(_relay_argv(side, *args), stdin=json.dumps(spec), timeout=timeout)
+    if not result.ok:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} exited {result.exit_status}: "
+                             f"{(result.stdout + result.stderr).strip()[-400:]}")
+    return result.stdout
+
+
+async def _plan_state(side: _Side) -> NodeState:
+    return parse_node_state(side.node.name, await _call(side, ["plan"], {"dirs": side.dirs}, PLAN_TIMEOUT))
+
+
+class _Stream:
+    """A running `serve`/`send`: the port it listens on (serve), progress, and its final JSON answer."""
+
+    def __init__(self, side: _Side, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None], *,
+                 listens: bool = True) -> None:
+        self.listens = listens
+        self.side = side
+        self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.answer: dict[str, Any] | None = None
+        self.stderr: list[str] = []
+        self.task = asyncio.create_task(self._run(argv, spec, progress))
+
+    async def _run(self, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None]) -> None:
+        name = self.side.node.name
+        stream: AsyncIterator[tuple[str, str]] = self.side.transport.stream(
+            argv, stdin=json.dumps(spec), timeout=TRANSFER_TIMEOUT)
+        try:
+            async for kind, line in stream:
+                if kind == "stderr":
+                    if line.startswith("progress "):
+                        progress(int(line.split()[1]))
+                    else:
+                        self.stderr.append(line.strip())
+                elif kind == "stdout" and line.strip():
+                    doc = json.loads(line)
+                    if "port" in doc and not self.port.done():
+                        self.port.set_result(int(doc["port"]))
+                    else:
+                        self.answer = doc
+        except (TransportError, ValueError) as exc:
+            self.answer = {"error": str(exc)}
+        finally:
+            if not self.port.done():
+                self.port.set_exception(TransportError(
+                    name, f"relay ended before listening: {(self.answer or {}).get('error', '')} "
+                    f"{' | '.join(self.stderr[-3:])}"))
+                if not self.listens:  # nobody awaits a sender's port
+                    self.port.exception()
+
+    def error(self) -> str | None:
+        doc = self.answer
+        if doc is None and self.task.cancelled():
+            return "stopped: the chain broke upstream"
+        if doc is None:
+            return f"relay gave no answer: {' | '.join(self.stderr[-3:])}"
+        if doc.get("error"):
+            return str(doc["error"])
+        if doc.get("errors"):
+            return "; ".join(doc["errors"])
+        return None
+
+
+async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | None, source_path: Path | None,
+                   check: bool, connect_timeout: float = 5.0, accept_new_host_keys: bool = False,
+                   progress: Progress | None = None, on_plan: Callable[[SyncPlan], None] | None = None,
+                   source_dirs: Mapping[str, str] | None = None) -> SyncReport:
+    """Plan, copy and verify (see the module docstring). Per-node failures are in the report. `source_dirs`
+    (label -> local dir) is a local source laid out otherwise than `source_path/<label>` (launch --fix: the
+    playbook's own paths on this machine)."""
+    started = time.perf_counter()
+    dirs = dict(pb.hashed_dirs())
+    nodes = [n for n in inventory.nodes if source_node is None or n.name != source_node.name]
+    fleet_nodes = nodes + ([source_node] if source_node is not None else [])
+    report = SyncReport(None, check)
+    from coordinator.fleet.ship import ship_worker
+
+    async with Fleet(fleet_nodes, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys) as fleet:
+        async def ship(node: Node, transport: Transport) -> str:
+            return await ship_worker(transport, node, timeout=SETUP_TIMEOUT)
+
+        connected, shipped = await fleet.connect_and_map(ship)
+        sides: dict[str, _Side] = {}
+        for node in fleet_nodes:
+            got = shipped.get(node.name, connected.get(node.name))
+            if isinstance(got, str):
+                sides[node.name] = _Side(node, fleet.transports[node.name], got, dirs)
+            else:
+                report.node_errors[node.name] = str(got)
+        if source_path is not None or source_dirs is not None:
+            import worker
+
+            local_dirs = dict(source_dirs) if source_dirs is not None else {lb: str(Path(str(source_path)) / lb)
+                                                                            for lb in dirs}
+            local = Node(name=f"local:{source_path or ','.join(local_dirs.values())}", host="localhost",
+                         connection=Connection.LOCAL, python=sys.executable)
+            src_side: _Side | None = _Side(local, LocalTransport(local), str(Path(worker.__file__).resolve().parents[1]),
+                                           local_dirs)
+        elif source_node is not None:
+            src_side = sides.get(source_node.name)
+            if src_side is None:
+                raise SyncError(f"source {report.node_errors.get(source_node.name, source_node.name)}")
+        else:
+            src_side = None
+
+        targets = [sides[n.name] for n in nodes if n.name in sides]
+        answers = await asyncio.gather(*(_plan_state(s) for s in [*targets, *([src_side] if src_side else [])]),
+                                       return_exceptions=True)
+        states: dict[str, NodeState] = {}
+        for side, ans in zip([*targets, *([src_side] if src_side else [])], answers, strict=True):
+            if isinstance(ans, NodeState):
+                states[side.node.name] = ans
+            elif isinstance(ans, (CoordinatorError, ParseError)):
+                report.node_errors[side.node.name] = str(ans)
+            else:
+                raise ans
+        if src_side is not None:
+            src_state = states.pop(src_side.node.name, None)
+            if src_state is None:
+                raise SyncError(f"source: {report.node_errors.pop(src_side.node.name, 'no manifest')}")
+            if src_state.missing or not src_state.manifest:
+                raise SyncError(f"source {src_side.node.name} lacks "
+                                f"{', '.join(src_side.dirs[lb] for lb in src_state.missing) or 'any file'}")
+            if src_state.errors:
+                raise SyncError(f"source {src_side.node.name}: {'; '.join(src_state.errors)}")
+            source_name, manifest = src_side.node.name, src_state.manifest
+        else:
+            source_name, manifest = _majority(states)
+            src_side = sides[source_name]
+            states.pop(source_name)
+        target_states = [states[s.node.name] for s in targets if s.node.name in states]
+        plan = compute_plan(source_name, manifest, target_states)
+        report.plan = plan
+        if on_plan is not None:
+            on_plan(plan)
+        if check or plan.problems:
+            report.seconds = time.perf_counter() - started
+            return report
+
+        # Extras (and useless partials) first: they also free space.
+        deletions = [p for p in plan.nodes if p.delete]
+        done = await asyncio.gather(*(_call(sides[p.node], ["delete"], {"dirs": dirs, "paths": list(p.delete)},
+                                            SETUP_TIMEOUT) for p in deletions), return_exceptions=True)
+        for p, out in zip(deletions, done, strict=True):
+            if isinstance(out, BaseException):
+                report.node_errors[p.node] = str(out)
+            elif json.loads(out.strip().splitlines()[-1]).get("errors"):
+                report.node_errors[p.node] = "; ".join(json.loads(out.strip().splitlines()[-1])["errors"])
+
+        transfer_started = time.perf_counter()
+        if plan.chain:
+            await _transfer(plan, src_side, [sides[n] for n in plan.chain], report, progress)
+            failed = [n for n in plan.chain if n in report.node_errors]
+            if failed:
+                # Fallback: the nodes the chain did not finish (unreachable data plane, a relay that could not
+                # bind or connect) get the stream over the coordinator's own SSH connections.
+                again = await asyncio.gather(*(_plan_state(sides[n]) for n in failed), return_exceptions=True)
+                retry = [a for a in again if isinstance(a, NodeState)]
+                fallback = compute_plan(source_name, manifest, retry)
+                if fallback.chain:
+                    report.fallback = {n: report.node_errors.pop(n) for n in fallback.chain}
+                    report.node_errors.pop(src_side.node.name, None)
+                    await _transfer_ssh(fallback, src_side, [sides[n] for n in fallback.chain], report, progress)
+        report.transfer_seconds = time.perf_counter() - transfer_started
+
+        final = await asyncio.gather(*(_plan_state(s) for s in targets if s.node.name in states),
+                                     return_exceptions=True)
+        for side, ans in zip([s for s in targets if s.node.name in states], final, strict=True):
+            if isinstance(ans, NodeState):
+                report.verified[side.node.name] = verify(manifest, ans)
+            else:
+                report.node_errors.setdefault(side.node.name, str(ans))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _majority(states: dict[str, NodeState]) -> tuple[str, dict[str, tuple[int, str]]]:
+    from coordinator.models import majority
+
+    digests = {n: json.dumps(sorted(s.manifest.items())) for n, s in states.items() if s.manifest and not s.missing}
+    winner, _ = majority(digests)
+    if winner is None:
+        raise ConfigError("no majority copy of the model/data dirs among the nodes: name the good copy with "
+                          "--from NODE or --source PATH")
+    name = next(n for n, d in digests.items() if d == winner)
+    return name, states[name].manifest
+
+
+async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: SyncReport,
+                    progress: Progress | None) -> None:
+    token = secrets.token_hex(16)
+    total = plan.stream_bytes
+
+    def meter(name: str) -> Callable[[int], None]:
+        return lambda done: progress(name, done, total) if progress is not None else None
+
+    need = {p.node: list(p.copy) for p in plan.nodes}
+    servers = [_Stream(s, _relay_argv(s, "serve", "--bind", s.node.data_ip),
+                       {"token": token, "dirs": s.dirs, "need": need[s.node.name], "timeout": RELAY_IDLE_TIMEOUT},
+                       meter(s.node.name)) for s in chain]
+    try:
+        ports = await asyncio.wait_for(asyncio.gather(*(s.port for s in servers)), timeout=PORT_TIMEOUT)
+    except (TransportError, TimeoutError) as exc:
+        for server in servers:
+            server.task.cancel()
+        for side in chain:
+            report.node_errors.setdefault(side.node.name, f"relay did not start: {exc}")
+        return
+    hops = [[s.node.data_ip, port] for s, port in zip(chain, ports, strict=True)]
+    sender = _Stream(src, _relay_argv(src, "send"),
+                     {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
+                      "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
+    await sender.task
+    if sender.error():
+        # The chain broke (a hop unreachable or gone): relays downstream of the break would wait for data until
+        # their idle timeout. Give the others a moment to finish what they received, then stop them all.
+        _, pending = await asyncio.wait([s.task for s in servers], timeout=BROKEN_CHAIN_GRACE)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    else:
+        await asyncio.gather(*(s.task for s in servers))
+    if sender.answer and isinstance(sender.answer.get("bytes"), int):
+        report.sent_bytes = sender.answer["bytes"]
+    problem = sender.error()
+    if problem:
+        report.node_errors[src.node.name] = f"source: {problem}"
+    for server in servers:
+        problem = server.error()
+        name = server.side.node.name
+        if problem:
+            report.node_errors[name] = problem
+        if server.answer and server.answer.get("refused"):
+            report.refused[name] = list(server.answer["refused"])
+
+
+async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report: SyncReport,
+                        progress: Progress | None) -> None:
+    """The same stream, through the coordinator: the source's `send --stdout` is read over its SSH channel and
+    written into every target's `serve --stdin` (the coordinator's link carries one copy per target)."""
+    token = secrets.token_hex(16)
+    total = plan.stream_bytes
+    need = {p.node: list(p.copy) for p in plan.nodes}
+    spec = {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": [],
+            "timeout": RELAY_IDLE_TIMEOUT}
+    source = await src.transport.open_binary(_relay_argv(src, "send", "--stdout"))
+    source.stdin.write(json.dumps(spec).encode() + b"\n")
+    source.stdin.write_eof()
+    sinks: dict[str, RawProcess] = {}
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def read_err(name: str, proc: RawProcess) -> None:
+        while line := await proc.stderr.readline():
+            text = line.decode(errors="replace")
+            if text.startswith("progress ") and progress is not None and name != src.node.name:
+                progress(name, int(text.split()[1]), total)
+            elif text.startswith("result "):
+                answers[name] = json.loads(text[len("result "):])
+
+    async def read_out(name: str, proc: RawProcess) -> None:
+        out = (await proc.stdout.read()).decode(errors="replace").strip().splitlines()
+        answers[name] = json.loads(out[-1]) if out else {"error": "no answer"}
+
+    readers = [asyncio.create_task(read_err(src.node.name, source))]
+    for t in targets:
+        proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        proc.stdin.write(json.dumps({"token": token, "dirs": t.dirs, "need": need[t.node.name],
+                                     "timeout": RELAY_IDLE_TIMEOUT}).encode() + b"\n")
+        sinks[t.node.name] = proc
+        readers += [asyncio.create_task(read_err(t.node.name, proc)), asyncio.create_task(read_out(t.node.name, proc))]
+    try:
+        while chunk := await source.stdout.read(1 << 20):
+            report.sent_bytes += len(chunk)
+
+            async def feed(proc: RawProcess, data: bytes = chunk) -> None:
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+
+            names = list(sinks)
+            fed = await asyncio.gather(*(feed(sinks[n]) for n in names), return_exceptions=True)
+            for name, outcome in zip(names, fed, strict=True):
+                if isinstance(outcome, (OSError, asyncssh.Error)):  # that node's relay died: the others go on
+                    report.node_errors[name] = f"SSH fallback: {outcome}"
+                    del sinks[name]
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+        for proc in sinks.values():
+            proc.stdin.write_eof()
+        await asyncio.gather(source.wait(), *(p.wait() for p in sinks.values()))
+        await asyncio.gather(*readers, return_exceptions=True)
+    finally:
+        for proc in [source, *sinks.values()]:
+            proc.kill()
+    for name in [src.node.name, *(t.node.name for t in targets)]:
+        doc = answers.get(name, {"error": "no answer"})
+        problem = doc.get("error") or "; ".join(doc.get("errors") or [])
+        if problem:
+            report.node_errors[name] = (f"source: {problem}" if name == src.node.name else f"SSH fallback: {problem}")

@@ -1,0 +1,469 @@
+"""Split a global batch over the ranks of a mixed fleet. Pure arithmetic: no I/O.
+
+mlx-lm gives every rank an equal shard, so on a mixed fleet (an M4 Max next to an M3 Ultra) the fast rank waits
+for the slow one at every gradient all-reduce. Here every node gets an integer number of rows (its local batch)
+so that all ranks finish their step at nearly the same time, using the throughput curve `worker.bench` measured on
+that node, and never more rows than its memory allows.
+
+Model of a node (from its measured curve of (batch, tokens/s, peak memory) points):
+- an interior dip (one point below both of its neighbours) is measurement noise and is raised to the line between
+  them (`lift_dips`: timing noise on a busy machine only ever slows a step);
+- tokens/s at batch b: linear interpolation between measured batches; below the smallest measured batch the step
+  time of that batch (a step never gets cheaper than the smallest one measured); beyond the largest measured batch
+  a plateau: the best measured rate, unless the curve ends in a measured fall (the last point below
+  `PLATEAU_RATIO` x best), in which case the last measured rate (the fall is evidence, the best rate is not).
+- step time at the measured batches t_i = b_i * seq_len / tokens_per_s(b_i), fitted by a monotone (isotonic,
+  least-squares weighted by the rows each point timed) non-decreasing curve: a step with more rows cannot really be
+  faster than one with fewer, so a violation is noise, and the fit pools it with its neighbours instead of letting
+  one slow small-batch point raise every larger batch (a running maximum did: a noisy batch-2 point predicted 168k
+  tokens/s where batch 8 measured 240k). Between measured batches the fitted times are interpolated linearly;
+  below the first, its step time; beyond the last, the plateau rate (never below the last fitted time). Monotone
+  step times are what make the greedy split below optimal.
+- peak memory at batch b: linear interpolation between measured points, linear extrapolation of the last two
+  beyond them (the proportional rule through the origin when only one point was measured, which over-estimates:
+  safe), and the smallest measured peak below the first point. A node's cap is the largest batch whose predicted
+  peak stays within its `memory_limit`.
+
+Failure semantics: every impossible request (fewer rows than nodes, a batch the fleet's memory cannot hold, an
+explicit split that does not name exactly the nodes, a curve that makes no sense) raises `PlanError` with the
+numbers in the message. Nothing is silently clamped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from coordinator.errors import CoordinatorError
+from coordinator.planning.shards import largest_remainder
+
+# Same knee criterion as worker.bench: a rate below this fraction of the best is a real fall, not noise.
+PLATEAU_RATIO = 0.97
+# Tolerance on the sum of an explicit split's fractions.
+FRACTION_TOLERANCE = 1e-6
+
+
+class PlanError(CoordinatorError, ValueError):
+    """The requested split cannot be made (bad input or not enough memory); the message names the numbers."""
+
+
+class SplitMode(StrEnum):
+    CALIBRATED = "calibrated"
+    EQUAL = "equal"
+    EXPLICIT = "explicit"
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One measured point: `batch` rows of the calibration's seq_len ran at `tokens_per_s`, peaking at
+    `peak_memory` bytes (weights, optimizer state and activations: the whole process)."""
+
+    batch: int
+    tokens_per_s: float
+    peak_memory: int
+
+
+@dataclass(frozen=True)
+class NodeCalibration:
+    """What `worker.bench` measured on one node. Valid by construction: a non-empty curve with strictly
+    increasing positive batches and positive finite rates (else `PlanError`).
+
+    `memory_limit` is the byte budget for a training process on that node (None: unknown, no cap).
+    `seq_len` is the sequence length the curve was measured at (None: unknown, not checked).
+    """
+
+    node: str
+    curve: tuple[CurvePoint, ...]
+    matmul_gflops: float
+    memory_limit: int | None
+    seq_len: int | None = None
+    method: str | None = None
+    stopped_because: str | None = None
+    seconds: float | None = None
+    device: tuple[tuple[str, Any], ...] = ()
+    cached: bool = False
+    one_time_s: float | None = None  # import, model load, first (compiling) step of each shape: paid once
+    measure_s: float | None = None  # the timed steps
+    fill: float = 1.0  # real tokens per row / seq_len on the data measured (the curve's rates are rows x seq_len)
+    noisy: tuple[int, ...] = ()  # batches whose steps disagreed by more than the bench's NOISY_SPREAD
+
+    def __post_init__(self) -> None:
+        if not self.curve:
+            raise PlanError(f"{self.node}: the calibration has no measured point")
+        previous = 0
+        for point in self.curve:
+            if point.batch <= previous:
+                raise PlanError(
+                    f"{self.node}: curve batches must be positive and strictly increasing, got "
+                    f"{[p.batch for p in self.curve]}"
+                )
+            previous = point.batch
+            if not (math.isfinite(point.tokens_per_s) and point.tokens_per_s > 0):
+                raise PlanError(f"{self.node}: batch {point.batch} has a non-positive rate {point.tokens_per_s!r}")
+            if point.peak_memory < 0:
+                raise PlanError(f"{self.node}: batch {point.batch} has a negative peak memory {point.peak_memory}")
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise PlanError(f"{self.node}: memory limit must be positive, got {self.memory_limit}")
+
+    @property
+    def best(self) -> CurvePoint:
+        """The measured point with the highest rate (the smallest batch among equals)."""
+        return max(self.curve, key=lambda p: (p.tokens_per_s, -p.batch))
+
+    @property
+    def device_dict(self) -> dict[str, Any]:
+        return dict(self.device)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Rows per node for one optimizer step. `batch` and `split` keep the calibrations' (rank) order.
+
+    `split[node]` = batch[node] / global_batch. `per_node_step_s` is each node's predicted step time at its
+    batch; `predicted_step_s` their maximum (the step time of the synchronous job) and `predicted_tokens_per_s`
+    = global_batch * seq_len / predicted_step_s.
+    """
+
+    split: dict[str, float]
+    batch: dict[str, int]
+    global_batch: int
+    mode: SplitMode
+    seq_len: int
+    predicted_step_s: float
+    predicted_tokens_per_s: float
+    per_node_step_s: dict[str, float] = field(default_factory=dict)
+    fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
+
+    def node_tokens_per_s(self, node: str) -> float | None:
+        """The rate (real tokens/s) `node` is predicted to run at with its batch (what its share is proportional
+        to); None for an uncalibrated plan."""
+        if node not in self.per_node_step_s:
+            return None
+        return self.batch[node] * self.seq_len * self.fill / self.per_node_step_s[node]
+
+
+# A run's tokens/s further than this from calibration's prediction is said plainly (the run's summary, the live
+# view): every decision built on calibration (the split, "slower than calibrated", the ETA) rests on it.
+PREDICTION_TOLERANCE = 0.15  # the goal calibration is held to (issue: within +-15% of the run)
+
+
+def prediction_gap(actual: float | None, predicted: float | None) -> float | None:
+    """(actual - predicted) / predicted: -0.6 is a run 60% slower than predicted. None when either is unknown."""
+    if actual is None or not predicted or predicted <= 0 or not math.isfinite(actual):
+        return None
+    return (actual - predicted) / predicted
+
+
+def describe_prediction(actual: float | None, predicted: float | None) -> str:
+    """The run's tokens/s next to the prediction, in words; a gap over PREDICTION_TOLERANCE is said loudly."""
+    if actual is None:
+        return "no step finished: no tokens/s"
+    text = f"{actual:,.0f} tok/s (median of the run's steps)"
+    gap = prediction_gap(actual, predicted)
+    if gap is None or predicted is None:
+        return text + ", no prediction (uncalibrated split)"
+    text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
+    if abs(gap) > PREDICTION_TOLERANCE:
+        side = "slower" if gap < 0 else "faster"
+        text += (f": MORE THAN {100 * PREDICTION_TOLERANCE:.0f}% {side.upper()} than calibration predicted; the "
+                 "split and ETA rest on that prediction (docs/calibration.md)")
+    return text
+
+
+def lift_dips(batches: Sequence[int], rates: Sequence[float]) -> list[float]:
+    """Rates with every interior dip (a point below both of its measured neighbours) raised to the line between
+    those neighbours. Timing noise on a busy machine is one-sided: interference only ever slows a step, so one
+    point below both neighbours is a disturbed measurement, not the node's speed at that batch (planning on it
+    once gave a node a batch its neighbours said was too small). Two low points in a row, and a fall at the END
+    of the curve (the knee, with no right-hand neighbour to contradict it), are kept."""
+    out = list(rates)
+    for i in range(1, len(rates) - 1):
+        if rates[i] < rates[i - 1] and rates[i] < rates[i + 1]:
+            t = (batches[i] - batches[i - 1]) / (batches[i + 1] - batches[i - 1])
+            out[i] = rates[i - 1] + t * (rates[i + 1] - rates[i - 1])
+    return out
+
+
+def isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators): each
+    run of values that falls is replaced by its weighted mean."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [b[0] for b in blocks for _ in range(int(b[2]))]
+
+
+class _NodeModel:
+    """Step time and memory predictions of one node for batches 1..limit (precomputed: batches are small)."""
+
+    def __init__(self, cal: NodeCalibration, seq_len: int) -> None:
+        self.cal = cal
+        self.seq_len = seq_len
+        self.batches = [p.batch for p in cal.curve]
+        self.rates = lift_dips(self.batches, [p.tokens_per_s for p in cal.curve])
+        best = max(self.rates)
+        self.plateau = best if self.rates[-1] >= PLATEAU_RATIO * best else self.rates[-1]
+        raw = [b * seq_len / r for b, r in zip(self.batches, self.rates, strict=True)]
+        self.fitted = isotonic(raw, [float(b) for b in self.batches])
+
+    def rate(self, batch: int) -> float:
+        batches, rates = self.batches, self.rates
+        if batch <= batches[0]:
+            # Same step time as the smallest measured batch: rate proportional to the rows.
+            return rates[0] * batch / batches[0]
+        if batch >= batches[-1]:
+            return rates[-1] if batch == batches[-1] else self.plateau
+        for i in range(len(batches) - 1):
+            if batches[i] <= batch <= batches[i + 1]:
+                t = (batch - batches[i]) / (batches[i + 1] - batches[i])
+                return rates[i] + t * (rates[i + 1] - rates[i])
+        raise AssertionError("unreachable: batch inside the curve's range")
+
+    def step_s(self, batch: int) -> float:
+        """Non-decreasing step time: the isotonic fit at the measured batches, interpolated between them."""
+        batches, fitted = self.batches, self.fitted
+        if batch <= batches[0]:
+            return fitted[0]
+        if batch >= batches[-1]:
+            return max(fitted[-1], batch * self.seq_len / self.plateau)
+        for i in range(len(batches) - 1):
+            if batches[i] <= batch <= batches[i + 1]:
+                t = (batch - batches[i]) / (batches[i + 1] - batches[i])
+                return fitted[i] + t * (fitted[i + 1] - fitted[i])
+        raise AssertionError("unreachable: batch inside the curve's range")
+
+    def peak_memory(self, batch: int) -> float:
+        curve = self.cal.curve
+        if batch <= curve[0].batch:
+            return float(curve[0].peak_memory)
+        if len(curve) == 1:
+            # One point cannot separate weights from activations: scale all of it (over-estimates, so safe).
+            return curve[0].peak_memory * batch / curve[0].batch
+        for lo, hi in itertools.pairwise(curve):
+            if batch <= hi.batch:
+                t = (batch - lo.batch) / (hi.batch - lo.batch)
+                return lo.peak_memory + t * (hi.peak_memory - lo.peak_memory)
+        lo, hi = curve[-2], curve[-1]
+        slope = max(0.0, (hi.peak_memory - lo.peak_memory) / (hi.batch - lo.batch))
+        return hi.peak_memory + slope * (batch - hi.batch)
+
+    def cap(self, upto: int) -> int:
+        """Largest batch in [0, upto] whose predicted peak memory, and that of every smaller batch, fits."""
+        limit = self.cal.memory_limit
+        if limit is None:
+            return upto
+        for b in range(1, upto + 1):
+            if self.peak_memory(b) > limit:
+                return b - 1
+        return upto
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def _check_inputs(calibrations: Sequence[NodeCalibration], global_batch: int, seq_len: int) -> None:
+    if not calibrations:
+        raise PlanError("no calibrated node to split the batch over")
+    names = [c.node for c in calibrations]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise PlanError(f"node(s) calibrated twice: {', '.join(duplicates)}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global batch must be a positive integer, got {global_batch!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise PlanError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if global_batch < len(names):
+        raise PlanError(
+            f"global batch {global_batch} is smaller than the number of nodes ({len(names)}: {', '.join(names)}): "
+            f"every rank needs at least one row; use a batch of at least {len(names)} or fewer nodes"
+        )
+    for cal in calibrations:
+        if cal.seq_len is not None and cal.seq_len != seq_len:
+            raise PlanError(
+                f"{cal.node}: calibrated at seq_len {cal.seq_len}, but the plan is for seq_len {seq_len}; "
+                "recalibrate at the training sequence length (step time is not linear in it)"
+            )
+
+
+def _greedy(models: Sequence[_NodeModel], caps: Sequence[int], global_batch: int) -> list[int]:
+    """Minimise the largest step time: one row each, then every further row to the node whose step time after
+    taking it is smallest (ties: earlier node), among nodes below their memory cap.
+
+    Optimal for non-decreasing step times: the rows beyond the first form, per node, a sorted list of step times
+    s_i(2) <= s_i(3) <= ...; any allocation with >= 1 row each uses a prefix of every list, so its makespan is at
+    least max(max_i s_i(1), the (G - n)-th smallest of all those values). The greedy takes exactly the G - n
+    smallest values (the heap always offers the smallest remaining head) and so reaches that bound.
+    """
+    counts = [1] * len(models)
+    heap = [(m.step_s(2), i) for i, m in enumerate(models) if caps[i] >= 2]
+    heapq.heapify(heap)
+    for _ in range(global_batch - len(models)):
+        # Feasibility (sum of caps >= global batch) was checked, so the heap cannot run dry here.
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        if counts[i] < caps[i]:
+            heapq.heappush(heap, (models[i].step_s(counts[i] + 1), i))
+    return counts
+
+
+def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> list[float]:
+    missing = [n for n in names if n not in split]
+    unknown = sorted(k for k in split if k not in names)
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown {', '.join(unknown)}")
+        raise PlanError(f"an explicit split must give a fraction for exactly the nodes ({', '.join(names)}): "
+                        + "; ".join(parts))
+    fractions = []
+    for name in names:
+        value = split[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise PlanError(f"split fraction for {name} must be a positive number, got {value!r}")
+        fractions.append(float(value))
+    total = sum(fractions)
+    if abs(total - 1.0) > FRACTION_TOLERANCE:
+        given = ", ".join(f"{n}={split[n]}" for n in names)
+        raise PlanError(f"split fractions must sum to 1, got {total:.6g} ({given})")
+    return fractions
+
+
+def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:
+    """The curve in examples of `rows_per_example` rows (a DPO pair is 2): a point of b rows, b a multiple, is
+    b // rows examples at the same token rate and peak memory. Splits by it keep each node's measured speed and
+    memory cap; the example is the unit the plan then hands out. Raises PlanError when no point is a multiple."""
+    if rows_per_example == 1:
+        return cal
+    points = tuple(CurvePoint(p.batch // rows_per_example, p.tokens_per_s, p.peak_memory)
+                   for p in cal.curve if p.batch % rows_per_example == 0)
+    if not points:
+        raise PlanError(f"{cal.node}: calibrated only at batches {[p.batch for p in cal.curve]}, none a multiple of "
+                        f"the {rows_per_example} rows one example needs: it cannot hold one example")
+    return replace(cal, curve=points)
+
+
+def compute_plan(
+    calibrations: Sequence[NodeCalibration],
+    global_batch: int,
+    *,
+    split: str | Mapping[str, float] = SplitMode.CALIBRATED,
+    seq_len: int,
+) -> Plan:
+    """Rows per node for a synchronous step of `global_batch` rows of `seq_len` tokens.
+
+    `split`: "calibrated" (equal predicted step times, see `_greedy`), "equal" (largest-remainder equal shares)
+    or `{node: fraction}` (fractions for exactly the calibrated nodes, summing to 1 +- 1e-6, largest-remainder
+    rounding). Every node gets >= 1 row and no node more rows than its memory cap, in every mode.
+
+    Raises `PlanError`: fewer rows than nodes, a batch over the fleet's memory caps, a fixed split that puts a node
+    over its cap or at zero rows, malformed fractions, duplicate nodes, or a seq_len other than the calibrated one.
+    """
+    _check_inputs(calibrations, global_batch, seq_len)
+    names = [c.node for c in calibrations]
+    models = [_NodeModel(c, seq_len) for c in calibrations]
+    caps = [m.cap(global_batch) for m in models]
+
+    for cal, model, cap in zip(calibrations, models, caps, strict=True):
+        if cap < 1:
+            limit = cal.memory_limit or 0
+            raise PlanError(
+                f"{cal.node}: even one row of {seq_len} tokens needs ~{_gib(model.peak_memory(1))}, over its "
+                f"memory limit of {_gib(limit)}; shorten the sequence, use gradient checkpointing or LoRA, "
+                "or leave the node out"
+            )
+
+    if isinstance(split, str) and split == SplitMode.CALIBRATED:
+        if sum(caps) < global_batch:
+            detail = ", ".join(
+                f"{cal.node} {cap} rows (~{_gib(model.peak_memory(cap))} of {_gib(cal.memory_limit or 0)})"
+                for cal, model, cap in zip(calibrations, models, caps, strict=True)
+            )
+            raise PlanError(
+                f"global batch {global_batch} does not fit in the fleet's memory at seq_len {seq_len}: at most "
+                f"{sum(caps)} rows ({detail}); lower the batch size or use gradient accumulation"
+            )
+        counts = _greedy(models, caps, global_batch)
+        mode = SplitMode.CALIBRATED
+    else:
+        if isinstance(split, str):
+            if split != SplitMode.EQUAL:
+                raise PlanError(f"unknown split {split!r}: use calibrated, equal or {{node: fraction}}")
+            fractions = [1.0 / len(names)] * len(names)
+            mode = SplitMode.EQUAL
+        else:
+            fractions = _explicit_fractions(names, split)
+            mode = SplitMode.EXPLICIT
+        counts = largest_remainder(global_batch, fractions)
+        for name, count, fraction in zip(names, counts, fractions, strict=True):
+            if count < 1:
+                raise PlanError(
+                    f"{mode} split gives {name} 0 of {global_batch} rows (fraction {fraction:.4g}): raise its "
+                    "fraction or the global batch"
+                )
+        over = [
+            f"{cal.node} {count} rows (~{_gib(model.peak_memory(count))}, limit {_gib(cal.memory_limit or 0)}, "
+            f"cap {cap})"
+            for cal, model, cap, count in zip(calibrations, models, caps, counts, strict=True)
+            if count > cap
+        ]
+        if over:
+            raise PlanError(
+                f"{mode} split of global batch {global_batch} at seq_len {seq_len} exceeds memory: {'; '.join(over)}"
+            )
+
+    per_node = {name: model.step_s(count) for name, model, count in zip(names, models, counts, strict=True)}
+    step = max(per_node.values())
+    # The nodes measured the same rows (the run's order, the same data), so their fills agree up to the batches
+    # each timed; the mean is the data's.
+    fill = sum(c.fill for c in calibrations) / len(calibrations)
+    return Plan(
+        split={name: count / global_batch for name, count in zip(names, counts, strict=True)},
+        batch=dict(zip(names, counts, strict=True)),
+        global_batch=global_batch,
+        mode=mode,
+        seq_len=seq_len,
+        predicted_step_s=step,
+        predicted_tokens_per_s=global_batch * seq_len * fill / step,
+        fill=fill,
+        per_node_step_s=per_node,
+    )
+
+
+def fixed_plan(names: Sequence[str], global_batch: int, split: str | Mapping[str, float], *, seq_len: int) -> Plan:
+    """An `equal` or explicit `{node: fraction}` split without calibration curves (no memory caps, no predicted
+    rates): what a playbook with a fixed split runs, so it never waits for a benchmark."""
+    if len(set(names)) != len(names) or not names:
+        raise PlanError(f"need distinct nodes, got {list(names)}")
+    if global_batch < len(names):
+        raise PlanError(f"global batch {global_batch} is smaller than the {len(names)} nodes: every rank needs a row")
+    if isinstance(split, str):
+        if split != SplitMode.EQUAL:
+            raise PlanError(f"a fixed plan needs split `equal` or {{node: fraction}}, not {split!r}")
+        fractions, mode = [1.0 / len(names)] * len(names), SplitMode.EQUAL
+    else:
+        fractions, mode = _explicit_fractions(names, split), SplitMode.EXPLICIT
+    counts = largest_remainder(global_batch, fractions)
+    for name, count, fraction in zip(names, counts, fractions, strict=True):
+        if count < 1:
+            raise PlanError(f"{mode} split gives {name} 0 of {global_batch} rows (fraction {fraction:.4g}): raise "
+                            "its fraction or the global batch")
+    return Plan(split={n: c / global_batch for n, c in zip(names, counts, strict=True)},
+                batch=dict(zip(names, counts, strict=True)), global_batch=global_batch, mode=mode, seq_len=seq_len,
+                predicted_step_s=0.0, predicted_tokens_per_s=0.0)
+
+
+def format_split(plan: Plan) -> str:
+    """`m4max 65.5% / ultra 34.5%` in rank order."""
+    return " / ".join(f"{name} {share * 100:.1f}%" for name, share in plan.split.items())

@@ -1,0 +1,803 @@
+"""The main job, end to end: what `coordinator launch` (and `calibrate`/`hostfile`) run.
+
+    connect -> provision assets -> probe (facts) -> preflight (fails stop the launch) -> calibration (cached)
+    -> plan -> hostfile -> Launch (mlx.launch + monitor) -> teardown -> summary.json
+
+The steps report to a `JobUI` (the CLI's live view, or nothing in tests); decisions stay in the pure modules
+(checks, plan, hostfile, monitor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from coordinator.config.playbook import Playbook
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.facts.model import NodeFacts
+from coordinator.fleet.assets import provision
+from coordinator.fleet.gather import gather_facts
+from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
+from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.hostfile import Hostfile, build_hostfile
+from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
+from coordinator.planning.shards import MapRow
+from coordinator.preflight.checks.context import manifest_digest, node_manifest
+from coordinator.preflight.fix import (
+    FixOptions,
+    FixPlan,
+    SyncSource,
+    choose_sync_source,
+    compute_fix_plan,
+    compute_sync_outcomes,
+    describe_fix_plan,
+    describe_left,
+    resolve_requested,
+)
+from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
+from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
+from coordinator.run.chaos import Chaos
+from coordinator.run.launch import (
+    Launch,
+    LaunchError,
+    RankPlan,
+    RunSummary,
+    check_run_id,
+    new_run_id,
+    node_run_dir,
+    set_aside_checkpoints_after,
+    summarize,
+    write_summary,
+)
+from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
+from coordinator.run.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
+from coordinator.run.quarantine import (
+    Entry,
+    LeftOut,
+    QuarantineStore,
+    check_degraded,
+    clear_command,
+    compute_left_out,
+    format_left_out,
+    inventory_key,
+    new_entry,
+)
+from coordinator.run.resume import ResumeDecision, ResumeRefused, check_resume
+from coordinator.run.rundir import EVENTS, PlanRecord
+from coordinator.run.supervision import (
+    NodeLocks,
+    RunBusy,
+    Supervision,
+    acquire_nodes,
+    acquire_run,
+    clear_stop_request,
+)
+
+
+def default_cache_dir() -> Path:
+    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "mlx-coordinator" / "calibration"
+
+
+
+class JobUI(Protocol):
+    def message(self, text: str) -> None: ...
+    def preflight(self, report: PreflightReport) -> None: ...
+    def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None: ...
+    def progress(self, monitor: Monitor, now: float) -> None: ...
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None: ...
+    # A launch on fewer nodes than the inventory names: `warning` is the block naming each, why, and the command
+    # that brings it back (shown before anything starts); `nodes` the left-out names (for the live view).
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None: ...
+
+
+class QuietUI:
+    def message(self, text: str) -> None:
+        return None
+
+    def preflight(self, report: PreflightReport) -> None:
+        return None
+
+    def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        return None
+
+    def progress(self, monitor: Monitor, now: float) -> None:
+        return None
+
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
+        return None
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    run_root: Path = Path("runs")
+    skip_preflight: bool = False
+    recalibrate: bool = False
+    resume: str | None = None  # run id to continue from its newest consistent checkpoint
+    restart_from_scratch: bool = False  # a resume with only invalid checkpoints sets them aside, starts at step 0
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    accept_new_host_keys: bool = False
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    allow_degraded: bool = False  # a fresh launch may start without quarantined nodes (docs/faults.md)
+    allow_shared: bool = False  # run on nodes another live run holds (warned), instead of refusing
+    fix: FixOptions | None = None  # --fix: setup and sync what preflight finds they fix, then preflight again
+
+
+class PreflightFailed(CoordinatorError):
+    def __init__(self, report: PreflightReport, fix: FixPlan | None = None) -> None:
+        self.report = report
+        failing = sorted({name for name, checks in report.nodes for c in checks if c.status in ("fail", "error")})
+        text = f"preflight failed on {', '.join(failing) or 'the playbook lint'}: "
+        if fix is not None:
+            # After --fix: what is left, named, so nobody reruns --fix hoping for another outcome.
+            text += f"--fix could not fix {describe_left(fix) or 'the findings above'}; "
+        super().__init__(text + "fix the findings above (or --skip-preflight)")
+
+
+@dataclass
+class FleetState:
+    facts: dict[str, NodeFacts]
+    report: PreflightReport
+
+
+async def probe_and_check(fleet: Fleet, inv: Inventory, pb: Playbook) -> FleetState:
+    """Probe the connected fleet and evaluate preflight: the pipeline of `coordinator preflight` (one
+    `preflight.evaluate`), so a launch refuses exactly what the verb reports."""
+    fleet_facts = await probe_connected(fleet, pb)
+    return FleetState(fleet_facts.facts, evaluate(inv, pb, fleet_facts))
+
+
+def model_digest(facts: Mapping[str, NodeFacts], dirs: tuple[str, ...] = ("model",)) -> str:
+    """The manifest digest of the model dir, or of `dirs` (identical on every node once preflight passed)."""
+    for f in facts.values():
+        manifest, problems, _ = node_manifest(f, dirs)
+        if manifest and not problems:
+            return manifest_digest(manifest)
+    return "unknown"
+
+
+def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
+    """The run's step and batches, as calibration measures them. DPO pairs are timed as SFT rows of random tokens
+    (its reference forward is not in the bench: docs/dpo.md)."""
+    t = pb.train
+    return BenchSpec(model=pb.model, seq_len=t.max_seq_length, method=t.fine_tune_type,
+                     num_layers=t.num_layers if t.num_layers is not None else -1,
+                     grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
+                     memory_fraction=pb.calibration.memory_fraction,
+                     data=(pb.data or "") if t.method != "dpo" else "", packing=t.packing,
+                     global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
+                     learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
+                     train_embeddings=t.train_embeddings, env=tuple(sorted(pb.job_env().items())),
+                     world_size=world_size)
+
+
+async def calibrate_and_plan(
+    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI
+) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """Measure (or read cached) curves and split the global batch by them. A fixed split (`equal`, explicit
+    fractions) needs no measurement: it returns a plan without curves at once."""
+    if pb.split != "calibrated":
+        plan = fixed_plan([n.name for n in inv.nodes], pb.train.batch_size, pb.split, seq_len=pb.train.max_seq_length)
+        ui.calibration(plan, {})
+        return plan, {}
+    results = await calibrate(
+        fleet, bench_spec(pb, len(inv.nodes)), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        # The curve is measured on the run's batches: the data is part of what it is valid for.
+        model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
+        time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+    errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
+    if errors:
+        raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
+    cals = {n: per_example_calibration(r, pb.train.rows_per_example)
+            for n, r in results.items() if isinstance(r, NodeCalibration)}
+    ordered = [cals[n.name] for n in inv.nodes]
+    plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
+    ui.calibration(plan, cals)
+    return plan, cals
+
+
+async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
+                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
+    async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
+                     accept_new_host_keys=opts.accept_new_host_keys) as fleet:
+        facts = await facts_for_calibration(fleet, pb, ui)
+        return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
+
+
+async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[str, NodeFacts]:
+    """Connect every node (all must answer), provision assets, probe: the facts a calibration keys its cache on."""
+    await fleet.connect_all()
+    if fleet.failed:
+        raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+    await provision_assets(fleet, pb, ui)
+    gathered = await gather_facts(fleet, pb)
+    return {n: f for n, f in gathered.items() if isinstance(f, NodeFacts)}
+
+
+async def provision_assets(fleet: Fleet, pb: Playbook, ui: JobUI, *, strict: bool = True) -> list[str]:
+    """Fill missing model/data dirs from the playbook's `assets:`; LaunchError on a node's failure, unless not
+    `strict` (launch --fix: a node without its python cannot build the tiny model before setup gives it one):
+    then the failed nodes are returned, after a message each."""
+    if pb.assets.tiny_model is None and pb.assets.data_from is None:
+        return []
+    ui.message("provisioning assets where missing")
+    failed: list[str] = []
+    for name, res in (await provision(fleet, pb)).items():
+        if isinstance(res, TransportError):
+            if strict:
+                raise LaunchError(str(res))
+            failed.append(name)
+            ui.message(f"{name}: assets not provisioned yet ({res}); --fix tries again after setup")
+            continue
+        ui.message(f"{name}: " + ", ".join(f"{k} {v}" for k, v in res.items()))
+    return failed
+
+
+def hostfile_for(inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -> Hostfile:
+    """The hostfile with the job's NON-secret env (secret values reach ranks only through the rank script)."""
+    env = {k: v for k, v in pb.job_env().items() if not is_secret_name(k) and k not in pb.secret_env}
+    return build_hostfile(inv.nodes, pb.backend, facts, envs=[f"{k}={v}" for k, v in sorted(env.items())])
+
+
+@dataclass
+class Attempt:
+    """One mlx.launch of the run (the first, or a relaunch after a fault). `plan` is None for an attempt that
+    `coordinator attach` adopted (its split is its ranks' batches)."""
+
+    number: int
+    nodes: list[str]
+    monitor: Monitor
+    launch: Launch
+    plan: Plan | None
+
+
+async def run_job(
+    inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | None = None, *, chaos: Sequence[Chaos] = (),
+    supervision: Supervision | None = None,
+) -> RunSummary:
+    """Run the playbook until it succeeds, fails for good or is stopped; always tears down (unless a hangup
+    detaches: `Supervision.detach`).
+
+    On a fault the attempt is stopped, the culprit node quarantined (persisted), and the run relaunched on the
+    remaining nodes from their newest consistent checkpoint with a recomputed plan and hostfile, within
+    `faults.max_restarts` and down to `faults.min_nodes` nodes. The run lock and the nodes' locks are held
+    throughout (RunBusy when another live coordinator has them).
+    """
+    ui = ui or QuietUI()
+    sup = supervision or Supervision()
+    if pb.kind != "train":
+        raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
+    store = QuarantineStore()
+    inv, left_out = usable_inventory(inv, pb, store, ui, opts)
+    with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
+        sup.run_dir = run_dir
+        return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
+
+
+def usable_inventory(inv: Inventory, pb: Playbook, store: QuarantineStore, ui: JobUI,
+                     opts: JobOptions) -> tuple[Inventory, list[LeftOut]]:
+    """The inventory without the nodes this fleet's active quarantine entries leave out, and those (after a
+    warning block naming each). LaunchError (exit 1) below `faults.min_nodes`, or when a fresh launch would start
+    degraded without `--allow-degraded` or a written `faults.min_nodes` (`quarantine.check_degraded`)."""
+    state = store.read()
+    for note in state.notes:
+        ui.message(note)
+    now, scope = time.time(), inventory_key(inv.path)
+    left_out = compute_left_out(inv, scope, state.entries, now)
+    # The match is made without contacting a quarantined node; what known_hosts says about its address tells a
+    # replaced machine (another host key, accepted by the operator) from the one that failed.
+    by_name = {n.name: n for n in inv.nodes}
+    known = {lo.node: known_host_keys(known_hosts_path(by_name[lo.node]), by_name[lo.node].host,
+                                      by_name[lo.node].port or 22)
+             for lo in left_out if lo.entry is not None and lo.entry.host_key}
+    if known:
+        kept = compute_left_out(inv, scope, state.entries, now, known)
+        for lo in left_out:
+            if lo not in kept and lo.entry is not None:
+                ui.message(f"{lo.node}: not left out: its quarantine ({lo.entry.reason}) names host key "
+                           f"{lo.entry.host_key}, which {known_hosts_path(by_name[lo.node])} no longer lists for "
+                           f"{by_name[lo.node].host} (another machine now); "
+                           f"`{clear_command(lo.node, inv.path)}` forgets the entry")
+        left_out = kept
+    if left_out:
+        ui.degraded(format_left_out(left_out, len(inv.nodes), inv.path), [lo.node for lo in left_out])
+    gone = {lo.node for lo in left_out}
+    usable = Inventory(tuple(n for n in inv.nodes if n.name not in gone), inv.path)
+    problem = check_degraded(len(inv.nodes), len(usable.nodes), min_nodes=pb.faults.min_nodes,
+                             min_nodes_explicit="min_nodes" in pb.faults.model_fields_set,
+                             allow_degraded=opts.allow_degraded, fresh=opts.resume is None)
+    if problem is not None:
+        raise LaunchError(problem)
+    return usable, left_out
+
+
+def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str, *, inventory: str | None,
+                    run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
+    """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
+    info = fleet.connected.get(name)
+    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+                               host_key=info.host_key if info is not None else None, now=time.time(),
+                               quarantine_for=quarantine_for))
+
+
+@contextlib.contextmanager
+def run_context(inv: Inventory, pb: Playbook, opts: JobOptions, *,
+                resume_marker: str | None, ui: JobUI | None = None) -> Iterator[tuple[str, Path]]:
+    """(run id, run dir) of a new run, or of `--resume RUN_ID` (whose dir must exist, and hold `resume_marker`
+    when given), with the run's lock and its nodes' locks held (RunBusy when a live coordinator has them) and
+    the run's structured log open, secrets redacted, for the duration of the block."""
+    if opts.resume:
+        check_run_id(opts.resume, what="--resume")
+    run_id = opts.resume or new_run_id(pb.name)
+    run_dir = opts.run_root / run_id
+    if opts.resume and not (run_dir / (resume_marker or "")).exists():
+        raise ConfigError(f"--resume {opts.resume}: no {pb.kind} run in {run_dir}")
+    created = not run_dir.exists()
+    make_run_dir(run_dir, opts.run_root)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(supervised_run(run_dir, run_id, inv.nodes, verb="launch",
+                                               allow_shared=opts.allow_shared, ui=ui))
+        except RunBusy:
+            if created:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # a refused new run leaves no empty run dir behind
+            raise
+        with run_log(run_dir, run_id, inv, pb, run_root=opts.run_root):
+            yield run_id, run_dir
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path, run_id: str, inv: Inventory, pb: Playbook, *,
+            run_root: Path | None = None) -> Iterator[None]:
+    """The run's structured log (its file in the run dir, never the terminal), secrets redacted. ConfigError
+    (exit 2) when the run dir takes no log."""
+    secrets = [*collect_secrets(pb.job_env(), secret_env_names=pb.secret_env),
+               *(s for n in inv.nodes for s in collect_secrets(n.env_dict, secret_env_names=pb.secret_env))]
+    try:
+        logs = configure_logging(run_dir, console=False, secrets=secrets, secret_env_names=pb.secret_env)
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_root or run_dir.parent}: cannot write the run log in {run_dir} "
+                          f"({exc.strerror})") from None
+    structlog.contextvars.bind_contextvars(run_id=run_id)
+    try:
+        yield
+    finally:
+        structlog.contextvars.unbind_contextvars("run_id")
+        logs.close()
+
+
+@contextlib.contextmanager
+def supervised_run(run_dir: Path, run_id: str, nodes: Sequence[Node], *, verb: str, allow_shared: bool,
+                   ui: JobUI | None = None) -> Iterator[NodeLocks]:
+    """Hold the run's lock, then its nodes' locks, for the block. A stop request left from an earlier holder
+    is dropped: it was addressed to a coordinator that is gone."""
+    lock = acquire_run(run_dir, verb, run_id)
+    try:
+        clear_stop_request(run_dir)
+        nodes_locked = acquire_nodes(nodes, verb, run_id, allow_shared=allow_shared)
+        try:
+            if nodes_locked.shared and ui is not None:
+                ui.message("warning: --allow-shared: sharing " + ", ".join(
+                    f"{n} with run {h.run_id if h else '?'}" for n, h in nodes_locked.shared.items()))
+            yield nodes_locked
+        finally:
+            nodes_locked.release()
+    finally:
+        clear_stop_request(run_dir)
+        lock.release()
+
+
+def make_run_dir(run_dir: Path, run_root: Path) -> None:
+    """Create (or, on resume, reuse) `run_dir` 0700: its files name hosts, users, keys and paths and can quote
+    the job's env. ConfigError (a usage error, exit 2) when it cannot be made or is not this user's."""
+    try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = run_dir.stat().st_uid
+        if owner == os.geteuid():
+            run_dir.chmod(0o700)  # a run dir of an older version, resumed, is tightened too
+    except OSError as exc:
+        raise ConfigError(f"--run-dir {run_root}: cannot create the run dir {run_dir} ({exc.strerror})") from None
+    if owner != os.geteuid():
+        raise ConfigError(f"--run-dir {run_root}: the run dir {run_dir} belongs to uid {owner}, not to this user "
+                          f"(uid {os.geteuid()}): refusing to write into it")
+
+
+async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI) -> FleetState:
+    """Connect, provision assets, probe and preflight; PreflightFailed unless `--skip-preflight`."""
+    ui.message(f"connecting to {len(inv.nodes)} node(s)")
+    await fleet.connect_all()
+    if fleet.failed and opts.skip_preflight:
+        raise LaunchError("unreachable: " + "; ".join(str(e) for e in fleet.failed.values()))
+    await provision_assets(fleet, pb, ui, strict=opts.fix is None)
+    ui.message("probing nodes and running preflight")
+    state = await probe_and_check(fleet, inv, pb)
+    left: FixPlan | None = None
+    if opts.fix is not None and not state.report.ok():
+        state, left = await fix_fleet(fleet, inv, pb, opts, opts.fix, ui, state)
+    ui.preflight(state.report)
+    if not state.report.ok() and not opts.skip_preflight:
+        raise PreflightFailed(state.report, left)
+    refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
+    if refusal is not None:
+        raise LaunchError(refusal)
+    return state
+
+
+async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, fix: FixOptions, ui: JobUI,
+                    state: FleetState) -> tuple[FleetState, FixPlan]:
+    """launch --fix: `setup` on the nodes whose software finding it fixes (then the assets again, and preflight
+    again), `sync` on the nodes whose model finding it fixes (then preflight again). The decisions are
+    `fix.compute_fix_plan` on each round's report and `fix.choose_sync_source`; each tool's outcome is printed
+    per node, Ansible style (ok / changed / failed). Returns the last preflight and the plan of what is left.
+    Setup's and sync's own connections are opened beside the
+    fleet's (they are the verbs' code, unchanged)."""
+    log = structlog.get_logger("coordinator.run.job")
+    source_named = fix.source is not None
+    plan = compute_fix_plan(state.report, source_named=source_named)
+    ui.message("--fix: " + describe_fix_plan(plan))
+    log.info("fix_plan", **plan.to_json())
+    if plan.setup:
+        await _fix_setup(inv, pb, opts, plan.setup, ui)
+        if await provision_assets(fleet, pb, ui, strict=False):
+            ui.message("--fix: assets still not provisioned on some nodes (see above)")
+        ui.message("--fix: probing again after setup")
+        state = await probe_and_check(fleet, inv, pb)
+        plan = compute_fix_plan(state.report, source_named=source_named)
+        if plan.sync:
+            ui.message("--fix: " + describe_fix_plan(plan))
+    if plan.sync:
+        source = _fix_source(inv, pb, fix, state.report, plan.sync)
+        await _fix_sync(inv, pb, opts, plan.sync, source, ui)
+    if plan.fixes_anything:
+        ui.message("--fix: running preflight again")
+        state = await probe_and_check(fleet, inv, pb)
+    # What is left: a tool's nodes here are nodes it ran on and did not fix (the tools run once per launch).
+    left = compute_fix_plan(state.report, source_named=source_named)
+    if plan.fixes_anything and not state.report.ok():  # else the plan's line above said it already
+        ui.message(f"--fix could not fix: {describe_left(left) or 'the findings below'}")
+    log.info("fix_done", ok=state.report.ok(), left=left.to_json())
+    return state, left
+
+
+def _fix_source(inv: Inventory, pb: Playbook, fix: FixOptions, report: PreflightReport,
+                targets: Sequence[str]) -> SyncSource:
+    """Look on this machine for what `choose_sync_source` needs: `--fix-source` as a dir, the playbook's paths."""
+    labels = [lb for lb, _ in pb.hashed_dirs()]
+    requested = None
+    if fix.source is not None:
+        base = Path(fix.source).expanduser()
+        requested = resolve_requested(fix.source, inv.names(), labels,
+                                      {lb: (base / lb).is_dir() for lb in labels}, str(base))
+    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
+    return choose_sync_source(report, targets, requested=requested, local_dirs=local,
+                              local_present=all(Path(d).is_dir() for _, d in local))
+
+
+async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], ui: JobUI) -> None:
+    """`coordinator setup --limit names`, its outcome printed per node."""
+    from coordinator.fleet.nodesetup import pins_from, run_setup
+
+    software = pb.software
+    pins = pins_from(software.mlx if software else None, software.mlx_lm if software else None)
+    ui.message(f"--fix: setup on {', '.join(names)}: mlx {pins.mlx}, mlx-lm {pins.mlx_lm} ({pins.source})")
+    nodes = [n for n in inv.nodes if n.name in names]
+    report = await run_setup(nodes, pins, connect_timeout=opts.connect_timeout,
+                             accept_new_host_keys=opts.accept_new_host_keys,
+                             on_download=lambda name: ui.message(f"--fix: wheels for {name}: from the cache, else "
+                                                                  "downloaded now (once; hundreds of MB)"))
+    for n in report.nodes:
+        detail = " | ".join(x for x in ("; ".join(n.actions), n.message) if x)
+        ui.message(f"--fix setup {n.outcome}: {n.node}" + (f": {detail}" if detail else ""))
+    structlog.get_logger("coordinator.run.job").info("fix_setup", **report.to_json())
+
+
+async def _fix_sync(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], source: SyncSource,
+                    ui: JobUI) -> None:
+    """`coordinator sync --limit names` from `source`, its outcome printed per node."""
+    from coordinator.fleet.syncrun import SyncError, run_sync
+
+    ui.message(f"--fix: sync on {', '.join(names)} from {source.describe()}")
+    by_name = {n.name: n for n in inv.nodes}
+    targets = Inventory(tuple(by_name[n] for n in names if n != source.node), inv.path)
+    try:
+        report = await run_sync(targets, pb, source_node=by_name[source.node] if source.node else None,
+                                source_path=None, source_dirs=dict(source.dirs) if source.dirs else None,
+                                check=False, connect_timeout=opts.connect_timeout,
+                                accept_new_host_keys=opts.accept_new_host_keys)
+    except (SyncError, TransportError) as exc:
+        for name in targets.names():
+            ui.message(f"--fix sync failed: {name}: {exc}")
+        return
+    outcomes = compute_sync_outcomes(report.plan, report.node_errors, report.verified, targets.names())
+    for name, (outcome, detail) in outcomes.items():
+        ui.message(f"--fix sync {outcome}: {name}: {detail}")
+    structlog.get_logger("coordinator.run.job").info("fix_sync", **report.to_json())
+
+
+async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, chaos: Sequence[Chaos],
+                   store: QuarantineStore, run_id: str, run_dir: Path, left_out: Sequence[LeftOut],
+                   sup: Supervision) -> RunSummary:
+    async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
+                     accept_new_host_keys=opts.accept_new_host_keys) as fleet:
+        state = await ready_fleet(fleet, inv, pb, opts, ui)
+        ui.message("calibrating (cached per node, model and sequence length)")
+        plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
+        nodes = list(inv.nodes)
+        resumed: ResumeDecision | None = None
+        if opts.resume is not None:
+            # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
+            resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+        left = [lo.to_json() for lo in left_out]
+        first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
+                                   resume=opts.resume is not None, chaos=chaos, ui=ui,
+                                   inventory_path=str(Path(inv.path).resolve()) if inv.path else None, sup=sup,
+                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos))
+        return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
+                               resumed=resumed)
+
+
+async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
+                        restart_from_scratch: bool, ui: JobUI) -> ResumeDecision:
+    """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given."""
+    decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
+                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / EVENTS)
+    ui.message(decision.describe())
+    return decision
+
+
+async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI,
+                    store: QuarantineStore, run_id: str, run_dir: Path, first: Attempt,
+                    facts: dict[str, NodeFacts], sup: Supervision, *,
+                    resumed: ResumeDecision | None = None) -> RunSummary:
+    """The fault response after an attempt ended: stop on a job error (nobody quarantined; nodes this run
+    blamed for the same error released), else quarantine its culprits (a drill's only for this run) and
+    relaunch on the survivors after a resume check (or give up), until the run succeeds, fails for good or is
+    stopped; then summary.json. `launch` and `attach` share it, so an adopted attempt's fault is answered as a
+    launched one's. `facts` may lack nodes (attach probes none): they are gathered before a relaunch needs them.
+    `first.launch` carries what every attempt keeps: the left-out nodes, the drill flag, --restart-from-scratch."""
+    log = structlog.get_logger("coordinator.run.job")
+    attempts: list[Attempt] = [first]
+    recoveries: list[dict[str, Any]] = []
+    message = ""
+    earlier_errors: dict[str, frozenset[str]] = dict(first.launch.earlier_errors)  # signature -> nodes (Monitor)
+    blamed_for: dict[str, str] = {}  # node quarantined by this run for an own error -> that error's signature
+    released: list[str] = []
+    inventory_path = str(Path(inv.path).resolve()) if inv.path else None
+    scope = inventory_key(inv.path)
+    drill, left_out = first.launch.drill, first.launch.left_out
+    restart_from_scratch = first.launch.restart_from_scratch
+    nodes = [n for n in inv.nodes if n.name in first.nodes]
+    while True:
+        attempt = attempts[-1]
+        number = attempt.number
+        mon = attempt.monitor
+        log.info("attempt_ended", attempt=number, nodes=attempt.nodes, outcome=str(mon.outcome()),
+                 step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
+        if recoveries and recoveries[-1].get("first_step_at") is None:
+            recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
+        if mon.stopped:
+            message = sup.message()
+            break
+        if mon.outcome() is RunState.SUCCEEDED:
+            break
+        if mon.job_error is not None:
+            # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
+            # the work to another node, are released.
+            signature = mon.job_error.evidence.get("signature")
+            released = [n for n, sig in blamed_for.items() if sig == signature]
+            for name in released:
+                store.clear(name, inventory=scope)
+                log.warning("released", node=name, reason="the same error followed the work: a job error")
+                for earlier in attempts[:-1]:
+                    _clear_blame(earlier.monitor, name)
+            message = job_error_message(mon.job_error, released)
+            log.error("job_error", **{k: v for k, v in mon.job_error.evidence.items() if k != "traceback"})
+            break
+        for err in mon.own_errors.values():
+            earlier_errors[err.signature] = earlier_errors.get(err.signature, frozenset()) | {err.node}
+        if (fault := mon.job_fault()) is not None:
+            message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
+            break
+        culprits = mon.culprits()
+        survivors = [n for n in nodes if n.name not in culprits]
+        for name, why in (await _unreachable(fleet, survivors)).items():
+            # Found by the connection check, not by the monitor: still an incident of this attempt.
+            incident = mon.unreachable_before_relaunch(name, why, time.monotonic())
+            attempt.launch.record_incident(incident)
+            culprits.append(name)
+        for name in culprits:
+            inc = mon.culprit_incident(name)
+            assert inc is not None  # every culprit was named by one of its incidents
+            if drill:
+                # A drill's culprit is the fault it injected: left out of the rest of this run, never of
+                # later ones (nothing would mark such an entry as a drill).
+                log.warning("left_out_of_drill", node=name, kind=inc.kind, step=inc.step)
+                ui.message(f"left {name} out of this drill run: {inc.kind} at step {inc.step} "
+                           "(a --chaos drill persists no quarantine)")
+                continue
+            quarantine_node(store, fleet, name, f"{inc.kind} at step {inc.step}", inventory=scope,
+                            run_id=run_id, incident=inc.to_json(), quarantine_for=pb.faults.quarantine_for)
+            if inc.kind == IncidentKind.ERROR and isinstance(inc.evidence.get("signature"), str):
+                blamed_for[name] = inc.evidence["signature"]
+            log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
+            ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
+        survivors = [n for n in survivors if n.name not in culprits]
+        if sup.stop_reason() is not None:
+            # Asked to stop while this attempt failed: no relaunch.
+            mon.stopped = True
+            message = sup.message()
+            break
+        if number >= pb.faults.max_restarts:
+            message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+            break
+        if len(survivors) < max(1, pb.faults.min_nodes):
+            message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
+            break
+        consistent = mon.last_consistent_step
+        if any(i.kind in ("inconsistent", "checkpoint_mismatch") for i in mon.incidents):
+            # Checkpoints after the last step all replicas agreed on may hold a Byzantine rank's influence.
+            limit = consistent or 0
+            await set_aside_checkpoints_after(fleet, attempt.launch, [n.name for n in survivors], limit)
+            ui.message(f"set aside checkpoints after step {limit} (last consistent digest)")
+        failed_at = min((i.t for i in mon.incidents if i.action in FATAL_ACTIONS), default=time.monotonic())
+        recoveries.append({"attempt": number + 1, "culprits": culprits, "failed_step": mon.step(),
+                           "detected_at": failed_at, "first_step_at": None,
+                           "nodes": [n.name for n in survivors]})
+        ui.message(f"relaunching on {', '.join(n.name for n in survivors)} "
+                   f"(attempt {number + 2}/{pb.faults.max_restarts + 1})")
+        nodes = survivors
+        if any(n.name not in facts for n in nodes):
+            gathered = await gather_facts(fleet, pb)
+            facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
+        sub = Inventory(tuple(nodes), inv.path)
+        plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
+        try:
+            decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
+        except ResumeRefused as exc:
+            message = str(exc)
+            break
+        recoveries[-1]["resumed_from"] = decision.step or 0
+        attempts.append(await _run_attempt(fleet, pb, nodes, plan, cals, facts, run_id, run_dir, number + 1,
+                                           resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup,
+                                           earlier_errors=earlier_errors,
+                                           restart_from_scratch=restart_from_scratch, left_out=left_out,
+                                           drill=drill))
+    final = attempts[-1]
+    split = final.plan.split if final.plan is not None else final.launch.split()
+    predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
+    summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None)
+    summary.incidents = [i for a in attempts for i in a.monitor.incidents]
+    summary.attempts = final.number + 1
+    summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
+    summary.resumed_from = resumed.to_json() if resumed is not None else None
+    summary.quarantined = sorted(({n for a in attempts for n in a.monitor.culprits()}
+                                  | {n for r in recoveries for n in r["culprits"]})  # pre-relaunch check too
+                                 - set(released))
+    summary.left_out = list(left_out)
+    if sup.detach:
+        # The run goes on without us: no summary.json (it is not over); `attach` writes it when it is.
+        summary.state = RunState.RUNNING
+        return summary
+    write_summary(run_dir, summary)
+    return summary
+
+
+def _clear_blame(mon: Monitor, node: str) -> None:
+    """An earlier attempt's error incidents on `node` were the job's after all: no longer a culprit's."""
+    for idx, inc in enumerate(mon.incidents):
+        if inc.node == node and inc.kind == IncidentKind.ERROR and inc.action == Action.QUARANTINE:
+            mon.incidents[idx] = replace(inc, action=Action.STOP, evidence={**inc.evidence, "job_error": True})
+
+
+def job_error_message(incident: Incident, released: Sequence[str] = ()) -> str:
+    """The one message a job error ends the run with: what failed, why it is the job's, cause and remedy."""
+    ev = incident.evidence
+    text = (f"job error ({ev.get('reason')}): {ev.get('message')}; cause: {ev.get('cause')}; "
+            f"remedy: {ev.get('remedy')}; ")
+    if released:
+        return text + f"released from quarantine: {', '.join(released)} (the error was the job's)"
+    return text + "no node quarantined"
+
+
+async def _unreachable(fleet: Fleet, nodes: Sequence[Node]) -> dict[str, str]:
+    """Survivors whose connection died with the fault get one reconnect; those that still fail are out."""
+    async def one(node: Node) -> str | None:
+        try:
+            await fleet.transports[node.name].run(["true"], timeout=5)
+            return None
+        except TransportError:
+            pass
+        try:
+            await fleet.reconnect(node.name)
+        except TransportError as exc:
+            return str(exc)
+        return None
+
+    results = await asyncio.gather(*(one(n) for n in nodes))
+    return {n.name: r for n, r in zip(nodes, results, strict=True) if r is not None}
+
+
+def _first_step_after(attempt: Attempt, recovery: dict[str, Any]) -> float | None:
+    """Seconds from the fault's detection to the relaunched attempt's first completed step."""
+    firsts = [t for t in attempt.monitor.first_step_at.values() if t is not None]
+    return round(min(firsts) - recovery["detected_at"], 3) if firsts else None
+
+
+async def _run_attempt(
+    fleet: Fleet, pb: Playbook, nodes: list[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
+    facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
+    chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
+    earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
+    left_out: Sequence[dict[str, str]] = (), drill: bool = False,
+) -> Attempt:
+    sub = Inventory(tuple(nodes))
+    ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
+    hostfile = hostfile_for(sub, pb, facts)
+    launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=run_id, run_dir=run_dir, resume=resume,
+                    view=ui.progress, chaos=chaos, attempt=number)
+    launch.inventory_path = inventory_path
+    launch.earlier_errors = dict(earlier_errors or {})
+    launch.restart_from_scratch = restart_from_scratch
+    launch.left_out = list(left_out)
+    launch.drill = drill
+    launch.should_stop = sup.stop_reason
+    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
+                        split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
+                        mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
+                        backend=hostfile.backend, attempt=number)
+    local_hostfile = launch.write_local_files(record)
+
+    async def start() -> None:
+        ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
+        await launch.prepare()
+        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
+        launch.start_launcher(local_hostfile)
+
+    monitor = await watch(launch, sup, start)
+    return Attempt(number, [n.name for n in nodes], monitor, launch, plan)
+
+
+async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[None]] | None = None) -> Monitor:
+    """Start the attempt (`start`; None for an adopted one) and monitor it to its end; tear down always, except
+    when a hangup detaches (`sup.detach`): then the ranks and mlx.launch are left running for `attach`.
+    A signal or a stop request ends it with the monitor `stopped`."""
+    monitor: Monitor | None = None
+    try:
+        if start is not None:
+            await start()
+        monitor = await launch.monitor()
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # The signal handlers (cli/common.py) cancel the job; the teardown below is the answer, so the cancellation
+        # is consumed here (and the task's count of pending cancellations with it).
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        monitor = launch.current_monitor or launch.new_monitor()
+        monitor.stopped = True
+    finally:
+        if sup.detach:
+            launch.detach()
+        else:
+            await launch.teardown(monitor or launch.current_monitor)
+    assert monitor is not None
+    return monitor
+
+
+__all__ = ["JobOptions", "PreflightFailed", "QuietUI", "RunState", "run_job"]

@@ -1,0 +1,825 @@
+"""`coordinator launch`: preflight -> calibration -> plan -> hostfile -> mlx.launch -> monitor -> teardown.
+
+mlx.launch exits 0 whatever its ranks did and never times out, so the coordinator decides the outcome itself
+from each node's event stream (read over that node's own SSH connection by `worker.follow`) and always tears
+down in `finally`: the launcher's process group, every rank PID on every node, and our temp files there.
+
+Pure builders (`build_*`) make every file and argv; the `Launch` class does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.config.playbook import Playbook
+from coordinator.config.yamlsrc import NAME_PATTERN
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
+from coordinator.facts.model import NodeFacts
+from coordinator.facts.probe import shell_path
+from coordinator.fleet.ship import ship_worker
+from coordinator.fleet.transport import Fleet, Transport, python_argv, pythonpath_prepend
+from coordinator.models import LOCAL_HOST, Connection, Inventory, Node
+from coordinator.planning.hostfile import Hostfile, build_hostfile
+from coordinator.run.chaos import Chaos
+from coordinator.run.logs import REDACTED, current_redactor
+from coordinator.run.monitor import (
+    JOB_ERROR,
+    AfterLauncherExit,
+    FaultPolicy,
+    Incident,
+    Monitor,
+    Observation,
+    ObservationKind,
+    PlannedRank,
+    RunState,
+)
+from coordinator.run.rundir import (
+    EVENTS,
+    HOSTFILE,
+    LAUNCHER_ARGV,
+    LAUNCHER_LOG,
+    META,
+    PLAN,
+    PLAYBOOK,
+    SSH_CONFIG,
+    SUMMARY,
+    MetaRank,
+    PlanRecord,
+    RunMeta,
+    SummaryBase,
+)
+from worker.runconfig import DpoSpec, LoraSpec, RankSpec, RunConfig
+
+# mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
+# when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
+# loop) spins a core for the whole run, on the coordinator's machine, which often trains too. The coordinator
+# never sends input to the ranks, so the selects wait on the outputs alone.
+MLX_LAUNCH = (
+    "import select, sys\n"
+    "import mlx._distributed_utils.launch as launch\n"
+    "_select = select.select\n"
+    "launch.select = lambda r, w, x, t=None: (_select(r, [], x, t)[0], [], [])\n"
+    "sys.argv[0] = 'mlx.launch'\n"
+    "sys.exit(launch.main())\n"
+)
+TICK_S = 0.5
+FENCE_OVER_STALL = 3.0  # a rank fences itself (worker.events.Fence) after this many monitor stall windows
+# A follower channel that closes on a node that still answers over SSH (the follower was killed, the channel
+# dropped) is restarted where it stopped, at most this many times in a row; a channel that then lived
+# FOLLOW_STABLE_S resets the count. Only a node the coordinator cannot reach over SSH is unreachable.
+FOLLOW_RETRIES = 3
+FOLLOW_STABLE_S = 30.0
+
+
+class LaunchError(CoordinatorError):
+    """The job could not be started (preflight failed, nothing to run, a node could not be prepared)."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    node: Node
+    batch_size: int
+    calibrated_tokens_per_s: float | None = None
+
+
+def new_run_id(name: str, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}-{secrets.token_hex(2)}"
+
+
+# A run id is a path component on both sides and part of the temp dir's name, `mlxc-<run id>-<16 hex>`: at
+# most 255 bytes in all. A new one is the playbook name (<= yamlsrc.MAX_NAME_LENGTH) plus 21 characters.
+MAX_RUN_ID_LENGTH = 255 - len("mlxc-") - 1 - 16
+
+
+def check_run_id(run_id: str, *, what: str = "run id") -> str:
+    """A run id given by a user (`--resume RUN_ID`): ConfigError unless it could be one of ours. It becomes a
+    path component here and on every node, and part of shell lines there."""
+    if not NAME_PATTERN.fullmatch(run_id) or run_id in (".", ".."):
+        raise ConfigError(f"{what} {run_id!r}: not a run id (letters, digits, '_', '.' and '-', as in "
+                          "runs/<run id>/)")
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        raise ConfigError(f"{what}: a run id of {len(run_id)} characters; at most {MAX_RUN_ID_LENGTH} (it is part "
+                          "of file names, which are limited to 255 bytes)")
+    return run_id
+
+
+def node_run_dir(node: Node, run_id: str) -> str:
+    """The node's own dir for a run. The node name is part of it so that nodes sharing a filesystem (local
+    nodes, an NFS home) never write into each other's checkpoints."""
+    return f"{node.workdir.rstrip('/')}/runs/{run_id}/{node.name}"
+
+
+TMP_PREFIX = "/tmp/mlxc-"
+
+
+def remote_tmp_dir(run_id: str, token: str) -> str:
+    """An attempt's temp dir (the rank script), the same path on every node: mlx.launch has ONE --cwd and ONE
+    command for all ranks, so it cannot be each node's own mkdtemp. `token` is a fresh random per attempt: nobody
+    can create the path before the attempt does, and `worker.privatedir` refuses it unless it is a 0700 dir of
+    the SSH user (docs/faults.md, "Temp dirs")."""
+    return f"{TMP_PREFIX}{run_id}-{token}"
+
+
+def build_tmp_cleanup(run_id: str) -> str:
+    """sh: remove the run's temp dirs on a node, of every attempt (a coordinator that died leaves its own):
+    only real directories owned by the SSH user, never another user's dir that merely matches the name."""
+    parent, prefix = TMP_PREFIX.rsplit("/", 1)
+    return (f"find {shlex.quote(parent + '/')} -maxdepth 1 -type d -name {shlex.quote(prefix + run_id + '-*')} "
+            '-user "$(id -u)" -exec rm -rf {} + 2>/dev/null')
+
+
+# --- pure builders -------------------------------------------------------------------------------------------
+
+
+def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> RunConfig:
+    """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
+    worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
+    `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node."""
+    t = pb.train
+    if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
+        raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
+    return RunConfig(
+        run_id=run_id, model=pb.model, data=pb.data, method=t.method, iters=t.iters,
+        learning_rate=t.learning_rate, optimizer=t.optimizer, max_seq_length=t.max_seq_length,
+        grad_accumulation=t.grad_accumulation, grad_checkpoint=t.grad_checkpoint, packing=t.packing,
+        train_embeddings=t.train_embeddings, num_layers=t.num_layers,
+        lora=LoraSpec(rank=t.lora.rank, scale=t.lora.scale, dropout=t.lora.dropout),
+        dpo=DpoSpec(beta=t.dpo.beta, reference=t.dpo.reference, fine_tune_type=t.dpo.fine_tune_type)
+        if t.method == "dpo" else DpoSpec(),
+        save_every=t.save_every, steps_per_eval=t.steps_per_eval, val_batches=t.val_batches, seed=t.seed,
+        keep_checkpoints=t.keep_checkpoints,
+        ranks=tuple(RankSpec(rank=r.rank, node=r.node.name, batch_size=r.batch_size) for r in ranks),
+        run_dir=Path(), resume=resume, restart_from_scratch=restart_from_scratch, heartbeat_s=1.0,
+        consistency_every=pb.faults.consistency_every,
+        # The node-side backstop for a stall nobody can stop: three times the monitor's stall window.
+        fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
+               FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
+        chaos=tuple(chaos),
+    )
+
+
+def build_rank_script(run_id: str, entries: Sequence[tuple[int, str, str, str]],
+                      env: Mapping[int, Mapping[str, str]] | None = None) -> str:
+    """/tmp/mlxc-<run>-<token>/rank: (rank, node run dir, python, worker dir) for every rank, plus each rank's node
+    `env` from the inventory (mlx.launch's --env is global). mlx.launch runs `sh rank` for every rank with
+    MLX_RANK set; the script picks that rank's python, dir and environment."""
+    lines = [
+        "#!/bin/sh",
+        f"# mlx-coordinator run {run_id}: started by mlx.launch as `sh rank` on every rank",
+        # mlx.launch leaves temp files on every host: its pidfile (holding this shell's PID: bash exec'ed us)
+        # and the MLX_HOSTFILE / MLX_IBV_DEVICES files. Delete the first, move the others into the run dir.
+        'for f in "${TMPDIR:-/tmp}"/tmp.*; do [ -f "$f" ] && [ "$(cat "$f" 2>/dev/null)" = "$$" ] && rm -f "$f"; done',
+        'case "$MLX_RANK" in',
+    ]
+    for rank, run_dir, python, worker_dir in entries:
+        lines += [
+            f"{rank})",
+            f"  cd {shell_path(run_dir)} || exit 97",
+            # A one-host ring gets an EMPTY hostfile from mlx.launch, which mx.distributed.init cannot parse:
+            # unset it (a world of one needs none).
+            '  for v in MLX_HOSTFILE MLX_IBV_DEVICES; do eval "f=\\${$v:-}"; '
+            'if [ -n "$f" ] && [ -f "$f" ]; then if grep -q "[^[:space:]]" "$f"; then '
+            'mv "$f" "./$v.rank$MLX_RANK" && export "$v=$PWD/$v.rank$MLX_RANK"; else rm -f "$f"; unset "$v"; fi; fi; done',
+            *(f"  {k}={shlex.quote(v)}; export {k}" for k, v in sorted((env or {}).get(rank, {}).items())),
+            f"  {pythonpath_prepend(shell_path(worker_dir))}",
+            f"  exec {shell_path(python)} -m worker.train --config {shell_path(run_dir)}/run.json",
+            "  ;;",
+        ]
+    lines += ['*) echo "mlx-coordinator: unexpected MLX_RANK=$MLX_RANK" >&2; exit 98 ;;', "esac", ""]
+    return "\n".join(lines)
+
+
+def build_ssh_config(nodes: Sequence[Node], *, connect_timeout: float = 5.0) -> str:
+    """An ssh_config making the plain `ssh` that mlx.launch runs use the inventory's credentials and the same
+    host-key policy as the control plane (strict: never prompt, never accept a changed key)."""
+    out = ["# written by mlx-coordinator for mlx.launch", ""]
+    for node in nodes:
+        if node.connection is Connection.LOCAL:
+            continue
+        out.append(f"Host {node.name}")
+        out.append(f"  HostName {node.host}")
+        if node.user:
+            out.append(f"  User {node.user}")
+        if node.port:
+            out.append(f"  Port {node.port}")
+        if node.identity:
+            out.append(f"  IdentityFile {os.path.expanduser(node.identity)}")
+            out.append("  IdentitiesOnly yes")
+        out.append(f"  UserKnownHostsFile {os.path.expanduser(node.known_hosts or '~/.ssh/known_hosts')}")
+        out += ["  StrictHostKeyChecking yes", "  BatchMode yes", f"  ConnectTimeout {max(1, int(connect_timeout))}",
+                "  ServerAliveInterval 2", "  ServerAliveCountMax 3", ""]
+    # `ssh -F` skips the user's own config: include it after ours (the first value ssh obtains wins, so the
+    # inventory's settings above take precedence; aliases, ProxyJump and agents from ~/.ssh/config still apply).
+    user_config = os.path.expanduser("~/.ssh/config")
+    if os.path.exists(user_config):
+        out += ["Host *", f"  Include {user_config}", ""]
+    return "\n".join(out)
+
+
+def build_ssh_wrapper(ssh_config: Path, real_ssh: str) -> str:
+    return f"#!/bin/sh\nexec {shlex.quote(real_ssh)} -F {shlex.quote(str(ssh_config))} \"$@\"\n"
+
+
+def build_launcher_argv(hostfile: Path, backend: str, cwd: str, port: int, env: Mapping[str, str]) -> list[str]:
+    argv = [sys.executable, "-c", MLX_LAUNCH, "--hostfile", str(hostfile), "--backend", backend,
+            "--cwd", cwd, "--starting-port", str(port), "--python", "/bin/sh"]
+    if backend == "nccl":
+        argv += ["--nccl-port", str(port)]  # mlx.launch's default (12345) would collide between concurrent jobs
+    for key, value in sorted(env.items()):
+        argv += ["--env", f"{key}={value}"]
+    return [*argv, "rank"]
+
+
+def spawn_launcher(argv: Sequence[str], log_path: Path, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    """Start mlx.launch with output to `log_path`; returns (process, write end of its stdin). Close the write
+    end once the launcher is gone.
+
+    Its stdin is a pipe the caller holds open and never writes: mlx.launch's main loop select()s on stdin with a
+    0.1 s timeout to forward input to the ranks, and /dev/null (always readable, at EOF) made that loop spin a
+    whole core on the coordinator's machine for the entire run (often a machine that also trains). If the
+    coordinator dies, the pipe closes and the loop spins again until the run ends (`coordinator attach` cannot
+    reopen it). Its own session: Ctrl-C on the coordinator does not reach it directly, and if the coordinator
+    dies the job keeps running."""
+    idle_stdin, keep_open = os.pipe()
+    try:
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(list(argv), stdin=idle_stdin, stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(env), start_new_session=True)
+    except BaseException:
+        os.close(keep_open)
+        raise
+    finally:
+        os.close(idle_stdin)
+    return proc, keep_open
+
+
+def pick_port(count: int, *, lo: int = 20000, hi: int = 60000, tries: int = 50) -> int:
+    """A random base port whose `count` successors are free here (concurrent jobs need distinct ports)."""
+    import random
+
+    for _ in range(tries):
+        base = random.randrange(lo, hi - count)
+        if all(_port_free(base + i) for i in range(count)):
+            return base
+    raise LaunchError(f"no free run of {count} ports in {lo}..{hi}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOCAL_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def write_private(path: Path, text: str, *, mode: int = 0o600) -> None:
+    """Write a run-dir file atomically, `mode` from its creation on (never readable by others on the way)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fd, mode)  # a leftover tmp of a dead pid with the same number keeps its old mode otherwise
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+# --- the summary -----------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RunSummary(SummaryBase):
+    """A training run's summary.json: the common part (rundir.SummaryBase) and a training run's own."""
+
+    state: RunState
+    steps: int
+    checkpoint: str | None = None
+    tokens_per_s: float | None = None  # the run's: median over its steps of all ranks' tokens / step wall time
+    attempts: int = 1
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    iters: int | None = None
+    predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
+                "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "attempts": self.attempts, "recoveries": self.recoveries, "resumed_from": self.resumed_from}
+
+
+# --- the I/O shell ---------------------------------------------------------------------------------------------
+
+_WRITE_FILES = (
+    "import json, os, sys\n"
+    "spec = json.load(sys.stdin)\n"
+    "dir_mode = int(sys.argv[1], 8) if len(sys.argv) > 1 else None\n"
+    "for path, (content, mode) in spec.items():\n"
+    "    path = os.path.expanduser(path)\n"
+    "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+    "    if dir_mode is not None:\n"
+    "        os.chmod(os.path.dirname(path), dir_mode)\n"
+    "    tmp = '%s.tmp-%d-%s' % (path, os.getpid(), os.urandom(4).hex())  # writers may share a filesystem\n"
+    "    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), 'w') as fh:\n"
+    "        fh.write(content)\n"
+    "        os.fchmod(fh.fileno(), int(mode, 8))\n"
+    "    os.replace(tmp, path)\n"
+    "print(json.dumps({p: os.path.realpath(os.path.expanduser(p)) for p in spec}))\n"
+)
+
+
+async def write_remote_files(transport: Transport, node: Node, files: Mapping[str, tuple[str, str]], *,
+                             dir_mode: str | None = None) -> dict[str, str]:
+    """Write {path: (content, octal mode)} on the node atomically (never readable by others on the way);
+    `dir_mode` also sets each file's directory's mode. Returns the resolved absolute paths."""
+    argv = python_argv(node.python, "-c", _WRITE_FILES, *([dir_mode] if dir_mode else []))
+    result = await transport.run(argv, stdin=json.dumps(files), timeout=30)
+    if not result.ok:
+        raise TransportError(node.name, f"could not write run files: {result.stderr.strip()[-400:]}")
+    resolved: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])
+    return resolved
+
+
+async def write_private_files(transport: Transport, node: Node, worker_dir: str, path: str,
+                              files: Mapping[str, tuple[str, str]]) -> None:
+    """Create (or accept only if already private to the SSH user) the dir `path` on the node and write
+    {name: (content, octal mode)} into it (`worker.privatedir`); TransportError naming why it was refused."""
+    argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(node.python, "-m", "worker.privatedir")]
+    result = await transport.run(argv, stdin=json.dumps({"dir": path, "files": files}), timeout=30)
+    lines = result.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if result.ok and isinstance(answer, dict) and answer.get("dir") == path:
+        return
+    why = answer.get("error") if isinstance(answer, dict) else None
+    raise TransportError(node.name, f"temp dir: {why or result.stderr.strip()[-400:] or f'exit {result.exit_status}'}")
+
+
+ViewFn = Callable[[Monitor, float], None]
+
+
+class Launch:
+    """One run of mlx.launch under the coordinator's supervision."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        playbook: Playbook,
+        ranks: Sequence[RankPlan],
+        hostfile: Hostfile,
+        facts: Mapping[str, NodeFacts],
+        *,
+        run_id: str,
+        run_dir: Path,
+        resume: bool = False,
+        view: ViewFn | None = None,
+        chaos: Sequence[Chaos] = (),
+        attempt: int = 0,
+    ) -> None:
+        self.fleet = fleet
+        self.pb = playbook
+        self.ranks = list(ranks)
+        self.hostfile = hostfile
+        self.facts = facts
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.resume = resume
+        self.view = view
+        self.chaos = list(chaos)
+        self.attempt = attempt
+        self.inventory_path: str | None = None
+        self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
+        self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
+        self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
+        self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
+        self.current_monitor: Monitor | None = None
+        self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
+        # Polled every tick: a reason (a signal, `coordinator stop`) ends the attempt as `stopped`.
+        self.should_stop: Callable[[], str | None] | None = None
+        f = playbook.faults
+        self.policy = FaultPolicy(heartbeat_timeout=playbook.heartbeat_timeout, straggler_fraction=f.straggler_fraction,
+                                  straggler_window=f.straggler_window, straggler_min_s=f.straggler_min_s,
+                                  outlier_steps=f.outlier_steps, stall_factor=f.stall_factor, stall_min_s=f.stall_min_s)
+        self.nodes = list(dict.fromkeys(r.node.name for r in ranks))
+        self.node_by_name = {r.node.name: r.node for r in ranks}
+        self.remote_run_dirs: dict[str, str] = {}
+        self.worker_dirs: dict[str, str] = {}
+        self.remote_tmp = remote_tmp_dir(run_id, secrets.token_hex(8))  # this attempt's; see remote_tmp_dir
+        self.launcher: subprocess.Popen[bytes] | None = None
+        self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
+        self.queue: asyncio.Queue[Observation] = asyncio.Queue()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.events_file = run_dir / EVENTS
+
+    def split(self) -> dict[str, float]:
+        """Each node's share of the global batch in this attempt."""
+        total = sum(r.batch_size for r in self.ranks)
+        return {r.node.name: r.batch_size / total for r in self.ranks}
+
+    # preparation ----------------------------------------------------------------------------------------------
+
+    def _python_for(self, node: Node) -> str:
+        f = self.facts.get(node.name)
+        exe = f.software.python if f is not None and f.software is not None else None
+        return exe if exe and exe.startswith("/") else node.python
+
+    async def prepare(self) -> None:
+        """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
+        node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
+        config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
+                                  restart_from_scratch=self.restart_from_scratch)
+        entries: list[tuple[int, str, str, str]] = []
+
+        async def one(name: str) -> list[tuple[int, str, str, str]]:
+            node = self.node_by_name[name]
+            transport = self.fleet.transports[name]
+            worker_dir = self.worker_dirs[name] = await ship_worker(transport, node)
+            run_dir = node_run_dir(node, self.run_id)
+            if self.resume:
+                # The follower reads rank files from the start: archive the previous attempt's events so its
+                # `finished` lines are not mistaken for this attempt's.
+                rotate = (f"cd {shell_path(run_dir)}/events 2>/dev/null || exit 0; s=$(date +%s); "
+                          'for f in rank*.jsonl; do [ -f "$f" ] && mv "$f" "$f.$s"; done; exit 0')
+                await transport.run(["sh", "-c", rotate], timeout=30)
+            # run.json holds the node's paths: 0600 in a 0700 dir, like everything the run writes there.
+            written = await write_remote_files(transport, node, {
+                f"{run_dir}/run.json": (json.dumps(replace(config, run_dir=Path(run_dir)).to_json(), indent=2), "600"),
+                f"{run_dir}/events/.keep": ("", "600"),
+            }, dir_mode="700")
+            resolved = os.path.dirname(written[f"{run_dir}/run.json"])
+            self.remote_run_dirs[name] = resolved
+            return [(r.rank, resolved, self._python_for(node), worker_dir) for r in self.ranks if r.node.name == name]
+
+        results = await asyncio.gather(*(one(n) for n in self.nodes), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise LaunchError("could not prepare nodes: " + "; ".join(str(e) for e in errors))
+        for r in results:
+            assert not isinstance(r, BaseException)
+            entries += r
+        # The job env travels only in this script (never mlx.launch's argv, which `ps` shows, nor the hostfile):
+        # it may hold secrets. The script is 0700 in this attempt's private temp dir, deleted at teardown.
+        job_env = self.pb.job_env()
+        script = build_rank_script(self.run_id, sorted(entries),
+                                   {r.rank: {**job_env, **r.node.env_dict} for r in self.ranks})
+        results2 = await asyncio.gather(
+            *(write_private_files(self.fleet.transports[n], self.node_by_name[n], self.worker_dirs[n],
+                                  self.remote_tmp, {"rank": (script, "700")})
+              for n in self.nodes), return_exceptions=True)
+        errors = [r for r in results2 if isinstance(r, BaseException)]
+        if errors:
+            raise LaunchError("could not write rank scripts: " + "; ".join(str(e) for e in errors))
+
+    def write_local_files(self, plan: PlanRecord) -> Path:
+        """The run dir's files, 0600 (0700 for the ssh wrapper) in the 0700 run dir: they name hosts, users,
+        keys and paths, and the hostfile carries the job's env."""
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.pb.path:
+            text = str(current_redactor().value(Path(self.pb.path).read_text(encoding="utf-8")))
+            # The copy must stay YAML that `status` and the dashboard can read: a bare `***` is an alias there.
+            write_private(self.run_dir / PLAYBOOK, text.replace(REDACTED, "REDACTED"))
+        write_private(self.run_dir / PLAN, json.dumps(plan.to_json(), indent=2) + "\n")
+        hostfile = self.run_dir / HOSTFILE
+        write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
+        ssh_config = self.run_dir / SSH_CONFIG
+        write_private(ssh_config, build_ssh_config([r.node for r in self.ranks]))
+        bindir = self.run_dir / "bin"
+        bindir.mkdir(mode=0o700, exist_ok=True)
+        real_ssh = _which("ssh") or "/usr/bin/ssh"
+        write_private(bindir / "ssh", build_ssh_wrapper(ssh_config.resolve(), real_ssh), mode=0o700)
+        for name in (EVENTS, LAUNCHER_LOG):  # appended to later: created 0600 now
+            os.close(os.open(self.run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        return hostfile
+
+    # running ------------------------------------------------------------------------------------------------
+
+    def start_launcher(self, hostfile: Path) -> None:
+        env = dict(os.environ)
+        env["PATH"] = f"{(self.run_dir / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}"
+        argv = build_launcher_argv(hostfile.resolve(), self.hostfile.backend, self.remote_tmp,
+                                   pick_port(len(self.ranks) * 2), {})
+        write_private(self.run_dir / LAUNCHER_ARGV, shlex.join(argv) + "\n")
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+        self.launcher, self._launcher_stdin = spawn_launcher(argv, self.run_dir / LAUNCHER_LOG, env)
+        self.write_meta()
+
+    def write_meta(self) -> None:
+        """runs/<id>/meta.json: what `coordinator attach|stop RUN_ID` needs to find this attempt again."""
+        meta = RunMeta(
+            run_id=self.run_id, attempt=self.attempt, inventory=self.inventory_path, nodes=tuple(self.nodes),
+            playbook=str(Path(self.pb.path).resolve()) if self.pb.path else None,
+            ranks=tuple(MetaRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks),
+            remote_run_dirs=dict(self.remote_run_dirs), remote_tmp_dir=self.remote_tmp,
+            launcher_pid=self.launcher.pid if self.launcher else None,
+            coordinator_pid=os.getpid(), split={r.node.name: r.batch_size for r in self.ranks},
+            left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch)
+        write_private(self.run_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
+
+    async def _follow(self, name: str) -> None:
+        """Feed the monitor what `worker.follow` on the node reports, over the node's own connection. A channel
+        that closes is reopened where it stopped (`--skip`: the events already read) while the node answers over
+        SSH (reconnecting if the connection itself died), up to FOLLOW_RETRIES times in a row; a node that does
+        not answer is `lost` (unreachable)."""
+        node = self.node_by_name[name]
+        ranks = [r.rank for r in self.ranks if r.node.name == name]
+        seen = dict.fromkeys(ranks, 0)  # event lines of each rank's file received so far
+        worker_dir = await ship_worker(self.fleet.transports[name], node)
+        failures = 0
+        while True:
+            opened = time.monotonic()
+            reason = await self._follow_once(name, worker_dir, ranks, seen)
+            failures = 0 if time.monotonic() - opened >= FOLLOW_STABLE_S else failures + 1
+            if failures > FOLLOW_RETRIES:
+                reason = f"{reason} ({FOLLOW_RETRIES} restarts of the follower in a row failed)"
+                break
+            try:
+                await self._reach(name)
+            except TransportError as exc:
+                reason = f"{reason}; {exc}"
+                break
+            self.record_supervisor("follower_restarted", node=name, reason=reason, retry=failures)
+            await asyncio.sleep(0.2 * failures)
+        await self.queue.put(Observation(ObservationKind.LOST, name, time.monotonic(), data={"reason": reason}))
+
+    async def _reach(self, name: str) -> None:
+        """TransportError unless the node answers over SSH: on its connection, else on a fresh one."""
+        try:
+            result = await self.fleet.transports[name].run(["true"], timeout=5)
+            if result.ok:
+                return
+        except TransportError:
+            pass
+        await self.fleet.reconnect(name)
+
+    async def _follow_once(self, name: str, worker_dir: str, ranks: Sequence[int], seen: dict[int, int]) -> str:
+        """One follower channel, until it ends; returns why it ended."""
+        node = self.node_by_name[name]
+        skip = ",".join(f"{r}={n}" for r, n in seen.items() if n)
+        argv = ["env", f"PYTHONPATH={worker_dir}",
+                *python_argv(node.python, "-m", "worker.follow", "--run-dir", self.remote_run_dirs[name],
+                             "--ranks", ",".join(str(r) for r in ranks), "--interval", str(TICK_S),
+                             *(["--skip", skip] if skip else []))]
+        reason = "channel closed"
+        try:
+            async for kind, line in self.fleet.transports[name].stream(argv, timeout=365 * 86400):
+                if kind == "exit":
+                    reason = f"follower exited ({line})"
+                if kind != "stdout":
+                    continue
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                now = time.monotonic()
+                src = msg.get("src")
+                if src in ("event", "bad") and msg.get("rank") in seen:
+                    seen[msg["rank"]] += 1
+                if src == "event":
+                    await self.queue.put(Observation(ObservationKind.EVENT, name, now, msg.get("rank"), msg.get("event") or {}))
+                elif src == "proc":
+                    await self.queue.put(Observation(ObservationKind.PROC, name, now, msg.get("rank"), msg))
+                elif src == "tick":
+                    await self.queue.put(Observation(ObservationKind.TICK, name, now))
+        except TransportError as exc:
+            reason = str(exc)
+        return reason
+
+    def record_supervisor(self, what: str, **data: Any) -> None:
+        """A line in events.jsonl about the coordinator itself (a follower restarted, a stop, a detach)."""
+        record = {"event": "supervisor", "what": what, "node": "coordinator", "attempt": self.attempt,
+                  "t": time.time(), **data}
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            sink.write(json.dumps(record) + "\n")
+
+    def new_monitor(self) -> Monitor:
+        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
+                              max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
+                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
+
+    async def monitor(self) -> Monitor:
+        """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
+        mon = self.current_monitor = self.new_monitor()
+        self.tasks = [asyncio.create_task(self._follow(n)) for n in self.nodes]
+        stop_checked_at = float("-inf")
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            while True:
+                try:
+                    obs = await asyncio.wait_for(self.queue.get(), timeout=TICK_S)
+                except TimeoutError:
+                    obs = None
+                now = time.monotonic()
+                if self.should_stop is not None and now >= stop_checked_at + TICK_S:
+                    # Once a tick, not per observation: the check may look for a file (a stop request).
+                    stop_checked_at = now
+                    reason = self.should_stop()
+                    if reason is not None:
+                        mon.stopped = True
+                        self.record_supervisor("stop", reason=reason)
+                        return mon
+                if obs is not None:
+                    if obs.kind == ObservationKind.EVENT:
+                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
+                        sink.write(json.dumps(record) + "\n")
+                        sink.flush()
+                    for incident in mon.observe(obs):
+                        self._record_incident(sink, incident)
+                for incident in mon.check(now):
+                    self._record_incident(sink, incident)
+                if mon.launcher_exited_at is None and self._launcher_exited():
+                    # An adopted launcher (attach) is not our child: its exit status is unknown (None).
+                    mon.launcher_exited(self.launcher.returncode if self.launcher is not None else None, now)
+                if self.view is not None:
+                    self.view(mon, now)
+                outcome = mon.outcome()
+                if outcome is RunState.SUCCEEDED:
+                    return mon
+                if outcome is not None and mon.settled(now):
+                    self._resolve(sink, mon)
+                    return mon
+                after = mon.after_launcher_exit(now)
+                if after is AfterLauncherExit.FAILED:
+                    # mlx.launch exited (it always exits 0) but not every rank finished and nothing else explains
+                    # it: the exit itself is the failure.
+                    incident = mon.launcher_failed(now, log_tail=_tail(self.run_dir / LAUNCHER_LOG))
+                    self._record_incident(sink, incident)
+                    return mon
+                if after is AfterLauncherExit.RESOLVE:
+                    # A fault known but never settled: resolve the verdict as it stands.
+                    self._resolve(sink, mon)
+                    return mon
+
+    def _resolve(self, sink: Any, mon: Monitor) -> None:
+        """Record the settled verdict: revised incidents (`revised: true`) and a new `job_error`, if any."""
+        for incident in mon.resolve():
+            self._record_incident(sink, incident, revised=incident.kind != JOB_ERROR)
+
+    def _launcher_exited(self) -> bool:
+        if self.launcher is not None:
+            return self.launcher.poll() is not None
+        if self.launcher_pid is not None:
+            try:
+                os.kill(self.launcher_pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+        return False
+
+    def _record_incident(self, sink: Any, incident: Incident, *, revised: bool = False) -> None:
+        record = {"event": "incident", "attempt": self.attempt, **incident.to_json()}
+        if revised:
+            record["revised"] = True  # supersedes the earlier line of the same kind/node/rank
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+
+    def record_incident(self, incident: Incident) -> None:
+        """An incident found outside the monitor loop (the connection check before a relaunch)."""
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            self._record_incident(sink, incident)
+
+    # teardown -------------------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Leave the attempt running for `coordinator attach`: stop reading it, stop nothing. The launcher's idle
+        stdin closes with us (see spawn_launcher)."""
+        for task in self.tasks:
+            task.cancel()
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+            self._launcher_stdin = None
+        self.record_supervisor("detached", launcher_pid=self.launcher.pid if self.launcher else self.launcher_pid)
+
+    async def teardown(self, mon: Monitor | None) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.launcher is not None and self.launcher.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.launcher.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.launcher.wait, 3)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.launcher.pid, signal.SIGKILL)
+                await asyncio.to_thread(self.launcher.wait)
+        if self._launcher_stdin is not None:
+            os.close(self._launcher_stdin)
+            self._launcher_stdin = None
+        if self.launcher is None and self.launcher_pid is not None:
+            # An adopted launcher (attach) is its own session leader: its pgid is its pid.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.launcher_pid, sig)
+                await asyncio.sleep(1)
+        pids: dict[str, list[int]] = {}
+        if mon is not None:
+            for view in mon.ranks.values():
+                if view.pid is not None:
+                    pids.setdefault(view.node, []).append(view.pid)
+
+        async def clean(name: str) -> None:
+            node = self.node_by_name[name]
+            transport = self.fleet.transports[name]
+            kill = " ".join(str(p) for p in pids.get(name, []))
+            # By PID (from `started`), and by the run.json path in the command line for ranks that never
+            # reported a PID. SIGCONT first: a stopped (SIGSTOP) rank ignores SIGTERM until continued.
+            # `run.jso[n]`: the regex still matches the ranks' `run.json`, but not this script's own command line.
+            run_dir = self.remote_run_dirs.get(name, node_run_dir(node, self.run_id))
+            config = shlex.quote(f"{run_dir}/run.jso[n]")
+            follower = shlex.quote(f"worker.follo[w] --run-dir {run_dir}( |$)")  # our channel is closed already
+            script = (f"for p in {kill}; do kill -CONT $p; kill -TERM $p; done 2>/dev/null; " if kill else "") + \
+                f"pkill -CONT -f {config}; pkill -TERM -f {config}; sleep 1; " + \
+                (f"for p in {kill}; do kill -KILL $p; done 2>/dev/null; " if kill else "") + \
+                f"pkill -KILL -f {config}; pkill -f {follower}; {build_tmp_cleanup(self.run_id)}; exit 0"
+            with contextlib.suppress(TransportError):
+                await transport.run(["sh", "-c", script], timeout=15)
+            del node
+
+        await asyncio.gather(*(clean(n) for n in self.nodes if n in self.fleet.connected), return_exceptions=True)
+
+
+async def set_aside_checkpoints_after(fleet: Fleet, launch: Launch, nodes: Sequence[str], step: int) -> None:
+    """Rename checkpoints newer than `step` to `set-aside-step-N` on `nodes` (kept for inspection, never
+    deleted), so a relaunch resumes from the newest checkpoint all replicas agreed on."""
+    async def one(name: str) -> None:
+        root = f"{launch.remote_run_dirs.get(name) or node_run_dir(launch.node_by_name[name], launch.run_id)}/checkpoints"
+        script = (f"cd {shell_path(root)} 2>/dev/null || exit 0; for d in step-*; do [ -d \"$d\" ] || continue; "
+                  f'n=$(echo "${{d#step-}}" | sed "s/^0*//"); [ "${{n:-0}}" -gt {int(step)} ] && mv "$d" "set-aside-$d"; '
+                  "done; rm -f latest; exit 0")
+        with contextlib.suppress(TransportError):
+            await fleet.transports[name].run(["sh", "-c", script], timeout=30)
+
+    await asyncio.gather(*(one(n) for n in nodes if n in fleet.connected))
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
+              predicted_tokens_per_s: float | None = None) -> RunSummary:
+    state = mon.outcome() or RunState.FAILED
+    nodes = []
+    for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
+        nodes.append({"node": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
+                      "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
+                      "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
+                      "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
+    ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
+    run_rate = mon.run_tokens_per_s()
+    return RunSummary(run_id=launch.run_id, state=state, steps=mon.step(), nodes=nodes, split=dict(split),
+                      incidents=list(mon.incidents), checkpoint=ckpt,
+                      tokens_per_s=round(run_rate, 2) if run_rate is not None else None,
+                      run_dir=str(launch.run_dir), message=message, iters=mon.iters,
+                      predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
+                                              if predicted_tokens_per_s else None))
+
+
+def write_summary(run_dir: Path, summary: RunSummary) -> Path:
+    path = run_dir / SUMMARY
+    # Evidence can quote a traceback or an env: the active redactor blanks every secret the run knows of.
+    write_private(path, json.dumps(current_redactor().value(summary.to_json()), indent=2) + "\n")
+    return path
+
+
+def plan_ranks(inventory: Inventory, batches: Mapping[str, int], rates: Mapping[str, float] | None = None) -> list[RankPlan]:
+    """One rank per node, in inventory order (= hostfile order = rank order)."""
+    ranks = []
+    for i, node in enumerate(inventory.nodes):
+        if node.name not in batches:
+            raise ConfigError(f"the plan has no batch for node {node.name}")
+        ranks.append(RankPlan(i, node, batches[node.name], (rates or {}).get(node.name)))
+    return ranks
+
+
+__all__ = ["Launch", "LaunchError", "RankPlan", "RunSummary", "build_hostfile", "new_run_id", "plan_ranks",
+           "summarize", "write_summary"]

@@ -1,0 +1,187 @@
+"""Resume never loses work: before any rank starts, the coordinator lists and verifies every node's checkpoints.
+
+    scan (per node, over its own connection: `python -m worker.checkpoint scan`)
+    -> decide_resume (pure: the step to resume from, what to set aside, or a refusal)
+    -> set aside (per node: `python -m worker.checkpoint set-aside`, under the node's writer lock)
+
+The ranks would pick the same step (each takes its node's newest valid checkpoint, and they agree on the newest
+any of them has): the scan lets the coordinator say so before launching, and refuse when there is nothing valid
+to resume from while invalid checkpoints exist. Refusing changes nothing on the nodes, so an operator can still
+repair a checkpoint; `--restart-from-scratch` sets the invalid ones aside (`step-N.invalid-<code>`, never
+deleted) and starts at step 0. The ranks check the same thing again (`worker.train.ResumeRefused`) in case a
+checkpoint changed in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import CoordinatorError, TransportError
+from coordinator.fleet.ship import ship_worker
+from coordinator.fleet.transport import Fleet, python_argv
+from coordinator.models import Node
+from coordinator.run.logs import current_redactor
+
+SCAN_TIMEOUT_S = 600.0  # verifying re-hashes the newest checkpoints: a full fine-tune's are large
+
+
+class ResumeRefused(CoordinatorError):
+    """Checkpoints exist but none is valid on any node: starting from step 0 over them would lose the run."""
+
+
+@dataclass(frozen=True)
+class CheckpointVerdict:
+    """One checkpoint dir on one node, as its node verified it (`worker.checkpoint.Verdict`)."""
+
+    node: str
+    step: int
+    path: str
+    valid: bool
+    reason: str = ""
+    code: str = ""
+
+    @property
+    def dir_name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def describe(self) -> str:
+        return f"{self.node}:{self.path}" + ("" if self.valid else f": {self.reason}")
+
+
+@dataclass(frozen=True)
+class ScanFailed:
+    """A node whose checkpoints could not be listed (the evidence says why)."""
+
+    node: str
+    reason: str
+
+
+NodeScan = tuple[CheckpointVerdict, ...] | ScanFailed
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """Where a resumed attempt starts: `step` None is step 0. `set_aside` are the invalid checkpoints to move
+    out of the way first (every invalid one found: none may shadow, or make pruning delete, what comes next)."""
+
+    step: int | None
+    checkpoint: CheckpointVerdict | None
+    set_aside: tuple[CheckpointVerdict, ...]
+    from_scratch: bool = False  # --restart-from-scratch was needed (invalid checkpoints, nothing valid)
+
+    def describe(self) -> str:
+        aside = f"; {len(self.set_aside)} invalid checkpoint(s) set aside" if self.set_aside else ""
+        if self.checkpoint is not None:
+            return f"resumed from step {self.step} (checkpoint {self.checkpoint.node}:{self.checkpoint.path}){aside}"
+        if self.from_scratch:
+            return f"restarted from scratch at step 0 (--restart-from-scratch){aside}"
+        return "resumed from step 0: no checkpoint on any node"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step or 0, "checkpoint": self.checkpoint.path if self.checkpoint else None,
+                "node": self.checkpoint.node if self.checkpoint else None, "from_scratch": self.from_scratch,
+                "set_aside": [{"node": v.node, "path": v.path, "reason": v.reason} for v in self.set_aside]}
+
+
+def parse_scan(node: str, stdout: str) -> NodeScan:
+    """The last stdout line of `worker.checkpoint scan`; anything else is a ScanFailed with the text."""
+    lines = stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+        items = doc["checkpoints"] if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            raise ValueError("no checkpoints list")
+        return tuple(CheckpointVerdict(node, int(c["step"]), str(c["path"]), bool(c["valid"]),
+                                       str(c.get("reason") or ""), str(c.get("code") or "")) for c in items)
+    except (ValueError, KeyError, TypeError) as exc:
+        return ScanFailed(node, f"unreadable scan output ({exc}): {stdout.strip()[-300:]!r}")
+
+
+def decide_resume(scans: Mapping[str, NodeScan], *, restart_from_scratch: bool, run_id: str = "") -> ResumeDecision:
+    """The newest valid checkpoint any node has (the one the ranks will agree on), or step 0 when no node has
+    any checkpoint. Raises ResumeRefused, naming every invalid checkpoint and why, when checkpoints exist (or a
+    node could not be listed) but none is valid, unless `restart_from_scratch`."""
+    verdicts = [v for scan in scans.values() if not isinstance(scan, ScanFailed) for v in scan]
+    failed = [scan for scan in scans.values() if isinstance(scan, ScanFailed)]
+    invalid = tuple(sorted((v for v in verdicts if not v.valid), key=lambda v: (v.node, -v.step)))
+    valid = [v for v in verdicts if v.valid]
+    if valid:
+        best = max(valid, key=lambda v: v.step)  # ties: the first node listed (the ranks broadcast from rank 0's)
+        return ResumeDecision(best.step, best, invalid)
+    if not invalid and not failed:
+        return ResumeDecision(None, None, ())
+    if restart_from_scratch:
+        return ResumeDecision(None, None, invalid, from_scratch=True)
+    lines = [f"  {v.node}: {v.path}: {v.reason}" for v in invalid]
+    lines += [f"  {f.node}: could not list checkpoints: {f.reason}" for f in failed]
+    raise ResumeRefused(
+        f"--resume {run_id}: no valid checkpoint on any node, refusing to start over from step 0:\n"
+        + "\n".join(lines)
+        + "\nrepair them, or pass --restart-from-scratch to set them aside (kept, renamed step-N.invalid-<why>) "
+          "and train from step 0")
+
+
+async def scan_checkpoints(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str]) -> dict[str, NodeScan]:
+    """Every node's checkpoints under `<run dir>/checkpoints`, newest first down to its newest valid one."""
+    async def one(node: Node) -> NodeScan:
+        try:
+            out = await _checkpoint_tool(fleet, node, "scan", f"{run_dirs[node.name]}/checkpoints")
+        except TransportError as exc:
+            return ScanFailed(node.name, str(exc))
+        return parse_scan(node.name, out)
+
+    results = await asyncio.gather(*(one(n) for n in nodes))
+    return {n.name: r for n, r in zip(nodes, results, strict=True)}
+
+
+async def set_aside(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str],
+                    verdicts: Sequence[CheckpointVerdict]) -> None:
+    """Rename the given invalid checkpoints to `step-N.invalid-<code>` on their nodes. A node where that fails
+    (a writer still holds its lock, say) raises ResumeRefused naming it: nothing may start while an invalid
+    checkpoint is in the way."""
+    by_node: dict[str, list[CheckpointVerdict]] = {}
+    for v in verdicts:
+        by_node.setdefault(v.node, []).append(v)
+
+    async def one(node: Node) -> None:
+        mine = by_node.get(node.name)
+        if mine:
+            await _checkpoint_tool(fleet, node, "set-aside", f"{run_dirs[node.name]}/checkpoints",
+                                   *(f"{v.dir_name}:{v.code}" for v in mine))
+
+    results = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
+    errors = [str(r) for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise ResumeRefused("could not set invalid checkpoints aside: " + "; ".join(errors))
+
+
+async def _checkpoint_tool(fleet: Fleet, node: Node, *args: str) -> str:
+    transport = fleet.transports[node.name]
+    worker_dir = await ship_worker(transport, node)
+    argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(node.python, "-m", "worker.checkpoint", *args)]
+    result = await transport.run(argv, timeout=SCAN_TIMEOUT_S)
+    if not result.ok:
+        raise TransportError(node.name, f"worker.checkpoint {args[0]} failed: {result.stderr.strip()[-400:]}")
+    return result.stdout
+
+
+async def check_resume(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str], *, run_id: str,
+                       restart_from_scratch: bool, events_file: Path) -> ResumeDecision:
+    """Scan, decide (ResumeRefused propagates, with nothing changed on the nodes), set the invalid checkpoints
+    aside, and record each one in the run's events.jsonl as a `checkpoint_invalid` line (the ranks, which would
+    have reported them, no longer see them)."""
+    scans = await scan_checkpoints(fleet, nodes, run_dirs)
+    decision = decide_resume(scans, restart_from_scratch=restart_from_scratch, run_id=run_id)
+    if decision.set_aside:
+        await set_aside(fleet, nodes, run_dirs, decision.set_aside)
+        with events_file.open("a", encoding="utf-8") as sink:
+            for v in decision.set_aside:
+                record = {"event": "checkpoint_invalid", "node": v.node, "step": v.step, "path": v.path,
+                          "reason": v.reason, "code": v.code, "set_aside_by": "coordinator"}
+                sink.write(json.dumps(current_redactor().value(record)) + "\n")
+    return decision

@@ -1,0 +1,453 @@
+"""The coordinator's run directory, `runs/<run-id>/`: its file names, the format of the JSON files it writes
+there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
+runs alike, `IncidentRecord` for an incident read back). Pure but for `read_json_object` and `read_meta`.
+
+Format: summary.json, meta.json, plan.json and map.json carry `"format": FORMAT`. A file without it was written
+before the key existed (format 1) and reads as before, as does a format 2 file under its older key names; a file
+of a newer format than this coordinator knows is refused with a message naming both versions (`RunFileFormatError`,
+exit 2), never misread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.errors import ConfigError
+from coordinator.planning.hostfile import Hostfile
+from coordinator.run.monitor import Incident
+from worker.events import coerce_float, coerce_int
+
+# --- layout ----------------------------------------------------------------------------------------------------
+
+SUMMARY = "summary.json"  # the run's outcome (train: launch.RunSummary; map: mapjob.MapSummary)
+META = "meta.json"  # the current attempt, for attach/stop/status (RunMeta)
+PLAN = "plan.json"  # the training plan: split, batches, calibrated rates (job.py)
+EVENTS = "events.jsonl"  # every rank event (with its node) and every coordinator record, all attempts
+MAP_PLAN = "map.json"  # a map run's plan (its shards)
+MANIFEST = "manifest.json"  # a map run's output manifest
+PLAYBOOK = "playbook.yaml"  # the playbook as launched (secrets redacted)
+HOSTFILE = "hostfile.json"
+LAUNCHER_LOG = "launcher.log"
+LAUNCHER_ARGV = "launcher.argv"
+SSH_CONFIG = "ssh_config"
+
+# Of summary.json, meta.json, plan.json, map.json. 1: written before the `format` key; 2: the same keys with
+# `format`; 3: the one JSON vocabulary (a node is `node`, never `name`; `peak_memory_bytes`).
+# The readers here take every one of them (a 1 or 2 file's old keys included).
+FORMAT = 3
+
+
+class RunFileFormatError(ConfigError):
+    """A run file of a format this coordinator does not read (newer, or not a format number)."""
+
+
+def check_format(doc: Mapping[str, Any], name: str) -> int:
+    """The format of a decoded run file (`name` for the message): 1 without the key; raises
+    `RunFileFormatError` for a newer or malformed one."""
+    raw = doc.get("format", 1)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise RunFileFormatError(f"{name}: format {raw!r} is not a format number (this coordinator reads 1-{FORMAT})")
+    if raw > FORMAT:
+        raise RunFileFormatError(f"{name} is format {raw}, newer than this coordinator reads (1-{FORMAT}): "
+                                 "upgrade mlx-coordinator to read this run")
+    return raw
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A run file's JSON object, format-checked; None when it is missing, unreadable or not an object (callers
+    say so in their own words); `RunFileFormatError` when it is of a format this coordinator does not read."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    check_format(value, str(path))
+    return value
+
+
+# --- meta.json ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetaRank:
+    rank: int
+    node: str
+    batch_size: int | None = None  # None: a hand-written or partial meta.json (status shows it all the same)
+    calibrated_tokens_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "batch_size": self.batch_size,
+                "calibrated_tokens_per_s": self.calibrated_tokens_per_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMeta:
+    """meta.json: what `coordinator attach|stop|status` needs to find the current attempt again."""
+
+    run_id: str
+    attempt: int = 0
+    inventory: str | None = None
+    nodes: tuple[str, ...] = ()
+    playbook: str | None = None
+    ranks: tuple[MetaRank, ...] = ()
+    remote_run_dirs: Mapping[str, str] = field(default_factory=dict)
+    remote_tmp_dir: str | None = None
+    launcher_pid: int | None = None
+    coordinator_pid: int | None = None
+    split: Mapping[str, int] = field(default_factory=dict)
+    left_out: tuple[Mapping[str, str], ...] = ()  # {node, reason}
+    drill: bool = False
+    restart_from_scratch: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory,
+                "nodes": list(self.nodes), "playbook": self.playbook, "ranks": [r.to_json() for r in self.ranks],
+                "remote_run_dirs": dict(self.remote_run_dirs), "remote_tmp_dir": self.remote_tmp_dir,
+                "launcher_pid": self.launcher_pid, "coordinator_pid": self.coordinator_pid,
+                "split": dict(self.split), "left_out": [dict(x) for x in self.left_out], "drill": self.drill,
+                "restart_from_scratch": self.restart_from_scratch}
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str = "") -> RunMeta:
+    """A decoded meta.json -> `RunMeta`. Lenient where a reader can do without (a rank without a batch size, a
+    missing pid); `ConfigError` naming the file for what no reader can (a rank without its number or node) and
+    `RunFileFormatError` for a newer format."""
+    check_format(doc, name)
+    ranks = []
+    for i, r in enumerate(doc.get("ranks") or []):
+        if not isinstance(r, Mapping) or _opt_int(r.get("rank")) is None or not isinstance(r.get("node"), str):
+            raise ConfigError(f"{name}: ranks[{i}] must be an object with an integer rank and a node name")
+        rate = r.get("calibrated_tokens_per_s")
+        ranks.append(MetaRank(int(r["rank"]), str(r["node"]), _opt_int(r.get("batch_size")),
+                              float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None))
+    nodes_raw = doc.get("nodes")
+    nodes = tuple(str(n) for n in nodes_raw) if isinstance(nodes_raw, list) \
+        else tuple(dict.fromkeys(r.node for r in ranks))
+    left_raw = doc.get("left_out")
+    left_out = tuple({"node": str(x["node"]), "reason": str(x.get("reason", ""))}
+                     for x in left_raw if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else ()
+    dirs, split = doc.get("remote_run_dirs"), doc.get("split")
+    return RunMeta(
+        run_id=str(doc.get("run_id") or default_run_id), attempt=_opt_int(doc.get("attempt")) or 0,
+        inventory=doc["inventory"] if isinstance(doc.get("inventory"), str) else None, nodes=nodes,
+        playbook=doc["playbook"] if isinstance(doc.get("playbook"), str) else None, ranks=tuple(ranks),
+        remote_run_dirs={str(k): str(v) for k, v in dirs.items()} if isinstance(dirs, Mapping) else {},
+        remote_tmp_dir=doc["remote_tmp_dir"] if isinstance(doc.get("remote_tmp_dir"), str) else None,
+        launcher_pid=_opt_int(doc.get("launcher_pid")), coordinator_pid=_opt_int(doc.get("coordinator_pid")),
+        split={str(k): v for k, v in split.items() if _opt_int(v) is not None} if isinstance(split, Mapping) else {},
+        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")))
+
+
+def read_meta(run_dir: Path) -> RunMeta:
+    """runs/<id>/meta.json, for attach and stop: ConfigError (exit 2) when it is missing or unreadable."""
+    path = run_dir / META
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"no run at {run_dir} (missing {META}): see `ls {run_dir.parent}`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"unreadable run metadata: {exc}", path=str(path)) from None
+    if not isinstance(doc, dict):
+        raise ConfigError("unreadable run metadata: not a JSON object", path=str(path))
+    return parse_meta(doc, name=str(path), default_run_id=run_dir.name)
+
+
+# --- summary.json ------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SummaryBase:
+    """What the summary.json of every run kind says (launch.RunSummary and mapjob.MapSummary add their own)."""
+
+    run_id: str
+    state: str
+    nodes: list[dict[str, Any]]
+    split: dict[str, float]
+    incidents: list[Incident] = field(default_factory=list)
+    run_dir: str = ""
+    message: str = ""
+    quarantined: list[str] = field(default_factory=list)
+    left_out: list[dict[str, str]] = field(default_factory=list)  # inventory nodes it started without: {node, reason}
+
+    def base_json(self) -> dict[str, Any]:
+        # str(state): a RunState writes its word, never an enum's repr.
+        return {"format": FORMAT, "run_id": self.run_id, "state": str(self.state), "nodes": self.nodes,
+                "split": self.split, "incidents": [i.to_json() for i in self.incidents], "run_dir": self.run_dir,
+                "message": self.message, "quarantined": self.quarantined, "degraded": bool(self.left_out),
+                "left_out": self.left_out}
+
+
+
+# --- incident records (events.jsonl's `incident` lines, summary.json's `incidents`) --------------------------------
+
+
+@dataclass(frozen=True)
+class IncidentRecord:
+    """An incident as written by `monitor.Incident.to_json` (plus `attempt` on its events.jsonl line), read back
+    under the events' number rule (worker.events). Absent or mistyped fields are None: each reader shows its
+    own placeholder. `evidence` is whatever JSON value was written (an object, or text in older files)."""
+
+    kind: str | None = None
+    node: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    action: str | None = None
+    detected_after_s: float | None = None
+    evidence: Any = None
+    t: float | None = None
+    attempt: int | None = None
+
+
+def parse_incident_record(doc: Mapping[str, Any]) -> IncidentRecord:
+    def text(key: str) -> str | None:
+        value = doc.get(key)
+        return value if isinstance(value, str) else None
+
+    return IncidentRecord(kind=text("kind"), node=text("node"), rank=coerce_int(doc.get("rank")),
+                          step=coerce_int(doc.get("step")), action=text("action"),
+                          detected_after_s=coerce_float(doc.get("detected_after_s")), evidence=doc.get("evidence"),
+                          t=coerce_float(doc.get("t")), attempt=coerce_int(doc.get("attempt")))
+
+
+# --- summary.json read back ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SummaryNode:
+    """One row of summary.json's `nodes` (a training run's rank, or a map run's node), every field optional."""
+
+    name: str | None = None
+    rank: int | None = None
+    batch_size: int | None = None
+    state: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    calibrated_tokens_per_s: float | None = None
+    peak_memory: int | None = None
+    checkpoint: str | None = None
+    # a map run's node
+    rows: int | None = None
+    rows_done: int | None = None
+    ranges: tuple[tuple[int, int], ...] = ()  # [start, end) row ranges; malformed pairs are left out
+    examples_per_s_calibrated: float | None = None
+    rows_per_s: float | None = None
+    finished_after_s: float | None = None
+
+
+def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list):
+        return ()
+    pairs = [(coerce_int(x[0]), coerce_int(x[1])) for x in value if isinstance(x, list) and len(x) == 2]
+    return tuple((a, b) for a, b in pairs if a is not None and b is not None)
+
+
+@dataclass(frozen=True)
+class SummaryFile:
+    """summary.json as read back by `report`, `status` and `stop`: what every run kind writes (SummaryBase) and
+    a training run's own fields, None (or empty) where absent or mistyped, under the events' number rule."""
+
+    format: int = FORMAT
+    run_id: str | None = None
+    kind: str = "train"
+    state: str | None = None
+    steps: int | None = None
+    iters: int | None = None
+    message: str | None = None
+    checkpoint: str | None = None
+    tokens_per_s: float | None = None
+    attempts: int | None = None
+    nodes: tuple[SummaryNode, ...] = ()
+    split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
+    incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
+    quarantined: tuple[str, ...] = ()
+    recoveries: tuple[Mapping[str, Any], ...] = ()
+    left_out: tuple[tuple[str, str], ...] | None = None  # (node, reason); None: absent (older summaries)
+    # a map run's (kind "map")
+    rows: int | None = None
+    rows_done: int | None = None
+    finish_spread: float | None = None
+    output: str | None = None
+    manifest: str | None = None
+    reassignments: tuple[Mapping[str, Any], ...] = ()  # {from, rows, to}
+
+
+def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile:
+    """A decoded summary.json -> `SummaryFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+
+    def text(d: Mapping[str, Any], key: str) -> str | None:
+        value = d.get(key)
+        return value if isinstance(value, str) else None
+
+    def rows(key: str) -> list[Mapping[str, Any]]:
+        value = doc.get(key)
+        return [x for x in value if isinstance(x, Mapping)] if isinstance(value, list) else []
+
+    nodes = tuple(SummaryNode(
+        name=text(n, "node") or text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
+        state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
+        tokens_per_s=coerce_float(n.get("tokens_per_s")),
+        calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
+        peak_memory=coerce_int(n.get("peak_memory_bytes", n.get("peak_memory"))), checkpoint=text(n, "checkpoint"),
+        rows=coerce_int(n.get("rows")), rows_done=coerce_int(n.get("rows_done")), ranges=_ranges(n.get("ranges")),
+        examples_per_s_calibrated=coerce_float(n.get("examples_per_s_calibrated")),
+        rows_per_s=coerce_float(n.get("rows_per_s")), finished_after_s=coerce_float(n.get("finished_after_s")))
+        for n in rows("nodes"))
+    split_raw = doc.get("split")
+    split = {str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None} \
+        if isinstance(split_raw, Mapping) else None
+    quarantined = doc.get("quarantined")
+    left_raw = doc.get("left_out")
+    return SummaryFile(
+        format=version, run_id=text(doc, "run_id"), kind=text(doc, "kind") or "train", state=text(doc, "state"),
+        steps=coerce_int(doc.get("steps")), iters=coerce_int(doc.get("iters")), message=text(doc, "message"),
+        checkpoint=text(doc, "checkpoint"), tokens_per_s=coerce_float(doc.get("tokens_per_s")),
+        attempts=coerce_int(doc.get("attempts")), nodes=nodes, split=split,
+        incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
+        if isinstance(doc.get("incidents"), list) else None,
+        quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
+        recoveries=tuple(dict(r) for r in rows("recoveries")),
+        left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
+                       if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None,
+        rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
+        finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
+        manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
+
+
+def read_summary(run_dir: Path) -> SummaryFile | None:
+    """runs/<id>/summary.json, typed; None when it is missing or unreadable (the run has not ended, or its
+    coordinator died first); `RunFileFormatError` for a newer format."""
+    path = run_dir / SUMMARY
+    doc = read_json_object(path)
+    return None if doc is None else parse_summary(doc, name=str(path))
+
+
+def read_hostfile(run_dir: Path) -> Hostfile:
+    """runs/<id>/hostfile.json (the attempt's mlx hostfile), for adopting a run: ConfigError naming the file when
+    it is missing or not a hostfile."""
+    path = run_dir / HOSTFILE
+    doc = read_json_object(path)
+    if doc is None or not isinstance(doc.get("hosts"), list) \
+            or not all(isinstance(h, Mapping) and isinstance(h.get("ssh"), str) for h in doc["hosts"]):
+        raise ConfigError("missing or unreadable hostfile (a list of hosts, each with its ssh name)", path=str(path))
+    return Hostfile.from_json(doc)
+
+
+# --- plan.json --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CurveRecord:
+    """One measured point of a node's calibration curve, as plan.json and `calibrate --json` write it."""
+
+    batch: int
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch": self.batch, "tokens_per_s": self.tokens_per_s, "peak_memory_bytes": self.peak_memory_bytes}
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """One node of a calibrated plan: its predicted rate at its planned batch (what its share is proportional
+    to), and the curve it was measured on (calibrate.build_plan_nodes)."""
+
+    node: str
+    tokens_per_s: float
+    batch_size: int
+    share: float
+    curve: tuple[CurveRecord, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "tokens_per_s": self.tokens_per_s, "batch_size": self.batch_size,
+                "share": self.share, "curve": [p.to_json() for p in self.curve]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """plan.json as job.py writes it, one per attempt: the split, batches and, for a calibrated plan, each
+    node's curve (`nodes` is empty for a plan that measured nothing)."""
+
+    split: Mapping[str, float]
+    batch: Mapping[str, int]
+    global_batch: int
+    mode: str
+    predicted_tokens_per_s: float | None
+    backend: str
+    attempt: int
+    nodes: tuple[PlanNode, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
+                "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
+                "attempt": self.attempt}
+
+
+# --- plan.json read back -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """plan.json as `report` reads it back (job.py writes the plan with its calibration curves; the fields
+    here are the ones a reader uses), None or empty where absent or mistyped."""
+
+    format: int = FORMAT
+    split: Mapping[str, float] | None = None
+    batch: Mapping[str, int] = field(default_factory=dict)
+    node_tokens_per_s: Mapping[str, float | None] = field(default_factory=dict)  # its `nodes` rows' calibrated rates
+    global_batch: int | None = None
+    mode: str | None = None
+    backend: str | None = None
+    predicted_tokens_per_s: float | None = None
+    attempt: int | None = None
+
+
+def parse_plan(doc: Mapping[str, Any], *, name: str = PLAN) -> PlanFile:
+    """A decoded plan.json -> `PlanFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+    split_raw, batch_raw, nodes_raw = doc.get("split"), doc.get("batch"), doc.get("nodes")
+    return PlanFile(
+        format=version,
+        split={str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None}
+        if isinstance(split_raw, Mapping) else None,
+        batch={str(k): b for k, v in batch_raw.items() if (b := coerce_int(v)) is not None}
+        if isinstance(batch_raw, Mapping) else {},
+        node_tokens_per_s={str(n.get("node", n.get("name"))): coerce_float(n.get("tokens_per_s")) for n in nodes_raw
+                           if isinstance(n, Mapping)} if isinstance(nodes_raw, list) else {},
+        global_batch=coerce_int(doc.get("global_batch")),
+        mode=doc["mode"] if isinstance(doc.get("mode"), str) else None,
+        backend=doc["backend"] if isinstance(doc.get("backend"), str) else None,
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")), attempt=coerce_int(doc.get("attempt")))
+
+
+@dataclass(frozen=True)
+class MapPlanFile:
+    """map.json (a map run's plan, mapjob.run_map) as the map report reads it back."""
+
+    format: int = FORMAT
+    rows: int | None = None
+    task: str | None = None  # the playbook's map.task (score | generate | command)
+    split: Mapping[str, float] | None = None
+
+
+def parse_map_plan(doc: Mapping[str, Any], *, name: str = MAP_PLAN) -> MapPlanFile:
+    """A decoded map.json -> `MapPlanFile`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+    task, split_raw = doc.get("task"), doc.get("split")
+    return MapPlanFile(
+        format=version, rows=coerce_int(doc.get("rows")),
+        task=task["task"] if isinstance(task, Mapping) and isinstance(task.get("task"), str) else None,
+        split={str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None}
+        if isinstance(split_raw, Mapping) else None)

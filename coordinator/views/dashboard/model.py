@@ -1,0 +1,283 @@
+"""The dashboard's pure core: a run's files (events.jsonl records, meta.json, summary.json) folded into what the
+run page shows, and each rank's verdict.
+
+The same sources as `coordinator status`/`monitor` (one truth, no second state store): the fold is fed the
+records of events.jsonl in file order, in as many batches as the tail delivers, and each batch returns the
+*delta* (new loss points, new incidents, ...) that the server pushes to browsers. A finished run is replayed by
+feeding its whole file once.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+RECENT_STEP_TIMES = 50  # a rank's step-time min/median/max are over its last steps
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0  # the playbook's default (coordinator/config/playbook.py)
+SLOW_FRACTION = 0.5  # a rank under this share of its calibrated tokens/s is slow (the monitor's straggler_fraction)
+# The monitor's stall rule (FaultPolicy.stall_factor / stall_min_s): a rank inside a step that ends no step for
+# this many median step times, and at least this long, is stalled.
+STALL_FACTOR = 10.0
+STALL_MIN_S = 60.0
+
+
+@dataclass
+class RankLive:
+    """One rank as its events show it. Times are the workers' unix `t`."""
+
+    rank: int
+    node: str
+    batch_size: int | None = None
+    calibrated_tokens_per_s: float | None = None
+    state: str = "pending"  # pending | running | finished | failed
+    phase: str | None = None  # load | step | sync | checkpoint | eval | digest | idle (from heartbeats)
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    last_t: float | None = None  # its newest event of any kind (a heartbeat is one)
+    last_step_t: float | None = None
+    started_t: float | None = None
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEP_TIMES))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _r(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass
+class RunFold:
+    """A run's events folded for the run page. `feed` returns the delta of one batch (see `empty_delta`)."""
+
+    run_id: str
+    ranks: dict[int, RankLive] = field(default_factory=dict)
+    loss: list[tuple[int, float]] = field(default_factory=list)  # (step, loss): the global loss, once per step
+    val_loss: list[tuple[int, float]] = field(default_factory=list)
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # a relaunch: ranks started again at `step`
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the writer's, one per step
+    first_t: float | None = None
+    iters: int | None = None  # from the ranks' `started` events
+    bad_lines: int = 0
+    _loss_steps: set[int] = field(default_factory=set)
+    _val_steps: set[int] = field(default_factory=set)
+    _ckpt_steps: set[int] = field(default_factory=set)
+    _started: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_meta(cls, run_id: str, meta: Mapping[str, Any] | None) -> RunFold:
+        """A fold that knows the planned ranks (and their calibrated predictions) before any event."""
+        fold = cls(run_id)
+        for r in (meta or {}).get("ranks") or []:
+            if isinstance(r, Mapping) and _int(r.get("rank")) is not None and isinstance(r.get("node"), str):
+                fold.ranks[int(r["rank"])] = RankLive(int(r["rank"]), str(r["node"]), _int(r.get("batch_size")),
+                                                      _float(r.get("calibrated_tokens_per_s")))
+        return fold
+
+    def feed(self, records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+        delta = empty_delta()
+        for record in records:
+            self._feed_one(record, delta)
+        return delta
+
+    def _feed_one(self, record: Mapping[str, Any], delta: dict[str, Any]) -> None:
+        kind = record.get("event")
+        t = _float(record.get("t"))
+        if t is not None and self.first_t is None:
+            self.first_t = t
+        step = _int(record.get("step"))
+        if kind == "incident":
+            note = {"kind": str(record.get("kind", "unknown")), "node": str(record.get("node", "?")),
+                    "rank": _int(record.get("rank")), "step": step, "action": str(record.get("action", "")),
+                    "t": t, "summary": str(record.get("evidence", ""))[:200]}
+            self.incidents.append(note)
+            delta["incidents"].append(note)
+            return
+        rank = _int(record.get("rank"))
+        node = record.get("node")
+        if rank is None or not isinstance(node, str):
+            return
+        view = self.ranks.get(rank)
+        if view is None or view.node != node:  # unplanned, or a relaunch moved the rank: the event's node wins
+            view = self.ranks[rank] = RankLive(rank, node, view.batch_size if view else None,
+                                               view.calibrated_tokens_per_s if view and view.node == node else None)
+        if t is not None:
+            view.last_t = t if view.last_t is None else max(view.last_t, t)
+        if kind == "heartbeat":
+            phase = record.get("phase")
+            view.phase = phase if isinstance(phase, str) else view.phase
+            if view.state == "pending":
+                view.state = "running"
+        elif kind == "started":
+            resumed = _int(record.get("resumed_from"))
+            # A rank starting again (a relaunch), or starting from a checkpoint (a resume): marked once, by the
+            # lowest rank, on the curves.
+            if (rank in self._started or resumed) and rank == min(self.ranks):
+                note = {"step": resumed or 0, "t": t, "rank": rank, "node": node}
+                self.recoveries.append(note)
+                delta["recoveries"].append(note)
+            self._started.add(rank)
+            self.iters = _int(record.get("iters")) or self.iters
+            view.state, view.step, view.started_t = "running", resumed or 0, t
+            view.phase = "load"
+        elif kind == "step" and step is not None:
+            view.state, view.phase = "running", "step"
+            view.step = max(view.step, step)
+            view.tokens_per_s = _float(record.get("tok_s"))
+            view.loss = _float(record.get("loss"))
+            view.last_step_t = t
+            step_time = _float(record.get("step_time_s"))
+            if step_time is not None:
+                view.step_times.append(step_time)
+            if view.loss is not None and step not in self._loss_steps:
+                self._loss_steps.add(step)
+                self.loss.append((step, view.loss))
+                delta["loss"].append([step, _r(view.loss, 5)])
+        elif kind == "eval" and step is not None:
+            val = _float(record.get("val_loss"))
+            if val is not None and step not in self._val_steps:
+                self._val_steps.add(step)
+                self.val_loss.append((step, val))
+                delta["val_loss"].append([step, _r(val, 5)])
+        elif kind == "checkpoint" and step is not None and step not in self._ckpt_steps:
+            self._ckpt_steps.add(step)
+            note = {"step": step, "path": str(record.get("path", "")), "t": t}
+            self.checkpoints.append(note)
+            delta["checkpoints"].append(note)
+        elif kind == "finished":
+            view.state, view.phase = "finished", None
+            view.step = max(view.step, step or 0)
+        elif kind == "error":
+            view.state = "failed"
+
+    @property
+    def step(self) -> int:
+        """The step every rank has reached."""
+        return min((r.step for r in self.ranks.values()), default=0)
+
+
+def empty_delta() -> dict[str, Any]:
+    return {"loss": [], "val_loss": [], "incidents": [], "recoveries": [], "checkpoints": []}
+
+
+def step_time_stats(times: Iterable[float]) -> dict[str, float] | None:
+    """min/median/max of the step times given; None when there are none."""
+    values = list(times)
+    if not values:
+        return None
+    return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
+
+
+def rank_verdict(rank: RankLive, incidents: Iterable[Mapping[str, Any]], *, now: float, active: bool,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> str:
+    """What the monitor would say about the rank, in a word: finished, failed, pending, `<incident kind>` (the
+    monitor named it: hang, crash, straggler, ...), dead (silent past the heartbeat timeout), stalled (in a step
+    that ends no step for the monitor's stall window), slow (under half its calibrated tokens/s) or ok.
+
+    The same thresholds as coordinator/run/monitor.py, applied to the files, so a finished run's replay and a run
+    whose coordinator died say the same thing the live monitor said."""
+    mine = [i for i in incidents if i.get("rank") == rank.rank and i.get("node") == rank.node]
+    if rank.state == "finished":
+        return "finished"
+    if mine:
+        return str(mine[-1].get("kind"))
+    if rank.state == "failed":
+        return "failed"
+    if not active:
+        return rank.state  # a replay: ages since the run ended mean nothing
+    if rank.last_t is None:
+        return "pending"
+    if now - rank.last_t > heartbeat_timeout:
+        return "dead"
+    stats = step_time_stats(rank.step_times)
+    if rank.phase == "step" and stats is not None and rank.last_step_t is not None:
+        window = max(STALL_FACTOR * stats["median"], STALL_MIN_S, heartbeat_timeout + 1.0)
+        if now - rank.last_step_t > window:
+            return "stalled"
+    if (rank.tokens_per_s is not None and rank.calibrated_tokens_per_s
+            and rank.tokens_per_s < SLOW_FRACTION * rank.calibrated_tokens_per_s):
+        return "slow"
+    return "ok"
+
+
+def rank_row(rank: RankLive, incidents: Iterable[Mapping[str, Any]], *, now: float, active: bool,
+             heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> dict[str, Any]:
+    """One rank's row on the run page (ages are recomputed in the browser from `last_t` between pushes)."""
+    return {"rank": rank.rank, "node": rank.node, "state": rank.state, "phase": rank.phase, "step": rank.step,
+            "loss": _r(rank.loss, 5), "tokens_per_s": _r(rank.tokens_per_s, 1),
+            "calibrated_tokens_per_s": _r(rank.calibrated_tokens_per_s, 1), "batch_size": rank.batch_size,
+            "last_t": rank.last_t, "last_step_t": rank.last_step_t,
+            "heartbeat_age_s": None if rank.last_t is None else _r(max(0.0, now - rank.last_t), 1),
+            "step_age_s": None if rank.last_step_t is None else _r(max(0.0, now - rank.last_step_t), 1),
+            "step_time_s": step_time_stats(rank.step_times),
+            "verdict": rank_verdict(rank, incidents, now=now, active=active, heartbeat_timeout=heartbeat_timeout)}
+
+
+def split_shares(fold: RunFold) -> dict[str, float]:
+    """Each node's share of the global batch (batch sizes from meta.json)."""
+    sizes = {r.node: r.batch_size for r in fold.ranks.values() if r.batch_size}
+    total = sum(v for v in sizes.values() if v)
+    return {n: round(v / total, 4) for n, v in sizes.items() if v} if total else {}
+
+
+def eta_s(fold: RunFold, iters: int | None, now: float) -> float | None:
+    """Seconds to the last step at the rate since the (latest) start; None before a step or without `iters`."""
+    if iters is None:
+        return None
+    starts = [r.started_t for r in fold.ranks.values() if r.started_t is not None]
+    done = fold.step
+    base = fold.recoveries[-1]["step"] if fold.recoveries else 0
+    if not starts or done <= base:
+        return None
+    rate = (done - base) / max(1e-9, now - min(starts))
+    return max(0.0, (iters - done) / rate) if rate > 0 else None
+
+
+def run_view(fold: RunFold, *, meta: Mapping[str, Any] | None, summary: Mapping[str, Any] | None, iters: int | None,
+             now: float, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, full: bool = True) -> dict[str, Any]:
+    """The run page's document: the header, every rank's row and, with `full`, the whole curves and lists (the
+    first load and a replay; pushes carry deltas instead)."""
+    active = summary is None
+    iters = iters or fold.iters or (_int(summary.get("iters")) if summary is not None else None)
+    state = str(summary.get("state", "unknown")) if summary is not None else "running"
+    left_out = (summary if summary is not None and "left_out" in summary else meta or {}).get("left_out") or []
+    tok = sum(r.tokens_per_s or 0.0 for r in fold.ranks.values() if r.state == "running") if active else (
+        _float(summary.get("tokens_per_s")) if summary else None)
+    predicted = sum(r.calibrated_tokens_per_s or 0.0 for r in fold.ranks.values()) or None
+    doc: dict[str, Any] = {
+        "run_id": fold.run_id, "active": active, "state": state, "step": fold.step, "iters": iters,
+        "tokens_per_s": _r(tok, 1), "predicted_tokens_per_s": _r(predicted, 1),
+        "eta_s": _r(eta_s(fold, iters, now), 1) if active else None, "now": now,
+        "degraded": bool(left_out), "left_out": left_out, "split": split_shares(fold),
+        "incident_count": len(fold.incidents), "heartbeat_timeout": heartbeat_timeout,
+        "ranks": [rank_row(r, fold.incidents, now=now, active=active, heartbeat_timeout=heartbeat_timeout)
+                  for _, r in sorted(fold.ranks.items())],
+    }
+    if full:
+        doc.update({"loss": [[s, _r(v, 5)] for s, v in fold.loss], "val_loss": [[s, _r(v, 5)] for s, v in fold.val_loss],
+                    "incidents": fold.incidents, "recoveries": fold.recoveries, "checkpoints": fold.checkpoints[-20:],
+                    "message": str(summary.get("message", "")) if summary else ""})
+    return doc
+
+
+def run_row(fold: RunFold, *, summary: Mapping[str, Any] | None, meta: Mapping[str, Any] | None, iters: int | None,
+            now: float) -> dict[str, Any]:
+    """One row of the runs page."""
+    view = run_view(fold, meta=meta, summary=summary, iters=iters, now=now, full=False)
+    return {k: view[k] for k in ("run_id", "active", "state", "step", "iters", "tokens_per_s",
+                                 "predicted_tokens_per_s", "incident_count", "degraded", "eta_s")} | {
+        "nodes": sorted({r.node for r in fold.ranks.values()}), "started_t": fold.first_t}
+
+
+__all__ = ["RankLive", "RunFold", "empty_delta", "eta_s", "rank_row", "rank_verdict", "run_row", "run_view",
+           "split_shares", "step_time_stats"]

@@ -1,0 +1,477 @@
+"""The dashboard's I/O shell: a small HTTP/1.1 + server-sent-events server on the coordinator's asyncio loop, and
+the tail of the run directories that feeds it.
+
+Why our own server and not Starlette/uvicorn or aiohttp: neither is installed with the coordinator, and the
+dashboard needs four things only (static files, a few JSON documents, one SSE stream, one POST). A page of
+asyncio streams code keeps the package dependency-free, starts in milliseconds and runs inside the loop that
+`coordinator launch` already has, so `launch --dashboard` adds no thread and no process.
+
+One truth: everything shown comes from the run directories (events.jsonl tailed incrementally by byte offset,
+meta.json, summary.json, playbook.yaml), the fleet probe of `coordinator status`, and the quarantine file. No
+state is stored anywhere else; a restarted dashboard shows the same thing.
+
+Security: binds 127.0.0.1 by default. A token is made at start and printed in the URL; on any other address every
+request needs it (`?token=` or the `X-Dashboard-Token` header), and the stop action needs it everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import yaml
+
+from coordinator.errors import ConfigError
+from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold, empty_delta, run_row, run_view
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8050
+TICK_S = 0.25  # how often active runs' events.jsonl are looked at: an event shows within TICK_S + a push
+LIST_EVERY_S = 2.0  # how often the run root is listed for new runs
+KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
+RECENT_RUNS = 30
+MAX_REQUEST = 16 * 1024
+STATIC = {  # name -> content type: only these files are served
+    "index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+    "app.css": "text/css; charset=utf-8", "uPlot.iife.min.js": "text/javascript; charset=utf-8",
+    "uPlot.min.css": "text/css; charset=utf-8",
+}
+StopFn = Callable[[Path], Awaitable[object]]
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and `localhost`: the addresses a dashboard may serve without a token."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _playbook_train(run_dir: Path, meta: Mapping[str, Any]) -> tuple[int | None, float]:
+    """(train.iters, heartbeat_timeout) from the run's copy of its playbook, else from the playbook it was
+    launched with (the copy's redacted `env` values can make it unreadable YAML). Defaults when neither reads;
+    the ranks' `started` events carry `iters` too (`RunFold.iters`)."""
+    doc: Any = None
+    for path in (run_dir / "playbook.yaml", Path(str(meta.get("playbook") or run_dir / "playbook.yaml"))):
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+            break
+        except (OSError, yaml.YAMLError):
+            continue
+    doc = doc if isinstance(doc, dict) else {}
+    train = doc.get("train")
+    iters = train.get("iters") if isinstance(train, dict) else None
+    timeout = doc.get("heartbeat_timeout")
+    return (iters if isinstance(iters, int) and not isinstance(iters, bool) else None,
+            float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+            else DEFAULT_HEARTBEAT_TIMEOUT)
+
+
+@dataclass
+class TrackedRun:
+    """A run directory being tailed: its fold and the byte offset of events.jsonl read so far."""
+
+    path: Path
+    fold: RunFold
+    meta: dict[str, Any] | None
+    iters: int | None
+    heartbeat_timeout: float
+    summary: dict[str, Any] | None = None
+    offset: int = 0
+    size_seen: int = -1
+
+    def poll(self) -> dict[str, Any] | None:
+        """Read what was appended since the last poll; the delta, or None when nothing changed. A line being
+        written is left for the next poll; an unparseable line is counted and skipped."""
+        changed = False
+        if self.summary is None:
+            self.summary = _read_json(self.path / "summary.json")
+            changed = self.summary is not None
+        events = self.path / "events.jsonl"
+        try:
+            size = events.stat().st_size
+        except OSError:
+            size = 0
+        if size == self.size_seen and not changed:
+            return None
+        self.size_seen = size
+        if size < self.offset:  # rewritten (never done by the coordinator): read again from the start
+            self.offset, self.fold = 0, RunFold.from_meta(self.fold.run_id, self.meta)
+        records: list[dict[str, Any]] = []
+        if size > self.offset:
+            with events.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(size - self.offset)
+            end = data.rfind(b"\n")
+            if end >= 0:
+                self.offset += end + 1
+                for line in data[: end + 1].decode("utf-8", errors="replace").splitlines():
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        self.fold.bad_lines += 1
+                        continue
+                    if isinstance(record, dict):
+                        records.append(record)
+                    else:
+                        self.fold.bad_lines += 1
+        if not records and not changed:
+            return None
+        return self.fold.feed(records) if records else empty_delta()
+
+    def view(self, now: float, *, full: bool) -> dict[str, Any]:
+        """The run page's document; `offset` says how much of events.jsonl it includes, so a browser that
+        fetched it can drop pushed deltas it already has (`delta_from` below it)."""
+        return run_view(self.fold, meta=self.meta, summary=self.summary, iters=self.iters, now=now,
+                        heartbeat_timeout=self.heartbeat_timeout, full=full) | {"offset": self.offset}
+
+    def row(self, now: float) -> dict[str, Any]:
+        return run_row(self.fold, summary=self.summary, meta=self.meta, iters=self.iters, now=now)
+
+
+def open_run(path: Path) -> TrackedRun | None:
+    """A run directory (one with a readable meta.json) ready to tail; None otherwise."""
+    meta = _read_json(path / "meta.json")
+    if meta is None:
+        return None
+    iters, timeout = _playbook_train(path, meta)
+    return TrackedRun(path, RunFold.from_meta(str(meta.get("run_id") or path.name), meta), meta, iters, timeout)
+
+
+FleetFn = Callable[[], Mapping[str, Any]]
+
+
+@dataclass
+class DashboardState:
+    """The run root tailed, and the subscribers (SSE streams) the deltas go to. `fleet` returns the fleet page's
+    document (the probe runs elsewhere; see `coordinator.views.dashboard.fleet`)."""
+
+    run_root: Path
+    fleet: FleetFn = field(default=lambda: {"nodes": [], "warnings": []})
+    runs: dict[str, TrackedRun] = field(default_factory=dict)
+    subscribers: set[asyncio.Queue[str]] = field(default_factory=set)
+    fleet_version: int = 0
+    _listed_at: float = float("-inf")
+
+    def list_runs(self, force: bool = False) -> None:
+        """Pick up new run directories (the newest RECENT_RUNS with a meta.json)."""
+        now = time.monotonic()
+        if not force and now - self._listed_at < LIST_EVERY_S:
+            return
+        self._listed_at = now
+        try:
+            children = [c for c in self.run_root.iterdir() if c.is_dir()]
+        except OSError:
+            return
+        dated: list[tuple[float, Path]] = []
+        for child in children:
+            with contextlib.suppress(OSError):
+                dated.append(((child / "meta.json").stat().st_mtime, child))
+        for _, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
+            if child.name not in self.runs and (run := open_run(child)) is not None:
+                run.poll()  # read up to now: pushes carry what is appended from here on
+                self.runs[child.name] = run
+
+    def run(self, run_id: str) -> TrackedRun | None:
+        """A run by id (the directory name), read up to now."""
+        self.list_runs()
+        run = self.runs.get(run_id)
+        if run is None and "/" not in run_id and run_id not in ("", ".", ".."):
+            run = open_run(self.run_root / run_id)
+            if run is not None:
+                self.runs[run_id] = run
+        if run is not None:
+            run.poll()
+        return run
+
+    def runs_doc(self, now: float) -> dict[str, Any]:
+        self.list_runs()
+        rows = []
+        for run in self.runs.values():
+            run.poll()
+            rows.append(run.row(now))
+        rows.sort(key=lambda r: r.get("started_t") or 0.0, reverse=True)
+        return {"runs": rows, "now": now}
+
+    def tick(self, now: float) -> list[str]:
+        """One look at the files: the SSE messages to push (a `run` delta per changed run, then one `runs`)."""
+        self.list_runs()
+        messages: list[str] = []
+        for run_id, run in list(self.runs.items()):
+            if run.summary is not None and run.size_seen >= 0:
+                continue  # finished and read: its files no longer change
+            before = run.offset
+            delta = run.poll()
+            if delta is None:
+                continue
+            doc = {"run_id": run_id, "delta_from": before, "delta": delta, "view": run.view(now, full=False)}
+            messages.append(sse("run", doc))
+        if messages:
+            messages.append(sse("runs", self.runs_doc(now)))
+        return messages
+
+    def publish(self, messages: list[str]) -> None:
+        for queue in list(self.subscribers):
+            for msg in messages:
+                if queue.qsize() < 1000:  # a stalled browser loses updates, never the server's memory
+                    queue.put_nowait(msg)
+
+
+def sse(event: str, data: Mapping[str, Any]) -> str:
+    """One server-sent event (JSON data on one line)."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), default=str)}\n\n"
+
+
+def host_name(req: Request) -> str:
+    """The Host header without its port ('[::1]:8050' -> '::1'); '' when absent."""
+    host = req.headers.get("host", "")
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+
+
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """The request line and headers (bodies are not read: the one POST carries none). None on a bad request."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        return None
+    if len(head) > MAX_REQUEST:
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        return None
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            key, value = line.split(":", 1)
+            headers[key.strip().lower()] = value.strip()
+    url = urlsplit(parts[1])
+    return Request(parts[0].upper(), unquote(url.path), parse_qs(url.query), headers)
+
+
+class DashboardServer:
+    """Serves the dashboard at `url` until `close()`. Raises `ConfigError` when the address cannot be bound.
+
+    `stop` is the stop path of `coordinator stop` (called with the run's directory); `token` None makes one."""
+
+    def __init__(self, state: DashboardState, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 token: str | None = None, stop: StopFn | None = None) -> None:
+        self.state = state
+        self.host = host
+        self.port = port
+        self.token = token or secrets.token_urlsafe(16)
+        self.require_token = not is_loopback(host)
+        self.stop_fn = stop
+        self._server: asyncio.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._streams: set[asyncio.Task[Any]] = set()
+        self.stopping: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/?token={quote(self.token)}"
+
+    async def start(self) -> None:
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_REQUEST)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve the dashboard on {self.host}:{self.port}: {exc.strerror or exc}") from exc
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.state.list_runs(force=True)
+        self._ticker = asyncio.create_task(self._tick_forever())
+
+    async def close(self) -> None:
+        """Stop serving, end every stream. Idempotent."""
+        server, self._server = self._server, None
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
+        for task in list(self._streams):
+            task.cancel()
+        await asyncio.gather(*self._streams, return_exceptions=True)
+        if server is not None:
+            server.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 5)
+
+    async def __aenter__(self) -> DashboardServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def publish_fleet(self) -> None:
+        """The fleet changed (a probe finished): push it (built only when someone watches)."""
+        if self.state.subscribers:
+            self.state.publish([sse("fleet", self.state.fleet())])
+
+    async def _tick_forever(self) -> None:
+        last_keepalive = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            if not self.state.subscribers:
+                continue  # nobody watching: the files are read when someone asks
+            messages = self.state.tick(time.time())
+            if time.monotonic() - last_keepalive > KEEPALIVE_S:
+                messages.append(": keepalive\n\n")
+                last_keepalive = time.monotonic()
+            if messages:
+                self.state.publish(messages)
+
+    def _authorized(self, req: Request) -> bool:
+        given = req.headers.get("x-dashboard-token") or (req.query.get("token") or [""])[0]
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._streams.add(task)
+        try:
+            req = await read_request(reader)
+            if req is None:
+                await respond(writer, 400, {"error": "bad request"})
+            else:
+                await self._route(req, writer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            if task is not None:
+                self._streams.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _route(self, req: Request, writer: asyncio.StreamWriter) -> None:
+        if self.require_token and not self._authorized(req):
+            await respond(writer, 403, {"error": "this dashboard needs its token: open the URL it printed"})
+            return
+        if not self.require_token and not self._authorized(req) and not is_loopback(host_name(req)):
+            # Served without a token on loopback only: a page of another site that rebinds its DNS name to
+            # 127.0.0.1 arrives with its own Host, and must not read the fleet and runs.
+            await respond(writer, 403, {"error": "use the URL the dashboard printed (Host must be a loopback name)"})
+            return
+        path, now = req.path, time.time()
+        if req.method == "POST" and path.startswith("/api/run/") and path.endswith("/stop"):
+            await self._stop(req, path[len("/api/run/"):-len("/stop")], writer)
+        elif req.method != "GET":
+            await respond(writer, 405, {"error": f"{req.method} not allowed"})
+        elif path in ("/", "/runs") or path.startswith("/run/"):
+            await respond_bytes(writer, 200, STATIC["index.html"], _static("index.html"))
+        elif path.startswith("/static/") and path[len("/static/"):] in STATIC:
+            name = path[len("/static/"):]
+            await respond_bytes(writer, 200, STATIC[name], _static(name), cache=True)
+        elif path == "/api/fleet":
+            await respond(writer, 200, {**self.state.fleet(), "now": now})
+        elif path == "/api/runs":
+            await respond(writer, 200, self.state.runs_doc(now))
+        elif path.startswith("/api/run/"):
+            run = self.state.run(path[len("/api/run/"):])
+            if run is None:
+                await respond(writer, 404, {"error": f"no run {path[len('/api/run/'):]!r} under {self.state.run_root}"})
+            else:
+                await respond(writer, 200, run.view(now, full=True))
+        elif path == "/api/stream":
+            await self._stream(writer)
+        else:
+            await respond(writer, 404, {"error": f"no page {path}"})
+
+    async def _stop(self, req: Request, run_id: str, writer: asyncio.StreamWriter) -> None:
+        if not self._authorized(req):
+            await respond(writer, 403, {"error": "stopping a run needs the dashboard's token"})
+            return
+        run = self.state.run(run_id)
+        if run is None or self.stop_fn is None:
+            await respond(writer, 404, {"error": f"no run {run_id!r} to stop"})
+            return
+        if run.summary is not None:
+            await respond(writer, 409, {"error": f"run {run_id} already ended ({run.summary.get('state')})"})
+            return
+        if run_id not in self.stopping:
+            self.stopping.add(run_id)
+            stopper = asyncio.create_task(self._stop_in_background(run))
+            self._streams.add(stopper)
+            stopper.add_done_callback(self._streams.discard)
+        await respond(writer, 202, {"stopping": run_id})
+
+    async def _stop_in_background(self, run: TrackedRun) -> None:
+        """The stop takes seconds (SSH to every node); the browser sees it end as the run's summary appears."""
+        assert self.stop_fn is not None
+        try:
+            await self.stop_fn(run.path)
+        except Exception as exc:  # noqa: BLE001 - a failed stop is shown to the operator, never kills the server
+            self.state.publish([sse("notice", {"run_id": run.fold.run_id, "error": f"stop failed: {exc}"})])
+        finally:
+            self.stopping.discard(run.fold.run_id)
+
+    async def _stream(self, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                     b"Connection: keep-alive\r\nX-Accel-Buffering: no\r\n\r\n")
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        self.state.subscribers.add(queue)
+        try:
+            writer.write(sse("hello", {"now": time.time()}).encode())
+            await writer.drain()
+            while True:
+                msg = await queue.get()
+                writer.write(msg.encode())
+                await writer.drain()
+        finally:
+            self.state.subscribers.discard(queue)
+
+
+def _static(name: str) -> bytes:
+    return resources.files("coordinator.views.dashboard").joinpath("static", name).read_bytes()
+
+
+async def respond_bytes(writer: asyncio.StreamWriter, status: int, content_type: str, body: bytes, *,
+                        cache: bool = False) -> None:
+    reason = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
+              405: "Method Not Allowed", 409: "Conflict"}.get(status, "OK")
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"Cache-Control: {'max-age=3600' if cache else 'no-store'}\r\nConnection: close\r\n\r\n")
+    writer.write(head.encode() + body)
+    await writer.drain()
+
+
+async def respond(writer: asyncio.StreamWriter, status: int, doc: Mapping[str, Any]) -> None:
+    await respond_bytes(writer, status, "application/json", json.dumps(doc, default=str).encode())
+
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DashboardServer", "DashboardState", "TrackedRun", "is_loopback",
+           "open_run", "read_request", "sse"]

@@ -1,0 +1,604 @@
+"""What every verb's `--json` prints, as pydantic models: the one contract for users' scripts, and the source of
+docs/json.md (generated: `python -m coordinator.views.jsonout > docs/json.md`; tests/unit/test_jsonout.py fails when
+the file differs).
+
+The typed records print themselves (`to_json` on models.PreflightReport, launch.RunSummary, ...); the models
+here describe those documents, key by key, with `extra="forbid"`: a key a writer adds or renames without
+changing its model here fails `validate_output` in the tests that run each verb for real.
+
+The vocabulary (VOCABULARY below, also at the top of docs/json.md): a node is named by `node`; a duration in
+seconds ends in `_s` (`_ms` for milliseconds); a rate ends in `_per_s` with its unit before it (`tokens_per_s`,
+`bytes_per_s`, `gbit_per_s`); a size names its unit (`_bytes`). Points in time are Unix seconds (`t`,
+`expires`). `facts --json` is the exception that proves the rule: it prints the parsed fact records as they are
+(coordinator/facts/model.py), whose fields keep the units the node reports (`speed_gbps`, `speed_mbps`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from coordinator.facts.model import NodeFacts
+
+Verdict = Literal["pass", "warn", "fail", "error", "skip"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- preflight --------------------------------------------------------------------------------------------------
+
+
+class CheckOut(_Out):
+    id: str
+    status: Verdict
+    summary: str
+    remedy: str
+    evidence: dict[str, Any]
+
+
+class PreflightNodeOut(_Out):
+    node: str
+    checks: list[CheckOut]
+
+
+class LintOut(_Out):
+    id: str
+    status: Verdict
+    summary: str
+    remedy: str
+
+
+class PreflightOut(_Out):
+    """`preflight --json` (models.PreflightReport.to_json). `summary` counts the verdicts."""
+
+    ok: bool
+    summary: dict[str, int]
+    nodes: list[PreflightNodeOut]
+    lint: list[LintOut]
+
+
+# --- calibrate --------------------------------------------------------------------------------------------------
+
+
+class CurveOut(_Out):
+    batch: int
+    tokens_per_s: float
+    peak_memory_bytes: int
+
+
+class CalibratedNodeOut(_Out):
+    node: str
+    tokens_per_s: float  # predicted at its planned batch
+    batch_size: int
+    share: float
+    curve: list[CurveOut]
+
+
+class CalibrateOut(_Out):
+    """`calibrate --json` for a training playbook (calibrate.calibration_to_json; plan.json has the same rows)."""
+
+    nodes: list[CalibratedNodeOut]
+    split: dict[str, float]
+
+
+class MapCalibratedNodeOut(_Out):
+    node: str
+    examples_per_s: float
+    rows: int
+    shard: list[int]  # [start, end)
+    share: float
+
+
+class MapCalibrateOut(_Out):
+    """`calibrate --json` for a map playbook (mapjob.calibrate_map)."""
+
+    rows: int
+    nodes: list[MapCalibratedNodeOut]
+    split: dict[str, float]
+
+
+# --- launch / attach: summary.json ------------------------------------------------------------------------------
+
+
+class IncidentOut(_Out):
+    kind: str
+    node: str
+    rank: int | None
+    step: int | None
+    detected_after_s: float | None
+    evidence: Any
+    action: str
+    t: float
+
+
+class LeftOutOut(_Out):
+    node: str
+    reason: str
+
+
+class RecoveryOut(_Out):
+    attempt: int
+    culprits: list[str]
+    failed_step: int
+    detected_at: float  # the coordinator's monotonic clock
+    first_step_at: float | None
+    nodes: list[str]
+
+
+class SetAsideOut(_Out):
+    node: str
+    path: str
+    reason: str
+
+
+class ResumedFromOut(_Out):
+    step: int
+    checkpoint: str | None
+    node: str | None
+    from_scratch: bool
+    set_aside: list[SetAsideOut]
+
+
+class _SummaryOut(_Out):
+    format: int
+    run_id: str
+    state: str
+    split: dict[str, float]
+    incidents: list[IncidentOut]
+    run_dir: str
+    message: str
+    quarantined: list[str]
+    degraded: bool
+    left_out: list[LeftOutOut]
+
+
+class RankSummaryOut(_Out):
+    node: str
+    rank: int
+    batch_size: int | None
+    state: str
+    step: int
+    loss: float | None
+    tokens_per_s: float | None
+    calibrated_tokens_per_s: float | None
+    peak_memory_bytes: int | None
+    checkpoint: str | None
+    run_dir: str | None
+
+
+class RunSummaryOut(_SummaryOut):
+    """`launch --json` and `attach --json` of a training run: its summary.json (launch.RunSummary)."""
+
+    nodes: list[RankSummaryOut]
+    steps: int
+    iters: int | None
+    checkpoint: str | None
+    tokens_per_s: float | None
+    predicted_tokens_per_s: float | None
+    attempts: int
+    recoveries: list[RecoveryOut]
+    resumed_from: ResumedFromOut | None
+
+
+class MapNodeSummaryOut(_Out):
+    node: str
+    state: str
+    rows: int
+    rows_done: int
+    ranges: list[list[int]]
+    examples_per_s_calibrated: float | None
+    rows_per_s: float | None
+    finished_after_s: float | None
+    error: str | None
+
+
+class ReassignmentOut(_Out):
+    from_: str = Field(alias="from")  # the node whose rows moved
+    rows: int
+    to: dict[str, list[list[int]]]
+
+
+class MapSummaryOut(_SummaryOut):
+    """`launch --json` of a map run: its summary.json (mapjob.MapSummary)."""
+
+    kind: Literal["map"]
+    nodes: list[MapNodeSummaryOut]
+    rows: int
+    rows_done: int
+    steps: int  # = rows_done, for readers of a training summary
+    output: str | None
+    manifest: str | None
+    finish_spread: float | None  # (latest - earliest) / latest finish time: a fraction, no unit
+    reassignments: list[ReassignmentOut]
+
+
+# --- status -----------------------------------------------------------------------------------------------------
+
+
+class MemoryOut(_Out):
+    total_bytes: int | None
+    used_bytes: int | None
+    pressure: str | None
+    pressure_level: int | None
+
+
+class DiskOut(_Out):
+    path: str | None
+    free_bytes: int | None
+
+
+class NodeRunOut(_Out):
+    run_id: str
+    active: bool
+    state: str
+    rank: int | None
+    step: int | None
+    tokens_per_s: float | None
+    last_heartbeat_age_s: float | None
+
+
+class QuarantineFlagOut(_Out):
+    quarantined: bool
+    reason: str | None
+
+
+class StatusNodeOut(_Out):
+    node: str
+    host: str
+    reachable: bool
+    error: str | None
+    os: str | None
+    chip: str | None
+    memory: MemoryOut
+    load: list[float] | None  # 1, 5, 15 minute load averages
+    cpu_count: int | None
+    gpu_utilization_pct: float | None
+    power: str | None
+    disk: DiskOut
+    run: NodeRunOut | None
+    quarantine: QuarantineFlagOut
+    fact_errors: list[str]
+
+
+class RankStatusOut(_Out):
+    rank: int
+    node: str
+    state: str
+    step: int
+    tokens_per_s: float | None
+    loss: float | None
+    last_heartbeat_age_s: float | None
+
+
+class IncidentNoteOut(_Out):
+    kind: str
+    node: str
+    rank: int | None
+    step: int | None
+    action: str
+    summary: str
+
+
+class RunStatusOut(_Out):
+    run_id: str
+    active: bool
+    state: str
+    step: int
+    iters: int | None
+    nodes: list[str]
+    ranks: list[RankStatusOut]
+    incident_counts: dict[str, int]
+    incidents: list[IncidentNoteOut]
+    degraded: bool
+    left_out: list[LeftOutOut]
+
+
+class StatusOut(_Out):
+    """`status --json` (coordinator.views.status.StatusReport): every node's row and the active runs."""
+
+    nodes: list[StatusNodeOut]
+    runs: list[RunStatusOut]
+    warnings: list[str]
+
+
+# --- nettest ----------------------------------------------------------------------------------------------------
+
+
+class LinkEndOut(_Out):
+    node: str
+    ip: str
+    kind: str
+    speed_gbit_per_s: float | None
+    interface: str | None
+    port: str | None
+    driver: str | None
+    note: str
+
+
+class LinkOut(_Out):
+    kind: str
+    speed_gbit_per_s: float | None
+    ends: list[LinkEndOut]
+
+
+class MeasurementOut(_Out):
+    rtt_ms: float
+    rtt_min_ms: float
+    rtt_max_ms: float
+    a_to_b_bytes_per_s: float
+    b_to_a_bytes_per_s: float
+    a_to_b_gbit_per_s: float
+    b_to_a_gbit_per_s: float
+    duration_s: float
+
+
+class PairOut(_Out):
+    a: str
+    b: str
+    a_ip: str
+    b_ip: str
+    link: LinkOut
+    status: Verdict
+    summary: str
+    measurement: MeasurementOut | None
+    error: str | None
+
+
+class NettestOut(_Out):
+    """`nettest --json` (nettest.NettestReport)."""
+
+    ok: bool
+    summary: dict[str, int]
+    duration_s: float
+    pairs: list[PairOut]
+    node_errors: dict[str, str]
+
+
+# --- quarantine list --------------------------------------------------------------------------------------------
+
+
+class QuarantineEntryOut(_Out):
+    node: str
+    inventory: str | None  # None: an old-format entry (any inventory)
+    host: str | None
+    host_key: str | None
+    reason: str
+    run_id: str | None
+    t: float
+    age_s: float
+    expires: float | None
+    expires_in_s: float | None
+    legacy: bool
+
+
+class QuarantineListOut(_Out):
+    """`quarantine list --json` (quarantine.Entry.to_json)."""
+
+    entries: list[QuarantineEntryOut]
+
+
+# --- sync -------------------------------------------------------------------------------------------------------
+
+
+class SyncNodeOut(_Out):
+    node: str
+    copy_: list[str] = Field(alias="copy")  # the files it receives
+    files: int
+    bytes: int
+    resumed_bytes: int
+    delete: list[str]
+    disk_problem: str | None
+
+
+class SyncPlanOut(_Out):
+    source: str
+    files: int
+    bytes: int
+    stream_bytes: int
+    chain: list[str]
+    nodes: list[SyncNodeOut]
+    problems: list[str]
+
+
+class SyncOut(_Out):
+    """`sync --json` (coordinator.fleet.syncrun.SyncReport)."""
+
+    ok: bool
+    check: bool
+    plan: SyncPlanOut | None
+    errors: dict[str, str]
+    verified: dict[str, bool]
+    differences: dict[str, list[str]]
+    sent_bytes: int
+    elapsed_s: float
+    transfer_s: float
+    refused: dict[str, list[str]]
+    fallback: dict[str, str]
+
+
+# --- setup ------------------------------------------------------------------------------------------------------
+
+
+class PinsOut(_Out):
+    mlx: str
+    mlx_lm: str
+    source: str
+
+
+class NodeSetupOut(_Out):
+    node: str
+    status: Literal["ok", "changed", "failed"]
+    actions: list[str]
+    message: str
+    platform: str | None
+
+
+class SetupOut(_Out):
+    """`setup --json` (nodesetup.SetupReport)."""
+
+    pins: PinsOut
+    check: bool
+    nodes: list[NodeSetupOut]
+    summary: dict[str, int]
+
+
+class AddressOut(_Out):
+    interface: str
+    address: str
+    peer: str
+    peer_address: str
+
+
+class NodeNetSetupOut(_Out):
+    node: str
+    status: Literal["ok", "changed", "failed"]
+    commands: list[str]
+    addresses: list[AddressOut]
+    message: str
+
+
+class NetSetupOut(_Out):
+    """`setup --network --json` (netsetup.NetworkReport)."""
+
+    applied: bool
+    nodes: list[NodeNetSetupOut]
+    summary: dict[str, int]
+
+
+# --- hostfile ---------------------------------------------------------------------------------------------------
+
+
+class HostOut(_Out):
+    ssh: str
+    ips: list[str]
+    rdma: list[str | list[str] | None] | None = None
+
+
+class HostfileOut(_Out):
+    """`hostfile` (always JSON): mlx.launch's hostfile format (hostfile.Hostfile), not ours: `ssh` names a host."""
+
+    backend: str
+    envs: list[str]
+    hosts: list[HostOut]
+
+
+# --- facts ------------------------------------------------------------------------------------------------------
+
+
+class UnreachableOut(_Out):
+    node: str
+    unreachable: str
+
+
+class FactsOut(_Out):
+    """`facts --json`: each node's parsed facts (facts.model.NodeFacts; `raw`/`raw_rc` only with --raw), or why
+    it gave none."""
+
+    nodes: list[NodeFacts | UnreachableOut]
+
+
+# --- the registry, validation and docs/json.md ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerbOutput:
+    command: str  # as a user types it
+    models: tuple[type[BaseModel], ...]  # one of these describes the output
+
+
+VERBS: dict[str, VerbOutput] = {
+    "facts": VerbOutput("coordinator facts -i INV --json", (FactsOut,)),
+    "preflight": VerbOutput("coordinator preflight -i INV -p PB --json", (PreflightOut,)),
+    "calibrate": VerbOutput("coordinator calibrate -i INV -p PB --json", (CalibrateOut, MapCalibrateOut)),
+    "hostfile": VerbOutput("coordinator hostfile -i INV -p PB", (HostfileOut,)),
+    "launch": VerbOutput("coordinator launch -i INV -p PB --json  (and attach RUN_ID --json)",
+                         (RunSummaryOut, MapSummaryOut)),
+    "status": VerbOutput("coordinator status -i INV --json", (StatusOut,)),
+    "nettest": VerbOutput("coordinator nettest -i INV --json", (NettestOut,)),
+    "quarantine list": VerbOutput("coordinator quarantine list --json", (QuarantineListOut,)),
+    "sync": VerbOutput("coordinator sync -i INV -p PB --json", (SyncOut,)),
+    "setup": VerbOutput("coordinator setup -i INV --json", (SetupOut,)),
+    "setup --network": VerbOutput("coordinator setup -i INV --network --json", (NetSetupOut,)),
+}
+
+_FACTS = TypeAdapter(NodeFacts)
+
+
+def _facts_drift(doc: Any) -> list[str]:
+    """NodeFacts is a dataclass, which pydantic validates without forbidding unknown keys: a fact row must also
+    come back unchanged from a validate/dump round trip (a key it does not know would be dropped)."""
+    problems = []
+    for i, row in enumerate(doc.get("nodes", []) if isinstance(doc, dict) else []):
+        if isinstance(row, dict) and "unreachable" not in row:
+            back = _FACTS.dump_python(_FACTS.validate_python(row), mode="json")
+            if "raw" not in row:
+                back.pop("raw", None)
+                back.pop("raw_rc", None)
+            for key in sorted(set(row) ^ set(back)):
+                problems.append(f"nodes[{i}].{key}: not a NodeFacts field" if key in row else
+                                f"nodes[{i}].{key}: missing")
+    return problems
+
+
+def validate_output(verb: str, doc: Any) -> BaseModel:
+    """The model of `verb`'s JSON that `doc` (a decoded output) satisfies; ValueError naming every key that does
+    not fit otherwise (for each of the verb's models)."""
+    errors = []
+    for model in VERBS[verb].models:
+        try:
+            parsed = model.model_validate(doc)
+        except ValidationError as exc:
+            errors.append(f"{model.__name__}: {exc}")
+            continue
+        drift = _facts_drift(doc) if model is FactsOut else []
+        if not drift:
+            return parsed
+        errors.append(f"{model.__name__}: " + "; ".join(drift))
+    raise ValueError(f"`{verb} --json` does not match docs/json.md:\n" + "\n".join(errors))
+
+
+def render_docs() -> str:
+    """docs/json.md, generated from VERBS."""
+    out = [
+        "# JSON output of every verb",
+        "",
+        "<!-- Generated by `python -m coordinator.views.jsonout > docs/json.md` from coordinator/views/jsonout.py: do not edit."
+        " -->",
+        "",
+        "Every verb's `--json` prints one JSON document on stdout (progress goes to stderr). One vocabulary:",
+        "",
+        "- a node is named by the key `node`, everywhere;",
+        "- a duration in seconds ends in `_s` (`duration_s`, `age_s`, `detected_after_s`), in milliseconds in `_ms`;",
+        "- a rate ends in `_per_s`, its unit before it (`tokens_per_s`, `a_to_b_bytes_per_s`, `speed_gbit_per_s`);",
+        "- a size names its unit (`peak_memory_bytes`, `sent_bytes`, `free_bytes`);",
+        "- a point in time is Unix seconds (`t`, `expires`); a verdict is `pass|warn|fail|error|skip`.",
+        "",
+        "`facts --json` prints the parsed fact records as they are (`coordinator/facts/model.py`), whose fields keep",
+        "the unit the node reports (`speed_gbps`, `speed_mbps`). `hostfile` prints mlx.launch's own format.",
+        "",
+        "Run files (`runs/<id>/summary.json`, `plan.json`) are written in the same vocabulary (format 3, see",
+        "docs/architecture.md); `launch --json` prints summary.json.",
+        "",
+        "Each schema below is JSON Schema (draft 2020-12) as pydantic generates it. A key not listed is a bug:",
+        "the tests run every verb for real and validate its output against these models, unknown keys refused",
+        "(tests/integration/test_json_output.py and the integration tests of launch, attach and setup).",
+    ]
+    for verb, spec in VERBS.items():
+        out += ["", f"## {verb}", "", f"`{spec.command}`", ""]
+        for model in spec.models:
+            doc = (model.__doc__ or "").strip().split("\n\n")[0]
+            out += [f"### {model.__name__}", "", " ".join(doc.split()), "", "```json",
+                    json.dumps(model.model_json_schema(by_alias=True), indent=2), "```", ""]
+        while out[-1] == "":
+            out.pop()
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_docs())

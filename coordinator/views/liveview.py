@@ -1,0 +1,227 @@
+"""The live view of a run (rich): per rank node, step, loss, tok/s against its calibrated rate, memory, last
+heartbeat, ETA. Also the text printed when stdout is not a terminal (CI logs, `| tee`, `nohup`): one plain line
+when the run has advanced by a tenth of its steps or PLAIN_EVERY_S passed, a line every PLAIN_IDLE_S while it
+stands still, and always a last line with the true final step and state when the view closes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from coordinator.models import PreflightReport
+from coordinator.planning.plan import PREDICTION_TOLERANCE, NodeCalibration, Plan, format_split, prediction_gap
+from coordinator.planning.shards import MapRow
+from coordinator.run.monitor import Monitor
+from coordinator.views.render import render_preflight
+
+PLAIN_EVERY_S = 5.0
+PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for minutes looks like a hang
+PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """The console the verbs print to. Piped (not a terminal), lines are never wrapped at rich's default 80
+    columns: a log line must stay one line for grep and for whoever reads the CI log."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class NodeBars:
+    """Per-node byte progress bars on a terminal (hashing a model, copying files); nothing when piped or disabled.
+    Call it with (node, bytes done, bytes total); use it as a context manager around the work."""
+
+    def __init__(self, console: Console, enabled: bool, *, label: str = "{task.description}", eta: bool = False,
+                 transient: bool = False) -> None:
+        from rich import progress as rp
+
+        self.enabled = enabled and console.is_terminal
+        columns = [rp.TextColumn(label), rp.BarColumn(), rp.DownloadColumn(), rp.TransferSpeedColumn(),
+                   *([rp.TimeRemainingColumn()] if eta else [])]
+        self.progress = rp.Progress(*columns, console=console, transient=transient)
+        self.tasks: dict[str, rp.TaskID] = {}
+
+    def __call__(self, node: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if node not in self.tasks:
+            self.tasks[node] = self.progress.add_task(node, total=total)
+        self.progress.update(self.tasks[node], completed=done, total=total)
+
+    def __enter__(self) -> NodeBars:
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+
+def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
+    eta = mon.eta_s(now)
+    title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
+    for col in ("rank", "node", "state", "step", "loss", "tok/s (calibrated)", "peak mem", "heartbeat"):
+        table.add_column(col, justify="right" if col in ("rank", "step", "loss", "peak mem") else "left")
+    for v in sorted(mon.ranks.values(), key=lambda r: r.rank):
+        rate = "-" if v.tokens_per_s is None else f"{v.tokens_per_s:,.0f}"
+        if v.calibrated_tokens_per_s:
+            gap = prediction_gap(v.tokens_per_s, v.calibrated_tokens_per_s)
+            off = f", [yellow]{100 * gap:+.0f}%[/yellow]" if gap is not None and abs(gap) > PREDICTION_TOLERANCE else ""
+            rate += f" ({v.calibrated_tokens_per_s:,.0f}{off})"
+        mem = "-" if v.peak_memory is None else f"{v.peak_memory / 1024**3:.2f} GiB"
+        beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
+        table.add_row(str(v.rank), v.node, str(v.state), str(v.step), "-" if v.loss is None else f"{v.loss:.4f}",
+                      rate, mem, beat)
+    for inc in mon.incidents[-5:]:
+        table.caption = (table.caption or "") + f"\n[red]{inc.kind}[/red] on {inc.node} rank {inc.rank}: {inc.evidence}"
+    return table
+
+
+def build_map_table(rows: Sequence[MapRow], left_out: Sequence[str] = ()) -> Table:
+    done, total = sum(r.done for r in rows), sum(r.rows for r in rows)
+    etas = [r.eta_s for r in rows if r.eta_s is not None]
+    title = f"rows {done}/{total}   ETA {_fmt_s(max(etas) if etas else None)}"
+    if left_out:
+        title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    table = Table(title=title, title_justify="left")
+    for col in ("node", "state", "rows", "rows/s (calibrated)", "ETA", "last word"):
+        table.add_column(col, justify="right" if col in ("rows", "ETA") else "left")
+    for r in rows:
+        rate = "-" if r.rows_per_s is None else f"{r.rows_per_s:,.1f}"
+        table.add_row(r.node, r.state, f"{r.done}/{r.rows}", f"{rate} ({r.calibrated_per_s:,.1f})", _fmt_s(r.eta_s),
+                      "-" if r.silent_s is None else f"{r.silent_s:.1f}s ago")
+    return table
+
+
+class RichUI:
+    """JobUI for a person at a terminal (or a log, when `console.is_terminal` is false)."""
+
+    def __init__(self, console: Console, *, show_preflight: bool = True) -> None:
+        self.console = console
+        self.show_preflight = show_preflight
+        self.live: Live | None = None
+        self._last_plain = 0.0
+        self._plain_step = -1
+        self._monitor: Monitor | None = None  # the latest one shown (a relaunch brings a new one)
+        self._said_start = False
+        self.left_out: list[str] = []  # inventory nodes the run started without (`degraded`)
+
+    def message(self, text: str) -> None:
+        if self.live is None:
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+
+    def degraded(self, warning: str, nodes: Sequence[str]) -> None:
+        self.left_out = list(nodes)
+        self.console.print(warning, style="bold yellow", markup=False, highlight=False)
+
+    def preflight(self, report: PreflightReport) -> None:
+        if self.show_preflight and not report.ok():
+            render_preflight(report, self.console)
+        elif self.show_preflight:
+            counts = report.counts()
+            self.console.print(f"[green]preflight ok[/green]: {counts['pass']} pass, {counts['warn']} warn, "
+                               f"{counts['skip']} skip")
+
+    def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        cached = sum(1 for c in calibrations.values() if c.cached)
+        self.console.print(f"split ({plan.mode}): [bold]{format_split(plan)}[/bold]  batch "
+                           + ", ".join(f"{n}={b}" for n, b in plan.batch.items())
+                           + (f"  predicted {plan.predicted_tokens_per_s:,.0f} tok/s" if calibrations else "")
+                           + (f"  ({cached} cached)" if cached else ""))
+
+    def progress(self, mon: Monitor, now: float) -> None:
+        if mon is not self._monitor:
+            self._said_start = False
+        self._monitor = mon
+        first = min(mon.ranks.values(), key=lambda v: v.rank, default=None)
+        if not self._said_start and first is not None and first.trainable is not None:
+            # Once per attempt, before the progress: what is trained (the 16-of-36-layers trap) and how batches run.
+            self._said_start = True
+            self.console.print(f"rank {first.rank}: {first.trainable}" + (f"; {first.packing}" if first.packing else ""),
+                               markup=False, highlight=False)
+        if self.console.is_terminal:
+            if self.live is None:
+                self.live = Live(build_table(mon, now, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
+                self.live.start()
+            else:
+                self.live.update(build_table(mon, now, self.left_out))
+            return
+        step = mon.step()
+        advanced = step != self._plain_step
+        every = max(1, mon.iters // PLAIN_STEPS)
+        due = self._plain_step < 0 or now - self._last_plain >= PLAIN_IDLE_S \
+            or (advanced and (step - self._plain_step >= every or now - self._last_plain >= PLAIN_EVERY_S))
+        if due:
+            self._print_plain(mon, now)
+
+    def _print_plain(self, mon: Monitor, now: float, final: bool = False) -> None:
+        self._last_plain, self._plain_step = now, mon.step()
+        self.console.print(plain_progress_line(mon, now, final=final, left_out=self.left_out), markup=False,
+                           highlight=False)
+
+    def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
+        if self.console.is_terminal:
+            if self.live is None:
+                self.live = Live(build_map_table(rows, self.left_out), console=self.console, refresh_per_second=4,
+                                 transient=False)
+                self.live.start()
+            else:
+                self.live.update(build_map_table(rows, self.left_out))
+        elif now - self._last_plain >= PLAIN_EVERY_S:
+            self._last_plain = now
+            self.console.print("  ".join(f"{r.node} {r.done}/{r.rows}" + (f" ({r.rows_per_s:.1f}/s)" if r.rows_per_s
+                                                                           else "") + f" {r.state}" for r in rows),
+                               markup=False, highlight=False)
+
+    def close(self) -> None:
+        """Stop the live view with the run's TRUE last state: the table redrawn once more, or, piped, a last
+        plain line (the throttled lines may have missed the final steps)."""
+        mon, self._monitor = self._monitor, None
+        now = time.monotonic()
+        if self.live is not None:
+            if mon is not None:
+                self.live.update(build_table(mon, now, self.left_out))
+            self.live.stop()
+            self.live = None
+        elif mon is not None and not self.console.is_terminal:
+            self._print_plain(mon, now, final=True)
+
+
+def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_out: Sequence[str] = ()) -> str:
+    """`step 10/30  loss 5.4456  3,214 tok/s  ETA 0:14  [local-a 10, local-b 10]`; the final line says the run's
+    outcome instead of an ETA; a degraded run ends with `DEGRADED (n2 left out)`. Plain text (no markup): it goes
+    to logs."""
+    loss = next((v.loss for v in sorted(mon.ranks.values(), key=lambda r: r.rank) if v.loss is not None), None)
+    rate = mon.last_tokens_per_s()
+    parts = [f"step {mon.step()}/{mon.iters}", "loss -" if loss is None else f"loss {loss:.4f}",
+             "- tok/s" if rate is None else f"{rate:,.0f} tok/s"]
+    if final:
+        parts.append(str(mon.outcome() or ("stopped" if mon.stopped else "ended")))
+    else:
+        parts.append(f"ETA {_fmt_s(mon.eta_s(now))}")
+    ranks = ", ".join(f"{v.node} {v.step}" + ("" if v.state in ("running", "finished") else f" {v.state}")
+                      for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
+    parts.append(f"[{ranks}]")
+    if left_out:
+        parts.append(f"DEGRADED ({', '.join(left_out)} left out)")
+    return "  ".join(parts)
+
+
