@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 from worker.tinymodel import build_tiny_model
@@ -70,11 +71,12 @@ def test_launch_fix_takes_bare_nodes_to_a_training_step(testbed: TestBed, run_cl
     assert f"from model {source}/model, data {source}/data on this machine (--fix-source)" in said
 
     assert summary["state"] == "succeeded", summary.get("message")
+    validate_output("launch", summary)  # docs/json.md's schema
     run_dir = tmp_path / "runs" / summary["run_id"]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     first_step = {ev["rank"]: ev["step"] for ev in reversed(events) if ev.get("event") == "step"}
     assert sorted(first_step) == [0, 1, 2] and min(first_step.values()) >= 1, first_step
-    assert {node["name"]: node["step"] for node in summary["nodes"]} == {h.name: 2 for h in hosts}
+    assert {node["node"]: node["step"] for node in summary["nodes"]} == {h.name: 2 for h in hosts}
     for h in hosts:
         assert (h.srv / "venvs" / "mlx" / "bin" / "python").exists()
         assert (h.srv / "model" / "config.json").read_bytes() == (source / "model" / "config.json").read_bytes()
