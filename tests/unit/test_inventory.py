@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config.inventory import InventoryFormat, detect_inventory_format, expand_host_pattern, load_inventory
+from coordinator.config.inventory import InventoryFormat, detect_inventory_format, load_inventory
+from coordinator.config.inventory.ansible import expand_host_pattern
 from coordinator.config.yamlsrc import parse_yaml
 from coordinator.errors import ConfigError
 from coordinator.models import Connection, Node
