@@ -158,6 +158,14 @@ def shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def pythonpath_prepend(dir_sh: str) -> str:
+    """sh code putting `dir_sh` (already shell syntax: quoted, or `"$1"`) FIRST on PYTHONPATH and keeping what the
+    environment has after it (the inventory's `env`, else the node's own), as every worker process must see it:
+    the rank script (launchfiles.build_rank_script) and `build_worker_argv` (calibration) share it, so the bench
+    imports what training imports."""
+    return f"PYTHONPATH={dir_sh}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH"
+
+
 def worker_source() -> str:
     return resources.files("worker").joinpath("probe.py").read_text(encoding="utf-8")
 

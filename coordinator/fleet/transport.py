@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 import asyncssh
 
 from coordinator.errors import HostKeyError, TransportError
+from coordinator.facts.probe import pythonpath_prepend
 
 # The result records live in the pure `models` (the checks layer reads them without importing asyncssh); named
 # here too (`as`: an explicit re-export) for callers that import them from the transport.
@@ -96,14 +97,6 @@ def python_argv(python: str, *args: str) -> list[str]:
     if python.startswith("~/"):
         return ["sh", "-c", 'exec "$HOME"/' + shlex.quote(python[2:]) + ' "$@"', "sh", *args]
     return [python, *args]
-
-
-def pythonpath_prepend(dir_sh: str) -> str:
-    """sh code putting `dir_sh` (already shell syntax: quoted, or `"$1"`) FIRST on PYTHONPATH and keeping what the
-    environment has after it (the inventory's `env`, else the node's own), as every worker process must see it:
-    the rank script (launch.build_rank_script) and `build_worker_argv` (calibration) share it, so the bench
-    imports what training imports."""
-    return f"PYTHONPATH={dir_sh}${{PYTHONPATH:+:$PYTHONPATH}}; export PYTHONPATH"
 
 
 def build_worker_argv(python: str, worker_dir: str, env: Sequence[tuple[str, str]], *args: str) -> list[str]:

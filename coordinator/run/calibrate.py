@@ -171,7 +171,7 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
 
 def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
                      one_time_budget: float = DEFAULT_ONE_TIME_BUDGET) -> list[str]:
-    """The remote command, in the environment a rank of the training gets (`launch.build_rank_script`): the job env
+    """The remote command, in the environment a rank of the training gets (`launchfiles.build_rank_script`): the job env
     overlaid with the node's inventory env, and the worker dir prepended to the PYTHONPATH that leaves (the node's
     own when neither sets one), through the same `pythonpath_prepend`."""
     env = sorted({**dict(spec.env), **node.env_dict}.items())

@@ -22,7 +22,8 @@ from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import Inventory
 from coordinator.run.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
-from coordinator.run.launch import Launch, RankPlan, RunSummary, ViewFn, summarize, write_summary
+from coordinator.run.launch import Launch, RunSummary, ViewFn, summarize, write_summary
+from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import RunState
 from coordinator.run.quarantine import QuarantineStore
 from coordinator.run.rundir import META, PLAYBOOK, RunMeta, read_hostfile, read_meta, read_summary

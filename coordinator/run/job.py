@@ -45,18 +45,8 @@ from coordinator.preflight.fix import (
 from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
 from coordinator.run.chaos import Chaos
-from coordinator.run.launch import (
-    Launch,
-    LaunchError,
-    RankPlan,
-    RunSummary,
-    check_run_id,
-    new_run_id,
-    node_run_dir,
-    set_aside_checkpoints_after,
-    summarize,
-    write_summary,
-)
+from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
+from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.run.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.run.quarantine import (

@@ -15,14 +15,8 @@ import pytest
 from coordinator.config.playbook import load_playbook
 from coordinator.models import Connection, Node
 from coordinator.run.chaos import KINDS, Chaos
-from coordinator.run.launch import (
-    RankPlan,
-    build_launcher_argv,
-    build_rank_script,
-    build_run_config,
-    build_ssh_config,
-    spawn_launcher,
-)
+from coordinator.run.launch import spawn_launcher
+from coordinator.run.launchfiles import RankPlan, build_launcher_argv, build_rank_script, build_run_config, build_ssh_config
 from worker.runconfig import parse_run_config
 
 PLAYBOOKS = sorted((Path(__file__).resolve().parents[2] / "playbooks").glob("*.yaml"))

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.facts.probe import Section, shell_path
-from coordinator.fleet.transport import pythonpath_prepend
+from coordinator.facts.probe import Section, pythonpath_prepend, shell_path
 from coordinator.models import Node
 from coordinator.planning.plan import (
     CurvePoint,
@@ -39,7 +38,7 @@ from coordinator.run.calibrate import (
     parse_bench_stdout,
     parse_cache_record,
 )
-from coordinator.run.launch import build_rank_script
+from coordinator.run.launchfiles import build_rank_script
 from tests.factsutil import capture, facts_from, linux_sections, profile_sections, worker_answer
 
 GB = 1024**3

@@ -22,16 +22,8 @@ from coordinator.fleet.transport import Fleet
 from coordinator.models import Connection, Node
 from coordinator.planning.hostfile import Hostfile
 from coordinator.run.job import make_run_dir
-from coordinator.run.launch import (
-    MAX_RUN_ID_LENGTH,
-    Launch,
-    RankPlan,
-    build_tmp_cleanup,
-    check_run_id,
-    new_run_id,
-    remote_tmp_dir,
-    write_private,
-)
+from coordinator.run.launch import Launch, write_private
+from coordinator.run.launchfiles import MAX_RUN_ID_LENGTH, RankPlan, build_tmp_cleanup, check_run_id, new_run_id, remote_tmp_dir
 from coordinator.run.rundir import PlanRecord
 
 EMPTY_PLAN = PlanRecord(split={}, batch={}, global_batch=0, mode="equal", predicted_tokens_per_s=None,

@@ -167,7 +167,8 @@ def test_attach_adopts_what_the_launch_decided_for_the_whole_run_from_meta_json(
     from coordinator.models import Inventory
     from coordinator.planning.hostfile import Hostfile
     from coordinator.run.control import _adopt, read_meta
-    from coordinator.run.launch import Launch, RankPlan
+    from coordinator.run.launch import Launch
+    from coordinator.run.launchfiles import RankPlan
 
     node = Node("a", "127.0.0.1", Connection.LOCAL, workdir=str(tmp_path / "w"))
     pb = parse_playbook({"name": "t", "model": "/m", "data": "/d"}, path="pb.yaml").model_copy(update={"path": None})
