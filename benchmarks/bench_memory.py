@@ -80,7 +80,7 @@ def build(case: Case) -> tuple[nn.Module, Any]:
     mx.eval(model.parameters())
     model.freeze()
     if case.method == "full":
-        model.unfreeze()  # all layers train: every parameter, as worker.train.apply_method
+        model.unfreeze()  # all layers train: every parameter, as worker.modelsetup.apply_method
     else:
         linear_to_lora_layers(model, len(model.layers), {"rank": 8, "dropout": 0.0, "scale": 20.0})
     if case.grad_checkpoint:

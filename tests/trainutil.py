@@ -7,8 +7,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from worker.step import TrainStep
-from worker.train import flatten, scalar
+from worker.comm import scalar
+from worker.step import TrainStep, flatten
 
 
 def sgd_step(model: Any, loss_fn: Callable[..., Any], inputs: Sequence[mx.array], all_sum: Callable[[mx.array], mx.array],

@@ -7,12 +7,12 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
 
-What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.train.apply_method` (the
+What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.modelsetup.apply_method` (the
 run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
 host, the compiled forward/backward, this rank's own statistics, scale, optimizer update, `mx.eval` of the new
 parameters and optimizer state), and the batches are the run's: rows of the playbook's
 dataset (`--data`) in the run's order (`worker.data.stream_rows` with the run's seed), padded or packed exactly as
-the run pads or packs them (`worker.train.SftObjective`; packing decided by the same `decide_packing`). Without
+the run pads or packs them (`worker.objectives.SftObjective`; packing decided by the same `decide_packing`). Without
 `--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
 
 For batch 1, 2, 4, 8, ... (and finally --max-batch itself): the point's batches are the first CANDIDATES batches
@@ -415,9 +415,10 @@ class _Trainer:
         from mlx_lm.utils import load, load_model, maybe_set_recommended_wired_limit
 
         from worker.data import load_datasets
+        from worker.modelsetup import apply_method, make_optimizer
+        from worker.objectives import SftObjective
         from worker.runconfig import LoraSpec
         from worker.step import TrainStep, decide_packing
-        from worker.train import SftObjective, apply_method, make_optimizer
 
         if args.data:
             loaded = load(str(model_path(args.model)))

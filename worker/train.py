@@ -7,7 +7,9 @@ Contract
   the group rank; anything else (init silently falling back to a singleton group included) is an error.
 * Model/data through mlx-lm: `mlx_lm.utils.load`, `linear_to_lora_layers` (lora/dora) on the last `num_layers`
   layers (null/-1 = all), full = every parameter trainable (or only the last `num_layers` layers),
-  `mlx_lm.tuner.datasets` formats, mlx-lm's batch padding and loss mask. The step loop is ours.
+  `mlx_lm.tuner.datasets` formats, mlx-lm's batch padding and loss mask. The step loop is ours. What a
+  micro-batch and its loss are: `worker.objectives`; the model set-up (LoRA, full, the trainable set, the
+  optimizer): `worker.modelsetup`; the collectives: `worker.comm`; the step: `worker.step`.
 * Exact weighted gradients: every rank sums the per-token cross-entropy over ITS tokens and takes the gradient of
   that sum; gradients, loss sums and token counts are `all_sum`med and the gradient divided by the total token
   count, i.e. sum_i(tokens_i * meangrad_i) / sum_i(tokens_i). A 3/1 split therefore makes the same update as one
@@ -36,8 +38,7 @@ Contract
   but none is valid on any rank, every rank raises `ResumeRefused` (an error event with `fault: job`) unless
   `restart_from_scratch` is set. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
 * Exit: 0 only after `finished`; any exception -> `error` event (message, traceback) and exit 1; SIGTERM/SIGINT/
-  SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective.
-"""
+  SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective."""
 
 from __future__ import annotations
 
@@ -80,27 +81,25 @@ from worker.checkpoint import (
     write_checkpoint,
     writer_lock,
 )
-from worker.data import build_batch, eval_batches, load_datasets, rank_slice, sequence_logps, stream_rows
-from worker.dpo import STATS as DPO_STATS
-from worker.dpo import build_pair_batch, dpo_loss_sum, load_preference_datasets
+from worker.comm import Comm, scalar
+from worker.data import eval_batches, load_datasets, rank_slice
+from worker.dpo import load_preference_datasets
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
-from worker.runconfig import ConfigError, LoraSpec, RunConfig, load_run_config
+from worker.modelsetup import adapter_config, apply_method, count_parameters, make_optimizer, trainable_detail, trainable_text
+from worker.objectives import DpoObjective, Micro, SftObjective, stats_fields
+from worker.runconfig import ConfigError, RunConfig, load_run_config
 from worker.step import (
     TrainStep,
     WeightMismatch,
-    all_sum_arrays,
     decide_packing,
     flatten,
-    pack_rows,
-    packed_loss_sum,
-    sft_weight,
-    token_loss_sum,
 )
 from worker.tensorfile import sha256_file, write_safetensors
 
 STATE_FORMAT = "mlx-coordinator-checkpoint/1"
-REPLICA_RTOL = 1e-5
 
+
+REPLICA_RTOL = 1e-5
 
 
 class TrainingError(RuntimeError):
@@ -116,14 +115,6 @@ class ResumeRefused(TrainingError):
     fault = "job"
 
 
-def scalar(x: mx.array) -> float:
-    """A real scalar array as a Python float (ints stay exact below 2**53)."""
-    value = x.item()
-    if isinstance(value, complex):
-        raise TypeError("complex scalar")
-    return float(value)
-
-
 def load_arrays(path: Path) -> dict[str, mx.array]:
     loaded = mx.load(str(path))
     if not isinstance(loaded, dict):
@@ -134,226 +125,6 @@ def load_arrays(path: Path) -> dict[str, mx.array]:
 def step_seed(seed: int, step: int) -> int:
     """The mx.random seed of `step`: a hash, so that neighbouring (seed, step) pairs give unrelated streams."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
-
-
-# --- objectives: what a micro-batch is and what its loss is (the step itself is worker.step) --------------------
-
-
-@dataclass(frozen=True)
-class Micro:
-    """One micro-batch of a step as every rank sees it: this rank's inputs, and the counts of the whole global
-    micro-batch, known on every rank without a collective (the data order and the split are functions of the
-    config). `tokens`/`total_tokens` None: counted on the device (DPO's completion tokens)."""
-
-    inputs: tuple[mx.array, ...]
-    weight: int
-    total_weight: int
-    tokens: int | None
-    total_tokens: int | None
-    consumed: int  # stream rows the global micro-batch used
-
-
-class SftObjective:
-    """Next-token cross-entropy; the weight unit is the scored target (mlx-lm's `default_loss`, combined
-    exactly). A rank's rows are padded as mlx-lm pads them, or packed (`packing`, worker.step.pack_rows): the
-    same rows, loss and gradient, without the padding."""
-
-    stats: tuple[str, ...] = ()
-
-    def __init__(self, max_seq_length: int, packing: bool, width: int | None = None) -> None:
-        self.max_seq_length = max_seq_length
-        self.packing = packing
-        self.width = width  # the run's packed sequence width (decide_packing)
-        self.loss: Callable[..., Any] = packed_loss_sum if packing else token_loss_sum
-
-    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
-        length = self.max_seq_length
-        items = [dataset[i] for i in stream_rows(position, global_batch, len(dataset), seed)]
-        mine = rank_slice(items, offset, size)
-        (weight, tokens), (total_weight, total_tokens) = sft_weight(mine, length), sft_weight(items, length)
-        inputs = pack_rows(mine, length, self.width).arrays() if self.packing else build_batch(mine, length)
-        return Micro(inputs, weight, total_weight, tokens, total_tokens, global_batch)
-
-    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
-        loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
-        return loss_sum, weight, None
-
-
-class DpoObjective:
-    """DPO (worker.dpo) against a frozen reference model; the weight unit is the preference pair."""
-
-    stats: tuple[str, ...] = DPO_STATS
-    packing = False
-
-    def __init__(self, reference: Any, beta: float, max_seq_length: int) -> None:
-        self.reference = reference
-        self.beta = beta
-        self.max_seq_length = max_seq_length
-
-        def loss(m: Any, batch: mx.array, lengths: mx.array, ref: mx.array) -> tuple[mx.array, ...]:
-            return dpo_loss_sum(m, batch, lengths, ref, beta)
-
-        self.loss: Callable[..., Any] = loss
-
-    def _inputs(self, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
-        batch, lengths = build_pair_batch([dataset[i] for i in rows], self.max_seq_length)
-        ref, _ = sequence_logps(self.reference, batch, lengths)
-        return batch, lengths, mx.stop_gradient(ref)
-
-    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
-        rows = stream_rows(position, global_batch, len(dataset), seed)
-        mine = rank_slice(rows, offset, size)
-        return Micro(self._inputs(dataset, mine), len(mine), len(rows), None, None, global_batch)
-
-    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
-        loss_sum, pairs, _, stats = dpo_loss_sum(model, *self._inputs(dataset, rows), self.beta)
-        return loss_sum, pairs, stats
-
-
-def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:
-    """The event fields of an objective's extra sums, as means per weight unit (`reward_correct` -> accuracy)."""
-    out: dict[str, float] = {}
-    for name, value in zip(names, sums):
-        key = "reward_accuracy" if name == "reward_correct" else name
-        out[prefix + key] = value / weight if weight else 0.0
-    return out
-
-
-# --- model setup -------------------------------------------------------------------------------------------------
-
-
-def apply_method(model: Any, method: str, num_layers: int | None, lora: LoraSpec, *,
-                 train_embeddings: bool = False) -> int:
-    """Make the model trainable according to `method`; return the number of layers adapted/trained.
-
-    num_layers None = all layers (never mlx-lm's CLI default of 16). full = the last N transformer blocks, as
-    `mlx_lm lora --fine-tune-type full` trains them (embeddings, lm_head and the final norm stay frozen);
-    `train_embeddings` (full + all layers only) trains every parameter. lora/dora: mlx-lm's
-    linear_to_lora_layers on the last N blocks (base weights frozen)."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    total = len(model.layers)
-    count = total if num_layers is None else num_layers
-    if not 1 <= count <= total:
-        raise ValueError(f"num_layers={num_layers} but the model has {total} layers")
-    if train_embeddings and (method != "full" or count != total):
-        raise ValueError("train_embeddings needs method full on all layers (num_layers null or -1)")
-    model.freeze()
-    if method == "full":
-        if train_embeddings:
-            model.unfreeze()
-        else:
-            for layer in model.layers[total - count:]:
-                layer.unfreeze()
-    elif method in ("lora", "dora"):
-        linear_to_lora_layers(model, count, lora.mlx_lm_parameters(), use_dora=method == "dora")
-    else:
-        raise ValueError(f"unknown method {method!r}")
-    return count
-
-
-def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter counts; total as mlx-lm counts it (quantized weights at full size)."""
-    from mlx_lm.utils import get_total_parameters
-
-    trainable = sum(int(v.size) for v in flatten(model.trainable_parameters()).values())
-    return int(trainable), int(get_total_parameters(model))  # type: ignore[no-untyped-call]
-
-
-def trainable_text(trainable: int, total: int, detail: str = "") -> str:
-    text = f"trainable {100.0 * trainable / max(total, 1):.2f}% ({trainable:,}/{total:,} parameters)"
-    return f"{text}: {detail}" if detail else text
-
-
-def trainable_detail(model: Any, method: str, num_layers: int, train_embeddings: bool) -> str:
-    """What is trained, in words: how many of the model's transformer layers, and the rest. The trap it guards
-    against is mlx-lm's CLI training 16 of 36 layers silently."""
-    total = len(model.layers)
-    layers = f"{num_layers} of {total} transformer layers"
-    if method == "full":
-        rest = "embeddings, lm_head and final norm too" if train_embeddings else \
-            "embeddings, lm_head and final norm frozen, as mlx-lm's full (train.train_embeddings trains them)"
-        return f"{layers}, {rest}"
-    return f"{method} adapters on {layers}"
-
-
-def make_optimizer(name: str, learning_rate: float) -> Any:
-    import mlx.optimizers as optim
-
-    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD}
-    return classes[name](learning_rate=learning_rate)
-
-
-def adapter_config(config: RunConfig, num_layers: int) -> dict[str, Any]:
-    """mlx-lm's adapter_config.json, so a checkpoint dir works as `load(model, adapter_path=dir)`."""
-    out: dict[str, Any] = {"fine_tune_type": config.fine_tune_type, "num_layers": num_layers, "model": config.model}
-    if config.fine_tune_type != "full":
-        out["lora_parameters"] = config.lora.mlx_lm_parameters()
-    return out
-
-
-# --- collectives -------------------------------------------------------------------------------------------------
-
-
-class Comm:
-    """The group plus the few collectives we use. CPU stream: what mlx-lm uses for its collectives, and what
-    every backend (ring, jaccl) implements."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.size = int(group.size())
-        self.rank = int(group.rank())
-
-    def all_sum(self, x: mx.array) -> mx.array:
-        if self.size == 1:
-            return x
-        return mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
-
-    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
-        """Every rank's `values` (same length on all ranks), indexed by rank."""
-        local = mx.array(np.asarray(values, dtype=np.int64).astype(np.int32))
-        if self.size == 1:
-            return [list(values)]
-        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
-        return [[int(v) for v in row] for row in out.reshape(self.size, len(values))]
-
-    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        local = mx.array(np.asarray(values, dtype=np.float32))
-        if self.size == 1:
-            return [list(values)]
-        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
-        return [[float(v) for v in row] for row in out.reshape(self.size, len(values))]
-
-    def barrier(self) -> None:
-        mx.eval(self.all_sum(mx.array(1, mx.int32)))
-
-    def broadcast_arrays(self, arrays: Mapping[str, mx.array], source: int) -> dict[str, mx.array]:
-        """`source`'s arrays on every rank (others pass templates of the same names/shapes/dtypes): an all_sum
-        where everyone but the source contributes zeros, which is exact.
-
-        The source's arrays come from mx.load (lazy, other dict order) and the others' are zeros, so the graphs
-        differ between ranks; each bucket's collective is therefore evaluated on its own, in sorted order, so
-        that the ranks cannot pair different collectives."""
-        mine = self.rank == source
-        local = {k: v if mine else mx.zeros(v.shape, v.dtype) for k, v in arrays.items()}
-        mx.eval(list(local.values()))
-
-        def one_at_a_time(x: mx.array) -> mx.array:
-            out = self.all_sum(x)
-            mx.eval(out)
-            return out
-
-        return all_sum_arrays(local, one_at_a_time)
-
-    def broadcast_bytes(self, data: bytes | None, source: int) -> bytes:
-        mine = self.rank == source
-        length = int(scalar(self.all_sum(mx.array(len(data) if mine and data else 0, mx.int32))))
-        buf = np.frombuffer(data, dtype=np.uint8) if mine and data else np.zeros(length, np.uint8)
-        out = self.all_sum(mx.array(buf.astype(np.int32)))
-        return bytes(np.asarray(out).astype(np.uint8).tolist())
-
-
-# --- the driver --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -821,9 +592,6 @@ def _mismatch(got: Mapping[str, mx.array], want: Mapping[str, mx.array], what: s
         if tuple(got[name].shape) != tuple(arr.shape):
             return f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(arr.shape)}"
     return ""
-
-
-# --- process shell: signals, exit codes --------------------------------------------------------------------------
 
 
 class _SignalExit:

@@ -22,9 +22,11 @@ from worker.dpo import (
     encode_pair,
     load_pairs,
 )
+from worker.modelsetup import apply_method
+from worker.objectives import DpoObjective, stats_fields
 from worker.runconfig import ConfigError, LoraSpec, parse_run_config
+from worker.step import flatten
 from worker.tinymodel import build_tiny_model
-from worker.train import DpoObjective, apply_method, flatten, stats_fields
 
 REPO = Path(__file__).resolve().parents[2]
 DPO_DATA = REPO / "playbooks" / "data" / "dpo"

@@ -53,11 +53,14 @@ from worker.chaos import (
     lie_about,
     perturb,
 )
+from worker.comm import scalar
 from worker.events import EventLog, Heartbeat
 from worker.follow import process_state
+from worker.modelsetup import apply_method
 from worker.runconfig import ChaosSpec, ConfigError, LoraSpec, parse_run_config
+from worker.step import flatten
 from worker.tinymodel import build_tiny_model
-from worker.train import TrainingError, apply_method, flatten, scalar
+from worker.train import TrainingError
 
 HEARTBEAT_S = 0.3
 BASE: dict[str, Any] = {
@@ -231,7 +234,8 @@ def test_nan_in_one_rank_reports_the_step_then_fails(tiny: Path, tmp_path: Path)
 
 
 def test_a_corrupted_frozen_weight_changes_the_params_digest(tiny: Path, tmp_path: Path) -> None:
-    from worker.train import Trainer, make_optimizer
+    from worker.modelsetup import make_optimizer
+    from worker.train import Trainer
 
     model, _ = load_tiny(tiny)
     apply_method(model, "lora", None, LoraSpec(rank=4))

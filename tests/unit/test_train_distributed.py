@@ -28,8 +28,8 @@ import mlx.core as mx
 import pytest
 
 from worker.checkpoint import MANIFEST, WEIGHTS, find_valid_checkpoint, verify_checkpoint
+from worker.comm import scalar
 from worker.tinymodel import build_tiny_model
-from worker.train import scalar
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "playbooks" / "data" / "smoke"

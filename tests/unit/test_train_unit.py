@@ -15,13 +15,16 @@ import pytest
 from mlx.nn.utils import value_and_grad
 
 from tests.trainutil import sgd_step, split_step
+from worker.comm import scalar
 from worker.data import build_batch, eval_batches, rank_slice, stream_rows
 from worker.events import EventKind, EventLog, Heartbeat
+from worker.modelsetup import apply_method, count_parameters, trainable_text
 from worker.runconfig import ConfigError, LoraSpec, parse_run_config
 from worker.step import (
     all_sum_arrays,
     build_packed,
     decide_packing,
+    flatten,
     pack_rows,
     packed_loss_sum,
     packing_is_exact,
@@ -32,15 +35,7 @@ from worker.step import (
     token_loss_sum,
 )
 from worker.tinymodel import build_tiny_model
-from worker.train import (
-    apply_method,
-    count_parameters,
-    flatten,
-    main,
-    scalar,
-    step_seed,
-    trainable_text,
-)
+from worker.train import main, step_seed
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "playbooks" / "data" / "smoke"
@@ -506,8 +501,8 @@ def test_one_rank_takes_the_whole_step_in_one_graph_with_the_same_update(tiny: P
     loss, grad norm and update equal the general path's (local sums, then scale and update)."""
     import mlx.optimizers as optim
 
+    from worker.objectives import Micro
     from worker.step import TrainStep
-    from worker.train import Micro
 
     _, tok = load_tiny(tiny)
     rows = rows_of(tok, 4)

@@ -1,0 +1,101 @@
+"""The training objectives (the step itself is `worker.step`): what a micro-batch is and what its loss is, for SFT
+(mlx-lm's padding and loss mask, or packed sequences) and DPO (a frozen reference model). Shared by the run
+(`worker.train`) and calibration (`worker.bench`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from worker.data import build_batch, rank_slice, sequence_logps, stream_rows
+from worker.dpo import STATS as DPO_STATS
+from worker.dpo import build_pair_batch, dpo_loss_sum
+from worker.step import (
+    pack_rows,
+    packed_loss_sum,
+    sft_weight,
+    token_loss_sum,
+)
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of a step as every rank sees it: this rank's inputs, and the counts of the whole global
+    micro-batch, known on every rank without a collective (the data order and the split are functions of the
+    config). `tokens`/`total_tokens` None: counted on the device (DPO's completion tokens)."""
+
+    inputs: tuple[mx.array, ...]
+    weight: int
+    total_weight: int
+    tokens: int | None
+    total_tokens: int | None
+    consumed: int  # stream rows the global micro-batch used
+
+
+class SftObjective:
+    """Next-token cross-entropy; the weight unit is the scored target (mlx-lm's `default_loss`, combined
+    exactly). A rank's rows are padded as mlx-lm pads them, or packed (`packing`, worker.step.pack_rows): the
+    same rows, loss and gradient, without the padding."""
+
+    stats: tuple[str, ...] = ()
+
+    def __init__(self, max_seq_length: int, packing: bool, width: int | None = None) -> None:
+        self.max_seq_length = max_seq_length
+        self.packing = packing
+        self.width = width  # the run's packed sequence width (decide_packing)
+        self.loss: Callable[..., Any] = packed_loss_sum if packing else token_loss_sum
+
+    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
+        length = self.max_seq_length
+        items = [dataset[i] for i in stream_rows(position, global_batch, len(dataset), seed)]
+        mine = rank_slice(items, offset, size)
+        (weight, tokens), (total_weight, total_tokens) = sft_weight(mine, length), sft_weight(items, length)
+        inputs = pack_rows(mine, length, self.width).arrays() if self.packing else build_batch(mine, length)
+        return Micro(inputs, weight, total_weight, tokens, total_tokens, global_batch)
+
+    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
+        return loss_sum, weight, None
+
+
+class DpoObjective:
+    """DPO (worker.dpo) against a frozen reference model; the weight unit is the preference pair."""
+
+    stats: tuple[str, ...] = DPO_STATS
+    packing = False
+
+    def __init__(self, reference: Any, beta: float, max_seq_length: int) -> None:
+        self.reference = reference
+        self.beta = beta
+        self.max_seq_length = max_seq_length
+
+        def loss(m: Any, batch: mx.array, lengths: mx.array, ref: mx.array) -> tuple[mx.array, ...]:
+            return dpo_loss_sum(m, batch, lengths, ref, beta)
+
+        self.loss: Callable[..., Any] = loss
+
+    def _inputs(self, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array]:
+        batch, lengths = build_pair_batch([dataset[i] for i in rows], self.max_seq_length)
+        ref, _ = sequence_logps(self.reference, batch, lengths)
+        return batch, lengths, mx.stop_gradient(ref)
+
+    def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
+        rows = stream_rows(position, global_batch, len(dataset), seed)
+        mine = rank_slice(rows, offset, size)
+        return Micro(self._inputs(dataset, mine), len(mine), len(rows), None, None, global_batch)
+
+    def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        loss_sum, pairs, _, stats = dpo_loss_sum(model, *self._inputs(dataset, rows), self.beta)
+        return loss_sum, pairs, stats
+
+
+def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:
+    """The event fields of an objective's extra sums, as means per weight unit (`reward_correct` -> accuracy)."""
+    out: dict[str, float] = {}
+    for name, value in zip(names, sums):
+        key = "reward_accuracy" if name == "reward_correct" else name
+        out[prefix + key] = value / weight if weight else 0.0
+    return out
