@@ -44,7 +44,7 @@ from coordinator.models import Inventory, Node
 from coordinator.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.playbook import Playbook
 from coordinator.quarantine import LeftOut, QuarantineStore, inventory_key
-from coordinator.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
+from coordinator.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, MapManifest, SummaryBase
 from coordinator.shards import MapRow, Range, Spread, compute_shards, largest_remainder, missing_ranges, split_ranges, subtract
 from coordinator.ship import ship_worker
 from coordinator.transport import Fleet, Transport, python_argv
@@ -527,10 +527,10 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
         by_part: dict[str, int] = {}
         for name in origin.values():
             by_part[name] = by_part.get(name, 0) + 1
-        manifest = {"run_id": run_id, "rows": total, "output": str(out), "sha256": digest,
-                    "input": input_path(pb), "task": pb.map.task if pb.map else None,
-                    "rows_by_node": {k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())}}
-        (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        manifest = MapManifest(run_id=run_id, rows=total, output=str(out), sha256=digest, input=input_path(pb),
+                               task=str(pb.map.task) if pb.map else None,
+                               rows_by_node={k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())})
+        (run_dir / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
         summary.output, summary.manifest, summary.state = str(out), str(run_dir / MANIFEST), "succeeded"
         if pb.map is not None and pb.map.output:
             dest = Path(pb.map.output)

@@ -19,10 +19,12 @@ from coordinator.rundir import (
     MANIFEST,
     MAP_PLAN,
     IncidentRecord,
+    MapManifest,
     MapPlanFile,
     parse_map_plan,
     parse_summary,
     read_json_object,
+    read_manifest,
 )
 from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
 
@@ -51,7 +53,7 @@ class MapReport:
     finish_spread: float | None
     incidents: list[IncidentRecord]
     reassignments: list[dict[str, Any]]
-    manifest: dict[str, Any] | None
+    manifest: MapManifest | None
     progress: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # node -> (t, rows done)
     start_t: float | None = None
     end_t: float | None = None
@@ -70,12 +72,9 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         problems.append("map.json is missing or unreadable")
     else:
         plan = parse_map_plan(doc, name=str(run_dir / MAP_PLAN))
-    manifest = None
-    if (run_dir / MANIFEST).is_file():
-        try:
-            manifest = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
-        except ValueError:
-            problems.append("manifest.json is unreadable")
+    manifest = read_manifest(run_dir)  # format-checked like map.json
+    if manifest is None and (run_dir / MANIFEST).is_file():
+        problems.append("manifest.json is unreadable")
     nodes = [MapNodeRow(str(n.name), str(n.state), n.rows or 0, n.rows_done or 0, [list(r) for r in n.ranges],
                         n.examples_per_s_calibrated, n.rows_per_s, n.finished_after_s) for n in s.nodes]
     progress: dict[str, list[tuple[float, int]]] = {}
@@ -179,8 +178,8 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
     if r.manifest:
         m = r.manifest
         out.append(_table(["output", "rows", "sha256", "rows by node"],
-                          [[_e(m.get("output")), _e(m.get("rows")), f"<code>{_e(m.get('sha256'))}</code>",
-                            _e(json.dumps(m.get("rows_by_node")))]], numeric=(1,)))
+                          [[_e(m.output), _e(m.rows), f"<code>{_e(m.sha256)}</code>",
+                            _e(json.dumps(dict(m.rows_by_node)))]], numeric=(1,)))
     else:
         out.append("<p>No output was gathered (the run did not finish every row).</p>")
     out.append(_footer(generated_at, "summary.json, map.json, manifest.json and events.jsonl"))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from coordinator.report import read_run_files
 from coordinator.report_map import build_map_report, render_map_page
+from coordinator.rundir import RunFileFormatError
 from coordinator.verbs.report import write_report
 
 T0 = 1_790_000_000.0
@@ -52,3 +55,17 @@ def test_map_report_shows_shards_progress_incidents_and_output(tmp_path: Path) -
     assert "<boom>" not in page  # every value from the run dir is escaped
     path = write_report(tmp_path, "score-1")
     assert path == run / "report" / "index.html" and "Map run score-1" in path.read_text()
+
+
+def test_a_manifest_of_a_newer_format_is_an_error_naming_both_versions(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run / "manifest.json").write_text(json.dumps({"format": 99, "rows": 30}))
+    with pytest.raises(RunFileFormatError, match="format 99, newer"):
+        build_map_report(read_run_files(tmp_path, "score-1"), run)
+
+
+def test_an_unreadable_manifest_is_named_among_the_problems(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run / "manifest.json").write_text("{half")
+    report = build_map_report(read_run_files(tmp_path, "score-1"), run)
+    assert report.manifest is None and report.problems == ["manifest.json is unreadable"]

@@ -22,6 +22,7 @@ from coordinator.rundir import (
     SUMMARY,
     CurveRecord,
     IncidentRecord,
+    MapManifest,
     MapPlanFile,
     MetaRank,
     PlanFile,
@@ -32,12 +33,15 @@ from coordinator.rundir import (
     SummaryBase,
     SummaryNode,
     check_format,
+    load_meta,
     parse_incident_record,
+    parse_manifest,
     parse_map_plan,
     parse_meta,
     parse_plan,
     parse_summary,
     read_json_object,
+    read_manifest,
     read_meta,
 )
 from coordinator.verbs.status import RunWatcher
@@ -210,3 +214,28 @@ def test_a_format_2_summary_reads_under_its_older_key_names() -> None:
     read = parse_summary({"format": 2, "state": "succeeded", "nodes": [{"name": "mac", "peak_memory": 1024}]})
     assert read.format == 2
     assert (read.nodes[0].name, read.nodes[0].peak_memory) == ("mac", 1024)
+
+
+def test_a_map_manifest_round_trips_and_an_old_one_reads() -> None:
+    written = MapManifest(run_id="m", rows=30, output="/r/output.jsonl", sha256="ab" * 32, input="/d/in.jsonl",
+                          task="score", rows_by_node={"a": 22, "b": 8})
+    doc = json.loads(json.dumps(written.to_json()))
+    assert doc["format"] == FORMAT and parse_manifest(doc) == written
+    old = parse_manifest({"output": "/r/output.jsonl", "rows": 30, "rows_by_node": {"a": 22, "b": "x"}})
+    assert (old.format, old.rows, old.sha256, dict(old.rows_by_node)) == (1, 30, None, {"a": 22})
+
+
+def test_read_manifest_is_none_when_missing_and_refuses_a_newer_one(tmp_path: Path) -> None:
+    assert read_manifest(tmp_path) is None
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": FORMAT + 1, "rows": 3}))
+    with pytest.raises(RunFileFormatError, match=f"format {FORMAT + 1}, newer"):
+        read_manifest(tmp_path)
+
+
+def test_load_meta_is_none_without_a_meta_and_typed_with_one(tmp_path: Path) -> None:
+    assert load_meta(tmp_path) is None
+    (tmp_path / META).write_text("{not json")
+    assert load_meta(tmp_path) is None
+    (tmp_path / META).write_text(json.dumps(RunMeta(run_id="x", ranks=(MetaRank(0, "a", 2),)).to_json()))
+    meta = load_meta(tmp_path)
+    assert meta is not None and meta.ranks == (MetaRank(0, "a", 2),)
