@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from coordinator.jsonout import MapSummaryOut, validate_output
+from coordinator.rundir import FORMAT, parse_manifest, read_manifest
 from coordinator.shards import largest_remainder
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed, _netns_pids
@@ -95,6 +96,9 @@ def check_output(summary: dict, data: list[dict]) -> None:
     assert all(o["chars"] == len(d["text"]) for o, d in zip(out, data, strict=True))
     manifest = json.loads(Path(summary["manifest"]).read_text())
     assert manifest["rows"] == len(data) and sum(manifest["rows_by_node"].values()) == len(data)
+    assert manifest["format"] == FORMAT and manifest["task"] == "command" and manifest["run_id"] == summary["run_id"]
+    # the map report's typed read says the same (both command-task runs)
+    assert read_manifest(Path(summary["manifest"]).parent) == parse_manifest(manifest)
 
 
 def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: TestBed, run_cli: RunCli,
