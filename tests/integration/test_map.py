@@ -96,8 +96,9 @@ def check_output(summary: dict, data: list[dict]) -> None:
     assert all(o["chars"] == len(d["text"]) for o, d in zip(out, data, strict=True))
     manifest = json.loads(Path(summary["manifest"]).read_text())
     assert manifest["rows"] == len(data) and sum(manifest["rows_by_node"].values()) == len(data)
+    # both callers run `task: command`
     assert manifest["format"] == FORMAT and manifest["task"] == "command" and manifest["run_id"] == summary["run_id"]
-    # the map report's typed read says the same (both command-task runs)
+    # the map report's typed read says the same
     assert read_manifest(Path(summary["manifest"]).parent) == parse_manifest(manifest)
 
 
