@@ -12,7 +12,6 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from coordinator.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when
 from coordinator.rundir import (
@@ -21,6 +20,7 @@ from coordinator.rundir import (
     IncidentRecord,
     MapManifest,
     MapPlanFile,
+    ReassignmentRecord,
     parse_map_plan,
     parse_summary,
     read_json_object,
@@ -52,7 +52,7 @@ class MapReport:
     split: dict[str, float]
     finish_spread: float | None
     incidents: list[IncidentRecord]
-    reassignments: list[dict[str, Any]]
+    reassignments: list[ReassignmentRecord]
     manifest: MapManifest | None
     progress: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # node -> (t, rows done)
     start_t: float | None = None
@@ -102,7 +102,7 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         run_id=files.run_id, state=s.state or "unknown", rows=s.rows or plan.rows or 0,
         rows_done=s.rows_done or 0, task=plan.task, nodes=nodes,
         split=dict(s.split or plan.split or {}), finish_spread=s.finish_spread,
-        incidents=list(s.incidents or ()), reassignments=[dict(x) for x in s.reassignments], manifest=manifest,
+        incidents=list(s.incidents or ()), reassignments=list(s.reassignments), manifest=manifest,
         progress=progress, start_t=min(times) if times else None, end_t=max(times) if times else None,
         problems=problems)
 
@@ -172,8 +172,9 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
         out.append('<p class="ok">No incident.</p>')
     if r.reassignments:
         out.append("<h3>Re-assigned rows</h3>")
-        out.append(_table(["from", "rows", "to"], [[_e(x.get("from")), _e(x.get("rows")), _e(json.dumps(x.get("to")))]
-                                                   for x in r.reassignments], numeric=(1,)))
+        out.append(_table(["from", "rows", "to"],
+                          [[_e(x.source), _e(x.rows), _e(json.dumps({n: [list(p) for p in rs] for n, rs in x.to.items()}))]
+                           for x in r.reassignments], numeric=(1,)))
     out.append("<h2>Output</h2>")
     if r.manifest:
         m = r.manifest

@@ -261,6 +261,46 @@ def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
+class RecoveryRecord:
+    """One of summary.json's `recoveries` (a relaunch, job.py) read back; None or empty where absent or mistyped
+    (`resumed_from` and `first_step_after_s` are absent when the run ended before the relaunch resumed/ended)."""
+
+    attempt: int | None = None
+    culprits: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    failed_step: int | None = None
+    resumed_from: int | None = None
+    first_step_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ReassignmentRecord:
+    """One of a map summary's `reassignments` read back: `rows` of node `source` (`from` on the wire) moved to
+    the nodes of `to`, each with its [start, end) row ranges."""
+
+    source: str | None = None
+    rows: int | None = None
+    to: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(str(x) for x in value) if isinstance(value, list) else ()
+
+
+def parse_recovery(doc: Mapping[str, Any]) -> RecoveryRecord:
+    return RecoveryRecord(attempt=coerce_int(doc.get("attempt")), culprits=_names(doc.get("culprits")),
+                          nodes=_names(doc.get("nodes")), failed_step=coerce_int(doc.get("failed_step")),
+                          resumed_from=coerce_int(doc.get("resumed_from")),
+                          first_step_after_s=coerce_float(doc.get("first_step_after_s")))
+
+
+def parse_reassignment(doc: Mapping[str, Any]) -> ReassignmentRecord:
+    source, to = doc.get("from"), doc.get("to")
+    return ReassignmentRecord(source=source if isinstance(source, str) else None, rows=coerce_int(doc.get("rows")),
+                              to={str(k): _ranges(v) for k, v in to.items()} if isinstance(to, Mapping) else {})
+
+
+@dataclass(frozen=True)
 class SummaryFile:
     """summary.json as read back by `report`, `status` and `stop`: what every run kind writes (SummaryBase) and
     a training run's own fields, None (or empty) where absent or mistyped, under the events' number rule."""
@@ -279,7 +319,7 @@ class SummaryFile:
     split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
     incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
     quarantined: tuple[str, ...] = ()
-    recoveries: tuple[Mapping[str, Any], ...] = ()
+    recoveries: tuple[RecoveryRecord, ...] = ()
     left_out: tuple[tuple[str, str], ...] | None = None  # (node, reason); None: absent (older summaries)
     # a map run's (kind "map")
     rows: int | None = None
@@ -287,7 +327,7 @@ class SummaryFile:
     finish_spread: float | None = None
     output: str | None = None
     manifest: str | None = None
-    reassignments: tuple[Mapping[str, Any], ...] = ()  # {from, rows, to}
+    reassignments: tuple[ReassignmentRecord, ...] = ()
 
 
 def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile:
@@ -325,12 +365,12 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
         if isinstance(doc.get("incidents"), list) else None,
         quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
-        recoveries=tuple(dict(r) for r in rows("recoveries")),
+        recoveries=tuple(parse_recovery(r) for r in rows("recoveries")),
         left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
                        if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None,
         rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
         finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
-        manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
+        manifest=text(doc, "manifest"), reassignments=tuple(parse_reassignment(x) for x in rows("reassignments")))
 
 
 def read_summary(run_dir: Path) -> SummaryFile | None:

@@ -50,7 +50,7 @@ def test_map_report_shows_shards_progress_incidents_and_output(tmp_path: Path) -
     assert report.problems == [] and report.task == "score"
     page = render_map_page(report, generated_at=T0)
     for text in ("Map run score-1", "30 / 30", "5.0%", "[0, 18), [24, 28)", "60.0%", "crash", "&lt;boom&gt;",
-                 "Re-assigned rows", "ab" * 32, "data:image/png;base64,"):
+                 "Re-assigned rows", "{&quot;a&quot;: [[24, 28]]}", "ab" * 32, "data:image/png;base64,"):
         assert text in page, text
     assert "<boom>" not in page  # every value from the run dir is escaped
     path = write_report(tmp_path, "score-1")

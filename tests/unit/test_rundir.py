@@ -28,6 +28,8 @@ from coordinator.rundir import (
     PlanFile,
     PlanNode,
     PlanRecord,
+    ReassignmentRecord,
+    RecoveryRecord,
     RunFileFormatError,
     RunMeta,
     SummaryBase,
@@ -139,7 +141,8 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
     written = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, checkpoint="/c",
                          tokens_per_s=99.5, message="m", split={"mac": 0.75, "lin": 0.25}, incidents=[inc],
                          quarantined=["lin"], left_out=[{"node": "old", "reason": "quarantined"}],
-                         recoveries=[{"attempt": 1}],
+                         recoveries=[{"attempt": 1, "culprits": ["lin"], "failed_step": 3, "nodes": ["mac"],
+                                      "resumed_from": 2.0, "first_step_after_s": 4}],
                          nodes=[{"node": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
                                  "loss": 2, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
                                  "peak_memory_bytes": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
@@ -148,7 +151,8 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
         FORMAT, "r1", "train", "failed", 3, 10, 2)
     assert (read.checkpoint, read.tokens_per_s, read.message, read.quarantined) == ("/c", 99.5, "m", ("lin",))
     assert read.split == {"mac": 0.75, "lin": 0.25} and read.left_out == (("old", "quarantined"),)
-    assert read.recoveries == ({"attempt": 1},) and [i.kind for i in read.incidents or ()] == ["crash"]
+    assert read.recoveries == (RecoveryRecord(1, ("lin",), ("mac",), 3, 2, 4.0),)
+    assert [i.kind for i in read.incidents or ()] == ["crash"]
     assert read.nodes == (SummaryNode(name="mac", rank=0, batch_size=3, state="finished", step=3, loss=2.0,
                                       tokens_per_s=70.0, peak_memory=1024, checkpoint="/c"),)
     # an old summary (no format, no left_out, no incidents) reads with its gaps as None
@@ -184,8 +188,8 @@ def test_a_map_summary_reads_back_through_the_same_record() -> None:
     read = parse_summary(json.loads(json.dumps(written.to_json())))
     assert (read.kind, read.state, read.rows, read.rows_done, read.steps, read.finish_spread) == (
         "map", "failed", 30, 26, 26, 0.12)
-    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", ({"from": "b", "rows": 4,
-                                                                              "to": {"a": [[24, 28]]}},))
+    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", (ReassignmentRecord("b", 4,
+                                                                                                {"a": ((24, 28),)}),))
     (node,) = read.nodes
     assert (node.name, node.rows, node.rows_done, node.ranges, node.examples_per_s_calibrated, node.rows_per_s,
             node.finished_after_s) == ("a", 22, 22, ((0, 18), (24, 28)), 3.0, 2.5, 8.0)
