@@ -56,7 +56,7 @@ from coordinator.run.job import (
 )
 from coordinator.run.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.run.quarantine import LeftOut, QuarantineStore, inventory_key
-from coordinator.run.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, SummaryBase
+from coordinator.run.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, MapManifest, SummaryBase
 from worker.events import MapErrorEvent, MapFinishedEvent, MapProgressEvent, parse_map_event
 
 MAP_CACHE_SCHEMA = 1
@@ -536,10 +536,10 @@ def _finish(pb: Playbook, run_id: str, run_dir: Path, total: int, work: Mapping[
         by_part: dict[str, int] = {}
         for name in origin.values():
             by_part[name] = by_part.get(name, 0) + 1
-        manifest = {"run_id": run_id, "rows": total, "output": str(out), "sha256": digest,
-                    "input": input_path(pb), "task": pb.map.task if pb.map else None,
-                    "rows_by_node": {k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())}}
-        (run_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        manifest = MapManifest(run_id=run_id, rows=total, output=str(out), sha256=digest, input=input_path(pb),
+                               task=str(pb.map.task) if pb.map else None,
+                               rows_by_node={k.removesuffix(".jsonl"): v for k, v in sorted(by_part.items())})
+        (run_dir / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n", encoding="utf-8")
         summary.output, summary.manifest, summary.state = str(out), str(run_dir / MANIFEST), "succeeded"
         if pb.map is not None and pb.map.output:
             dest = Path(pb.map.output)

@@ -1,8 +1,8 @@
 """The coordinator's run directory, `runs/<run-id>/`: its file names, the format of the JSON files it writes
 there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
-runs alike, `IncidentRecord` for an incident read back). Pure but for `read_json_object` and `read_meta`.
+runs alike, `IncidentRecord` for an incident read back). Pure but for the `read_*`/`load_*` functions.
 
-Format: summary.json, meta.json, plan.json and map.json carry `"format": FORMAT`. A file without it was written
+Format: summary.json, meta.json, plan.json, map.json and manifest.json carry `"format": FORMAT`. A file without it was written
 before the key existed (format 1) and reads as before, as does a format 2 file under its older key names; a file
 of a newer format than this coordinator knows is refused with a message naming both versions (`RunFileFormatError`,
 exit 2), never misread.
@@ -35,7 +35,7 @@ LAUNCHER_LOG = "launcher.log"
 LAUNCHER_ARGV = "launcher.argv"
 SSH_CONFIG = "ssh_config"
 
-# Of summary.json, meta.json, plan.json, map.json. 1: written before the `format` key; 2: the same keys with
+# Of summary.json, meta.json, plan.json, map.json, manifest.json. 1: written before the `format` key; 2: the same keys with
 # `format`; 3: the one JSON vocabulary (a node is `node`, never `name`; `peak_memory_bytes`).
 # The readers here take every one of them (a 1 or 2 file's old keys included).
 FORMAT = 3
@@ -161,6 +161,15 @@ def read_meta(run_dir: Path) -> RunMeta:
     return parse_meta(doc, name=str(path), default_run_id=run_dir.name)
 
 
+def load_meta(run_dir: Path) -> RunMeta | None:
+    """runs/<id>/meta.json for a reader that lists runs (the dashboard): None when it is missing, unreadable or
+    not an object (not a run directory, or one being created); ConfigError (a `RunFileFormatError` included)
+    when it is a meta.json no reader can use (a newer format, a rank without its number or node)."""
+    path = run_dir / META
+    doc = read_json_object(path)
+    return None if doc is None else parse_meta(doc, name=str(path), default_run_id=run_dir.name)
+
+
 # --- summary.json ------------------------------------------------------------------------------------------------
 
 
@@ -252,6 +261,46 @@ def _ranges(value: Any) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
+class RecoveryRecord:
+    """One of summary.json's `recoveries` (a relaunch, job.py) read back; None or empty where absent or mistyped
+    (`resumed_from` and `first_step_after_s` are absent when the run ended before the relaunch resumed/ended)."""
+
+    attempt: int | None = None
+    culprits: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    failed_step: int | None = None
+    resumed_from: int | None = None
+    first_step_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ReassignmentRecord:
+    """One of a map summary's `reassignments` read back: `rows` of node `source` (`from` on the wire) moved to
+    the nodes of `to`, each with its [start, end) row ranges."""
+
+    source: str | None = None
+    rows: int | None = None
+    to: Mapping[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(str(x) for x in value) if isinstance(value, list) else ()
+
+
+def parse_recovery(doc: Mapping[str, Any]) -> RecoveryRecord:
+    return RecoveryRecord(attempt=coerce_int(doc.get("attempt")), culprits=_names(doc.get("culprits")),
+                          nodes=_names(doc.get("nodes")), failed_step=coerce_int(doc.get("failed_step")),
+                          resumed_from=coerce_int(doc.get("resumed_from")),
+                          first_step_after_s=coerce_float(doc.get("first_step_after_s")))
+
+
+def parse_reassignment(doc: Mapping[str, Any]) -> ReassignmentRecord:
+    source, to = doc.get("from"), doc.get("to")
+    return ReassignmentRecord(source=source if isinstance(source, str) else None, rows=coerce_int(doc.get("rows")),
+                              to={str(k): _ranges(v) for k, v in to.items()} if isinstance(to, Mapping) else {})
+
+
+@dataclass(frozen=True)
 class SummaryFile:
     """summary.json as read back by `report`, `status` and `stop`: what every run kind writes (SummaryBase) and
     a training run's own fields, None (or empty) where absent or mistyped, under the events' number rule."""
@@ -270,7 +319,7 @@ class SummaryFile:
     split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
     incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
     quarantined: tuple[str, ...] = ()
-    recoveries: tuple[Mapping[str, Any], ...] = ()
+    recoveries: tuple[RecoveryRecord, ...] = ()
     left_out: tuple[tuple[str, str], ...] | None = None  # (node, reason); None: absent (older summaries)
     # a map run's (kind "map")
     rows: int | None = None
@@ -278,7 +327,7 @@ class SummaryFile:
     finish_spread: float | None = None
     output: str | None = None
     manifest: str | None = None
-    reassignments: tuple[Mapping[str, Any], ...] = ()  # {from, rows, to}
+    reassignments: tuple[ReassignmentRecord, ...] = ()
 
 
 def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile:
@@ -316,12 +365,12 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
         if isinstance(doc.get("incidents"), list) else None,
         quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
-        recoveries=tuple(dict(r) for r in rows("recoveries")),
+        recoveries=tuple(parse_recovery(r) for r in rows("recoveries")),
         left_out=tuple((str(x["node"]), str(x.get("reason", ""))) for x in left_raw
                        if isinstance(x, Mapping) and "node" in x) if isinstance(left_raw, list) else None,
         rows=coerce_int(doc.get("rows")), rows_done=coerce_int(doc.get("rows_done")),
         finish_spread=coerce_float(doc.get("finish_spread")), output=text(doc, "output"),
-        manifest=text(doc, "manifest"), reassignments=tuple(dict(x) for x in rows("reassignments")))
+        manifest=text(doc, "manifest"), reassignments=tuple(parse_reassignment(x) for x in rows("reassignments")))
 
 
 def read_summary(run_dir: Path) -> SummaryFile | None:
@@ -451,3 +500,52 @@ def parse_map_plan(doc: Mapping[str, Any], *, name: str = MAP_PLAN) -> MapPlanFi
         task=task["task"] if isinstance(task, Mapping) and isinstance(task.get("task"), str) else None,
         split={str(k): f for k, v in split_raw.items() if (f := coerce_float(v)) is not None}
         if isinstance(split_raw, Mapping) else None)
+
+
+
+# --- manifest.json (a map run's output) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class MapManifest:
+    """manifest.json, written by mapjob when every row came back: the gathered output, its digest and how many
+    rows each node produced. Read back (`parse_manifest`) with every field optional, None or empty where absent
+    or mistyped."""
+
+    run_id: str | None = None
+    rows: int | None = None
+    output: str | None = None
+    sha256: str | None = None
+    input: str | None = None
+    task: str | None = None
+    rows_by_node: Mapping[str, int] = field(default_factory=dict)
+    format: int = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "run_id": self.run_id, "rows": self.rows, "output": self.output,
+                "sha256": self.sha256, "input": self.input, "task": self.task,
+                "rows_by_node": dict(self.rows_by_node)}
+
+
+def parse_manifest(doc: Mapping[str, Any], *, name: str = MANIFEST) -> MapManifest:
+    """A decoded manifest.json -> `MapManifest`; RunFileFormatError for a newer format. Never fails on content."""
+    version = check_format(doc, name)
+
+    def text(key: str) -> str | None:
+        value = doc.get(key)
+        return value if isinstance(value, str) else None
+
+    by_node = doc.get("rows_by_node")
+    return MapManifest(
+        format=version, run_id=text("run_id"), rows=coerce_int(doc.get("rows")), output=text("output"),
+        sha256=text("sha256"), input=text("input"), task=text("task"),
+        rows_by_node={str(k): n for k, v in by_node.items() if (n := coerce_int(v)) is not None}
+        if isinstance(by_node, Mapping) else {})
+
+
+def read_manifest(run_dir: Path) -> MapManifest | None:
+    """runs/<id>/manifest.json, typed; None when it is missing or unreadable (the map report says which, as it
+    knows whether the run finished); `RunFileFormatError` for a newer format."""
+    path = run_dir / MANIFEST
+    doc = read_json_object(path)
+    return None if doc is None else parse_manifest(doc, name=str(path))

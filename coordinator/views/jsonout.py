@@ -123,12 +123,15 @@ class LeftOutOut(_Out):
 
 
 class RecoveryOut(_Out):
+    """A relaunch (job.py): the attempt it started, the culprits left out, where the failed attempt stood."""
+
     attempt: int
     culprits: list[str]
     failed_step: int
-    detected_at: float  # the coordinator's monotonic clock
-    first_step_at: float | None
     nodes: list[str]
+    # Absent when the run ended before the relaunch resumed (a refused resume) or before it ended:
+    resumed_from: int | None = None  # the step the relaunch resumed from (0: from scratch)
+    first_step_after_s: float | None = None  # from the fault's detection to the relaunch's first step
 
 
 class SetAsideOut(_Out):

@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
-from coordinator.run.rundir import EVENTS, PLAN, SUMMARY, check_format, parse_incident_record, parse_plan, parse_summary
+from coordinator.run.rundir import (
+    EVENTS,
+    PLAN,
+    SUMMARY,
+    RecoveryRecord,
+    check_format,
+    parse_incident_record,
+    parse_plan,
+    parse_summary,
+)
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -255,7 +264,7 @@ class Report:
     backend: str | None
     global_batch: int | None
     quarantined: list[str]
-    recoveries: list[dict[str, Any]]
+    recoveries: list[RecoveryRecord]
     nodes: list[NodeRow]
     split: dict[str, float]
     series: list[Series]
@@ -431,7 +440,7 @@ def build_report(files: RunFiles) -> Report:
     steps = summary.steps
     if steps is None and series:
         steps = max(p.step for s in series for p in s.points)
-    recoveries = [dict(r) for r in summary.recoveries]
+    recoveries = list(summary.recoveries)
     return Report(
         run_id=summary.run_id or files.run_id, state=state, steps=steps, iters=iters,
         message=summary.message or "", tokens_per_s=summary.tokens_per_s,
@@ -762,10 +771,9 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
         out.append(_table(["attempt", "nodes", "started", "resumed from", "first step", "last step"], rows,
                           numeric=(0, 4, 5)))
         for rec in r.recoveries:
-            culprits = rec.get("culprits") or []
-            out.append(f"<p>Relaunch {_e(rec.get('attempt'))}: without {_e(', '.join(map(str, culprits)) or 'nobody')}"
-                       f" on {_e(', '.join(map(str, rec.get('nodes') or [])))}, after step {_e(rec.get('failed_step'))};"
-                       f" first step {_e(rec.get('first_step_after_s'))} s after detection.</p>")
+            out.append(f"<p>Relaunch {_e(rec.attempt)}: without {_e(', '.join(rec.culprits) or 'nobody')}"
+                       f" on {_e(', '.join(rec.nodes))}, after step {_e(rec.failed_step)};"
+                       f" first step {_e(rec.first_step_after_s)} s after detection.</p>")
 
     # checkpoints
     out.append("<h2>Checkpoints</h2>")

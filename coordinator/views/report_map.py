@@ -12,16 +12,18 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from coordinator.run.rundir import (
     MANIFEST,
     MAP_PLAN,
     IncidentRecord,
+    MapManifest,
     MapPlanFile,
+    ReassignmentRecord,
     parse_map_plan,
     parse_summary,
     read_json_object,
+    read_manifest,
 )
 from coordinator.views.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when, build_page, read_run_files
 from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
@@ -50,8 +52,8 @@ class MapReport:
     split: dict[str, float]
     finish_spread: float | None
     incidents: list[IncidentRecord]
-    reassignments: list[dict[str, Any]]
-    manifest: dict[str, Any] | None
+    reassignments: list[ReassignmentRecord]
+    manifest: MapManifest | None
     progress: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # node -> (t, rows done)
     start_t: float | None = None
     end_t: float | None = None
@@ -70,12 +72,9 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         problems.append("map.json is missing or unreadable")
     else:
         plan = parse_map_plan(doc, name=str(run_dir / MAP_PLAN))
-    manifest = None
-    if (run_dir / MANIFEST).is_file():
-        try:
-            manifest = json.loads((run_dir / MANIFEST).read_text(encoding="utf-8"))
-        except ValueError:
-            problems.append("manifest.json is unreadable")
+    manifest = read_manifest(run_dir)  # format-checked like map.json
+    if manifest is None and (run_dir / MANIFEST).is_file():
+        problems.append("manifest.json is unreadable")
     nodes = [MapNodeRow(str(n.name), str(n.state), n.rows or 0, n.rows_done or 0, [list(r) for r in n.ranges],
                         n.examples_per_s_calibrated, n.rows_per_s, n.finished_after_s) for n in s.nodes]
     progress: dict[str, list[tuple[float, int]]] = {}
@@ -103,7 +102,7 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
         run_id=files.run_id, state=s.state or "unknown", rows=s.rows or plan.rows or 0,
         rows_done=s.rows_done or 0, task=plan.task, nodes=nodes,
         split=dict(s.split or plan.split or {}), finish_spread=s.finish_spread,
-        incidents=list(s.incidents or ()), reassignments=[dict(x) for x in s.reassignments], manifest=manifest,
+        incidents=list(s.incidents or ()), reassignments=list(s.reassignments), manifest=manifest,
         progress=progress, start_t=min(times) if times else None, end_t=max(times) if times else None,
         problems=problems)
 
@@ -173,14 +172,15 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
         out.append('<p class="ok">No incident.</p>')
     if r.reassignments:
         out.append("<h3>Re-assigned rows</h3>")
-        out.append(_table(["from", "rows", "to"], [[_e(x.get("from")), _e(x.get("rows")), _e(json.dumps(x.get("to")))]
-                                                   for x in r.reassignments], numeric=(1,)))
+        out.append(_table(["from", "rows", "to"],
+                          [[_e(x.source), _e(x.rows), _e(json.dumps({n: [list(p) for p in rs] for n, rs in x.to.items()}))]
+                           for x in r.reassignments], numeric=(1,)))
     out.append("<h2>Output</h2>")
     if r.manifest:
         m = r.manifest
         out.append(_table(["output", "rows", "sha256", "rows by node"],
-                          [[_e(m.get("output")), _e(m.get("rows")), f"<code>{_e(m.get('sha256'))}</code>",
-                            _e(json.dumps(m.get("rows_by_node")))]], numeric=(1,)))
+                          [[_e(m.output), _e(m.rows), f"<code>{_e(m.sha256)}</code>",
+                            _e(json.dumps(dict(m.rows_by_node)))]], numeric=(1,)))
     else:
         out.append("<p>No output was gathered (the run did not finish every row).</p>")
     out.append(_footer(generated_at, "summary.json, map.json, manifest.json and events.jsonl"))

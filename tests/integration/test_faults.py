@@ -134,6 +134,7 @@ def assert_finished_on_survivors(summary: dict, culprit: str, iters: int = ITERS
     [recovery] = summary["recoveries"]
     assert recovery["culprits"] == [culprit]
     assert recovery["first_step_after_s"] is not None
+    validate_output("launch", summary)  # docs/json.md's schema, a relaunch's recovery included
 
 
 def no_rank_left(run_id: str) -> None:
@@ -267,6 +268,7 @@ def test_truncated_checkpoint_is_skipped_and_the_resume_continues(testbed: TestB
     starts = [e for e in evs if e.get("event") == "started"][-2:]
     assert {e["resumed_from"] for e in starts} == {6}  # the intact copy on the other node wins
     assert summary["resumed_from"]["step"] == 6 and summary["resumed_from"]["node"] == hosts[1].name
+    validate_output("launch", summary)  # docs/json.md's schema, a resume's resumed_from included
     assert f"resumed from step 6 (checkpoint {hosts[1].name}:" in resumed.stderr
     # the truncated copy is kept, set aside, and never resumed from again
     listing = testbed.exec(hosts[0], ["ls", f"/srv/work/runs/{run_id}/{hosts[0].name}/checkpoints"], check=True)
@@ -315,6 +317,7 @@ def test_resume_with_only_invalid_checkpoints_refuses_and_a_restart_from_scratch
     assert summary["state"] == "succeeded" and summary["steps"] == 4 and summary["quarantined"] == []
     assert summary["resumed_from"]["step"] == 0 and summary["resumed_from"]["from_scratch"]
     assert len(summary["resumed_from"]["set_aside"]) == 4
+    validate_output("launch", summary)  # docs/json.md's schema, the set-aside checkpoints included
     assert "restarted from scratch at step 0" in again.stderr
     for h in hosts:
         listing = set(testbed.exec(h, ["ls", root[h.name]], check=True).stdout.split())

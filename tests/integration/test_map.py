@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from coordinator.planning.shards import largest_remainder
+from coordinator.run.rundir import FORMAT, parse_manifest, read_manifest
 from coordinator.views.jsonout import MapSummaryOut, validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed, _netns_pids
@@ -95,6 +96,10 @@ def check_output(summary: dict, data: list[dict]) -> None:
     assert all(o["chars"] == len(d["text"]) for o, d in zip(out, data, strict=True))
     manifest = json.loads(Path(summary["manifest"]).read_text())
     assert manifest["rows"] == len(data) and sum(manifest["rows_by_node"].values()) == len(data)
+    # both callers run `task: command`
+    assert manifest["format"] == FORMAT and manifest["task"] == "command" and manifest["run_id"] == summary["run_id"]
+    # the map report's typed read says the same
+    assert read_manifest(Path(summary["manifest"]).parent) == parse_manifest(manifest)
 
 
 def test_throttled_node_gets_a_shard_proportional_to_its_measured_rate(testbed: TestBed, run_cli: RunCli,

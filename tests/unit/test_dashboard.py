@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from coordinator.errors import ConfigError
+from coordinator.run.rundir import parse_meta, parse_summary
 from coordinator.views.dashboard.model import RankLive, RunFold, rank_verdict, run_view, step_time_stats
 from coordinator.views.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
 
@@ -24,14 +25,15 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 
 def test_the_demo_run_folds_into_its_curves_ranks_and_checkpoints() -> None:
-    meta = json.loads((DEMO / "meta.json").read_text())
-    fold = RunFold.from_meta(meta["run_id"], meta)
+    meta = parse_meta(json.loads((DEMO / "meta.json").read_text()))
+    fold = RunFold.from_meta(meta.run_id, meta)
     delta = fold.feed(records(DEMO / "events.jsonl"))
     assert [s for s, _ in fold.loss] == list(range(1, 31)) and [p[0] for p in delta["loss"]] == list(range(1, 31))
     assert [s for s, _ in fold.val_loss] == [10, 20, 30]
     assert [c["step"] for c in fold.checkpoints] == list(range(1, 31))  # one per step, though both ranks report
     assert fold.iters == 30 and fold.step == 30 and fold.incidents == [] and fold.recoveries == []
-    view = run_view(fold, meta=meta, summary=json.loads((DEMO / "summary.json").read_text()), iters=None, now=2e9)
+    view = run_view(fold, meta=meta, summary=parse_summary(json.loads((DEMO / "summary.json").read_text())), iters=None,
+                    now=2e9)
     assert view["state"] == "succeeded" and not view["active"] and view["iters"] == 30
     assert view["split"] == {"local-a": 0.5, "local-b": 0.5}
     assert view["predicted_tokens_per_s"] == pytest.approx(3984.759 + 4494.042, abs=0.1)
@@ -53,7 +55,7 @@ def test_a_fold_fed_in_batches_equals_one_fed_at_once() -> None:
 
 
 def test_incidents_and_a_relaunch_are_marked_at_their_step() -> None:
-    fold = RunFold.from_meta("r", {"ranks": [{"rank": 0, "node": "a"}, {"rank": 1, "node": "b"}]})
+    fold = RunFold.from_meta("r", parse_meta({"run_id": "r", "ranks": [{"rank": 0, "node": "a"}, {"rank": 1, "node": "b"}]}))
     for rank, node in ((0, "a"), (1, "b")):
         fold.feed([{"event": "started", "rank": rank, "node": node, "t": 1.0, "iters": 50}])
     delta = fold.feed([{"event": "incident", "kind": "crash", "node": "b", "rank": 1, "step": 12, "action": "quarantine",
@@ -223,6 +225,42 @@ def test_a_busy_port_is_a_config_error(tmp_path: Path) -> None:
 
 def test_open_run_needs_meta(tmp_path: Path) -> None:
     assert open_run(tmp_path) is None
+
+
+@pytest.mark.parametrize("meta", [{"format": 99, "run_id": "r", "ranks": []},  # newer than this coordinator reads
+                                  {"run_id": "r", "ranks": [{"node": "a"}]}])  # a rank without its number
+def test_open_run_leaves_out_a_meta_it_cannot_read(tmp_path: Path, meta: dict[str, Any]) -> None:
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert open_run(tmp_path) is None
+
+
+def test_open_run_reads_meta_through_the_contract(tmp_path: Path) -> None:
+    live = live_copy(tmp_path, 0)
+    run = open_run(live)
+    assert run is not None and run.meta is not None and run.meta.run_id == DEMO.name
+    assert [(r.rank, r.node) for r in run.fold.ranks.values()] == [(0, "local-a"), (1, "local-b")]
+
+
+def test_a_coordinator_record_and_a_mistyped_field_do_not_move_a_rank() -> None:
+    fold = RunFold.from_meta("r", parse_meta({"run_id": "r", "ranks": [{"rank": 0, "node": "a"}]}))
+    fold.feed([{"event": "started", "rank": 0, "node": "a", "t": 1.0, "iters": 50},
+               {"event": "supervisor", "rank": 0, "node": "a", "t": 50.0},  # the coordinator's, not the rank's
+               {"event": "step", "rank": 0, "node": "a", "t": 2.0, "step": 3.0, "loss": "nan?", "tok_s": 100}])
+    rank = fold.ranks[0]
+    assert rank.last_t == 2.0 and rank.step == 3 and rank.loss is None and rank.tokens_per_s == 100.0
+    assert fold.loss == []  # no loss point for a step whose loss is not a number
+
+
+def test_left_out_comes_from_the_summary_once_it_has_one_else_from_meta() -> None:
+    meta = parse_meta({"run_id": "r", "ranks": [], "left_out": [{"node": "c", "reason": "preflight failed"}]})
+    fold = RunFold.from_meta("r", meta)
+    live = run_view(fold, meta=meta, summary=None, iters=None, now=1.0)
+    assert live["degraded"] and live["left_out"] == [{"node": "c", "reason": "preflight failed"}]
+    older = run_view(fold, meta=meta, summary=parse_summary({"run_id": "r", "state": "failed"}), iters=None, now=1.0)
+    assert older["left_out"] == [{"node": "c", "reason": "preflight failed"}] and older["state"] == "failed"
+    ended = run_view(fold, meta=meta, summary=parse_summary({"format": 3, "run_id": "r", "state": "succeeded",
+                                                              "left_out": [], "message": "done"}), iters=None, now=1.0)
+    assert not ended["degraded"] and ended["left_out"] == [] and ended["message"] == "done"
 
 
 def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:

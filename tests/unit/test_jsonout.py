@@ -35,8 +35,8 @@ def _inc() -> Incident:
 def test_a_training_summary_validates_and_a_renamed_key_fails() -> None:
     summary = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, split={"mac": 1.0},
                          incidents=[_inc()], left_out=[{"node": "old", "reason": "quarantined"}],
-                         recoveries=[{"attempt": 1, "culprits": ["lin"], "failed_step": 3, "detected_at": 5.0,
-                                      "first_step_at": None, "nodes": ["mac"]}],
+                         recoveries=[{"attempt": 1, "culprits": ["lin"], "failed_step": 3, "nodes": ["mac"],
+                                      "resumed_from": 2, "first_step_after_s": 4.5}],
                          nodes=[{"node": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3,
                                  "loss": 2.0, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
                                  "peak_memory_bytes": 1024, "checkpoint": None, "run_dir": "/w/mac"}])
@@ -44,6 +44,17 @@ def test_a_training_summary_validates_and_a_renamed_key_fails() -> None:
     assert isinstance(validate_output("launch", doc), RunSummaryOut)
     doc["nodes"][0]["name"] = doc["nodes"][0].pop("node")  # the old vocabulary
     with pytest.raises(ValueError, match="name"):
+        validate_output("launch", doc)
+
+
+def test_a_recovery_validates_as_job_py_writes_it_and_refuses_its_internal_clock() -> None:
+    base = {"attempt": 1, "culprits": ["lin"], "failed_step": 3, "nodes": ["mac"]}
+    summary = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, split={"mac": 1.0},
+                         nodes=[], recoveries=[base])  # a refused resume: neither resumed_from nor first_step_after_s
+    doc = json.loads(json.dumps(summary.to_json()))
+    validate_output("launch", doc)
+    doc["recoveries"][0]["detected_at"] = 5.0  # the coordinator's monotonic clock stays out of summary.json
+    with pytest.raises(ValueError, match="detected_at"):
         validate_output("launch", doc)
 
 

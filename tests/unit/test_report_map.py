@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from coordinator.run.rundir import RunFileFormatError
 from coordinator.views.report import read_run_files
 from coordinator.views.report_map import build_map_report, render_map_page, write_report
 
@@ -46,8 +49,22 @@ def test_map_report_shows_shards_progress_incidents_and_output(tmp_path: Path) -
     assert report.problems == [] and report.task == "score"
     page = render_map_page(report, generated_at=T0)
     for text in ("Map run score-1", "30 / 30", "5.0%", "[0, 18), [24, 28)", "60.0%", "crash", "&lt;boom&gt;",
-                 "Re-assigned rows", "ab" * 32, "data:image/png;base64,"):
+                 "Re-assigned rows", "{&quot;a&quot;: [[24, 28]]}", "ab" * 32, "data:image/png;base64,"):
         assert text in page, text
     assert "<boom>" not in page  # every value from the run dir is escaped
     path = write_report(tmp_path, "score-1")
     assert path == run / "report" / "index.html" and "Map run score-1" in path.read_text()
+
+
+def test_a_manifest_of_a_newer_format_is_an_error_naming_both_versions(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run / "manifest.json").write_text(json.dumps({"format": 99, "rows": 30}))
+    with pytest.raises(RunFileFormatError, match="format 99, newer"):
+        build_map_report(read_run_files(tmp_path, "score-1"), run)
+
+
+def test_an_unreadable_manifest_is_named_among_the_problems(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run / "manifest.json").write_text("{half")
+    report = build_map_report(read_run_files(tmp_path, "score-1"), run)
+    assert report.manifest is None and report.problems == ["manifest.json is unreadable"]

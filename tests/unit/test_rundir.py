@@ -21,22 +21,28 @@ from coordinator.run.rundir import (
     SUMMARY,
     CurveRecord,
     IncidentRecord,
+    MapManifest,
     MapPlanFile,
     MetaRank,
     PlanFile,
     PlanNode,
     PlanRecord,
+    ReassignmentRecord,
+    RecoveryRecord,
     RunFileFormatError,
     RunMeta,
     SummaryBase,
     SummaryNode,
     check_format,
+    load_meta,
     parse_incident_record,
+    parse_manifest,
     parse_map_plan,
     parse_meta,
     parse_plan,
     parse_summary,
     read_json_object,
+    read_manifest,
     read_meta,
 )
 from coordinator.views.report import ReportError, read_run_files
@@ -135,7 +141,8 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
     written = RunSummary(run_id="r1", state=RunState.FAILED, steps=3, iters=10, attempts=2, checkpoint="/c",
                          tokens_per_s=99.5, message="m", split={"mac": 0.75, "lin": 0.25}, incidents=[inc],
                          quarantined=["lin"], left_out=[{"node": "old", "reason": "quarantined"}],
-                         recoveries=[{"attempt": 1}],
+                         recoveries=[{"attempt": 1, "culprits": ["lin"], "failed_step": 3, "nodes": ["mac"],
+                                      "resumed_from": 2.0, "first_step_after_s": 4}],
                          nodes=[{"node": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3.0,
                                  "loss": 2, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
                                  "peak_memory_bytes": 1024, "checkpoint": "/c", "run_dir": "/w/mac"}])
@@ -144,7 +151,8 @@ def test_a_run_summary_reads_back_through_its_typed_record() -> None:
         FORMAT, "r1", "train", "failed", 3, 10, 2)
     assert (read.checkpoint, read.tokens_per_s, read.message, read.quarantined) == ("/c", 99.5, "m", ("lin",))
     assert read.split == {"mac": 0.75, "lin": 0.25} and read.left_out == (("old", "quarantined"),)
-    assert read.recoveries == ({"attempt": 1},) and [i.kind for i in read.incidents or ()] == ["crash"]
+    assert read.recoveries == (RecoveryRecord(1, ("lin",), ("mac",), 3, 2, 4.0),)
+    assert [i.kind for i in read.incidents or ()] == ["crash"]
     assert read.nodes == (SummaryNode(name="mac", rank=0, batch_size=3, state="finished", step=3, loss=2.0,
                                       tokens_per_s=70.0, peak_memory=1024, checkpoint="/c"),)
     # an old summary (no format, no left_out, no incidents) reads with its gaps as None
@@ -180,8 +188,8 @@ def test_a_map_summary_reads_back_through_the_same_record() -> None:
     read = parse_summary(json.loads(json.dumps(written.to_json())))
     assert (read.kind, read.state, read.rows, read.rows_done, read.steps, read.finish_spread) == (
         "map", "failed", 30, 26, 26, 0.12)
-    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", ({"from": "b", "rows": 4,
-                                                                              "to": {"a": [[24, 28]]}},))
+    assert (read.output, read.manifest, read.reassignments) == ("/o", "/m", (ReassignmentRecord("b", 4,
+                                                                                                {"a": ((24, 28),)}),))
     (node,) = read.nodes
     assert (node.name, node.rows, node.rows_done, node.ranges, node.examples_per_s_calibrated, node.rows_per_s,
             node.finished_after_s) == ("a", 22, 22, ((0, 18), (24, 28)), 3.0, 2.5, 8.0)
@@ -210,3 +218,28 @@ def test_a_format_2_summary_reads_under_its_older_key_names() -> None:
     read = parse_summary({"format": 2, "state": "succeeded", "nodes": [{"name": "mac", "peak_memory": 1024}]})
     assert read.format == 2
     assert (read.nodes[0].name, read.nodes[0].peak_memory) == ("mac", 1024)
+
+
+def test_a_map_manifest_round_trips_and_an_old_one_reads() -> None:
+    written = MapManifest(run_id="m", rows=30, output="/r/output.jsonl", sha256="ab" * 32, input="/d/in.jsonl",
+                          task="score", rows_by_node={"a": 22, "b": 8})
+    doc = json.loads(json.dumps(written.to_json()))
+    assert doc["format"] == FORMAT and parse_manifest(doc) == written
+    old = parse_manifest({"output": "/r/output.jsonl", "rows": 30, "rows_by_node": {"a": 22, "b": "x"}})
+    assert (old.format, old.rows, old.sha256, dict(old.rows_by_node)) == (1, 30, None, {"a": 22})
+
+
+def test_read_manifest_is_none_when_missing_and_refuses_a_newer_one(tmp_path: Path) -> None:
+    assert read_manifest(tmp_path) is None
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": FORMAT + 1, "rows": 3}))
+    with pytest.raises(RunFileFormatError, match=f"format {FORMAT + 1}, newer"):
+        read_manifest(tmp_path)
+
+
+def test_load_meta_is_none_without_a_meta_and_typed_with_one(tmp_path: Path) -> None:
+    assert load_meta(tmp_path) is None
+    (tmp_path / META).write_text("{not json")
+    assert load_meta(tmp_path) is None
+    (tmp_path / META).write_text(json.dumps(RunMeta(run_id="x", ranks=(MetaRank(0, "a", 2),)).to_json()))
+    meta = load_meta(tmp_path)
+    assert meta is not None and meta.ranks == (MetaRank(0, "a", 2),)

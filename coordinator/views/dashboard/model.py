@@ -1,7 +1,9 @@
 """The dashboard's pure core: a run's files (events.jsonl records, meta.json, summary.json) folded into what the
 run page shows, and each rank's verdict.
 
-The same sources as `coordinator status`/`monitor` (one truth, no second state store): the fold is fed the
+The same sources as `coordinator status`/`monitor` (one truth, no second state store), read through the same
+contracts: meta.json and summary.json as `coordinator.run.rundir`'s typed records, each event under
+`worker.events.parse_event` and each incident under `rundir.parse_incident_record`. The fold is fed the
 records of events.jsonl in file order, in as many batches as the tail delivers, and each batch returns the
 *delta* (new loss points, new incidents, ...) that the server pushes to browsers. A finished run is replayed by
 feeding its whole file once.
@@ -14,6 +16,20 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from coordinator.run.rundir import RunMeta, SummaryFile, parse_incident_record
+from worker.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    EvalEvent,
+    EventError,
+    FinishedEvent,
+    HeartbeatEvent,
+    StartedEvent,
+    StepEvent,
+    coerce_float,
+    parse_event,
+)
 
 RECENT_STEP_TIMES = 50  # a rank's step-time min/median/max are over its last steps
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0  # the playbook's default (coordinator/config/playbook.py)
@@ -43,14 +59,6 @@ class RankLive:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEP_TIMES))
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _r(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -75,13 +83,11 @@ class RunFold:
     _started: set[int] = field(default_factory=set)
 
     @classmethod
-    def from_meta(cls, run_id: str, meta: Mapping[str, Any] | None) -> RunFold:
+    def from_meta(cls, run_id: str, meta: RunMeta | None) -> RunFold:
         """A fold that knows the planned ranks (and their calibrated predictions) before any event."""
         fold = cls(run_id)
-        for r in (meta or {}).get("ranks") or []:
-            if isinstance(r, Mapping) and _int(r.get("rank")) is not None and isinstance(r.get("node"), str):
-                fold.ranks[int(r["rank"])] = RankLive(int(r["rank"]), str(r["node"]), _int(r.get("batch_size")),
-                                                      _float(r.get("calibrated_tokens_per_s")))
+        for r in meta.ranks if meta is not None else ():
+            fold.ranks[r.rank] = RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
         return fold
 
     def feed(self, records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -91,35 +97,35 @@ class RunFold:
         return delta
 
     def _feed_one(self, record: Mapping[str, Any], delta: dict[str, Any]) -> None:
-        kind = record.get("event")
-        t = _float(record.get("t"))
+        t = coerce_float(record.get("t"))  # any record's time, the coordinator's own included
         if t is not None and self.first_t is None:
             self.first_t = t
-        step = _int(record.get("step"))
-        if kind == "incident":
-            note = {"kind": str(record.get("kind", "unknown")), "node": str(record.get("node", "?")),
-                    "rank": _int(record.get("rank")), "step": step, "action": str(record.get("action", "")),
-                    "t": t, "summary": str(record.get("evidence", ""))[:200]}
+        if record.get("event") == "incident":
+            inc = parse_incident_record(record)
+            note = {"kind": inc.kind or "unknown", "node": inc.node or "?", "rank": inc.rank, "step": inc.step,
+                    "action": inc.action or "", "t": inc.t,
+                    "summary": str(inc.evidence if inc.evidence is not None else "")[:200]}
             self.incidents.append(note)
             delta["incidents"].append(note)
             return
-        rank = _int(record.get("rank"))
-        node = record.get("node")
-        if rank is None or not isinstance(node, str):
+        # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;
+        # the coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
+        event, node = parse_event(record), record.get("node")
+        if isinstance(event, EventError) or event.rank is None or not isinstance(node, str):
             return
+        rank, t = event.rank, event.t
         view = self.ranks.get(rank)
         if view is None or view.node != node:  # unplanned, or a relaunch moved the rank: the event's node wins
             view = self.ranks[rank] = RankLive(rank, node, view.batch_size if view else None,
                                                view.calibrated_tokens_per_s if view and view.node == node else None)
         if t is not None:
             view.last_t = t if view.last_t is None else max(view.last_t, t)
-        if kind == "heartbeat":
-            phase = record.get("phase")
-            view.phase = phase if isinstance(phase, str) else view.phase
+        if isinstance(event, HeartbeatEvent):
+            view.phase = event.phase or view.phase
             if view.state == "pending":
                 view.state = "running"
-        elif kind == "started":
-            resumed = _int(record.get("resumed_from"))
+        elif isinstance(event, StartedEvent):
+            resumed = event.resumed_from
             # A rank starting again (a relaunch), or starting from a checkpoint (a resume): marked once, by the
             # lowest rank, on the curves.
             if (rank in self._started or resumed) and rank == min(self.ranks):
@@ -127,37 +133,36 @@ class RunFold:
                 self.recoveries.append(note)
                 delta["recoveries"].append(note)
             self._started.add(rank)
-            self.iters = _int(record.get("iters")) or self.iters
+            self.iters = event.iters or self.iters
             view.state, view.step, view.started_t = "running", resumed or 0, t
             view.phase = "load"
-        elif kind == "step" and step is not None:
+        elif isinstance(event, StepEvent) and (step := event.step) is not None:
             view.state, view.phase = "running", "step"
             view.step = max(view.step, step)
-            view.tokens_per_s = _float(record.get("tok_s"))
-            view.loss = _float(record.get("loss"))
+            view.tokens_per_s = event.tok_s
+            view.loss = event.loss
             view.last_step_t = t
-            step_time = _float(record.get("step_time_s"))
-            if step_time is not None:
-                view.step_times.append(step_time)
+            if event.step_time_s is not None:
+                view.step_times.append(event.step_time_s)
             if view.loss is not None and step not in self._loss_steps:
                 self._loss_steps.add(step)
                 self.loss.append((step, view.loss))
                 delta["loss"].append([step, _r(view.loss, 5)])
-        elif kind == "eval" and step is not None:
-            val = _float(record.get("val_loss"))
+        elif isinstance(event, EvalEvent) and (step := event.step) is not None:
+            val = event.val_loss
             if val is not None and step not in self._val_steps:
                 self._val_steps.add(step)
                 self.val_loss.append((step, val))
                 delta["val_loss"].append([step, _r(val, 5)])
-        elif kind == "checkpoint" and step is not None and step not in self._ckpt_steps:
+        elif isinstance(event, CheckpointEvent) and (step := event.step) is not None and step not in self._ckpt_steps:
             self._ckpt_steps.add(step)
-            note = {"step": step, "path": str(record.get("path", "")), "t": t}
+            note = {"step": step, "path": event.path or "", "t": t}
             self.checkpoints.append(note)
             delta["checkpoints"].append(note)
-        elif kind == "finished":
+        elif isinstance(event, FinishedEvent):
             view.state, view.phase = "finished", None
-            view.step = max(view.step, step or 0)
-        elif kind == "error":
+            view.step = max(view.step, event.step or 0)
+        elif isinstance(event, ErrorEvent):
             view.state = "failed"
 
     @property
@@ -243,16 +248,24 @@ def eta_s(fold: RunFold, iters: int | None, now: float) -> float | None:
     return max(0.0, (iters - done) / rate) if rate > 0 else None
 
 
-def run_view(fold: RunFold, *, meta: Mapping[str, Any] | None, summary: Mapping[str, Any] | None, iters: int | None,
+def _left_out(meta: RunMeta | None, summary: SummaryFile | None) -> list[dict[str, str]]:
+    """The inventory nodes the run started without, {node, reason}: the summary's word once it has one (older
+    summaries have none), else meta.json's."""
+    if summary is not None and summary.left_out is not None:
+        return [{"node": n, "reason": why} for n, why in summary.left_out]
+    return [dict(x) for x in meta.left_out] if meta is not None else []
+
+
+def run_view(fold: RunFold, *, meta: RunMeta | None, summary: SummaryFile | None, iters: int | None,
              now: float, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, full: bool = True) -> dict[str, Any]:
     """The run page's document: the header, every rank's row and, with `full`, the whole curves and lists (the
     first load and a replay; pushes carry deltas instead)."""
     active = summary is None
-    iters = iters or fold.iters or (_int(summary.get("iters")) if summary is not None else None)
-    state = str(summary.get("state", "unknown")) if summary is not None else "running"
-    left_out = (summary if summary is not None and "left_out" in summary else meta or {}).get("left_out") or []
+    iters = iters or fold.iters or (summary.iters if summary is not None else None)
+    state = (summary.state or "unknown") if summary is not None else "running"
+    left_out = _left_out(meta, summary)
     tok = sum(r.tokens_per_s or 0.0 for r in fold.ranks.values() if r.state == "running") if active else (
-        _float(summary.get("tokens_per_s")) if summary else None)
+        summary.tokens_per_s if summary is not None else None)
     predicted = sum(r.calibrated_tokens_per_s or 0.0 for r in fold.ranks.values()) or None
     doc: dict[str, Any] = {
         "run_id": fold.run_id, "active": active, "state": state, "step": fold.step, "iters": iters,
@@ -266,11 +279,11 @@ def run_view(fold: RunFold, *, meta: Mapping[str, Any] | None, summary: Mapping[
     if full:
         doc.update({"loss": [[s, _r(v, 5)] for s, v in fold.loss], "val_loss": [[s, _r(v, 5)] for s, v in fold.val_loss],
                     "incidents": fold.incidents, "recoveries": fold.recoveries, "checkpoints": fold.checkpoints[-20:],
-                    "message": str(summary.get("message", "")) if summary else ""})
+                    "message": (summary.message or "") if summary is not None else ""})
     return doc
 
 
-def run_row(fold: RunFold, *, summary: Mapping[str, Any] | None, meta: Mapping[str, Any] | None, iters: int | None,
+def run_row(fold: RunFold, *, summary: SummaryFile | None, meta: RunMeta | None, iters: int | None,
             now: float) -> dict[str, Any]:
     """One row of the runs page."""
     view = run_view(fold, meta=meta, summary=summary, iters=iters, now=now, full=False)

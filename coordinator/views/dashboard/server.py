@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import yaml
 
 from coordinator.errors import ConfigError
+from coordinator.run.rundir import EVENTS, META, PLAYBOOK, RunMeta, SummaryFile, load_meta, read_summary
 from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold, empty_delta, run_row, run_view
 
 DEFAULT_HOST = "127.0.0.1"
@@ -60,20 +61,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_summary(run_dir: Path) -> SummaryFile | None:
+    """summary.json, typed; None while the run is going (no summary yet) and for one this coordinator cannot
+    read (a newer format): the page then shows the run from its events, as for a coordinator that died."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_summary(run_dir)
+    except ConfigError:
         return None
-    return value if isinstance(value, dict) else None
 
 
-def _playbook_train(run_dir: Path, meta: Mapping[str, Any]) -> tuple[int | None, float]:
+def _playbook_train(run_dir: Path, meta: RunMeta) -> tuple[int | None, float]:
     """(train.iters, heartbeat_timeout) from the run's copy of its playbook, else from the playbook it was
     launched with (the copy's redacted `env` values can make it unreadable YAML). Defaults when neither reads;
     the ranks' `started` events carry `iters` too (`RunFold.iters`)."""
     doc: Any = None
-    for path in (run_dir / "playbook.yaml", Path(str(meta.get("playbook") or run_dir / "playbook.yaml"))):
+    for path in (run_dir / PLAYBOOK, Path(meta.playbook or run_dir / PLAYBOOK)):
         try:
             doc = yaml.safe_load(path.read_text(encoding="utf-8"))
             break
@@ -94,10 +96,10 @@ class TrackedRun:
 
     path: Path
     fold: RunFold
-    meta: dict[str, Any] | None
+    meta: RunMeta | None
     iters: int | None
     heartbeat_timeout: float
-    summary: dict[str, Any] | None = None
+    summary: SummaryFile | None = None
     offset: int = 0
     size_seen: int = -1
 
@@ -106,9 +108,9 @@ class TrackedRun:
         written is left for the next poll; an unparseable line is counted and skipped."""
         changed = False
         if self.summary is None:
-            self.summary = _read_json(self.path / "summary.json")
+            self.summary = _read_summary(self.path)
             changed = self.summary is not None
-        events = self.path / "events.jsonl"
+        events = self.path / EVENTS
         try:
             size = events.stat().st_size
         except OSError:
@@ -153,12 +155,16 @@ class TrackedRun:
 
 
 def open_run(path: Path) -> TrackedRun | None:
-    """A run directory (one with a readable meta.json) ready to tail; None otherwise."""
-    meta = _read_json(path / "meta.json")
+    """A run directory (one with a readable meta.json) ready to tail; None otherwise (a meta.json of a newer
+    format, or one without its ranks' numbers and nodes, included: the runs page lists what it can show)."""
+    try:
+        meta = load_meta(path)
+    except ConfigError:
+        return None
     if meta is None:
         return None
     iters, timeout = _playbook_train(path, meta)
-    return TrackedRun(path, RunFold.from_meta(str(meta.get("run_id") or path.name), meta), meta, iters, timeout)
+    return TrackedRun(path, RunFold.from_meta(meta.run_id, meta), meta, iters, timeout)
 
 
 FleetFn = Callable[[], Mapping[str, Any]]
@@ -189,7 +195,7 @@ class DashboardState:
         dated: list[tuple[float, Path]] = []
         for child in children:
             with contextlib.suppress(OSError):
-                dated.append(((child / "meta.json").stat().st_mtime, child))
+                dated.append(((child / META).stat().st_mtime, child))
         for _, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
             if child.name not in self.runs and (run := open_run(child)) is not None:
                 run.poll()  # read up to now: pushes carry what is appended from here on
@@ -420,7 +426,7 @@ class DashboardServer:
             await respond(writer, 404, {"error": f"no run {run_id!r} to stop"})
             return
         if run.summary is not None:
-            await respond(writer, 409, {"error": f"run {run_id} already ended ({run.summary.get('state')})"})
+            await respond(writer, 409, {"error": f"run {run_id} already ended ({run.summary.state})"})
             return
         if run_id not in self.stopping:
             self.stopping.add(run_id)
