@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_train_phases.py [--size small|tiny|S] [--shape long|short]
         [--method lora|full] [--dtype bfloat16|float32] [--iters 4] [--packing auto|on|off]
-        [--memory-limit-mb N] [--keep DIR]
+        [--memory-limit-mb N] [--clear-cache default|never|every-step] [--keep DIR]
 
 Both tools train the same random-weight llama model on the same generated data (benchmarks/bench_train.py's
 builders and settings: adam lr 1e-5, all layers, one validation batch, evaluation and saving at the last step;
@@ -16,7 +16,11 @@ and its safetensors writes. Printed per phase: active memory before, the PEAK, a
 in-flight work before it schedules more, so buffers that wait only for their task's completion to be freed
 (MLX frees an op's inputs when the task that used them completes, not when the op was scheduled) are released
 before new ones are allocated; a limit below the step's working set therefore shows how much of a peak was that
-deferred freeing rather than what the step needs. docs/benchmarks-history.md (issue 15, peak memory) has the
+deferred freeing rather than what the step needs. `--clear-cache`: `default` leaves each tool as it is (mlx-lm's
+trainer calls `mx.clear_cache()` after every step: `mlx_lm lora` leaves TrainingArgs' clear_cache_threshold at 0
+whatever --clear-cache-threshold says; ours never does), `never` and `every-step`
+make both do the same (how far the host runs ahead of the device, and so how much is in flight, depends on
+whether its allocations come from the cache). docs/benchmarks-history.md (issue 15, peak memory) has the
 results.
 """
 
@@ -87,7 +91,9 @@ def prepare(root: Path, size: bt.ModelSize, shape: str, dtype: str, iters: int) 
 
 
 def run_ours(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: Path, method: str, iters: int,
-             packing: str) -> str:
+             packing: str, clear_cache: str) -> str:
+    import mlx.core as mx
+
     import worker.step as step_mod
     import worker.train as train_mod
     from worker.events import EventLog, Heartbeat, events_path
@@ -110,6 +116,15 @@ def run_ours(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: 
         return phases.measure(f"step {step}", real_step, self, step)
 
     trainer_cls.train_step = train_step  # type: ignore[method-assign]
+    if clear_cache == "every-step":
+        real_run = step_mod.TrainStep.run
+
+        def run_and_clear(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real_run(self, *args, **kwargs)
+            mx.clear_cache()  # where mlx-lm's trainer does it: after the step's eval, inside its timed span
+            return out
+
+        step_mod.TrainStep.run = run_and_clear  # type: ignore[method-assign]
     for attr in ("digests", "evaluate", "save"):
         phases.wrap(trainer_cls, attr, attr)
     log = EventLog(events_path(run_dir, 0), config.run_id, 0)
@@ -122,7 +137,7 @@ def run_ours(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: 
 
 
 def run_mlx_lm(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: Path, method: str,
-               iters: int) -> str:
+               iters: int, clear_cache: str) -> str:
     import mlx.core as mx
     import mlx_lm_driver
     import numpy as np
@@ -133,6 +148,10 @@ def run_mlx_lm(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data
 
     argv = bt.mlx_lm_argv(model, data, size, method, iters, root / f"adapters-{time.time_ns()}")
     args = mlx_lm_driver.parse_mlx_lm_args(argv)
+    if clear_cache == "never":
+        # `mlx_lm lora` does not pass --clear-cache-threshold on to TrainingArgs (0.32.2): its trainer clears
+        # the cache after every step whatever the flag says, so the helper it calls is replaced instead.
+        trainer._clear_cache = lambda threshold: None
     np.random.seed(args.seed)
     loaded = phases.measure("load", load, args.model)
     train_set, valid_set, _ = load_dataset(args, loaded[1])
@@ -168,9 +187,9 @@ def one(opts: argparse.Namespace) -> int:
     phases = Phases()
     mx.reset_peak_memory()
     if opts.one == "ours":
-        note = run_ours(phases, root, size, model, data, opts.method, opts.iters, opts.packing)
+        note = run_ours(phases, root, size, model, data, opts.method, opts.iters, opts.packing, opts.clear_cache)
     else:
-        note = run_mlx_lm(phases, root, size, model, data, opts.method, opts.iters)
+        note = run_mlx_lm(phases, root, size, model, data, opts.method, opts.iters, opts.clear_cache)
     print(json.dumps({"note": note, "rows": phases.rows}))
     return 0
 
@@ -184,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--memory-limit-mb", type=float, default=None)
+    p.add_argument("--clear-cache", choices=("default", "never", "every-step"), default="default")
     p.add_argument("--keep", type=str, default=None, help="work dir to keep (models are reused)")
     p.add_argument("--one", choices=("ours", "mlx_lm"), default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(opts.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         passed = ["--size", opts.size, "--shape", opts.shape, "--method", opts.method, "--dtype", opts.dtype,
-                  "--iters", str(opts.iters), "--packing", opts.packing]
+                  "--iters", str(opts.iters), "--packing", opts.packing, "--clear-cache", opts.clear_cache]
         passed += ["--memory-limit-mb", str(opts.memory_limit_mb)] if opts.memory_limit_mb else []
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(root / "cache")}
         for tool in ("ours", "mlx_lm"):
@@ -206,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{tool} ({opts.size} {opts.shape} {opts.method} {opts.dtype}, memory limit "
-                  f"{opts.memory_limit_mb or 'none'}; {out['note']})")
+                  f"{opts.memory_limit_mb or 'none'}, clear cache {opts.clear_cache}; {out['note']})")
             print(f"  {'phase':28s} {'active MiB':>10s} {'PEAK MiB':>9s} {'after MiB':>9s} {'s':>6s}")
             for name, before, peak, after, secs in out["rows"]:
                 print(f"  {name:28s} {before:10.1f} {peak:9.1f} {after:9.1f} {secs:6.2f}")
