@@ -5,6 +5,7 @@
 #   bash benchmarks/device_train.sh stamp             # HERE, again just before the calls if HEAD moved since
 #   bash benchmarks/device_train.sh stage-a           # THERE, device call 1 (carry benchmarks/out/whl-a)
 #   bash benchmarks/device_train.sh run SIZES [ARGS]  # THERE, device call 2.. (carry benchmarks/out/whl-b)
+#   bash benchmarks/device_train.sh phases [ARGS]     # THERE, instead of `run`: bench_train_phases.py's memory matrix
 #
 # What the device machine is and what that implies (/work/.library/device/README.md and KINDS.md, 2026-11):
 # - x86_64, one H100 (nvidia-h100-x1) or H200; nothing can be fetched there: every missing Python package travels
@@ -159,6 +160,24 @@ run_bench() {
         2> >(tee "$out/bench-$label.log" >&2) | tee "$out/bench-$label.md"
 }
 
+run_phases() {
+    # bench_train_phases.py (peak memory of each phase, ours vs mlx-lm's trainer) once per `--clear-cache`
+    # setting, LoRA and full: whether clearing the allocator cache every step (mlx-lm's trainer does) is what
+    # makes mlx-lm's GPU peak lower. Extra args go to every run (e.g. --iters 8).
+    install
+    local out="${OUT:-$REPO/benchmarks/out}"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO"
+    set -o pipefail
+    for method in lora full; do
+        for clear in default never every-step; do
+            echo "### $method, --clear-cache $clear"
+            python3 benchmarks/bench_train_phases.py --size S --method "$method" --clear-cache "$clear" \
+                --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/phases.log" | tail -40
+        done
+    done
+}
+
 cd "$REPO"
 case "${1:-}" in
     wheelhouse) wheelhouse ;;
@@ -166,5 +185,6 @@ case "${1:-}" in
     stage-a) stage_a ;;
     install) install ;;
     run) shift; run_bench "$@" ;;
-    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args]" ;;
+    phases) shift; run_phases "$@" ;;
+    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS]" ;;
 esac
