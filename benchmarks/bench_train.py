@@ -377,7 +377,7 @@ def write_inventory(root: Path) -> Path:
 
 
 def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSize, method: str, iters: int,
-                   calibration_budget: float) -> Path:
+                   calibration_budget: float, clear_cache: bool = False) -> Path:
     path = root / f"playbook-{cell}.yaml"
     path.write_text(
         f"name: bench-{cell}\n"
@@ -398,7 +398,8 @@ def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSi
         f"  save_every: {iters}\n"
         f"  steps_per_eval: {iters}\n"
         "  val_batches: 1\n"
-        "calibration:\n"
+        + ("  clear_cache: true\n" if clear_cache else "")
+        + "calibration:\n"
         f"  time_budget: {calibration_budget}\n"
         f"  max_batch: {size.batch}\n",
         encoding="utf-8")
@@ -566,6 +567,7 @@ class Options:
     keep: Path | None
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    clear_cache: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -580,6 +582,8 @@ def parse_args(argv: Sequence[str]) -> Options:
                    help="the models' weight dtype")
     p.add_argument("--calibration-budget", type=float, default=10.0, help="seconds of calibration steps")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again for every run of ours")
+    p.add_argument("--clear-cache", action="store_true",
+                   help="ours with train.clear_cache (mx.clear_cache() after every step, as mlx-lm's trainer does)")
     p.add_argument("--skip-preflight", action="store_true",
                    help="pass --skip-preflight to `coordinator launch` (preflight still runs and is shown; a "
                         "finding on an unfamiliar machine then does not stop the measurement)")
@@ -600,7 +604,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 
     opts = Options(pick(args.sizes, list(SIZES), "sizes"), pick(args.shapes, SHAPES, "shapes"),
                    pick(args.methods, METHODS, "methods"), args.iters, args.rounds, args.warmup, args.dtype,
-                   args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep)
+                   args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep,
+                   clear_cache=args.clear_cache)
     if opts.iters < 2 or opts.rounds < 1 or opts.warmup < 0 or opts.calibration_budget <= 0:
         p.error("--iters >= 2, --rounds >= 1, --warmup >= 0 and --calibration-budget > 0 are required")
     if opts.warmup >= opts.iters:
@@ -650,7 +655,8 @@ def run(opts: Options) -> int:
                    f"mlx {versions['mlx']}, mlx-lm {versions['mlx_lm']}")
         settings = (f"iters {opts.iters}, rounds {opts.rounds} (ABBA), warm-up {opts.warmup} steps, "
                     f"dtype {opts.dtype}, adam lr 1e-5, all layers, calibration budget {opts.calibration_budget} s"
-                    f"{' (recalibrated every run)' if opts.recalibrate else ''}")
+                    f"{' (recalibrated every run)' if opts.recalibrate else ''}"
+                    f"{'; ours with train.clear_cache' if opts.clear_cache else ''}")
         results: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": opts.command,
             "commit": git_commit(), "machine": machine, "versions": versions, "settings_text": settings,
@@ -676,7 +682,7 @@ def run(opts: Options) -> int:
                     tag = f"{name}-{shape}-{method}"
                     cells.append({"size": name, "shape": shape, "method": method, "runs": [],
                                   "playbook": str(write_playbook(root, tag, model, data, size, method, opts.iters,
-                                                                 opts.calibration_budget)),
+                                                                 opts.calibration_budget, opts.clear_cache)),
                                   "mlx_lm_argv": mlx_lm_argv(model, data, size, method, opts.iters,
                                                              root / f"adapters-{tag}"),
                                   "tag": tag})

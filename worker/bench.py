@@ -457,7 +457,7 @@ class _Trainer:
         # The run's path for its world: one rank takes the whole step as one compiled graph, several take it in two
         # around the all_sum (timed here without the collective itself, which no single node can measure).
         self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x,
-                                 world_size=args.world_size)
+                                 world_size=args.world_size, clear_cache=args.clear_cache)
 
     def micro(self, rows: int, k: int) -> Any:
         """The k-th batch of `rows` rows of the run's order, built as the run builds it."""
@@ -559,6 +559,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", default="", help="the run's data dir (train.jsonl): batches as the run builds them")
     parser.add_argument("--mask-prompt", action="store_true")
     parser.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after every step (train.clear_cache)")
     parser.add_argument("--global-batch", type=int, default=0, help="the run's global batch (packing decision)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1, help="ranks of the run: the step's path depends on it")

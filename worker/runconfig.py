@@ -18,6 +18,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                       in, block-diagonal attention per row (worker.step): the same rows, loss and gradient
                       without the padding; auto packs when that saves >= 10% of the computed positions and is
                       exact on the model
+    clear_cache       (false)      mx.clear_cache() after every step (mlx-lm's trainer does): lower peak memory,
+                      slower steps
     train_embeddings  (false)      full on all layers only: also train embeddings, lm_head and the final norm
                       (mlx-lm's full trains the transformer layers only, and so do we by default)
     num_layers        null | -1 | N (null): the last N transformer layers are adapted (lora/dora) or trained
@@ -144,6 +146,7 @@ class RunConfig:
     grad_checkpoint: bool = False
     mask_prompt: bool = False
     packing: str = "auto"
+    clear_cache: bool = False
     train_embeddings: bool = False
     num_layers: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
@@ -226,6 +229,7 @@ class RunConfig:
             "iters": self.iters, "learning_rate": self.learning_rate, "optimizer": self.optimizer,
             "max_seq_length": self.max_seq_length, "grad_accumulation": self.grad_accumulation,
             "grad_checkpoint": self.grad_checkpoint, "mask_prompt": self.mask_prompt, "packing": self.packing,
+            "clear_cache": self.clear_cache,
             "train_embeddings": self.train_embeddings, "num_layers": self.num_layers,
             "lora": self.lora.mlx_lm_parameters(), "save_every": self.save_every,
             "steps_per_eval": self.steps_per_eval, "val_batches": self.val_batches, "seed": self.seed,
@@ -247,7 +251,7 @@ class RunConfig:
 
 _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
-    "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "train_embeddings", "num_layers", "lora",
+    "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "clear_cache", "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
     "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence",
 }
@@ -433,6 +437,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         grad_checkpoint=_bool(raw, "grad_checkpoint", False),
         mask_prompt=_bool(raw, "mask_prompt", False),
         packing=_choice(raw, "packing", "auto", PACKING),
+        clear_cache=_bool(raw, "clear_cache", False),
         train_embeddings=_bool(raw, "train_embeddings", False),
         num_layers=num_layers,
         lora=_parse_lora(raw.get("lora")),

@@ -408,8 +408,11 @@ class TrainStep:
     the state trees (model, optimizer, random) as implicit inputs and outputs, as mlx-lm's trainer does."""
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
-                 world_size: int, compiled: bool = True, stats: bool = False) -> None:
+                 world_size: int, compiled: bool = True, stats: bool = False, clear_cache: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
+        # `train.clear_cache`: give MLX's buffer cache back after every step, inside the step's time (the next
+        # step allocates again: that is its cost, and calibration, which takes the same step, measures it).
+        self.clear_cache = clear_cache
         self.world_size = world_size
         self.stats = stats  # the loss has extra sums (DPO): they need the general path
         self.all_sum = all_sum
@@ -533,6 +536,8 @@ class TrainStep:
             # SFT every count is known on the host.
             extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
+        if self.clear_cache:
+            mx.clear_cache()
         return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)
 
     def _run_whole(self, micros: list[Any], tic: float, before_apply: Callable[[float], None] | None,
@@ -540,6 +545,8 @@ class TrainStep:
         """`run` for one rank and one micro-batch: one compiled graph, one evaluation."""
         loss, norm, loss_sum, weight, tokens = self._whole(*micros[0].inputs)
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, weight, tokens)
+        if self.clear_cache:
+            mx.clear_cache()
         _check_weight(weight, micros[0].weight)
         if before_apply is not None:
             before_apply(tic)

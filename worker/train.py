@@ -360,7 +360,8 @@ class Trainer:
             signal_self(sig)  # kill: never returns; hang: returns only if someone sends SIGCONT
         if self.step is None:
             self.step = TrainStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
-                                  world_size=self.comm.size, stats=bool(self.objective.stats))
+                                  world_size=self.comm.size, stats=bool(self.objective.stats),
+                                  clear_cache=cfg.clear_cache)
         mx.random.seed(step_seed(cfg.seed, step))
         spec = cfg.rank_spec(self.rank)
 

@@ -169,7 +169,7 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
                      data=(pb.data or "") if t.method != "dpo" else "", packing=t.packing,
                      global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
                      learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
-                     train_embeddings=t.train_embeddings, env=tuple(sorted(pb.job_env().items())),
+                     train_embeddings=t.train_embeddings, clear_cache=t.clear_cache, env=tuple(sorted(pb.job_env().items())),
                      world_size=world_size)
 
 

@@ -165,3 +165,13 @@ def test_chaos_spec_parses_into_the_workers_record() -> None:
     assert parse_chaos("slow:rank=1,factor=3", world_size=2) == ChaosSpec(kind="slow", rank=1, step=1, factor=3.0)
     with pytest.raises(ConfigError, match="not a rank of this job"):
         parse_chaos("kill:rank=2", world_size=2)
+
+
+def test_train_clear_cache_reaches_the_ranks_run_json() -> None:
+    pb = load_playbook(PLAYBOOKS[0])
+    pb = pb.model_copy(update={"train": pb.train.model_copy(update={"clear_cache": True})})
+    ranks = [RankPlan(0, Node(name="mac", host="10.0.0.1"), 2)]
+    config = build_run_config(pb, ranks, "r-1", resume=False)
+    assert config.clear_cache is True
+    assert parse_run_config(json.loads(json.dumps(config.to_json()))).clear_cache is True
+    assert config.digest() == build_run_config(load_playbook(PLAYBOOKS[0]), ranks, "r-1", resume=False).digest()

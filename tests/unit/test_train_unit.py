@@ -525,3 +525,34 @@ def test_one_rank_takes_the_whole_step_in_one_graph_with_the_same_update(tiny: P
     assert math.isclose(ll2, l2, rel_tol=1e-5) and math.isclose(ln2, n2, rel_tol=1e-4)
     for name, value in p1.items():
         assert mx.allclose(value, p2[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_train_step_clear_cache_gives_the_cache_back_after_each_step(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train.clear_cache`: mx.clear_cache() after the step's evaluation, on both paths of TrainStep.run; the
+    step's result is the same."""
+    import mlx.optimizers as optim
+
+    import worker.step as step_mod
+    from worker.objectives import Micro
+    from worker.step import TrainStep
+
+    _, tok = load_tiny(tiny)
+    rows = rows_of(tok, 4)
+    weight, tokens = sft_weight(rows, 64)
+    micro = Micro(build_batch(rows, 64), weight, weight, tokens, tokens, 4)
+    cleared: list[int] = []
+    real = step_mod.mx.clear_cache
+    monkeypatch.setattr(step_mod.mx, "clear_cache", lambda: (cleared.append(1), real())[1])
+    losses = []
+    for clear, general in ((False, False), (True, False), (True, True)):
+        model, _ = load_tiny(tiny)
+        mx.random.seed(0)
+        apply_method(model, "lora", None, LoraSpec(rank=4))
+        opt = optim.Adam(learning_rate=1e-2)
+        opt.init(model.trainable_parameters())
+        before = len(cleared)
+        step = TrainStep(model, opt, token_loss_sum, all_sum=lambda x: x, world_size=1, clear_cache=clear)
+        done = step.run(lambda: [micro], after_local=(lambda local: local) if general else None)
+        assert len(cleared) - before == (1 if clear else 0)
+        losses.append(scalar(done.loss))
+    assert losses[0] == losses[1] and math.isclose(losses[0], losses[2], rel_tol=1e-5)
