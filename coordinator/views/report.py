@@ -33,11 +33,13 @@ from coordinator.run.rundir import (
     EVENTS,
     PLAN,
     SUMMARY,
+    EventLine,
     RecoveryRecord,
-    check_format,
-    parse_incident_record,
+    decode_event_lines,
+    parse_event_line,
     parse_plan,
     parse_summary,
+    read_json_object_or_problem,
 )
 from worker.events import (
     CheckpointEvent,
@@ -45,9 +47,6 @@ from worker.events import (
     EvalEvent,
     StartedEvent,
     StepEvent,
-    coerce_float,
-    coerce_int,
-    parse_event,
 )
 
 # Events after which a `started` event means a new attempt (heartbeats precede `started` during model load).
@@ -75,39 +74,16 @@ class RunFiles:
 
 
 def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
-    if not path.is_file():
-        problems.append(f"{path.name} is missing")
+    doc = read_json_object_or_problem(path)  # a newer format: an error naming both versions
+    if isinstance(doc, str):
+        problems.append(f"{path.name} {doc}")
         return None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        problems.append(f"{path.name} is unreadable: {exc}")
-        return None
-    if not isinstance(value, dict):
-        problems.append(f"{path.name} is not a JSON object")
-        return None
-    check_format(value, str(path))  # a newer format than this coordinator reads: an error naming both versions
-    return value
+    return doc
 
 
 def parse_events(text: str) -> tuple[list[dict[str, Any]], int]:
-    """events.jsonl -> (the JSON objects, number of lines that were not JSON objects). A torn last line (the
-    coordinator was killed mid-write) is one bad line, not a failure."""
-    events: list[dict[str, Any]] = []
-    bad = 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(value, dict):
-            events.append(value)
-        else:
-            bad += 1
-    return events, bad
+    """events.jsonl -> (the JSON objects, number of lines that were not JSON objects): `rundir.decode_event_lines`."""
+    return decode_event_lines(text.splitlines())
 
 
 def read_run_files(run_root: Path, run_id: str) -> RunFiles:
@@ -143,21 +119,6 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
 
 
 # --- the report model ------------------------------------------------------------------------------------------
-
-
-def _num(d: Mapping[str, Any], key: str) -> float | None:
-    """A finite number from JSON, else None (bools, strings and NaN are not numbers here): worker.events' rule."""
-    return coerce_float(d.get(key))
-
-
-def _int(d: Mapping[str, Any], key: str) -> int | None:
-    """An int from JSON (3.0 is 3), else None: the same rule as the events (worker.events)."""
-    return coerce_int(d.get(key))
-
-
-def _str(d: Mapping[str, Any], key: str) -> str | None:
-    v = d.get(key)
-    return v if isinstance(v, str) else None
 
 
 @dataclass(frozen=True)
@@ -282,14 +243,13 @@ class Report:
         return any(s.points for s in self.series)
 
 
-def assign_attempts(events: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The attempt (0-based) each event belongs to; see the module docstring for the rule."""
+def assign_attempts(lines: Sequence[EventLine]) -> list[int]:
+    """The attempt (0-based) each line belongs to; see the module docstring for the rule."""
     out: list[int] = []
     attempt = 0
     late = False
-    for ev in events:
-        kind = ev.get("event")
-        explicit = _int(ev, "attempt")
+    for line in lines:
+        kind, explicit = line.kind, line.attempt
         if kind == "incident" and explicit is not None:
             attempt = max(attempt, explicit)
         elif kind == "started" and late:
@@ -328,7 +288,8 @@ def build_report(files: RunFiles) -> Report:
     summary = parse_summary(files.summary or {})
     plan = parse_plan(files.plan or {})
     problems = list(files.problems)
-    events = list(files.events)
+    # Each line read under the run directory's contract: the coordinator's keys, the rank's event, an incident.
+    events = [parse_event_line(doc) for doc in files.events]
     attempts_of = assign_attempts(events)
 
     # steps, evals, checkpoints, attempts --------------------------------------------------------------------
@@ -342,16 +303,15 @@ def build_report(files: RunFiles) -> Report:
     errors: list[dict[str, Any]] = []
     iters: int | None = None
     times: list[float] = []
-    for ev, attempt in zip(events, attempts_of, strict=True):
-        kind = _str(ev, "event")
-        node = _str(ev, "node") or "?"
-        t = _num(ev, "t")
-        if t is not None and kind != "incident":
+    for line, attempt in zip(events, attempts_of, strict=True):
+        node = line.node or "?"
+        t = line.t
+        if t is not None and line.kind != "incident":
             times.append(t)
             attempt_start[attempt] = min(attempt_start.get(attempt, t), t)
-        # A rank's event, as the coordinator copied it (with its `node`), read under worker.events' contract;
-        # the coordinator's own records (incident, supervisor, ...) are EventErrors here and read below.
-        event = parse_event(ev)
+        # A rank's event, as the coordinator copied it (with its `node`), under worker.events' contract; the
+        # coordinator's own records (incident, supervisor, ...) are EventErrors here and read below.
+        event = line.event
         if isinstance(event, StartedEvent):
             attempt_nodes.setdefault(attempt, {})[node] = None
             iters = event.iters or iters
@@ -376,14 +336,12 @@ def build_report(files: RunFiles) -> Report:
         elif isinstance(event, ErrorEvent):
             errors.append({"node": node, "rank": event.rank, "attempt": attempt,
                            "message": _evidence_text(event.extra.get("error") or event.message or event.traceback
-                                                     or {k: v for k, v in ev.items()
-                                                         if k not in ("node", "rank", "event", "t", "run_id")})})
+                                                     or line.payload)})
     series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts, key=lambda p: p.step)))
               for (a, node), pts in sorted(points.items())]
 
     # incidents: summary.json has them all (every attempt) without the attempt; events.jsonl has the attempt.
-    records = [(parse_incident_record(ev), a) for ev, a in zip(events, attempts_of, strict=True)
-               if ev.get("event") == "incident"]
+    records = [(line.incident, a) for line, a in zip(events, attempts_of, strict=True) if line.incident is not None]
     if not records and summary.incidents is not None:
         records = [(i, 0) for i in summary.incidents]
     incidents = []

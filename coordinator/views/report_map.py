@@ -20,13 +20,14 @@ from coordinator.run.rundir import (
     MapManifest,
     MapPlanFile,
     ReassignmentRecord,
+    parse_event_line,
     parse_map_plan,
     parse_summary,
     read_json_object,
     read_manifest,
 )
 from coordinator.views.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when, build_page, read_run_files
-from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
+from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,6 @@ class MapReport:
     problems: list[str] = field(default_factory=list)
 
 
-_float = coerce_float  # the events' one rule for numbers (worker.events)
-
-
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     s = parse_summary(files.summary or {})
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
@@ -80,16 +78,15 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     progress: dict[str, list[tuple[float, int]]] = {}
     offset: dict[str, int] = {}
     times = []
-    for ev in files.events:
-        t = _float(ev.get("t"))
+    for line in (parse_event_line(doc, map_run=True) for doc in files.events):
+        t, node = line.t, line.node
         if t is not None:
             times.append(t)
-        node = ev.get("node")
-        if t is None or not isinstance(node, str):
+        if t is None or node is None:
             continue
-        # A map worker's event as the coordinator copied it (with its `node`), read under worker.events' contract
-        # (the coordinator's own records, incident and reassigned, are EventErrors here).
-        event = parse_map_event(ev)
+        # A map worker's event as the coordinator copied it (with its `node`), under worker.events' contract (the
+        # coordinator's own records, incident and reassigned, are EventErrors here).
+        event = line.event
         # A node's worker counts from 0 for each work item (its shard, then any rows re-assigned to it): the
         # curve adds the earlier items' rows.
         pts = progress.setdefault(node, [])
@@ -192,7 +189,7 @@ def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Pat
     to `output` (default `runs/<id>/report/index.html`).
     Raises `ReportError` (exit 2) when RUN_ID is not a run directory."""
     files = read_run_files(run_root, run_id)
-    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / MAP_PLAN).is_file():
+    if parse_summary(files.summary or {}).kind == "map" or (run_root / run_id / MAP_PLAN).is_file():
         page = render_map_page(build_map_report(files, run_root / run_id))
     else:
         page = build_page(files)
