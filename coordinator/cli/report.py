@@ -1,4 +1,4 @@
-"""`coordinator report RUN_ID`: write a self-contained HTML report of a run (coordinator/views/report.py and
+"""`coordinator report RUN_ID`: write a self-contained HTML report of a run (coordinator/views/report/ and
 report_map.py build it)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The coordinator's run directory, `runs/<run-id>/`: its file names, the format of the JSON files it writes
 there, and their typed records (`RunMeta` for meta.json, `SummaryBase` for the summary.json of train and map
-runs alike, `IncidentRecord` for an incident read back). Pure but for the `read_*`/`load_*` functions.
+runs alike, `IncidentRecord` for an incident read back, `EventLine` for a line of events.jsonl). Pure but for
+the `read_*`/`load_*` functions.
 
 Format: summary.json, meta.json, plan.json, map.json and manifest.json carry `"format": FORMAT`. A file without it was written
 before the key existed (format 1) and reads as before, as does a format 2 file under its older key names; a file
@@ -11,7 +12,7 @@ exit 2), never misread.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from coordinator.errors import ConfigError
 from coordinator.planning.hostfile import Hostfile
 from coordinator.run.monitor import Incident
-from worker.events import coerce_float, coerce_int
+from worker.events import AnyEvent, AnyMapEvent, EventError, coerce_float, coerce_int, parse_event, parse_map_event
 
 # --- layout ----------------------------------------------------------------------------------------------------
 
@@ -57,17 +58,27 @@ def check_format(doc: Mapping[str, Any], name: str) -> int:
     return raw
 
 
+def read_json_object_or_problem(path: Path) -> dict[str, Any] | str:
+    """A run file's JSON object, format-checked; or, when it is missing, unreadable or not an object, why, in words
+    that follow the file's name ("is missing", "is unreadable: <error>", "is not a JSON object"); raises
+    `RunFileFormatError` when it is of a format this coordinator does not read."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"is unreadable: {exc}"
+    if not isinstance(value, dict):
+        return "is not a JSON object"
+    check_format(value, str(path))
+    return value
+
+
 def read_json_object(path: Path) -> dict[str, Any] | None:
     """A run file's JSON object, format-checked; None when it is missing, unreadable or not an object (callers
     say so in their own words); `RunFileFormatError` when it is of a format this coordinator does not read."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(value, dict):
-        return None
-    check_format(value, str(path))
-    return value
+    doc = read_json_object_or_problem(path)
+    return None if isinstance(doc, str) else doc
 
 
 # --- meta.json ---------------------------------------------------------------------------------------------------
@@ -225,6 +236,68 @@ def parse_incident_record(doc: Mapping[str, Any]) -> IncidentRecord:
                           step=coerce_int(doc.get("step")), action=text("action"),
                           detected_after_s=coerce_float(doc.get("detected_after_s")), evidence=doc.get("evidence"),
                           t=coerce_float(doc.get("t")), attempt=coerce_int(doc.get("attempt")))
+
+
+# --- events.jsonl lines ------------------------------------------------------------------------------------------
+
+# The keys every line of events.jsonl may carry around its content: the kind, the time, who (the coordinator adds
+# `node` to its copy of a rank's event, whose own `rank` and `run_id` it keeps). `EventLine.payload` is the rest.
+_ENVELOPE = ("node", "rank", "event", "t", "run_id")
+
+
+@dataclass(frozen=True)
+class EventLine:
+    """One line of the coordinator's events.jsonl, read back. The coordinator writes four kinds of line there
+    (coordinator.run.launch, mapjob, resume): a rank's event as it arrived, with the rank's node added
+    (`{"node", "rank", **event}`); an `incident` (`{"event": "incident", "attempt", **Incident.to_json()}`, a map
+    run's without `attempt`); its own records (`supervisor` with `node: "coordinator"`, `attempt` and `t`;
+    `checkpoint_invalid`; a map run's `reassigned`). Every field is None where absent or mistyped, under the events'
+    number rule (worker.events).
+
+    `event` is the line read as a worker's event (`worker.events.parse_event`, or `parse_map_event` for a map
+    run's file): an `EventError` for the coordinator's own records. `incident` is set on `incident` lines only.
+    `payload` is the line's keys other than the envelope (node, rank, event, t, run_id) as written, in order:
+    what a reader shows of a record it does not model."""
+
+    kind: str | None  # the `event` key, whatever it names (a worker's event kind, `incident`, `supervisor`, ...)
+    t: float | None  # a rank's event: the worker's unix time; an incident: the coordinator's monotonic clock
+    node: str | None
+    rank: int | None
+    attempt: int | None  # on the coordinator's records (incident, supervisor); a rank's event has none
+    event: AnyEvent | AnyMapEvent | EventError
+    incident: IncidentRecord | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+
+def parse_event_line(doc: Mapping[str, Any], *, map_run: bool = False) -> EventLine:
+    """A decoded events.jsonl line -> `EventLine` (`map_run`: read its event as a map worker's). Never fails."""
+    kind, node = doc.get("event"), doc.get("node")
+    kind = kind if isinstance(kind, str) else None
+    return EventLine(kind=kind, t=coerce_float(doc.get("t")), node=node if isinstance(node, str) else None,
+                     rank=coerce_int(doc.get("rank")), attempt=coerce_int(doc.get("attempt")),
+                     event=parse_map_event(doc) if map_run else parse_event(doc),
+                     incident=parse_incident_record(doc) if kind == "incident" else None,
+                     payload={str(k): v for k, v in doc.items() if k not in _ENVELOPE})
+
+
+def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
+    """events.jsonl's lines -> (their JSON objects, the number of lines that were not JSON objects). Blank lines
+    are skipped; a torn last line (the coordinator was killed mid-write) is one bad line, not a failure."""
+    docs: list[dict[str, Any]] = []
+    bad = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(value, dict):
+            docs.append(value)
+        else:
+            bad += 1
+    return docs, bad
 
 
 # --- summary.json read back ------------------------------------------------------------------------------------

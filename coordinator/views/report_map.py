@@ -2,7 +2,8 @@
 calibration, progress over time, the finish-time spread, incidents and re-assignments, the output's manifest.
 
 Pure but for reading the run dir and rendering the PNG: `build_map_report(run_dir, files)` -> `MapReport`,
-`render_map_page(report)` -> HTML. `coordinator.views.report.build_page` hands map runs here.
+`render_map_page(report)` -> HTML, with the training report's markup helpers (coordinator/views/report/page.py).
+`write_report` writes either kind's page.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from coordinator.run.rundir import (
     MapManifest,
     MapPlanFile,
     ReassignmentRecord,
+    parse_event_line,
     parse_map_plan,
     parse_summary,
     read_json_object,
     read_manifest,
 )
-from coordinator.views.report import _CSS, RunFiles, _color, _e, _fmt, _footer, _table, _when, build_page, read_run_files
-from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent, coerce_float, parse_map_event
+from coordinator.views.report.files import RunFiles, read_run_files
+from coordinator.views.report.page import CSS, build_page, esc, fmt, footer, table, when
+from coordinator.views.report.plots import palette_color
+from worker.events import MapFinishedEvent, MapProgressEvent, MapStartedEvent
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,6 @@ class MapReport:
     problems: list[str] = field(default_factory=list)
 
 
-_float = coerce_float  # the events' one rule for numbers (worker.events)
-
-
 def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     s = parse_summary(files.summary or {})
     problems = [p for p in files.problems if not p.startswith("plan.json")]  # map runs write map.json instead
@@ -80,16 +81,15 @@ def build_map_report(files: RunFiles, run_dir: Path) -> MapReport:
     progress: dict[str, list[tuple[float, int]]] = {}
     offset: dict[str, int] = {}
     times = []
-    for ev in files.events:
-        t = _float(ev.get("t"))
+    for line in (parse_event_line(doc, map_run=True) for doc in files.events):
+        t, node = line.t, line.node
         if t is not None:
             times.append(t)
-        node = ev.get("node")
-        if t is None or not isinstance(node, str):
+        if t is None or node is None:
             continue
-        # A map worker's event as the coordinator copied it (with its `node`), read under worker.events' contract
-        # (the coordinator's own records, incident and reassigned, are EventErrors here).
-        event = parse_map_event(ev)
+        # A map worker's event as the coordinator copied it (with its `node`), under worker.events' contract (the
+        # coordinator's own records, incident and reassigned, are EventErrors here).
+        event = line.event
         # A node's worker counts from 0 for each work item (its shard, then any rows re-assigned to it): the
         # curve adds the earlier items' rows.
         pts = progress.setdefault(node, [])
@@ -117,10 +117,10 @@ def _progress_png(report: MapReport, dpi: int = 100) -> bytes | None:
     t0 = min(t for pts in report.progress.values() for t, _ in pts)
     for i, (node, pts) in enumerate(sorted(report.progress.items())):
         pts.sort()
-        ax.plot([t - t0 for t, _ in pts], [d for _, d in pts], color=_color(i), label=node, linewidth=1.8)
+        ax.plot([t - t0 for t, _ in pts], [d for _, d in pts], color=palette_color(i), label=node, linewidth=1.8)
         assigned = next((n.rows for n in report.nodes if n.name == node), None)
         if assigned:
-            ax.axhline(assigned, color=_color(i), linestyle=":", linewidth=1)
+            ax.axhline(assigned, color=palette_color(i), linestyle=":", linewidth=1)
     ax.set_title("rows done per node (dotted: its share)")
     ax.set_xlabel("seconds since the first shard started")
     ax.set_ylabel("rows")
@@ -142,14 +142,14 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
              ("makespan", f"{max(finished):,.1f} s" if finished else "–")]
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           f"<title>Map run report: {_e(r.run_id)}</title><style>{_CSS}</style></head><body><main>",
-           f"<h1>Map run {_e(r.run_id)}</h1>",
-           f'<p class="sub"><span class="state {state_class}">{_e(r.state)}</span> &nbsp; started {_e(_when(r.start_t))}'
-           + (f", last event {_e(_when(r.end_t))}" if r.end_t is not None else "") + "</p>",
-           '<div class="cards">' + "".join(f'<div class="card"><b>{_e(v)}</b><span>{_e(k)}</span></div>'
+           f"<title>Map run report: {esc(r.run_id)}</title><style>{CSS}</style></head><body><main>",
+           f"<h1>Map run {esc(r.run_id)}</h1>",
+           f'<p class="sub"><span class="state {state_class}">{esc(r.state)}</span> &nbsp; started {esc(when(r.start_t))}'
+           + (f", last event {esc(when(r.end_t))}" if r.end_t is not None else "") + "</p>",
+           '<div class="cards">' + "".join(f'<div class="card"><b>{esc(v)}</b><span>{esc(k)}</span></div>'
                                            for k, v in cards) + "</div>"]
     for problem in r.problems:
-        out.append(f'<p class="note">{_e(problem)}</p>')
+        out.append(f'<p class="note">{esc(problem)}</p>')
     out.append("<h2>Progress</h2>")
     png = _progress_png(r)
     if png is None:
@@ -158,32 +158,32 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
         out.append(f'<figure><img alt="rows done per node over time" src="data:image/png;base64,'
                    f'{base64.b64encode(png).decode()}"></figure>')
     out.append("<h2>Nodes and shards</h2>")
-    rows = [[_e(n.name), _e(n.state), f"{n.rows_done} / {n.rows}",
-             _e(", ".join(f"[{a}, {b})" for a, b in n.ranges) or "–"), f"{100 * r.split.get(n.name, 0.0):.1f}%",
-             _fmt(n.calibrated, ",.1f"), _fmt(n.measured, ",.1f"), _fmt(n.finished_after_s, ",.1f")] for n in r.nodes]
-    out.append(_table(["node", "state", "rows", "ranges", "share", "calibrated ex/s", "measured rows/s", "finished (s)"],
+    rows = [[esc(n.name), esc(n.state), f"{n.rows_done} / {n.rows}",
+             esc(", ".join(f"[{a}, {b})" for a, b in n.ranges) or "–"), f"{100 * r.split.get(n.name, 0.0):.1f}%",
+             fmt(n.calibrated, ",.1f"), fmt(n.measured, ",.1f"), fmt(n.finished_after_s, ",.1f")] for n in r.nodes]
+    out.append(table(["node", "state", "rows", "ranges", "share", "calibrated ex/s", "measured rows/s", "finished (s)"],
                       rows, numeric=(4, 5, 6, 7)))
     out.append("<h2>Incidents</h2>")
     if r.incidents:
-        out.append(_table(["kind", "node", "action", "detected after (s)", "evidence"],
-                          [[_e(i.kind), _e(i.node), _e(i.action), _fmt(i.detected_after_s, ",.2f"),
-                            _e(str(i.evidence)[:300])] for i in r.incidents], numeric=(3,)))
+        out.append(table(["kind", "node", "action", "detected after (s)", "evidence"],
+                          [[esc(i.kind), esc(i.node), esc(i.action), fmt(i.detected_after_s, ",.2f"),
+                            esc(str(i.evidence)[:300])] for i in r.incidents], numeric=(3,)))
     else:
         out.append('<p class="ok">No incident.</p>')
     if r.reassignments:
         out.append("<h3>Re-assigned rows</h3>")
-        out.append(_table(["from", "rows", "to"],
-                          [[_e(x.source), _e(x.rows), _e(json.dumps({n: [list(p) for p in rs] for n, rs in x.to.items()}))]
+        out.append(table(["from", "rows", "to"],
+                          [[esc(x.source), esc(x.rows), esc(json.dumps({n: [list(p) for p in rs] for n, rs in x.to.items()}))]
                            for x in r.reassignments], numeric=(1,)))
     out.append("<h2>Output</h2>")
     if r.manifest:
         m = r.manifest
-        out.append(_table(["output", "rows", "sha256", "rows by node"],
-                          [[_e(m.output), _e(m.rows), f"<code>{_e(m.sha256)}</code>",
-                            _e(json.dumps(dict(m.rows_by_node)))]], numeric=(1,)))
+        out.append(table(["output", "rows", "sha256", "rows by node"],
+                          [[esc(m.output), esc(m.rows), f"<code>{esc(m.sha256)}</code>",
+                            esc(json.dumps(dict(m.rows_by_node)))]], numeric=(1,)))
     else:
         out.append("<p>No output was gathered (the run did not finish every row).</p>")
-    out.append(_footer(generated_at, "summary.json, map.json, manifest.json and events.jsonl"))
+    out.append(footer(generated_at, "summary.json, map.json, manifest.json and events.jsonl"))
     return "\n".join(out) + "\n"
 
 
@@ -192,7 +192,7 @@ def write_report(run_root: Path, run_id: str, output: Path | None = None) -> Pat
     to `output` (default `runs/<id>/report/index.html`).
     Raises `ReportError` (exit 2) when RUN_ID is not a run directory."""
     files = read_run_files(run_root, run_id)
-    if (files.summary or {}).get("kind") == "map" or (run_root / run_id / MAP_PLAN).is_file():
+    if parse_summary(files.summary or {}).kind == "map" or (run_root / run_id / MAP_PLAN).is_file():
         page = render_map_page(build_map_report(files, run_root / run_id))
     else:
         page = build_page(files)

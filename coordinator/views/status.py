@@ -10,7 +10,6 @@ inventory exits non-zero."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,11 +23,12 @@ from coordinator.run.metrics import IncidentNote, NodeRun, NodeStatus, RankStatu
 from coordinator.run.quarantine import Entry
 from coordinator.run.rundir import (
     RunMeta,
-    parse_incident_record,
+    decode_event_lines,
+    parse_event_line,
     parse_meta,
     parse_summary,
 )
-from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int, parse_event
+from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int
 
 DEFAULT_RUN_DIR = Path("runs")
 
@@ -154,18 +154,20 @@ class RunEvents:
     bad_lines: int = 0
 
     def feed(self, record: Mapping[str, Any]) -> None:
-        if record.get("event") == "incident":
-            inc = parse_incident_record(record)
+        """One decoded events.jsonl line, read under the run directory's contract (`rundir.parse_event_line`)."""
+        line = parse_event_line(record)
+        if line.incident is not None:
+            inc = line.incident
             name = inc.kind or "unknown"
             self.incident_counts[name] += 1
             self.incidents.append(IncidentNote(name, inc.node or "?", inc.rank, inc.step, inc.action or "",
                                                str(inc.evidence if inc.evidence is not None else "")[:200]))
             del self.incidents[:-RECENT_INCIDENTS]
             return
-        # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;
-        # the coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
-        event, node = parse_event(record), record.get("node")
-        if isinstance(event, EventError) or event.rank is None or not isinstance(node, str):
+        # A rank's event as the coordinator copied it (its `node` added), under worker.events' contract; the
+        # coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
+        event, node = line.event, line.node
+        if isinstance(event, EventError) or event.rank is None or node is None:
             return
         seen = self.ranks.setdefault((event.rank, node), _RankSeen(node))
         if event.t is not None:
@@ -185,18 +187,10 @@ class RunEvents:
             seen.state = "failed"
 
     def feed_lines(self, lines: Iterable[str]) -> None:
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                self.bad_lines += 1
-                continue
-            if isinstance(record, dict):
-                self.feed(record)
-            else:
-                self.bad_lines += 1
+        records, bad = decode_event_lines(lines)
+        self.bad_lines += bad
+        for record in records:
+            self.feed(record)
 
 
 def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Mapping[str, Any] | None,

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from coordinator.cli import main
+from coordinator.run.rundir import parse_event_line
 from coordinator.views.report import (
     ReportError,
     RunFiles,
@@ -111,9 +112,10 @@ def test_parse_events_counts_torn_and_non_object_lines() -> None:
 
 
 def test_attempts_split_at_a_started_after_progress_not_at_heartbeats() -> None:
-    events = [heartbeat("a", 0, 0), started("a", 0, 1), started("b", 1, 1), step("a", 0, 1, 2),
-              incident("crash", "b", 1, 1, attempt=0, action="quarantine"),
-              heartbeat("a", 0, 5), started("a", 0, 6, resumed_from="step-000001"), step("a", 0, 2, 7)]
+    events = [parse_event_line(e) for e in (
+        heartbeat("a", 0, 0), started("a", 0, 1), started("b", 1, 1), step("a", 0, 1, 2),
+        incident("crash", "b", 1, 1, attempt=0, action="quarantine"),
+        heartbeat("a", 0, 5), started("a", 0, 6, resumed_from="step-000001"), step("a", 0, 2, 7))]
     assert assign_attempts(events) == [0, 0, 0, 0, 0, 0, 1, 1]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -20,6 +21,7 @@ from coordinator.run.rundir import (
     META,
     SUMMARY,
     CurveRecord,
+    EventLine,
     IncidentRecord,
     MapManifest,
     MapPlanFile,
@@ -34,7 +36,9 @@ from coordinator.run.rundir import (
     SummaryBase,
     SummaryNode,
     check_format,
+    decode_event_lines,
     load_meta,
+    parse_event_line,
     parse_incident_record,
     parse_manifest,
     parse_map_plan,
@@ -47,6 +51,7 @@ from coordinator.run.rundir import (
 )
 from coordinator.views.report import ReportError, read_run_files
 from coordinator.views.statuswatch import RunWatcher
+from worker.events import EventError, EventLog, MapProgressEvent, StartedEvent, StepEvent
 
 META_RECORD = RunMeta(
     run_id="r1", attempt=1, inventory="/inv.yaml", nodes=("mac", "lin"), playbook="/pb.yaml",
@@ -133,6 +138,63 @@ def test_an_incident_reads_back_as_written() -> None:
     assert parse_incident_record({**line, "step": 7.0}).step == 7
     assert parse_incident_record({**line, "step": "7", "kind": 3}) == IncidentRecord(
         node="lin", rank=1, action="stop", detected_after_s=61.25, evidence={"phase": "step"}, t=12.5, attempt=2)
+
+
+def _events_jsonl(*records: dict[str, Any]) -> str:
+    """Lines as the coordinator appends them to events.jsonl (json.dumps per line, coordinator.run.launch)."""
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def test_every_kind_of_events_jsonl_line_reads_back_as_written(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "rank1.jsonl", "r1", 1)  # the worker's own writer
+    step = log.emit("step", step=7, loss=2.5, tok_s=310.0)
+    log.close()
+    inc = Incident(kind=IncidentKind.STALL, node="lin", rank=1, step=7, detected_after_s=61.25,
+                   evidence={"phase": "step"}, action=Action.STOP, t=12.5)
+    text = _events_jsonl(
+        {"node": "lin", "rank": 1, **step},  # a rank's event, the coordinator's copy (launch.monitor)
+        {"event": "incident", "attempt": 2, **inc.to_json()},  # launch._record_incident
+        {"event": "supervisor", "what": "stop", "node": "coordinator", "attempt": 2, "t": 1795422371.5,
+         "reason": "SIGTERM"},  # launch.record_supervisor
+        {"event": "checkpoint_invalid", "node": "lin", "step": 6, "path": "/w/ck", "reason": "torn", "code": "torn",
+         "set_aside_by": "coordinator"})  # resume.check_resume
+    docs, bad = decode_event_lines(text.splitlines())
+    assert bad == 0
+    rank_line, inc_line, sup_line, invalid_line = (parse_event_line(d) for d in docs)
+    assert (rank_line.kind, rank_line.t, rank_line.node, rank_line.rank, rank_line.attempt, rank_line.incident) == (
+        "step", step["t"], "lin", 1, None, None)
+    assert isinstance(rank_line.event, StepEvent) and (rank_line.event.step, rank_line.event.loss) == (7, 2.5)
+    assert rank_line.payload == {"step": 7, "loss": 2.5, "tok_s": 310.0}
+    assert (inc_line.kind, inc_line.node, inc_line.rank, inc_line.attempt, inc_line.t) == ("incident", "lin", 1, 2, 12.5)
+    assert inc_line.incident == parse_incident_record(docs[1]) and inc_line.incident.kind == "stall"
+    assert isinstance(inc_line.event, EventError)  # the coordinator's record, not a rank's event
+    assert (sup_line.kind, sup_line.node, sup_line.attempt, sup_line.t, sup_line.incident) == (
+        "supervisor", "coordinator", 2, 1795422371.5, None)
+    assert sup_line.payload == {"what": "stop", "attempt": 2, "reason": "SIGTERM"}
+    assert isinstance(sup_line.event, EventError) and sup_line.event.kind == "supervisor"
+    # A CheckpointInvalidEvent under the rank's contract (the coordinator writes it for the ranks).
+    assert (invalid_line.kind, invalid_line.node, invalid_line.rank, invalid_line.t) == ("checkpoint_invalid", "lin", None, None)
+    assert not isinstance(invalid_line.event, EventError) and invalid_line.event.kind == "checkpoint_invalid"
+
+
+def test_a_map_runs_line_reads_its_event_as_a_map_workers() -> None:
+    doc = {"node": "mac", "t": 5.0, "run_id": "m1", "rank": None, "event": "progress", "done": 40, "rows": 100}
+    assert isinstance(parse_event_line(doc).event, EventError)  # no `progress` among a training rank's kinds
+    line = parse_event_line(doc, map_run=True)
+    assert isinstance(line.event, MapProgressEvent) and (line.event.done, line.node, line.t) == (40, "mac", 5.0)
+    started = parse_event_line({**doc, "event": "started"}, map_run=False)
+    assert isinstance(started.event, StartedEvent)  # the same word, read under the train contract when asked
+
+
+def test_malformed_events_jsonl_lines_are_counted_or_read_as_none() -> None:
+    good = json.dumps({"node": "a", "rank": 0, "t": 1.0, "event": "started"})
+    docs, bad = decode_event_lines([good, "", "   ", "[1, 2]", "7", '{"node": "a", "ev'])
+    assert len(docs) == 1 and bad == 3  # blank lines are not lines; a torn last line is one bad line
+    # Mistyped envelope keys read as None under the events' number rule (a rank of 1.0 is 1), never raise.
+    odd = parse_event_line({"node": 3, "rank": 1.0, "t": "noon", "attempt": "2", "event": 5})
+    assert odd == EventLine(kind=None, t=None, node=None, rank=1, attempt=None, event=odd.event, payload={"attempt": "2"})
+    assert isinstance(odd.event, EventError) and odd.incident is None
+    assert parse_event_line({}).kind is None and parse_event_line({}).payload == {}
 
 
 def test_a_run_summary_reads_back_through_its_typed_record() -> None:

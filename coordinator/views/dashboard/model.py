@@ -2,8 +2,8 @@
 run page shows, and each rank's verdict.
 
 The same sources as `coordinator status`/`monitor` (one truth, no second state store), read through the same
-contracts: meta.json and summary.json as `coordinator.run.rundir`'s typed records, each event under
-`worker.events.parse_event` and each incident under `rundir.parse_incident_record`. The fold is fed the
+contracts: meta.json and summary.json as `coordinator.run.rundir`'s typed records, each events.jsonl line as its
+`rundir.EventLine` (the rank's event under `worker.events.parse_event`, an incident as an `IncidentRecord`). The fold is fed the
 records of events.jsonl in file order, in as many batches as the tail delivers, and each batch returns the
 *delta* (new loss points, new incidents, ...) that the server pushes to browsers. A finished run is replayed by
 feeding its whole file once.
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.run.rundir import RunMeta, SummaryFile, parse_incident_record
+from coordinator.run.rundir import RunMeta, SummaryFile, parse_event_line
 from worker.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -27,8 +27,6 @@ from worker.events import (
     HeartbeatEvent,
     StartedEvent,
     StepEvent,
-    coerce_float,
-    parse_event,
 )
 
 RECENT_STEP_TIMES = 50  # a rank's step-time min/median/max are over its last steps
@@ -97,21 +95,22 @@ class RunFold:
         return delta
 
     def _feed_one(self, record: Mapping[str, Any], delta: dict[str, Any]) -> None:
-        t = coerce_float(record.get("t"))  # any record's time, the coordinator's own included
+        line = parse_event_line(record)
+        t = line.t  # any record's time, the coordinator's own included
         if t is not None and self.first_t is None:
             self.first_t = t
-        if record.get("event") == "incident":
-            inc = parse_incident_record(record)
+        if line.incident is not None:
+            inc = line.incident
             note = {"kind": inc.kind or "unknown", "node": inc.node or "?", "rank": inc.rank, "step": inc.step,
                     "action": inc.action or "", "t": inc.t,
                     "summary": str(inc.evidence if inc.evidence is not None else "")[:200]}
             self.incidents.append(note)
             delta["incidents"].append(note)
             return
-        # A rank's event as the coordinator copied it (its `node` added), read under worker.events' contract;
-        # the coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
-        event, node = parse_event(record), record.get("node")
-        if isinstance(event, EventError) or event.rank is None or not isinstance(node, str):
+        # A rank's event as the coordinator copied it (its `node` added), under worker.events' contract; the
+        # coordinator's other records (supervisor, reassigned, ...) are not about a rank's progress.
+        event, node = line.event, line.node
+        if isinstance(event, EventError) or event.rank is None or node is None:
             return
         rank, t = event.rank, event.t
         view = self.ranks.get(rank)

@@ -33,7 +33,16 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import yaml
 
 from coordinator.errors import ConfigError
-from coordinator.run.rundir import EVENTS, META, PLAYBOOK, RunMeta, SummaryFile, load_meta, read_summary
+from coordinator.run.rundir import (
+    EVENTS,
+    META,
+    PLAYBOOK,
+    RunMeta,
+    SummaryFile,
+    decode_event_lines,
+    load_meta,
+    read_summary,
+)
 from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold, empty_delta, run_row, run_view
 
 DEFAULT_HOST = "127.0.0.1"
@@ -128,18 +137,8 @@ class TrackedRun:
             end = data.rfind(b"\n")
             if end >= 0:
                 self.offset += end + 1
-                for line in data[: end + 1].decode("utf-8", errors="replace").splitlines():
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        self.fold.bad_lines += 1
-                        continue
-                    if isinstance(record, dict):
-                        records.append(record)
-                    else:
-                        self.fold.bad_lines += 1
+                records, bad = decode_event_lines(data[: end + 1].decode("utf-8", errors="replace").splitlines())
+                self.fold.bad_lines += bad
         if not records and not changed:
             return None
         return self.fold.feed(records) if records else empty_delta()
