@@ -56,7 +56,17 @@ from coordinator.run.job import (
 )
 from coordinator.run.monitor import CULPRIT_KINDS, Action, Incident, IncidentKind
 from coordinator.run.quarantine import LeftOut, QuarantineStore, inventory_key
-from coordinator.run.rundir import EVENTS, FORMAT, MANIFEST, MAP_PLAN, PLAYBOOK, SUMMARY, MapManifest, SummaryBase
+from coordinator.run.rundir import (
+    EVENTS,
+    FORMAT,
+    MANIFEST,
+    MAP_PLAN,
+    PLAYBOOK,
+    SUMMARY,
+    MapManifest,
+    SummaryBase,
+    parse_output_row,
+)
 from worker.events import MapErrorEvent, MapFinishedEvent, MapProgressEvent, parse_map_event
 
 MAP_CACHE_SCHEMA = 1
@@ -126,14 +136,10 @@ def gather_output(parts: Sequence[Path], total: int) -> tuple[list[str], dict[in
     origin: dict[int, str] = {}
     for part in parts:
         for line in part.read_text(encoding="utf-8").splitlines():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            index = obj.get("index") if isinstance(obj, dict) else None
-            if isinstance(index, int) and 0 <= index < total and index not in rows:
-                rows[index] = json.dumps(obj, sort_keys=True)
-                origin[index] = part.name
+            row = parse_output_row(line)
+            if row is not None and 0 <= row.index < total and row.index not in rows:
+                rows[row.index] = row.canonical
+                origin[row.index] = part.name
     missing = missing_ranges(total, rows)
     if missing:
         raise MapError(f"rows missing from the gathered output: {missing[:5]}")
@@ -144,10 +150,9 @@ def received_indices(parts: Sequence[Path]) -> set[int]:
     done: set[int] = set()
     for part in parts:
         for line in part.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, AttributeError):
-                index = json.loads(line).get("index")
-                if isinstance(index, int):
-                    done.add(index)
+            row = parse_output_row(line)
+            if row is not None:
+                done.add(row.index)
     return done
 
 

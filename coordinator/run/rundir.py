@@ -622,3 +622,27 @@ def read_manifest(run_dir: Path) -> MapManifest | None:
     path = run_dir / MANIFEST
     doc = read_json_object(path)
     return None if doc is None else parse_manifest(doc, name=str(path))
+
+
+# --- a map run's output parts (runs/<id>/parts/<node>.jsonl) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputRow:
+    """One row of a map run's output part: the task's own JSON object (any keys), placed by its `index`."""
+
+    index: int
+    canonical: str  # the object as the gathered output writes it (sorted keys)
+
+
+def parse_output_row(line: str) -> OutputRow | None:
+    """A part file's line as an OutputRow; None for a line that is not a JSON object with an integer `index` (a
+    truncated last line, from a coordinator killed mid-write, is such a line)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    index = obj.get("index") if isinstance(obj, dict) else None
+    if not isinstance(index, int) or isinstance(index, bool):
+        return None
+    return OutputRow(index, json.dumps(obj, sort_keys=True))

@@ -305,3 +305,13 @@ def test_load_meta_is_none_without_a_meta_and_typed_with_one(tmp_path: Path) -> 
     (tmp_path / META).write_text(json.dumps(RunMeta(run_id="x", ranks=(MetaRank(0, "a", 2),)).to_json()))
     meta = load_meta(tmp_path)
     assert meta is not None and meta.ranks == (MetaRank(0, "a", 2),)
+
+
+def test_a_map_output_row_is_read_by_its_index_and_a_torn_line_is_none() -> None:
+    from coordinator.run.rundir import OutputRow, parse_output_row
+
+    assert parse_output_row('{"score": 0.5, "index": 3}') == OutputRow(3, '{"index": 3, "score": 0.5}')
+    assert parse_output_row('{"index": 4, "text": "ab') is None  # a coordinator killed mid-write
+    assert parse_output_row('[1, 2]') is None
+    assert parse_output_row('{"index": true}') is None
+    assert parse_output_row('{"index": "5"}') is None
