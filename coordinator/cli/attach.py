@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    exit_for,
-    handle_errors,
-    message_note,
-    print_incidents,
-    run_supervised,
-)
-
-if TYPE_CHECKING:
-
-    pass
+from coordinator.cli.common import exit_for, handle_errors, message_note, print_incidents, run_supervised
 
 
 @click.argument("run_id")

@@ -4,22 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    DEFAULT_PLAYBOOK,
-    handle_errors,
-    job_options,
-    load,
-    run_async,
-    with_common,
-)
-
-if TYPE_CHECKING:
-
-    pass
+from coordinator.cli.common import DEFAULT_PLAYBOOK, handle_errors, job_options, load, run_async, with_common
 
 
 @with_common

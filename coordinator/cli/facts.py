@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from coordinator.cli.common import (
-    handle_errors,
-    hash_progress,
-    load,
-    run_async,
-    with_common,
-)
+from coordinator.cli.common import handle_errors, hash_progress, load, run_async, with_common
 from coordinator.errors import CoordinatorError
-
-if TYPE_CHECKING:
-
-    pass
 
 
 @with_common

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    DEFAULT_PLAYBOOK,
-    handle_errors,
-    load,
-    run_async,
-    with_common,
-)
+from coordinator.cli.common import DEFAULT_PLAYBOOK, handle_errors, load, run_async, with_common
 from coordinator.errors import ConfigError, CoordinatorError
-
-if TYPE_CHECKING:
-
-    pass
 
 
 @with_common

@@ -8,14 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    DEFAULT_PLAYBOOK,
-    handle_errors,
-    hash_progress,
-    load,
-    run_async,
-    with_common,
-)
+from coordinator.cli.common import DEFAULT_PLAYBOOK, handle_errors, hash_progress, load, run_async, with_common
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    handle_errors,
-)
+from coordinator.cli.common import handle_errors
 from coordinator.errors import ConfigError
-
-if TYPE_CHECKING:
-
-    pass
 
 
 @click.group()

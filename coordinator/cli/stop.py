@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from coordinator.cli.common import (
-    handle_errors,
-    run_async,
-)
+from coordinator.cli.common import handle_errors, run_async
 from coordinator.errors import CoordinatorError
-
-if TYPE_CHECKING:
-
-    pass
 
 
 @click.argument("run_id")
