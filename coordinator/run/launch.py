@@ -475,7 +475,10 @@ class Launch:
                         return mon
                 if obs is not None:
                     if obs.kind == ObservationKind.EVENT:
-                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
+                        # The attempt is the coordinator's word (last: never the rank's), so readers never infer
+                        # it from the order of the nodes' interleaved lines.
+                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data,
+                                                           "attempt": self.attempt})
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
                     for incident in mon.observe(obs):

@@ -12,7 +12,7 @@ exit 2), never misread.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,11 +248,11 @@ _ENVELOPE = ("node", "rank", "event", "t", "run_id")
 @dataclass(frozen=True)
 class EventLine:
     """One line of the coordinator's events.jsonl, read back. The coordinator writes four kinds of line there
-    (coordinator.run.launch, mapjob, resume): a rank's event as it arrived, with the rank's node added
-    (`{"node", "rank", **event}`); an `incident` (`{"event": "incident", "attempt", **Incident.to_json()}`, a map
-    run's without `attempt`); its own records (`supervisor` with `node: "coordinator"`, `attempt` and `t`;
-    `checkpoint_invalid`; a map run's `reassigned`). Every field is None where absent or mistyped, under the events'
-    number rule (worker.events).
+    (coordinator.run.launch, mapjob, resume): a rank's event as it arrived, with the rank's node and the attempt
+    added (`{"node", "rank", **event, "attempt"}`; an older coordinator's file has no `attempt` there); an
+    `incident` (`{"event": "incident", "attempt", **Incident.to_json()}`, a map run's without `attempt`); its own
+    records (`supervisor` with `node: "coordinator"`, `attempt` and `t`; `checkpoint_invalid`; a map run's
+    `reassigned`). Every field is None where absent or mistyped, under the events' number rule (worker.events).
 
     `event` is the line read as a worker's event (`worker.events.parse_event`, or `parse_map_event` for a map
     run's file): an `EventError` for the coordinator's own records. `incident` is set on `incident` lines only.
@@ -263,7 +263,7 @@ class EventLine:
     t: float | None  # a rank's event: the worker's unix time; an incident: the coordinator's monotonic clock
     node: str | None
     rank: int | None
-    attempt: int | None  # on the coordinator's records (incident, supervisor); a rank's event has none
+    attempt: int | None  # the coordinator's word: on its records and its copy of a rank's event (older files: none)
     event: AnyEvent | AnyMapEvent | EventError
     incident: IncidentRecord | None = None
     payload: Mapping[str, Any] = field(default_factory=dict)
@@ -278,6 +278,31 @@ def parse_event_line(doc: Mapping[str, Any], *, map_run: bool = False) -> EventL
                      event=parse_map_event(doc) if map_run else parse_event(doc),
                      incident=parse_incident_record(doc) if kind == "incident" else None,
                      payload={str(k): v for k, v in doc.items() if k not in _ENVELOPE})
+
+
+def assign_attempts(lines: Sequence[EventLine], attempts: int | None = None) -> list[int]:
+    """The attempt (0-based) of each line, from the coordinator's own records, never from the order of the ranks'
+    lines (events.jsonl interleaves the nodes' followers: one rank's `started, step 1` can land before another
+    rank's `started`).
+
+    A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and
+    on its supervisor records) has that attempt. A rank event of an older file, which has none, is in the
+    attempt of its rank's latest `started` so far: every attempt starts each of its ranks exactly once, and
+    rank 0 is in every attempt. `attempts`: how many the run had (summary.json's count, its own record), when
+    known: no line is put past the last of them. Never fails."""
+    last = None if attempts is None else max(0, attempts - 1)
+    starts: dict[int, int] = {}
+    out: list[int] = []
+    for line in lines:
+        if line.attempt is not None and line.attempt >= 0:
+            attempt = line.attempt
+        else:
+            rank = line.rank if line.rank is not None else 0
+            if line.kind == "started":
+                starts[rank] = starts.get(rank, 0) + 1
+            attempt = max(0, starts.get(rank, 0) - 1)
+        out.append(attempt if last is None else min(attempt, last))
+    return out
 
 
 def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:

@@ -247,3 +247,47 @@ def test_cli_writes_the_report_and_exits_2_on_a_bad_run_id(tmp_path: Path) -> No
     bad = runner.invoke(main, ["report", "smoke-nope", "--run-dir", str(tmp_path)])
     assert bad.exit_code == 2
     assert "no run 'smoke-nope'" in bad.output and RUN in bad.output  # names the runs that do exist
+
+
+DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
+
+
+def demo_events() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (DEMO / "events.jsonl").read_text().splitlines()]
+
+
+def interleaved(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The demo's lines as two followers can interleave them: local-a's `started` lands after local-b's
+    `started, step 1, checkpoint 1` (events.jsonl is in arrival order across nodes)."""
+    late = next(i for i, e in enumerate(events) if e.get("event") == "started" and e["node"] == "local-a")
+    moved = events.pop(late)
+    after = next(i for i, e in enumerate(events) if e.get("event") == "checkpoint" and e["node"] == "local-b")
+    events.insert(after + 1, moved)
+    return events
+
+
+@pytest.mark.parametrize("with_summary", [True, False])
+def test_interleaved_followers_make_no_phantom_attempt(with_summary: bool) -> None:
+    """A clean run whose nodes' lines interleave is one attempt: no `attempt 2`, one checkpoint row per step."""
+    doc = json.loads((DEMO / "summary.json").read_text())
+    run = RunFiles(DEMO.name, doc if with_summary else None, json.loads((DEMO / "plan.json").read_text()),
+                   tuple(interleaved(demo_events())))
+    r = build_report(run)
+    assert len(r.attempts) == 1
+    assert len(r.checkpoints) == 30 and [c.step for c in r.checkpoints] == list(range(1, 31))
+    assert all(c.consistent and sorted(c.sha256) == ["local-a", "local-b"] for c in r.checkpoints)
+    assert [(s.node, s.attempt, len(s.points)) for s in r.series] == [("local-a", 0, 30), ("local-b", 0, 30)]
+    page = render_html(r, [])
+    assert "attempt 2" not in page and "31 checkpoint" not in page
+
+
+def test_the_coordinators_attempt_on_each_line_wins_over_the_order() -> None:
+    """Lines that carry the coordinator's `attempt` are in that attempt, whatever the order of `started`s."""
+    lines = [{**e, "attempt": a} for e, a in (
+        (started("a", 0, 0), 0), (step("a", 0, 1, 1), 0), (started("b", 1, 0.5), 0), (step("b", 1, 1, 1), 0),
+        (started("a", 0, 5, resumed_from="step-000001"), 1), (step("a", 0, 2, 6), 1), (started("b", 1, 5), 1))]
+    assert assign_attempts([parse_event_line(e) for e in lines]) == [0, 0, 0, 0, 1, 1, 1]
+    # An older file (no `attempt` on rank lines): each rank's own starts, capped at summary.json's count.
+    bare = [{k: v for k, v in e.items() if k != "attempt"} for e in lines]
+    assert assign_attempts([parse_event_line(e) for e in bare]) == [0, 0, 0, 0, 1, 1, 1]
+    assert assign_attempts([parse_event_line(e) for e in bare], attempts=1) == [0] * 7

@@ -2,10 +2,10 @@
 never raises on odd content (it becomes `Report.problems`). Every value is read through the run directory's
 contract: `rundir.parse_summary`, `parse_plan`, and `parse_event_line` for each line of events.jsonl.
 
-Attempts: events.jsonl is appended to by every attempt of a run. Incidents carry their attempt; other events
-do not, so an attempt is taken to begin at a `started` event that follows any later-stage event (step, eval,
-checkpoint, finished, error, incident) of the attempt before it. Incident `t` is the coordinator's monotonic
-clock, so incidents are placed on the timeline by their attempt and step, at the wall time of that step.
+Attempts: events.jsonl is appended to by every attempt of a run. Each line's attempt is the coordinator's own
+record (`rundir.assign_attempts`: the `attempt` it writes on every line, summary.json's count of attempts), never
+a guess from the order of the nodes' interleaved lines. Incident `t` is the coordinator's monotonic clock, so
+incidents are placed on the timeline by their attempt and step, at the wall time of that step.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.run.rundir import EventLine, RecoveryRecord, parse_event_line, parse_plan, parse_summary
+from coordinator.run.rundir import RecoveryRecord, assign_attempts, parse_event_line, parse_plan, parse_summary
 from coordinator.views.report.files import RunFiles
 from worker.events import CheckpointEvent, ErrorEvent, EvalEvent, StartedEvent, StepEvent
-
-# Events after which a `started` event means a new attempt (heartbeats precede `started` during model load).
-_LATE_EVENTS = frozenset({"step", "eval", "checkpoint", "finished", "error", "incident", "digest"})
 
 
 @dataclass(frozen=True)
@@ -145,24 +142,6 @@ class Report:
         return any(s.points for s in self.series)
 
 
-def assign_attempts(lines: Sequence[EventLine]) -> list[int]:
-    """The attempt (0-based) each line belongs to; see the module docstring for the rule."""
-    out: list[int] = []
-    attempt = 0
-    late = False
-    for line in lines:
-        kind, explicit = line.kind, line.attempt
-        if kind == "incident" and explicit is not None:
-            attempt = max(attempt, explicit)
-        elif kind == "started" and late:
-            attempt += 1
-            late = False
-        if kind in _LATE_EVENTS:
-            late = True
-        out.append(explicit if kind == "incident" and explicit is not None else attempt)
-    return out
-
-
 def _evidence_text(value: Any, limit: int = 400) -> str:
     if isinstance(value, Mapping):
         parts = [f"{k}: {v}" for k, v in value.items() if k != "log_tail"]
@@ -192,7 +171,7 @@ def build_report(files: RunFiles) -> Report:
     problems = list(files.problems)
     # Each line read under the run directory's contract: the coordinator's keys, the rank's event, an incident.
     events = [parse_event_line(doc) for doc in files.events]
-    attempts_of = assign_attempts(events)
+    attempts_of = assign_attempts(events, summary.attempts)
 
     # steps, evals, checkpoints, attempts --------------------------------------------------------------------
     points: dict[tuple[int, str], list[Point]] = {}
@@ -254,7 +233,8 @@ def build_report(files: RunFiles) -> Report:
             action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
             t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
-    n_attempts = max([*attempts_of, 0]) + 1 if events else (summary.attempts or 1)
+    # summary.json's count is the coordinator's record; without it, the attempts the lines name.
+    n_attempts = summary.attempts or (max([*attempts_of, 0]) + 1 if events else 1)
     attempts = []
     for a in range(n_attempts):
         steps_a = [p.step for s in series if s.attempt == a for p in s.points]
