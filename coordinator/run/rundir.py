@@ -11,6 +11,7 @@ exit 2), never misread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError
 from coordinator.planning.hostfile import Hostfile
-from coordinator.run.monitor import Incident
+from coordinator.run.monitor import FaultPolicy, Incident
 from worker.events import AnyEvent, AnyMapEvent, EventError, coerce_float, coerce_int, parse_event, parse_map_event
 
 # --- layout ----------------------------------------------------------------------------------------------------
@@ -114,6 +115,14 @@ class RunMeta:
     left_out: tuple[Mapping[str, str], ...] = ()  # {node, reason}
     drill: bool = False
     restart_from_scratch: bool = False
+    # The run's own yardsticks, so that every view judges it as its monitor did (`coordinator.run.replay`): its
+    # thresholds (the playbook's `faults:` and `heartbeat_timeout`), its steps, calibration's prediction (real
+    # tokens/s), and the most tokens one row of a batch can add to a step (the monitor's plausibility bound).
+    # None in an older meta.json: readers use the defaults.
+    faults: FaultPolicy | None = None
+    iters: int | None = None
+    predicted_tokens_per_s: float | None = None
+    max_tokens_per_row: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory,
@@ -121,7 +130,25 @@ class RunMeta:
                 "remote_run_dirs": dict(self.remote_run_dirs), "remote_tmp_dir": self.remote_tmp_dir,
                 "launcher_pid": self.launcher_pid, "coordinator_pid": self.coordinator_pid,
                 "split": dict(self.split), "left_out": [dict(x) for x in self.left_out], "drill": self.drill,
-                "restart_from_scratch": self.restart_from_scratch}
+                "restart_from_scratch": self.restart_from_scratch,
+                "faults": dataclasses.asdict(self.faults) if self.faults is not None else None,
+                "iters": self.iters, "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "max_tokens_per_row": self.max_tokens_per_row}
+
+
+def parse_faults(value: Any) -> FaultPolicy | None:
+    """meta.json's `faults` -> the run's `FaultPolicy`; None when absent. A key missing or mistyped keeps the
+    default (a reader can always judge), a key it does not know is ignored."""
+    if not isinstance(value, Mapping):
+        return None
+    known = {f.name: f.type for f in dataclasses.fields(FaultPolicy)}
+    args: dict[str, Any] = {}
+    for key, kind in known.items():
+        raw = value.get(key)
+        number = coerce_int(raw) if kind == "int" else coerce_float(raw)
+        if number is not None and number >= 0:
+            args[key] = number
+    return FaultPolicy(**args)
 
 
 def _opt_int(value: Any) -> int | None:
@@ -155,7 +182,10 @@ def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str 
         remote_tmp_dir=doc["remote_tmp_dir"] if isinstance(doc.get("remote_tmp_dir"), str) else None,
         launcher_pid=_opt_int(doc.get("launcher_pid")), coordinator_pid=_opt_int(doc.get("coordinator_pid")),
         split={str(k): v for k, v in split.items() if _opt_int(v) is not None} if isinstance(split, Mapping) else {},
-        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")))
+        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")),
+        faults=parse_faults(doc.get("faults")), iters=coerce_int(doc.get("iters")),
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")) or None,
+        max_tokens_per_row=coerce_int(doc.get("max_tokens_per_row")))
 
 
 def read_meta(run_dir: Path) -> RunMeta:
@@ -280,29 +310,36 @@ def parse_event_line(doc: Mapping[str, Any], *, map_run: bool = False) -> EventL
                      payload={str(k): v for k, v in doc.items() if k not in _ENVELOPE})
 
 
-def assign_attempts(lines: Sequence[EventLine], attempts: int | None = None) -> list[int]:
-    """The attempt (0-based) of each line, from the coordinator's own records, never from the order of the ranks'
-    lines (events.jsonl interleaves the nodes' followers: one rank's `started, step 1` can land before another
-    rank's `started`).
+class AttemptCounter:
+    """Names the attempt (0-based) of each events.jsonl line fed to it in file order, from the coordinator's own
+    records, never from the order of the ranks' lines (events.jsonl interleaves the nodes' followers: one rank's
+    `started, step 1` can land before another rank's `started`).
 
-    A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and
-    on its supervisor records) has that attempt. A rank event of an older file, which has none, is in the
-    attempt of its rank's latest `started` so far: every attempt starts each of its ranks exactly once, and
-    rank 0 is in every attempt. `attempts`: how many the run had (summary.json's count, its own record), when
-    known: no line is put past the last of them. Never fails."""
-    last = None if attempts is None else max(0, attempts - 1)
-    starts: dict[int, int] = {}
-    out: list[int] = []
-    for line in lines:
+    A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and on
+    its supervisor records) is in that attempt. A rank event of an older file, which has none, is in the attempt
+    of its rank's latest `started` so far: every attempt starts each of its ranks exactly once, and rank 0 is in
+    every attempt. `attempts`: how many the run had (summary.json's count, its own record), when known: no line
+    is put past the last of them. Never fails."""
+
+    def __init__(self, attempts: int | None = None) -> None:
+        self.last = None if attempts is None else max(0, attempts - 1)
+        self.starts: dict[int, int] = {}
+
+    def attempt_of(self, line: EventLine) -> int:
         if line.attempt is not None and line.attempt >= 0:
             attempt = line.attempt
         else:
             rank = line.rank if line.rank is not None else 0
             if line.kind == "started":
-                starts[rank] = starts.get(rank, 0) + 1
-            attempt = max(0, starts.get(rank, 0) - 1)
-        out.append(attempt if last is None else min(attempt, last))
-    return out
+                self.starts[rank] = self.starts.get(rank, 0) + 1
+            attempt = max(0, self.starts.get(rank, 0) - 1)
+        return attempt if self.last is None else min(attempt, self.last)
+
+
+def assign_attempts(lines: Sequence[EventLine], attempts: int | None = None) -> list[int]:
+    """The attempt of each line (`AttemptCounter`)."""
+    counter = AttemptCounter(attempts)
+    return [counter.attempt_of(line) for line in lines]
 
 
 def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
@@ -338,7 +375,8 @@ class SummaryNode:
     state: str | None = None
     step: int | None = None
     loss: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the rank's rate (coordinator.run.replay; an older summary: its last step's)
+    verdict: str | None = None  # coordinator.run.monitor.Verdict (an older summary has none)
     calibrated_tokens_per_s: float | None = None
     peak_memory: int | None = None
     checkpoint: str | None = None
@@ -412,6 +450,7 @@ class SummaryFile:
     message: str | None = None
     checkpoint: str | None = None
     tokens_per_s: float | None = None
+    predicted_tokens_per_s: float | None = None
     attempts: int | None = None
     nodes: tuple[SummaryNode, ...] = ()
     split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
@@ -443,7 +482,7 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
     nodes = tuple(SummaryNode(
         name=text(n, "node") or text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
         state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
-        tokens_per_s=coerce_float(n.get("tokens_per_s")),
+        tokens_per_s=coerce_float(n.get("tokens_per_s")), verdict=text(n, "verdict"),
         calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
         peak_memory=coerce_int(n.get("peak_memory_bytes", n.get("peak_memory"))), checkpoint=text(n, "checkpoint"),
         rows=coerce_int(n.get("rows")), rows_done=coerce_int(n.get("rows_done")), ranges=_ranges(n.get("ranges")),
@@ -459,6 +498,7 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         format=version, run_id=text(doc, "run_id"), kind=text(doc, "kind") or "train", state=text(doc, "state"),
         steps=coerce_int(doc.get("steps")), iters=coerce_int(doc.get("iters")), message=text(doc, "message"),
         checkpoint=text(doc, "checkpoint"), tokens_per_s=coerce_float(doc.get("tokens_per_s")),
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")),
         attempts=coerce_int(doc.get("attempts")), nodes=nodes, split=split,
         incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
         if isinstance(doc.get("incidents"), list) else None,
@@ -539,7 +579,13 @@ class PlanRecord:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
-                "attempt": self.attempt}
+                "attempt": self.attempt, "units": dict(RATE_UNITS)}
+
+
+# The unit of each rate in plan.json and `calibrate --json`: a node's rate (and the plan's prediction) is real
+# tokens/s, what training reports; the bench's curve counts every position of its rows, padding included.
+RATE_UNITS = {"tokens_per_s": "real tokens/s", "predicted_tokens_per_s": "real tokens/s",
+              "curve.tokens_per_s": "padded positions/s"}
 
 
 # --- plan.json read back -----------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
         assert browser.js("return document.querySelector('#live').innerText") == "live"
         verdicts = browser.js("return [...document.querySelectorAll('#ranks tr[data-rank] td:nth-child(3)')]"
                               ".map(c => c.innerText)")
-        assert all(v in ("ok", "slow", "straggler", "finished") for v in verdicts), verdicts
+        assert all(v in ("ok", "slow") for v in verdicts), verdicts  # the monitor's words (pacing may be slow)
         if os.environ.get("DASHBOARD_SCREENSHOT"):  # for the docs: a longer curve, past an eval or two
             browser.wait_for("return window.dash.run.val_loss.length >= 3", what="three evals")
         shot = live_run.tmp / "dashboard.png"
@@ -167,7 +167,14 @@ def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
         assert doc["state"] == "succeeded" and not doc["active"] and doc["step"] == ITERS and doc["iters"] == ITERS
         assert [p[0] for p in doc["loss"]] == list(range(1, ITERS + 1))
         assert [p[0] for p in doc["val_loss"]] == list(range(10, ITERS + 1, 10))
-        assert {r["node"]: r["verdict"] for r in doc["ranks"]} == {"local-a": "finished", "local-b": "finished"}
+        assert {r["node"]: r["state"] for r in doc["ranks"]} == {"local-a": "finished", "local-b": "finished"}
+        # One truth: the run JSON's per-rank rates and verdicts and its prediction are the summary's.
+        summary = json.loads((live_run.tmp / "launch.json").read_text())
+        assert {r["node"]: (r["tokens_per_s"], r["verdict"]) for r in doc["ranks"]} == {
+            n["node"]: (n["tokens_per_s"], n["verdict"]) for n in summary["nodes"]}
+        assert all(r["verdict"] in ("ok", "slow") and r["tokens_per_s"] for r in doc["ranks"]), doc["ranks"]
+        assert doc["predicted_tokens_per_s"] == pytest.approx(summary["predicted_tokens_per_s"], abs=0.06)
+        assert doc["tokens_per_s"] == pytest.approx(summary["tokens_per_s"], abs=0.06)
         assert all(r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
                    for r in doc["ranks"])
         assert doc["checkpoints"] and doc["checkpoints"][-1]["step"] == ITERS

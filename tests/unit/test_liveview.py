@@ -50,8 +50,8 @@ def test_piped_fast_run_prints_a_tenth_of_its_steps_and_a_true_last_line() -> No
     ui.close()
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines[:-1]] == [f"{s}/30" for s in (1, 4, 7, 10, 13, 16, 19, 22, 25, 28)]
-    assert lines[-1].startswith("step 30/30  loss 4.7000  3,200 tok/s  succeeded")
-    assert lines[-1].endswith("[a 30, b 30]")  # plain text: the brackets are not eaten as markup
+    assert lines[-1].startswith("step 30/30  loss 4.7000  3,200 real tokens/s  succeeded")
+    assert lines[-1].endswith("[a 30 ok, b 30 ok]")  # plain text: the brackets are not eaten as markup
 
 
 def test_piped_slow_run_prints_every_few_seconds_and_while_it_stands_still() -> None:
@@ -77,7 +77,20 @@ def test_last_line_says_a_failure() -> None:
 
 def test_plain_line_before_any_step() -> None:
     mon = started(30)
-    assert plain_progress_line(mon, 1.0) == "step 0/30  loss -  - tok/s  ETA -  [a 0, b 0]"
+    assert plain_progress_line(mon, 1.0) == "step 0/30  loss -  - real tokens/s  ETA -  [a 0 ok, b 0 ok]"
+
+
+def test_plain_line_never_shows_one_steps_loss_as_anothers() -> None:
+    """The steps line names the step every rank reached; a loss from a later step says which step it is."""
+    mon = started(30)
+    for step in range(1, 6):  # rank a runs ahead to step 5 (its events arrived first), rank b is at step 1
+        mon.observe(ev("a", 0, float(step), event="step", step=step, loss=6.0 - step / 10, tok_s=800.0))
+    mon.observe(ev("b", 1, 5.5, event="step", step=1, loss=5.9, tok_s=800.0))
+    line = plain_progress_line(mon, 6.0)
+    assert line.startswith("step 1/30  loss@5 5.5000  ") and line.endswith("[a 5 ok, b 1 ok]")
+    for step in range(2, 6):
+        mon.observe(ev("b", 1, 6.0 + step, event="step", step=step, loss=6.0 - step / 10, tok_s=800.0))
+    assert plain_progress_line(mon, 12.0).startswith("step 5/30  loss 5.5000  ")
 
 
 def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:

@@ -128,7 +128,9 @@ def test_report_of_a_successful_run() -> None:
     assert [(c.step, c.consistent, sorted(c.sha256)) for c in r.checkpoints] == [
         (1, True, ["local-a", "local-b"]), (2, True, ["local-a", "local-b"])]
     a = r.nodes[0]
-    assert (a.name, a.share, a.calibrated_tokens_per_s, a.mean_tokens_per_s) == ("local-a", 0.625, 6739.5, 287.55)
+    # Its rate: the median of its steps' tok_s by the monitor's rule (this old summary wrote its last step's).
+    assert (a.name, a.share, a.calibrated_tokens_per_s, a.tokens_per_s, a.verdict) == (
+        "local-a", 0.625, 6739.5, 287.55, "ok")
     # Incidents are placed at the wall time of their step (their own `t` is a monotonic clock).
     assert [(i.kind, i.node, i.step, i.t_wall) for i in r.incidents] == [
         ("straggler", "local-b", 2, T0 + 3), ("straggler", "local-a", 2, T0 + 3)]
@@ -179,7 +181,7 @@ def test_without_summary_nodes_come_from_the_last_attempt() -> None:
     r = build_report(files(ok_events(), summary=None))
     assert r.state.startswith("unknown") and r.steps == 2
     assert [(n.name, n.rank, n.batch_size, n.step, n.tokens_per_s) for n in r.nodes] == [
-        ("local-a", 0, 5, 2, 300.0), ("local-b", 1, 3, 2, 180.0)]
+        ("local-a", 0, 5, 2, 287.55), ("local-b", 1, 3, 2, 170.2)]
 
 
 def test_relaunch_after_a_crash() -> None:

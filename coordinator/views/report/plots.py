@@ -154,7 +154,7 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
                           "at the step they carry)" + ("; vertical lines start each attempt." if multi else "."),
                           png(fig)))
 
-    rated = [r for r in report.nodes if r.calibrated_tokens_per_s is not None or r.mean_tokens_per_s is not None]
+    rated = [r for r in report.nodes if r.calibrated_tokens_per_s is not None or r.tokens_per_s is not None]
     if rated:
         fig = Figure(figsize=(10, 0.8 + 0.7 * len(rated)), layout="constrained")
         ax = fig.add_subplot()
@@ -162,13 +162,13 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
         h = 0.38
         ax.barh([y - h / 2 for y in ys], [r.calibrated_tokens_per_s or 0 for r in rated], height=h,
                 color="#bbbbbb", label="calibrated")
-        ax.barh([y + h / 2 for y in ys], [r.mean_tokens_per_s or 0 for r in rated], height=h,
-                color=[node_color.get(r.name, palette_color(i)) for i, r in enumerate(rated)], label="measured (mean)")
+        ax.barh([y + h / 2 for y in ys], [r.tokens_per_s or 0 for r in rated], height=h,
+                color=[node_color.get(r.name, palette_color(i)) for i, r in enumerate(rated)], label="measured")
         ax.set_yticks(ys, [f"{r.name} (rank {r.rank})" if r.rank is not None else r.name for r in rated])
         ax.invert_yaxis()
-        style_axes(ax, "Calibrated vs measured tok/s", "tokens / s", "")
+        style_axes(ax, "Calibrated vs measured real tokens/s", "real tokens / s", "")
         ax.legend(fontsize=8, loc="lower right")
         plots.append(Plot("rates", "Calibrated against measured throughput per node",
-                          "Grey: the rate calibration predicted for the node's batch; colour: the mean tokens/s it "
-                          "reported over the run.", png(fig)))
+                          "Grey: the rate calibration predicted for the node's batch; colour: its rate, the median "
+                          "real tokens/s of its last 20 steps (the same in every view).", png(fig)))
     return plots
