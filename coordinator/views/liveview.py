@@ -5,6 +5,7 @@ stands still, and always a last line with the true final step and state when the
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -24,12 +25,19 @@ PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for
 PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
 
 
-def make_console(*, stderr: bool = False) -> Console:
+PIPED_TABLE_WIDTH = 400  # piped tables are drawn this wide at most, so no cell is cut to fit 80 columns
+
+
+def make_console(*, stderr: bool = False, wide_tables: bool = False) -> Console:
     """The console the verbs print to. Piped (not a terminal), lines are never wrapped at rich's default 80
-    columns: a log line must stay one line for grep and for whoever reads the CI log."""
+    columns: a log line must stay one line for grep and for whoever reads the CI log. With `wide_tables` (status,
+    monitor), a piped table is drawn at its natural width (up to PIPED_TABLE_WIDTH) rather than squeezed into 80
+    columns with its cells cut (`Debi…`); an explicit COLUMNS still wins."""
     console = Console(stderr=stderr)
     if not console.is_terminal:
         console.soft_wrap = True
+        if wide_tables and not os.environ.get("COLUMNS"):
+            console.width = PIPED_TABLE_WIDTH
     return console
 
 

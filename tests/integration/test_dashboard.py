@@ -93,12 +93,35 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
            "XDG_STATE_HOME": str(tmp / "state")}
     port = free_port()
     proc = cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs), "--dashboard", "--dashboard-port",
-               str(port), "--chaos", PACE, env=env, out=tmp / "launch.json", err=tmp / "launch.log")
+               str(port), "--keep-dashboard", "--chaos", PACE, env=env, out=tmp / "launch.json",
+               err=tmp / "launch.log")
     try:
         url = wait_url(tmp / "launch.log", proc, tmp / "launch.log")
         yield LiveRun(tmp, inv, runs, port, url.split("token=", 1)[1], proc, env)
     finally:
         stop(proc, timeout=60)
+
+
+def finish(live_run: LiveRun) -> int | None:
+    """The run ends and, with --keep-dashboard, its page stays up (said on screen) until Ctrl-C; then the launch
+    exits with the run's code. Returns that code."""
+    if live_run.proc.poll() is not None:
+        return live_run.proc.returncode
+    log = live_run.tmp / "launch.log"
+    deadline = time.monotonic() + 600
+    while "the dashboard stays up at http://127.0.0.1:" not in log.read_text(errors="replace"):
+        assert live_run.proc.poll() is None, tail(log)
+        assert time.monotonic() < deadline, f"the run did not end within 600 s\n{tail(log)}"
+        time.sleep(0.5)
+    [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
+    assert (run_dir / "summary.json").exists()
+    time.sleep(3)  # well after the run: the page is still served
+    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}")
+    assert status == 200 and doc["state"] == "succeeded" and not doc["active"], doc
+    assert live_run.proc.poll() is None
+    rc = stop(live_run.proc, signal.SIGINT, timeout=60)
+    assert "dashboard stopped" in log.read_text(errors="replace"), tail(log)
+    return rc
 
 
 def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> None:
@@ -145,14 +168,13 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if os.environ.get("DASHBOARD_SCREENSHOT"):
             shutil.copyfile(shot, REPO / os.environ["DASHBOARD_SCREENSHOT"])
-    rc = live_run.proc.wait(timeout=600)
+    rc = finish(live_run)
     summary = json.loads((live_run.tmp / "launch.json").read_text())
     assert rc == 0 and summary["state"] == "succeeded", tail(log)
 
 
 def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
-    if live_run.proc.poll() is None:  # run alone: let the run end first
-        live_run.proc.wait(timeout=600)
+    assert finish(live_run) == 0  # run alone: let the run end first
     [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
     port = free_port()
     out, err = live_run.tmp / "dash.out", live_run.tmp / "dash.log"

@@ -111,9 +111,13 @@ def test_status_json_rows_for_mac_linux_and_a_dead_host(bed: TestBed, run_cli: R
 def test_status_table_and_invalid_inventory(bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
     inv = bed.write_inventory(tmp_path / "inv.yaml", [bed.host(n) for n in ("lin", "down")])
     runs, env = seed(tmp_path)
-    cp = run_cli("status", "-i", str(inv), "--run-dir", str(runs), "--connect-timeout", CONNECT_TIMEOUT, env=env)
+    # Piped, with no COLUMNS (a CI log, `| less`): full cells, never squeezed into 80 columns (`Debi…`).
+    cp = run_cli("status", "-i", str(inv), "--run-dir", str(runs), "--connect-timeout", CONNECT_TIMEOUT,
+                 env={**env, "COLUMNS": ""})
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "lin" in cp.stdout and "down" in cp.stdout and "live-run" in cp.stdout and "hang at step 3" in cp.stdout
+    assert "…" not in cp.stdout, cp.stdout
+    assert "live-run rank 1 step 7" in cp.stdout and "(hang at step 3)" in cp.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: [{name: x}]\n")
     cp = run_cli("status", "-i", str(bad), "--json")
@@ -124,8 +128,9 @@ def test_monitor_once_renders_one_frame(bed: TestBed, run_cli: RunCli, tmp_path:
     inv = bed.write_inventory(tmp_path / "inv.yaml", [bed.host(n) for n in ("mac", "lin", "down")])
     runs, env = seed(tmp_path)
     cp = run_cli("monitor", "-i", str(inv), "--run-dir", str(runs), "--once", "--connect-timeout", CONNECT_TIMEOUT,
-                 env=env, timeout=120)
+                 env={**env, "COLUMNS": ""}, timeout=120)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     out = cp.stdout
+    assert "…" not in out, out  # piped without COLUMNS: full cells
     for text in ("mac", "lin", "down", "Apple M5 Max", "run live-run (running): step 7", "straggler"):
         assert text in out, (text, out)

@@ -3,8 +3,10 @@ run's tokens/s next to calibration's prediction. Scripted monitors, a console wr
 
 from __future__ import annotations
 
+import contextlib
 import io
 
+import pytest
 from rich.console import Console
 
 from coordinator.planning.plan import describe_prediction, prediction_gap
@@ -111,3 +113,25 @@ def test_prediction_is_said_plainly_when_far_off() -> None:
     assert "-9%" in near and "MORE THAN" not in near
     assert "no prediction" in describe_prediction(1000, None)
     assert describe_prediction(None, 5000) == "no step finished: no tokens/s"
+
+
+def test_piped_tables_of_status_keep_full_cells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status | cat`: a table is drawn at its natural width, not squeezed into 80 columns (`Debi…`, `memo…`)."""
+    from coordinator.run.metrics import NodeStatus
+    from coordinator.views.liveview import make_console
+    from coordinator.views.statusview import render_status_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    row = NodeStatus(node="studio-m3-ultra", host="10.0.0.7", reachable=True, os="Debian GNU/Linux 12 (bookworm)",
+                     chip="Apple M3 Ultra", memory_total_bytes=512 * 1024**3, memory_used_bytes=100 * 1024**3,
+                     memory_pressure="normal", load=(1.5, 1.0, 0.5), cpu_count=32, power="never sleeps, on AC",
+                     disk_free_bytes=2 * 1024**4)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        console = make_console(wide_tables=True)
+        assert not console.is_terminal
+        console.print(render_status_table([row]))
+    text = out.getvalue()
+    assert "…" not in text
+    for cell in ("Debian GNU/Linux 12 (bookworm)", "100.0G/512.0G normal", "never sleeps, on AC", "studio-m3-ultra"):
+        assert cell in text, text
