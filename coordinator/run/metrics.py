@@ -319,9 +319,9 @@ class MetricsServer:
         """Replace (or, with replace=False, add to) the runs shown."""
         self._collector.set_runs(runs, replace=replace)
 
-    def update_run(self, monitor: Monitor, *, run_id: str, now: float) -> None:
+    def update_run(self, monitor: Monitor, *, run_id: str, now: float, predicted: float | None = None) -> None:
         """Show the launch loop's live monitor as run `run_id` (other runs shown stay)."""
-        self.update_runs([run_status_from_monitor(run_id, monitor, now)], replace=False)
+        self.update_runs([run_status_from_monitor(run_id, monitor, now, predicted=predicted)], replace=False)
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""
@@ -348,6 +348,7 @@ class MetricsUI:
         self.inner = inner
         self.server = server
         self.run_id = run_id
+        self.predicted: float | None = None  # the plan's (`calibration`)
 
     def message(self, text: str) -> None:
         if self.run_id is None and text.startswith("run ") and ":" in text:
@@ -358,10 +359,11 @@ class MetricsUI:
         self.inner.preflight(report)
 
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        self.predicted = plan.predicted_tokens_per_s or None
         self.inner.calibration(plan, calibrations)
 
     def progress(self, monitor: Monitor, now: float) -> None:
-        self.server.update_run(monitor, run_id=self.run_id or "current", now=now)
+        self.server.update_run(monitor, run_id=self.run_id or "current", now=now, predicted=self.predicted)
         self.inner.progress(monitor, now)
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
