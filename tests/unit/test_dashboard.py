@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -267,3 +268,34 @@ def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:
     report = PreflightReport(nodes=(node("a", Status.PASS, Status.SKIP), node("b", Status.PASS, Status.WARN),
                                     node("c", Status.WARN, Status.ERROR), node("d", Status.FAIL)), lint=())
     assert preflight_verdicts(report) == {"a": "pass", "b": "warn", "c": "fail", "d": "fail"}
+
+
+def test_a_relaunch_is_judged_by_its_new_meta(tmp_path: Path) -> None:
+    """A relaunch rewrites meta.json (attempt 1, the survivors): the run page's ranks are that attempt's, judged by
+    its own lines, while the curves keep every attempt's points."""
+    run = live_copy(tmp_path, 80)
+    tracked = open_run(run)
+    assert tracked is not None
+    tracked.poll()
+    t = max(x["t"] for x in records(run / "events.jsonl") if "t" in x)
+    with (run / "events.jsonl").open("a") as fh:
+        fh.write(json.dumps({"event": "incident", "attempt": 0, "kind": "crash", "node": "local-b", "rank": 1,
+                             "step": 5, "action": "quarantine", "t": 1.0}) + "\n")
+    tracked.poll()
+    before = tracked.view(t + 1, full=False)["ranks"]
+    assert [(r["node"], r["verdict"]) for r in before] == [("local-a", "ok"), ("local-b", "dead")]
+    meta = json.loads((run / "meta.json").read_text())
+    meta |= {"attempt": 1, "nodes": ["local-a"], "ranks": [{"rank": 0, "node": "local-a", "batch_size": 8}]}
+    (run / "meta.json").write_text(json.dumps(meta))
+    os.utime(run / "meta.json", (t + 5, t + 5))
+    last = max(x["step"] for x in records(run / "events.jsonl") if x.get("event") == "step")
+    with (run / "events.jsonl").open("a") as fh:
+        fh.write(json.dumps({"node": "local-a", "rank": 0, "t": t + 6, "event": "started", "attempt": 1,
+                             "resumed_from": last}) + "\n")
+        for step in (last + 1, last + 2, last + 3):
+            fh.write(json.dumps({"node": "local-a", "rank": 0, "t": t + 6 + step, "event": "step", "step": step,
+                                 "loss": 5.0, "tok_s": 500.0, "attempt": 1}) + "\n")
+    tracked.poll()
+    after = tracked.view(t + 14, full=True)
+    assert [(r["node"], r["verdict"], r["tokens_per_s"]) for r in after["ranks"]] == [("local-a", "ok", 500.0)]
+    assert [s for s, _ in after["loss"]] == list(range(1, last + 4))  # every attempt's points

@@ -89,6 +89,17 @@ class RunFold:
             fold.ranks[r.rank] = RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
         return fold
 
+    def rejudge(self, meta: RunMeta, records: Iterable[Mapping[str, Any]]) -> None:
+        """A relaunch rewrote meta.json (another attempt, other ranks): the ranks are judged by its attempt from now
+        on, the run's lines so far (`records`, from the start of events.jsonl) replayed for it, and the rank rows
+        are its ranks (a node left out of the relaunch has no row). The curves stay."""
+        self.replay = RunReplay(meta)
+        self.replay.feed(records)
+        kept = {r.rank: self.ranks.get(r.rank) for r in meta.ranks}
+        self.ranks = {r.rank: view if view is not None and view.node == r.node
+                      else RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
+                      for r in meta.ranks for view in (kept[r.rank],)}
+
     def feed(self, records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         delta = empty_delta()
         for record in records:
