@@ -104,20 +104,25 @@ def _judge_rank(view: RankView, policy: FaultPolicy, kinds: Iterable[str], now: 
 class RunReplay:
     """meta.json's attempt of a run, replayed from events.jsonl through a `Monitor` (see the module docstring).
     Feed it every line in file order; lines of other attempts are skipped (`rundir.AttemptCounter` names each
-    line's attempt from the coordinator's own records)."""
+    line's attempt from the coordinator's own records; meta.json's attempt is of the newest session)."""
 
     def __init__(self, meta: RunMeta, *, predicted: float | None = None) -> None:
         self.meta = meta
         self.attempt = meta.attempt
         self.policy = meta.faults or FaultPolicy()
         self.predicted = prediction_of(meta.predicted_tokens_per_s, predicted)
-        sized = all(r.batch_size for r in meta.ranks)
-        plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s) for r in meta.ranks]
-        self.monitor = Monitor.create(plan, meta.iters or NO_ITERS, now=0.0, policy=self.policy,
-                                      max_tokens_per_row=meta.max_tokens_per_row if sized else None)
+        self.monitor = self._new_monitor()
         self.counter = AttemptCounter()
         self.incidents: list[tuple[int | None, str, str]] = []  # (rank, node, kind) the coordinator recorded
         self._t = 0.0
+        self._base = 0  # the first attempt of the session being judged (`launch --resume` starts another)
+
+    def _new_monitor(self) -> Monitor:
+        meta = self.meta
+        sized = all(r.batch_size for r in meta.ranks)
+        plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s) for r in meta.ranks]
+        return Monitor.create(plan, meta.iters or NO_ITERS, now=0.0, policy=self.policy,
+                              max_tokens_per_row=meta.max_tokens_per_row if sized else None)
 
     def feed(self, records: Iterable[Mapping[str, Any]]) -> None:
         """events.jsonl lines (decoded JSON objects), in file order."""
@@ -126,7 +131,10 @@ class RunReplay:
 
     def feed_line(self, record: Mapping[str, Any], line: EventLine) -> None:
         """One line, already read as an `EventLine` (for readers that fold it themselves too)."""
-        if self.counter.attempt_of(line) != self.attempt:
+        attempt = self.counter.attempt_of(line)
+        if self.counter.base != self._base:  # a resumed session began: meta.json's attempt is one of its own
+            self._base, self.monitor, self.incidents = self.counter.base, self._new_monitor(), []
+        if attempt != self._base + self.attempt:
             return
         if line.incident is not None:
             inc = line.incident

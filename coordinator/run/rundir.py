@@ -316,24 +316,37 @@ class AttemptCounter:
     `started, step 1` can land before another rank's `started`).
 
     A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and on
-    its supervisor records) is in that attempt. A rank event of an older file, which has none, is in the attempt
-    of its rank's latest `started` so far: every attempt starts each of its ranks exactly once, and rank 0 is in
-    every attempt. `attempts`: how many the run had (summary.json's count, its own record), when known: no line
-    is put past the last of them. Never fails."""
+    its supervisor records) is in that attempt. `launch --resume RUN_ID` appends a new session to the same file and
+    numbers its attempts from 0 again: a rank `started` again under an attempt number it already started under
+    begins a new session (every attempt starts each of its ranks exactly once), whose attempts follow the earlier
+    ones (`base`: the first attempt of the newest session).
+
+    A rank event of an older file, which has no `attempt`, is in the attempt of its rank's latest `started` so far
+    (rank 0 is in every attempt); `attempts`, summary.json's count when the run was not resumed, caps those. Never
+    fails."""
 
     def __init__(self, attempts: int | None = None) -> None:
         self.last = None if attempts is None else max(0, attempts - 1)
-        self.starts: dict[int, int] = {}
+        self.base = 0
+        self.top = -1  # the highest attempt named so far
+        self.started: dict[int, set[int]] = {}  # the newest session's attempt -> the ranks started under it
+        self.starts: dict[int, int] = {}  # an older file's: rank -> its `started` lines so far
 
     def attempt_of(self, line: EventLine) -> int:
+        rank = line.rank if line.rank is not None else 0
         if line.attempt is not None and line.attempt >= 0:
-            attempt = line.attempt
+            if line.kind == "started":
+                if rank in self.started.get(line.attempt, set()):
+                    self.base, self.started = self.top + 1, {}
+                self.started.setdefault(line.attempt, set()).add(rank)
+            attempt = self.base + line.attempt
         else:
-            rank = line.rank if line.rank is not None else 0
             if line.kind == "started":
                 self.starts[rank] = self.starts.get(rank, 0) + 1
             attempt = max(0, self.starts.get(rank, 0) - 1)
-        return attempt if self.last is None else min(attempt, self.last)
+            attempt = attempt if self.last is None else min(attempt, self.last)
+        self.top = max(self.top, attempt)
+        return attempt
 
 
 def assign_attempts(lines: Sequence[EventLine], attempts: int | None = None) -> list[int]:
@@ -451,7 +464,8 @@ class SummaryFile:
     checkpoint: str | None = None
     tokens_per_s: float | None = None
     predicted_tokens_per_s: float | None = None
-    attempts: int | None = None
+    attempts: int | None = None  # of its session: a resumed run's count starts again at its resume
+    resumed: bool = False  # `launch --resume`: events.jsonl holds the earlier sessions' lines too
     nodes: tuple[SummaryNode, ...] = ()
     split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
     incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
@@ -499,7 +513,8 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         steps=coerce_int(doc.get("steps")), iters=coerce_int(doc.get("iters")), message=text(doc, "message"),
         checkpoint=text(doc, "checkpoint"), tokens_per_s=coerce_float(doc.get("tokens_per_s")),
         predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")),
-        attempts=coerce_int(doc.get("attempts")), nodes=nodes, split=split,
+        attempts=coerce_int(doc.get("attempts")), resumed=isinstance(doc.get("resumed_from"), Mapping),
+        nodes=nodes, split=split,
         incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
         if isinstance(doc.get("incidents"), list) else None,
         quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),

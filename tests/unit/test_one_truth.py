@@ -160,3 +160,26 @@ def test_every_view_of_a_live_run_agrees(tmp_path: Path, upto: int) -> None:
     assert {r["verdict"] for r in run_status_from_monitor(DEMO.name, mon, later).to_json()["ranks"]} == {"hung"}
     assert {r["verdict"] for r in tracked.view(later, full=False)["ranks"]} == {"hung"}
     assert {r.verdict for r in RunWatcher(run.parent).scan(now=later)[0].ranks} == {"hung"}
+
+
+def test_the_replay_judges_meta_jsons_attempt_of_the_newest_session() -> None:
+    """`launch --resume` appends a session numbered from attempt 0 again: status and the dashboard judge it, not
+    the session before (whose rank 1 died)."""
+    meta = parse_meta({"run_id": "r", "attempt": 0, "ranks": [{"rank": 0, "node": "a"}, {"rank": 1, "node": "b"}]})
+
+    def step(node: str, rank: int, n: int, t: float, tok_s: float) -> dict[str, Any]:
+        return {"node": node, "rank": rank, "t": t, "event": "step", "step": n, "tok_s": tok_s, "attempt": 0}
+
+    old = [{"node": n, "rank": r, "t": 0.0, "event": "started", "attempt": 0} for r, n in ((0, "a"), (1, "b"))]
+    old += [step("a", 0, 1, 1.0, 100.0), step("b", 1, 1, 1.0, 100.0),
+            {"event": "incident", "attempt": 0, "kind": "crash", "node": "b", "rank": 1, "step": 1, "t": 9.0}]
+    new = [{"node": n, "rank": r, "t": 50.0, "event": "started", "attempt": 0, "resumed_from": 1}
+           for r, n in ((0, "a"), (1, "b"))]
+    new += [step("a", 0, 2, 51.0, 300.0), step("b", 1, 2, 51.0, 200.0)]
+    replay = RunReplay(meta)
+    replay.feed(old + new)
+    assert [(j.node, j.tokens_per_s, str(j.verdict)) for j in replay.judge(52.0).ranks] == [
+        ("a", 300.0, "ok"), ("b", 200.0, "ok")]
+    before = RunReplay(meta)
+    before.feed(old)
+    assert [(j.node, str(j.verdict)) for j in before.judge(None).ranks] == [("a", "ok"), ("b", "dead")]

@@ -293,3 +293,23 @@ def test_the_coordinators_attempt_on_each_line_wins_over_the_order() -> None:
     bare = [{k: v for k, v in e.items() if k != "attempt"} for e in lines]
     assert assign_attempts([parse_event_line(e) for e in bare]) == [0, 0, 0, 0, 1, 1, 1]
     assert assign_attempts([parse_event_line(e) for e in bare], attempts=1) == [0] * 7
+
+
+def test_a_resumed_run_keeps_its_sessions_apart() -> None:
+    """`launch --resume` appends a session whose attempts are numbered from 0 again: a rank started twice under one
+    attempt number begins it. The report shows both sessions' attempts; the replay judges the newest session."""
+    first = [started("local-a", 0, 0), started("local-b", 1, 0), step("local-a", 0, 1, 1, tok_s=100.0),
+             step("local-b", 1, 1, 1, tok_s=100.0), ckpt("local-a", 0, 1, 1.1), ckpt("local-b", 1, 1, 1.1),
+             step("local-a", 0, 2, 2, tok_s=100.0), step("local-b", 1, 2, 2, tok_s=100.0)]
+    again = [started("local-b", 1, 50, resumed_from="step-000001"), step("local-b", 1, 2, 51, tok_s=300.0),
+             started("local-a", 0, 50.5, resumed_from="step-000001"), step("local-a", 0, 2, 51, tok_s=300.0),
+             ckpt("local-a", 0, 2, 51.1), ckpt("local-b", 1, 2, 51.1)]
+    lines = [{**e, "attempt": 0} for e in first + again]
+    summary = {**SUMMARY, "attempts": 1, "resumed_from": {"step": 1, "checkpoint": "step-000001", "node": "local-a",
+                                                          "from_scratch": False, "set_aside": []}}
+    r = build_report(files(lines, summary))
+    assert [(s.node, s.attempt, [p.step for p in s.points]) for s in r.series] == [
+        ("local-a", 0, [1, 2]), ("local-b", 0, [1, 2]), ("local-a", 1, [2]), ("local-b", 1, [2])]
+    assert [(a.number, a.resumed_from) for a in r.attempts] == [(0, None), (1, "step-000001")]
+    assert [(c.attempt, c.step) for c in r.checkpoints] == [(0, 1), (1, 2)]
+    assert [(n.name, n.tokens_per_s) for n in r.nodes] == [("local-a", 300.0), ("local-b", 300.0)]  # the newest

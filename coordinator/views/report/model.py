@@ -204,9 +204,12 @@ def _judge(files: RunFiles, summary: SummaryFile, plan: PlanFile, series: Sequen
         else:
             ranks = tuple(MetaRank(s.rank, s.node, plan.batch.get(s.node)) for s in series
                           if s.attempt == last and s.rank is not None)
-        meta = RunMeta(run_id=files.run_id, attempt=last, ranks=ranks)
+        sessions = AttemptCounter(None if summary.resumed else summary.attempts)
+        for line in lines:
+            sessions.attempt_of(line)
+        meta = RunMeta(run_id=files.run_id, attempt=last - sessions.base, ranks=ranks)  # meta.json's: the session's
     replay = RunReplay(meta, predicted=prediction_of(summary.predicted_tokens_per_s, plan.predicted_tokens_per_s))
-    replay.counter = AttemptCounter(summary.attempts)
+    replay.counter = AttemptCounter(None if summary.resumed else summary.attempts)
     for doc, line in zip(files.events, lines, strict=True):
         replay.feed_line(doc, line)
     return replay.judge(None)
@@ -219,7 +222,9 @@ def build_report(files: RunFiles) -> Report:
     problems = list(files.problems)
     # Each line read under the run directory's contract: the coordinator's keys, the rank's event, an incident.
     events = [parse_event_line(doc) for doc in files.events]
-    attempts_of = assign_attempts(events, summary.attempts)
+    # summary.json counts the attempts of its own session: of the whole file only when the run was not resumed.
+    cap = None if summary.resumed else summary.attempts
+    attempts_of = assign_attempts(events, cap)
 
     # steps, evals, checkpoints, attempts --------------------------------------------------------------------
     points: dict[tuple[int, str], list[Point]] = {}
@@ -281,8 +286,7 @@ def build_report(files: RunFiles) -> Report:
             action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
             t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
-    # summary.json's count is the coordinator's record; without it, the attempts the lines name.
-    n_attempts = summary.attempts or (max([*attempts_of, 0]) + 1 if events else 1)
+    n_attempts = max(attempts_of) + 1 if attempts_of else (summary.attempts or 1)
     attempts = []
     for a in range(n_attempts):
         steps_a = [p.step for s in series if s.attempt == a for p in s.points]
