@@ -116,6 +116,7 @@ class RunReplay:
         self.incidents: list[tuple[int | None, str, str]] = []  # (rank, node, kind) the coordinator recorded
         self._t = 0.0
         self._base = 0  # the first attempt of the session being judged (`launch --resume` starts another)
+        self._rereads = 0  # the re-reads of the ranks' files (`coordinator attach`) seen
 
     def _new_monitor(self) -> Monitor:
         meta = self.meta
@@ -136,6 +137,8 @@ class RunReplay:
             self._base, self.monitor, self.incidents = self.counter.base, self._new_monitor(), []
         if attempt != self._base + self.attempt:
             return
+        if self.counter.rereads != self._rereads:  # an attach reads the ranks' files again, into a fresh monitor
+            self._rereads, self.monitor, self.incidents = self.counter.rereads, self._new_monitor(), []
         if line.incident is not None:
             inc = line.incident
             self.incidents.append((inc.rank, inc.node or "?", inc.kind or "unknown"))

@@ -317,9 +317,11 @@ class AttemptCounter:
 
     A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and on
     its supervisor records) is in that attempt. `launch --resume RUN_ID` appends a new session to the same file and
-    numbers its attempts from 0 again: a rank `started` again under an attempt number it already started under
-    begins a new session (every attempt starts each of its ranks exactly once), whose attempts follow the earlier
-    ones (`base`: the first attempt of the newest session).
+    numbers its attempts from 0 again: a rank `started` again (another process: another `t`) under an attempt
+    number it already started under begins a new session (every attempt starts each of its ranks exactly once),
+    whose attempts follow the earlier ones (`base`: the first attempt of the newest session). The same `started`
+    copied again (its `t` unchanged) is `coordinator attach` reading the ranks' files again from their start:
+    no new attempt; `rereads` counts those re-reads (a reader that folds the lines starts over at each).
 
     A rank event of an older file, which has no `attempt`, is in the attempt of its rank's latest `started` so far
     (rank 0 is in every attempt); `attempts`, summary.json's count when the run was not resumed, caps those. Never
@@ -329,16 +331,26 @@ class AttemptCounter:
         self.last = None if attempts is None else max(0, attempts - 1)
         self.base = 0
         self.top = -1  # the highest attempt named so far
-        self.started: dict[int, set[int]] = {}  # the newest session's attempt -> the ranks started under it
+        self.started: dict[int, dict[int, float | None]] = {}  # newest session: attempt -> rank -> its start's t
+        self.reread: dict[int, set[int]] = {}  # attempt -> ranks whose `started` the latest re-read copied again
+        self.rereads = 0
         self.starts: dict[int, int] = {}  # an older file's: rank -> its `started` lines so far
 
     def attempt_of(self, line: EventLine) -> int:
         rank = line.rank if line.rank is not None else 0
         if line.attempt is not None and line.attempt >= 0:
             if line.kind == "started":
-                if rank in self.started.get(line.attempt, set()):
-                    self.base, self.started = self.top + 1, {}
-                self.started.setdefault(line.attempt, set()).add(rank)
+                seen = self.started.setdefault(line.attempt, {})
+                if rank in seen and seen[rank] == line.t:  # the same event again: a re-read (attach)
+                    again = self.reread.setdefault(line.attempt, set())
+                    if not again or rank in again:
+                        again.clear()
+                        self.rereads += 1
+                    again.add(rank)
+                elif rank in seen:  # another process under the same number: a resumed session
+                    self.base, self.started, self.reread = self.top + 1, {line.attempt: {rank: line.t}}, {}
+                else:
+                    seen[rank] = line.t
             attempt = self.base + line.attempt
         else:
             if line.kind == "started":

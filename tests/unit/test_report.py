@@ -313,3 +313,17 @@ def test_a_resumed_run_keeps_its_sessions_apart() -> None:
     assert [(a.number, a.resumed_from) for a in r.attempts] == [(0, None), (1, "step-000001")]
     assert [(c.attempt, c.step) for c in r.checkpoints] == [(0, 1), (1, 2)]
     assert [(n.name, n.tokens_per_s) for n in r.nodes] == [("local-a", 300.0), ("local-b", 300.0)]  # the newest
+
+
+def test_an_attach_rereading_the_ranks_files_is_no_new_attempt() -> None:
+    """`coordinator attach` copies each rank's lines again from their start (the same `started`, the same `t`):
+    still one attempt, each step once."""
+    run = [started("local-a", 0, 0), started("local-b", 1, 0.2), step("local-a", 0, 1, 1), step("local-b", 1, 1, 1),
+           step("local-a", 0, 2, 2), step("local-b", 1, 2, 2)]
+    detach = {"event": "supervisor", "what": "detached", "node": "coordinator", "t": T0 + 2.5}
+    reread = [*run, step("local-a", 0, 3, 3), step("local-b", 1, 3, 3)]
+    lines = [{**e, "attempt": 0} for e in [*run, detach, *reread]]
+    r = build_report(files(lines, {**SUMMARY, "steps": 3}))
+    assert len(r.attempts) == 1
+    assert [(s.node, s.attempt, [p.step for p in s.points]) for s in r.series] == [
+        ("local-a", 0, [1, 2, 3]), ("local-b", 0, [1, 2, 3])]

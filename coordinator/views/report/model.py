@@ -227,7 +227,7 @@ def build_report(files: RunFiles) -> Report:
     attempts_of = assign_attempts(events, cap)
 
     # steps, evals, checkpoints, attempts --------------------------------------------------------------------
-    points: dict[tuple[int, str], list[Point]] = {}
+    points: dict[tuple[int, str], dict[int, Point]] = {}
     ranks: dict[tuple[int, str], int | None] = {}
     evals: dict[tuple[int, int], EvalPoint] = {}
     ckpts: dict[tuple[int, int], CheckpointRow] = {}
@@ -257,7 +257,8 @@ def build_report(files: RunFiles) -> Report:
             key = (attempt, node)
             attempt_nodes.setdefault(attempt, {})[node] = None
             ranks[key] = event.rank
-            points.setdefault(key, []).append(Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s))
+            # Keyed by step: `coordinator attach` copies the ranks' lines again from their start.
+            points.setdefault(key, {})[event.step] = Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s)
         elif isinstance(event, EvalEvent) and event.step is not None:
             if event.val_loss is not None:
                 evals.setdefault((attempt, event.step), EvalPoint(attempt, event.step, event.val_loss, t))
@@ -271,7 +272,7 @@ def build_report(files: RunFiles) -> Report:
             errors.append({"node": node, "rank": event.rank, "attempt": attempt,
                            "message": _evidence_text(event.extra.get("error") or event.message or event.traceback
                                                      or line.payload)})
-    series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts, key=lambda p: p.step)))
+    series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts.values(), key=lambda p: p.step)))
               for (a, node), pts in sorted(points.items())]
 
     # incidents: summary.json has them all (every attempt) without the attempt; events.jsonl has the attempt.
