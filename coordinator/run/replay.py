@@ -148,6 +148,7 @@ class RunReplay:
         self._t = line.t if line.t is not None else self._t
         data = {k: v for k, v in record.items() if k not in ("node", "attempt")}
         self.monitor.observe(Observation(ObservationKind.EVENT, line.node, self._t, line.rank, data))
+        self.monitor.events.clear()  # the monitor's copy of every event: the file has them, a long run need not
 
     def judge(self, now: float | None) -> RunJudgement:
         """`now`: wall-clock time while the run is live (the workers' `t` is unix time), None once it ended."""

@@ -155,28 +155,40 @@ class RunEvents:
     incident_counts: Counter[str] = field(default_factory=Counter)
     incidents: list[IncidentNote] = field(default_factory=list)
     bad_lines: int = 0
-    # Every line, for the run's replay (`replay`), which meta.json's attempt decides; the replay once made is fed
-    # as lines come.
+    # The run replayed through the monitor's rules for meta.json's attempt (coordinator.run.replay): every rank's
+    # rate and verdict. Given meta.json up front (`for_meta`), the replay is fed as lines come; otherwise the lines
+    # are kept until `replay(meta)` makes it.
+    meta: RunMeta | None = None
     lines: list[tuple[Mapping[str, Any], EventLine]] = field(default_factory=list)
     _replay: RunReplay | None = None
 
+    @classmethod
+    def for_meta(cls, meta: RunMeta) -> RunEvents:
+        return cls(meta=meta, _replay=RunReplay(meta))
+
     def replay(self, meta: RunMeta) -> RunReplay:
-        """The run replayed through the monitor's rules for meta.json's attempt (coordinator.run.replay): every
-        rank's rate and verdict. Made again when meta.json names another attempt or other ranks (a relaunch)."""
-        done = self._replay
-        if done is None or (done.meta.attempt, done.meta.ranks, done.meta.faults) != (meta.attempt, meta.ranks,
-                                                                                     meta.faults):
-            done = self._replay = RunReplay(meta)
+        """The replay for `meta` (made from the kept lines when none was made yet). A reader whose meta.json names
+        another attempt or other ranks (a relaunch) reads the run again into a fresh `RunEvents`."""
+        if self._replay is None:
+            self._replay = RunReplay(meta)
             for record, line in self.lines:
-                done.feed_line(record, line)
-        return done
+                self._replay.feed_line(record, line)
+            self.lines.clear()
+        return self._replay
+
+    def judges(self, meta: RunMeta) -> bool:
+        """Whether this fold's replay is of `meta`'s attempt, ranks and thresholds."""
+        done = self._replay
+        return done is None or (done.meta.attempt, done.meta.ranks, done.meta.faults) == (
+            meta.attempt, meta.ranks, meta.faults)
 
     def feed(self, record: Mapping[str, Any]) -> None:
         """One decoded events.jsonl line, read under the run directory's contract (`rundir.parse_event_line`)."""
         line = parse_event_line(record)
-        self.lines.append((record, line))
         if self._replay is not None:
             self._replay.feed_line(record, line)
+        else:
+            self.lines.append((record, line))
         if line.incident is not None:
             inc = line.incident
             name = inc.kind or "unknown"

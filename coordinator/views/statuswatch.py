@@ -109,8 +109,9 @@ class RunWatcher:
             if meta is None:
                 continue
             tracked = self._tracked.get(run_dir.name)
-            if tracked is None:
-                tracked = self._tracked[run_dir.name] = _Tracked(RunEvents(), iters=_playbook_iters(run_dir))
+            if tracked is None or not tracked.events.judges(meta):  # new, or relaunched: read it (again) for meta
+                tracked = self._tracked[run_dir.name] = _Tracked(RunEvents.for_meta(meta),
+                                                                 iters=_playbook_iters(run_dir))
             lines, tracked.offset = read_new_lines(run_dir / EVENTS, tracked.offset)
             tracked.events.feed_lines(lines)
             runs.append(build_run_status(meta.run_id, meta, summary, tracked.events, now, iters=tracked.iters))
