@@ -133,12 +133,13 @@ class RunReplay:
     def feed_line(self, record: Mapping[str, Any], line: EventLine) -> None:
         """One line, already read as an `EventLine` (for readers that fold it themselves too)."""
         attempt = self.counter.attempt_of(line)
+        reread, self._rereads = self.counter.rereads != self._rereads, self.counter.rereads
         if self.counter.base != self._base:  # a resumed session began: meta.json's attempt is one of its own
             self._base, self.monitor, self.incidents = self.counter.base, self._new_monitor(), []
         if attempt != self._base + self.attempt:
             return
-        if self.counter.rereads != self._rereads:  # an attach reads the ranks' files again, into a fresh monitor
-            self._rereads, self.monitor, self.incidents = self.counter.rereads, self._new_monitor(), []
+        if reread:  # an attach began reading this attempt's files again, into a fresh monitor
+            self.monitor, self.incidents = self._new_monitor(), []
         if line.incident is not None:
             inc = line.incident
             self.incidents.append((inc.rank, inc.node or "?", inc.kind or "unknown"))

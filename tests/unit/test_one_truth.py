@@ -183,3 +183,20 @@ def test_the_replay_judges_meta_jsons_attempt_of_the_newest_session() -> None:
     before = RunReplay(meta)
     before.feed(old)
     assert [(j.node, str(j.verdict)) for j in before.judge(None).ranks] == [("a", "ok"), ("b", "dead")]
+
+
+def test_an_attach_rereading_the_files_is_judged_as_the_attaching_monitor_did() -> None:
+    """`coordinator attach` copies the ranks' lines again from their start into a fresh monitor: the replay starts
+    over there too, so no step counts twice."""
+    meta = parse_meta({"run_id": "r", "attempt": 0, "ranks": [{"rank": 0, "node": "a"}, {"rank": 1, "node": "b"}]})
+    first = [{"node": n, "rank": r, "t": 0.0, "event": "started", "attempt": 0} for r, n in ((0, "a"), (1, "b"))]
+    first += [{"node": n, "rank": r, "t": float(s), "event": "step", "step": s, "tok_s": 100.0 * (r + 1), "attempt": 0}
+              for s in (1, 2, 3) for r, n in ((0, "a"), (1, "b"))]
+    later = [{"node": n, "rank": r, "t": float(s), "event": "step", "step": s, "tok_s": 100.0 * (r + 1), "attempt": 0}
+             for s in (4, 5) for r, n in ((0, "a"), (1, "b"))]
+    replay = RunReplay(meta)
+    replay.feed([*first, {"event": "supervisor", "what": "detached", "node": "coordinator", "attempt": 0, "t": 3.5},
+                 *first, *later])
+    assert [len(v.recent_tok_s) for v in replay.monitor.ranks.values()] == [5, 5]
+    assert [(j.node, j.tokens_per_s, str(j.verdict)) for j in replay.judge(6.0).ranks] == [
+        ("a", 100.0, "ok"), ("b", 200.0, "ok")]
