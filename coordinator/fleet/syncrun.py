@@ -25,7 +25,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,15 @@ from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.fleet.transport import Fleet, LocalTransport, RawProcess, Transport, python_argv
 from coordinator.models import Connection, Inventory, Node
-from coordinator.planning.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
+from coordinator.planning.sync import (
+    NodeState,
+    ParseError,
+    SyncPlan,
+    compute_plan,
+    describe_refusal,
+    parse_node_state,
+    verify,
+)
 
 SETUP_TIMEOUT = 60.0
 
@@ -48,6 +56,12 @@ PORT_TIMEOUT = 30.0
 
 
 RELAY_IDLE_TIMEOUT = 60.0  # a relay socket silent this long gives up (the node's process then exits by itself)
+
+
+STALL_TIMEOUT = 10.0  # a relay that says nothing (its heartbeat is every HEARTBEAT s) this long is stopped
+
+
+LIFELINE_MARGIN = 60.0  # a relay's own deadline is the coordinator's timeout plus this
 
 
 BROKEN_CHAIN_GRACE = 2.0  # seconds the relays get to finish once the source's stream has failed
@@ -63,6 +77,12 @@ class SyncError(CoordinatorError):
     """The sync could not start (no source, no agreement) or its source failed."""
 
 
+class SourceRefused(SyncError):
+    """The source cannot be the truth: a synced dir is missing there (a usage error: exit 2)."""
+
+    exit_code = 2
+
+
 @dataclass
 class SyncReport:
     plan: SyncPlan | None
@@ -74,10 +94,14 @@ class SyncReport:
     transfer_seconds: float = 0.0
     refused: dict[str, list[str]] = field(default_factory=dict)
     fallback: dict[str, str] = field(default_factory=dict)  # node -> why the relay chain failed it (then SSH)
+    refusal: str | None = None  # doubtful deletions the user did not confirm: nothing was changed
+    recovered: dict[str, str] = field(default_factory=dict)  # node -> an error its verified-identical end outlived
 
     @property
     def ok(self) -> bool:
-        if self.plan is None or self.node_errors or self.plan.problems:
+        """The verdict is the verification's: every target identical to the source. An error on the way that
+        the end outlived (a stray partial, a chain break healed by the fallback) is in `recovered`, not here."""
+        if self.plan is None or self.node_errors or self.plan.problems or self.refusal:
             return False
         return self.checked_only or all(not v for v in self.verified.values())
 
@@ -86,7 +110,8 @@ class SyncReport:
                 "errors": self.node_errors, "verified": {n: not v for n, v in self.verified.items()},
                 "differences": {n: v for n, v in self.verified.items() if v}, "sent_bytes": self.sent_bytes,
                 "elapsed_s": round(self.seconds, 3), "transfer_s": round(self.transfer_seconds, 3),
-                "refused": self.refused, "fallback": self.fallback}
+                "refused": self.refused, "fallback": self.fallback, "refusal": self.refusal,
+                "recovered": self.recovered}
 
 
 @dataclass(frozen=True)
@@ -103,11 +128,32 @@ def _relay_argv(side: _Side, *args: str) -> list[str]:
 
 
 async def _call(side: _Side, args: list[str], spec: dict[str, Any], timeout: float) -> str:
-    result = await side.transport.run(_relay_argv(side, *args), stdin=json.dumps(spec), timeout=timeout)
-    if not result.ok:
-        raise TransportError(side.node.name, f"worker.relay {args[0]} exited {result.exit_status}: "
-                             f"{(result.stdout + result.stderr).strip()[-400:]}")
-    return result.stdout
+    """Run `worker.relay ARGS` with `spec` on its stdin, which stays open: the relay's lifeline. The relay exits
+    when it closes (this coordinator killed, the SSH session dropped, or the timeout below), so no remote
+    planning keeps walking a node's disk for a coordinator that is gone. Raises TransportError."""
+    proc = await side.transport.open_binary(_relay_argv(side, *args))
+    try:
+        proc.stdin.write(_spec_line(spec, timeout))
+        out, err = await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.stderr.read()), timeout=timeout)
+        status = await asyncio.wait_for(proc.wait(), timeout=timeout)
+    except TimeoutError as exc:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} timed out after {timeout:g}s",
+                             kind="timeout") from exc
+    except (asyncssh.Error, OSError) as exc:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} failed: {exc}") from exc
+    finally:
+        proc.kill()  # closes the channel: the relay's stdin ends, and it exits if it has not yet
+    text: str = out.decode(errors="replace")
+    if status != 0:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} exited {status}: "
+                             f"{(text + err.decode(errors='replace')).strip()[-400:]}")
+    return text
+
+
+def _spec_line(spec: dict[str, Any], deadline: float) -> bytes:
+    """The relay's one line of stdin: `spec`, with the lifeline on (exit when stdin closes) and a deadline (the
+    relay exits by itself after it, should even the lifeline fail)."""
+    return json.dumps({**spec, "lifeline": True, "deadline": deadline + LIFELINE_MARGIN}).encode() + b"\n"
 
 
 async def _plan_state(side: _Side) -> NodeState:
@@ -124,28 +170,44 @@ class _Stream:
         self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.answer: dict[str, Any] | None = None
         self.stderr: list[str] = []
+        self.heard = time.monotonic()  # when it last said something (progress, or its heartbeat)
+        self.stalled = False
         self.task = asyncio.create_task(self._run(argv, spec, progress))
 
     async def _run(self, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None]) -> None:
         name = self.side.node.name
-        stream: AsyncIterator[tuple[str, str]] = self.side.transport.stream(
-            argv, stdin=json.dumps(spec), timeout=TRANSFER_TIMEOUT)
+        proc: RawProcess | None = None
         try:
-            async for kind, line in stream:
-                if kind == "stderr":
-                    if line.startswith("progress "):
-                        progress(int(line.split()[1]))
+            proc = await self.side.transport.open_binary(argv)
+            proc.stdin.write(_spec_line(spec, TRANSFER_TIMEOUT))  # stdin stays open: the relay's lifeline
+
+            async def errs(reader: Any) -> None:
+                while line := await reader.readline():
+                    text = line.decode(errors="replace")
+                    if text.startswith("progress "):
+                        self.heard = time.monotonic()
+                        progress(int(text.split()[1]))
+                    elif text.startswith("alive"):
+                        self.heard = time.monotonic()
                     else:
-                        self.stderr.append(line.strip())
-                elif kind == "stdout" and line.strip():
+                        self.stderr.append(text.strip())
+
+            async def outs(reader: Any) -> None:
+                while line := await reader.readline():
+                    if not line.strip():
+                        continue
                     doc = json.loads(line)
                     if "port" in doc and not self.port.done():
                         self.port.set_result(int(doc["port"]))
                     else:
                         self.answer = doc
-        except (TransportError, ValueError) as exc:
+
+            await asyncio.gather(errs(proc.stderr), outs(proc.stdout))
+        except (TransportError, asyncssh.Error, OSError, ValueError) as exc:
             self.answer = {"error": str(exc)}
         finally:
+            if proc is not None:
+                proc.kill()  # the channel closes: a relay still running sees its lifeline end and exits
             if not self.port.done():
                 self.port.set_exception(TransportError(
                     name, f"relay ended before listening: {(self.answer or {}).get('error', '')} "
@@ -153,8 +215,15 @@ class _Stream:
                 if not self.listens:  # nobody awaits a sender's port
                     self.port.exception()
 
+    @property
+    def aborted(self) -> bool:
+        """It ended without finishing its stream (not just with some files in error): the chain broke here."""
+        return self.task.done() and (self.task.cancelled() or self.answer is None or "error" in self.answer)
+
     def error(self) -> str | None:
         doc = self.answer
+        if doc is None and self.stalled:
+            return f"stopped: silent for {STALL_TIMEOUT:g}s (hung?)"
         if doc is None and self.task.cancelled():
             return "stopped: the chain broke upstream"
         if doc is None:
@@ -169,10 +238,13 @@ class _Stream:
 async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | None, source_path: Path | None,
                    check: bool, connect_timeout: float = 5.0, accept_new_host_keys: bool = False,
                    progress: Progress | None = None, on_plan: Callable[[SyncPlan], None] | None = None,
-                   source_dirs: Mapping[str, str] | None = None) -> SyncReport:
+                   source_dirs: Mapping[str, str] | None = None, delete_extras: bool = False,
+                   confirm: Callable[[str], bool] | None = None) -> SyncReport:
     """Plan, copy and verify (see the module docstring). Per-node failures are in the report. `source_dirs`
     (label -> local dir) is a local source laid out otherwise than `source_path/<label>` (launch --fix: the
-    playbook's own paths on this machine)."""
+    playbook's own paths on this machine). A plan with doubtful deletions (coordinator/planning/sync.py) goes
+    ahead only with `delete_extras` or when `confirm(question)` says yes; otherwise `report.refusal` says why and
+    nothing is changed."""
     started = time.perf_counter()
     dirs = dict(pb.hashed_dirs())
     nodes = [n for n in inventory.nodes if source_node is None or n.name != source_node.name]
@@ -223,9 +295,9 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
             src_state = states.pop(src_side.node.name, None)
             if src_state is None:
                 raise SyncError(f"source: {report.node_errors.pop(src_side.node.name, 'no manifest')}")
-            if src_state.missing or not src_state.manifest:
-                raise SyncError(f"source {src_side.node.name} lacks "
-                                f"{', '.join(src_side.dirs[lb] for lb in src_state.missing) or 'any file'}")
+            if src_state.missing:
+                raise SourceRefused(f"source {src_side.node.name} lacks "
+                                    f"{', '.join(src_side.dirs[lb] for lb in src_state.missing)} (no such directory)")
             if src_state.errors:
                 raise SyncError(f"source {src_side.node.name}: {'; '.join(src_state.errors)}")
             source_name, manifest = src_side.node.name, src_state.manifest
@@ -238,7 +310,12 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
         report.plan = plan
         if on_plan is not None:
             on_plan(plan)
-        if check or plan.problems:
+        if plan.doubtful and not delete_extras:
+            refusal = describe_refusal(plan, src_side.dirs)
+            if check or plan.problems or confirm is None or not confirm(refusal.split(" (an unmounted")[0]
+                                                                        + ". Delete them?"):
+                report.refusal = refusal
+        if check or plan.problems or report.refusal:
             report.seconds = time.perf_counter() - started
             return report
 
@@ -275,6 +352,13 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
                 report.verified[side.node.name] = verify(manifest, ans)
             else:
                 report.node_errors.setdefault(side.node.name, str(ans))
+        # Errors the end outlived: a node that verified identical is synced whatever went wrong on the way, and
+        # so is a source whose every target did.
+        everyone = bool(report.verified) and all(not v for v in report.verified.values()) and \
+            set(report.verified) == {s.node.name for s in targets if s.node.name in states}
+        for name in list(report.node_errors):
+            if report.verified.get(name) == [] or (name == src_side.node.name and everyone):
+                report.recovered[name] = report.node_errors.pop(name)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -315,16 +399,37 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
     sender = _Stream(src, _relay_argv(src, "send"),
                      {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
                       "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
-    await sender.task
-    if sender.error():
-        # The chain broke (a hop unreachable or gone): relays downstream of the break would wait for data until
-        # their idle timeout. Give the others a moment to finish what they received, then stop them all.
-        _, pending = await asyncio.wait([s.task for s in servers], timeout=BROKEN_CHAIN_GRACE)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    else:
-        await asyncio.gather(*(s.task for s in servers))
+    # A relay that aborts breaks the chain there: the relays after it would wait for an upstream (or data) until
+    # their idle timeout, so they get BROKEN_CHAIN_GRACE to finish on their own, then are stopped (the fallback
+    # serves them). The ones before it go on: a relay whose next hop fails keeps receiving for itself.
+    stoppers: list[asyncio.Task[None]] = []
+
+    async def stop_after(group: list[_Stream]) -> None:
+        running = [s.task for s in group if not s.task.done()]
+        if running:
+            _, pending = await asyncio.wait(running, timeout=BROKEN_CHAIN_GRACE)
+            for task in pending:
+                task.cancel()
+
+    def on_end(i: int) -> Callable[[asyncio.Task[None]], None]:
+        def ended(_task: asyncio.Task[None]) -> None:
+            if servers[i].aborted:
+                stoppers.append(asyncio.create_task(stop_after(servers[i + 1:])))
+        return ended
+
+    for i, server in enumerate(servers):
+        server.task.add_done_callback(on_end(i))
+    watchdog = asyncio.create_task(_watch_stalls(servers, sender))
+    try:
+        await asyncio.wait([sender.task])  # (cancelled by the watchdog when it hangs)
+        # The source is done: every relay it reached has finished (each hop waits for the next to close), so the
+        # ones still running were cut off.
+        await stop_after(servers)
+        await asyncio.gather(*(s.task for s in servers), return_exceptions=True)
+        await asyncio.sleep(0)  # the done callbacks run
+        await asyncio.gather(*stoppers, return_exceptions=True)
+    finally:
+        watchdog.cancel()
     if sender.answer and isinstance(sender.answer.get("bytes"), int):
         report.sent_bytes = sender.answer["bytes"]
     problem = sender.error()
@@ -337,6 +442,19 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
             report.node_errors[name] = problem
         if server.answer and server.answer.get("refused"):
             report.refused[name] = list(server.answer["refused"])
+
+
+async def _watch_stalls(servers: list[_Stream], sender: _Stream) -> None:
+    """Stop a relay that has said nothing (no progress, no heartbeat) for STALL_TIMEOUT: a hung process or node
+    would otherwise hold the whole chain until the sockets' idle timeout. Its neighbours then see its sockets
+    close and go on without it (the fallback serves it)."""
+    while True:
+        await asyncio.sleep(STALL_TIMEOUT / 4)
+        now = time.monotonic()
+        for stream in [sender, *servers]:
+            if not stream.task.done() and now - stream.heard > STALL_TIMEOUT:
+                stream.stalled = True
+                stream.task.cancel()
 
 
 async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report: SyncReport,
