@@ -315,6 +315,13 @@ def _open_partial(path: str, start: int, sha: str) -> tuple[int, Any]:
     digest = hashlib.sha256()
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     partial = partial_path(path)
+    for name in (partial, partial + ".sha256"):
+        # Our reserved names: a symlink there is removed (the link, never its target), an emptied dir too (its
+        # files were deleted as extras); anything else fails the open below, for this file only.
+        if os.path.islink(name):
+            os.unlink(name)
+        elif os.path.isdir(name):
+            os.rmdir(name)
     side = os.open(partial + ".sha256", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o644)
     with os.fdopen(side, "w", encoding="utf-8") as fh:
         fh.write(f"{sha}\n{os.path.basename(path)}\n")
@@ -392,21 +399,34 @@ def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: l
                 errors.append(f"{f['path']}: {exc}")
     down: socket.socket | Pipe | None = pipe
     hop = ""
+    downstream: str | None = None  # why the next hop failed (this node then goes on for itself)
     if chain:
         ip, port = chain[0]
         hop = f"{ip}:{port}"
         # A short connect timeout: an unreachable next hop must fail fast, so the coordinator falls back to SSH.
-        down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
-        down.settimeout(timeout)
-        down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A receiver that cannot reach it still receives for itself (the coordinator serves the rest).
+        try:
+            down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
+            down.settimeout(timeout)
+            down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            if source:
+                raise
+            downstream = f"next hop {hop} unreachable: {exc.strerror or exc}"
     if down is not None:
         header = json.dumps({"chain": chain[1:], "files": files}, separators=(",", ":"))
-        down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
+        try:
+            down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
+        except OSError as exc:
+            if source or not isinstance(down, socket.socket):
+                raise
+            downstream = f"next hop {hop} failed: {exc.strerror or exc}"
+            down.close()
+            down = None
     cache = probe.HashCache(probe.DEFAULT_CACHE)
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     done: list[str] = []
-    downstream: str | None = None
     moved = 0
     try:
         for f in files:

@@ -48,18 +48,18 @@ def test_a_symlink_at_the_final_name_is_replaced_not_written_through(tmp_path: P
     outside.write_bytes(b"outside")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "f.bin").symlink_to(outside)
-    (tmp_path / "model" / "g.bin.partial").symlink_to(outside)  # a planted partial: O_NOFOLLOW refuses it
+    (tmp_path / "model" / "g.bin.partial").symlink_to(outside)  # a planted partial link
     server = Server(tmp_path, ["model/f.bin"])
     server.connect("t0k", [_entry("model/f.bin", b"new bytes")], b"new bytes")
     assert server.result()["files"] == ["model/f.bin"]
     assert not (tmp_path / "model" / "f.bin").is_symlink()
     assert (tmp_path / "model" / "f.bin").read_bytes() == b"new bytes" and outside.read_bytes() == b"outside"
     server = Server(tmp_path, ["model/g.bin"])
-    server.connect("t0k", [_entry("model/g.bin", b"evil")], b"evil", refused=True)
+    server.connect("t0k", [_entry("model/g.bin", b"new")], b"new")
     doc = server.result()
-    # The planted partial fails that file (named), never written through; the stream itself went on.
-    assert server.code == 1 and doc["files"] == [] and outside.read_bytes() == b"outside"
-    assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("model/g.bin: ")
+    # The planted partial link is removed, never written through: the file lands, the link's target is untouched.
+    assert server.code == 0 and doc["files"] == ["model/g.bin"] and outside.read_bytes() == b"outside"
+    assert (tmp_path / "model" / "g.bin").read_bytes() == b"new" and not (tmp_path / "model" / "g.bin.partial").exists()
 
 
 class Server:
@@ -201,7 +201,8 @@ def test_a_long_name_syncs_and_a_bad_file_does_not_stop_the_ones_after_it(tmp_pa
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "model" / "blocked").mkdir(parents=True)
-    (tmp_path / "model" / "blocked" / "f.bin.partial").mkdir()  # a dir at the partial's name: f.bin cannot land
+    (tmp_path / "model" / "blocked" / "f.bin.partial").mkdir()  # a dir at the partial's name...
+    (tmp_path / "model" / "blocked" / "f.bin.partial" / "x").write_bytes(b"x")  # ...not empty: f.bin cannot land
     long = "n" * 250  # near NAME_MAX: `<name>.partial.sha256` would be 265 bytes
     files = [("model/blocked/f.bin", b"first"), (f"model/{long}", b"long name"), ("model/z.bin", b"after")]
     server = Server(tmp_path, [p for p, _ in files])
