@@ -618,6 +618,10 @@ def _hold_lifeline(deadline: Any, *, heartbeat: bool) -> None:
                 sys.stderr.write("alive\n")
                 sys.stderr.flush()
 
+    if heartbeat:
+        with _ERR_LOCK:
+            sys.stderr.write(f"pid {os.getpid()}\n")  # so a hung relay can be killed by the coordinator
+            sys.stderr.flush()
     threading.Thread(target=watch, daemon=True).start()
     if isinstance(deadline, (int, float)) and deadline > 0:
         threading.Thread(target=expire, daemon=True).start()

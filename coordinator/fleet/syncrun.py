@@ -21,6 +21,7 @@ identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -172,6 +173,7 @@ class _Stream:
         self.stderr: list[str] = []
         self.heard = time.monotonic()  # when it last said something (progress, or its heartbeat)
         self.stalled = False
+        self.pid: int | None = None  # the relay's, on its node
         self.task = asyncio.create_task(self._run(argv, spec, progress))
 
     async def _run(self, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None]) -> None:
@@ -189,6 +191,8 @@ class _Stream:
                         progress(int(text.split()[1]))
                     elif text.startswith("alive"):
                         self.heard = time.monotonic()
+                    elif text.startswith("pid "):
+                        self.pid = int(text.split()[1])
                     else:
                         self.stderr.append(text.strip())
 
@@ -206,6 +210,11 @@ class _Stream:
         except (TransportError, asyncssh.Error, OSError, ValueError) as exc:
             self.answer = {"error": str(exc)}
         finally:
+            if self.stalled and self.pid is not None:
+                # A hung relay (a stopped process, a node stuck in I/O) reads no lifeline: kill it by pid, so its
+                # sockets close and its neighbours go on (a signal on the channel may reach only its shell).
+                with contextlib.suppress(CoordinatorError):
+                    await self.side.transport.run(["kill", "-KILL", str(self.pid)], timeout=SETUP_TIMEOUT)
             if proc is not None:
                 proc.kill()  # the channel closes: a relay still running sees its lifeline end and exits
             if not self.port.done():
@@ -387,15 +396,23 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
     servers = [_Stream(s, _relay_argv(s, "serve", "--bind", s.node.data_ip),
                        {"token": token, "dirs": s.dirs, "need": need[s.node.name], "timeout": RELAY_IDLE_TIMEOUT},
                        meter(s.node.name)) for s in chain]
+    # The chain is the relays that listen (within PORT_TIMEOUT, or sooner stopped as silent by the watchdog);
+    # the others are left to the fallback.
+    early = asyncio.create_task(_watch_stalls(servers, None))
     try:
-        ports = await asyncio.wait_for(asyncio.gather(*(s.port for s in servers)), timeout=PORT_TIMEOUT)
-    except (TransportError, TimeoutError) as exc:
-        for server in servers:
-            server.task.cancel()
-        for side in chain:
-            report.node_errors.setdefault(side.node.name, f"relay did not start: {exc}")
+        await asyncio.wait([s.port for s in servers], timeout=PORT_TIMEOUT)
+    finally:
+        early.cancel()
+    for server in [s for s in servers if not s.port.done() or s.port.exception() is not None]:
+        server.task.cancel()
+        why = (f"silent for {STALL_TIMEOUT:g}s (hung?)" if server.stalled
+               else (server.port.exception() if server.port.done() else None) or
+               f"not listening after {PORT_TIMEOUT:g}s")
+        report.node_errors.setdefault(server.side.node.name, f"relay did not start: {why}")
+    servers = [s for s in servers if s.port.done() and s.port.exception() is None]
+    if not servers:
         return
-    hops = [[s.node.data_ip, port] for s, port in zip(chain, ports, strict=True)]
+    hops = [[s.side.node.data_ip, s.port.result()] for s in servers]
     sender = _Stream(src, _relay_argv(src, "send"),
                      {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
                       "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
@@ -444,14 +461,14 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
             report.refused[name] = list(server.answer["refused"])
 
 
-async def _watch_stalls(servers: list[_Stream], sender: _Stream) -> None:
+async def _watch_stalls(servers: list[_Stream], sender: _Stream | None) -> None:
     """Stop a relay that has said nothing (no progress, no heartbeat) for STALL_TIMEOUT: a hung process or node
     would otherwise hold the whole chain until the sockets' idle timeout. Its neighbours then see its sockets
     close and go on without it (the fallback serves it)."""
     while True:
         await asyncio.sleep(STALL_TIMEOUT / 4)
         now = time.monotonic()
-        for stream in [sender, *servers]:
+        for stream in [*([sender] if sender is not None else []), *servers]:
             if not stream.task.done() and now - stream.heard > STALL_TIMEOUT:
                 stream.stalled = True
                 stream.task.cancel()
@@ -485,37 +502,63 @@ async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report
         answers[name] = json.loads(out[-1]) if out else {"error": "no answer"}
 
     readers = [asyncio.create_task(read_err(src.node.name, source))]
+    started = [source]
     for t in targets:
-        proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        try:
+            proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        except TransportError as exc:
+            report.node_errors[t.node.name] = f"SSH fallback: {exc}"
+            answers[t.node.name] = {}
+            continue
+        started.append(proc)
         proc.stdin.write(json.dumps({"token": token, "dirs": t.dirs, "need": need[t.node.name],
                                      "timeout": RELAY_IDLE_TIMEOUT}).encode() + b"\n")
         sinks[t.node.name] = proc
         readers += [asyncio.create_task(read_err(t.node.name, proc)), asyncio.create_task(read_out(t.node.name, proc))]
+
+    def drop(name: str, why: str) -> None:
+        # That node's relay died or hung: it is stopped (so its readers end) and the others go on.
+        report.node_errors[name] = f"SSH fallback: {why}"
+        answers.setdefault(name, {})
+        sinks.pop(name).kill()
+
+    async def feed(proc: RawProcess, data: bytes) -> None:
+        proc.stdin.write(data)
+        await asyncio.wait_for(proc.stdin.drain(), timeout=RELAY_IDLE_TIMEOUT)
+
     try:
-        while chunk := await source.stdout.read(1 << 20):
+        while True:
+            try:
+                chunk = await asyncio.wait_for(source.stdout.read(1 << 20), timeout=RELAY_IDLE_TIMEOUT)
+            except TimeoutError:
+                answers[src.node.name] = {"error": f"sent nothing for {RELAY_IDLE_TIMEOUT:g}s"}
+                break
+            if not chunk:
+                break
             report.sent_bytes += len(chunk)
-
-            async def feed(proc: RawProcess, data: bytes = chunk) -> None:
-                proc.stdin.write(data)
-                await proc.stdin.drain()
-
             names = list(sinks)
-            fed = await asyncio.gather(*(feed(sinks[n]) for n in names), return_exceptions=True)
+            fed = await asyncio.gather(*(feed(sinks[n], chunk) for n in names), return_exceptions=True)
             for name, outcome in zip(names, fed, strict=True):
-                if isinstance(outcome, (OSError, asyncssh.Error)):  # that node's relay died: the others go on
-                    report.node_errors[name] = f"SSH fallback: {outcome}"
-                    del sinks[name]
+                if isinstance(outcome, TimeoutError):
+                    drop(name, f"took nothing for {RELAY_IDLE_TIMEOUT:g}s")
+                elif isinstance(outcome, (OSError, asyncssh.Error)):
+                    drop(name, str(outcome))
                 elif isinstance(outcome, BaseException):
                     raise outcome
         for proc in sinks.values():
             proc.stdin.write_eof()
-        await asyncio.gather(source.wait(), *(p.wait() for p in sinks.values()))
-        await asyncio.gather(*readers, return_exceptions=True)
+        # Each relay answers once its last file is renamed; bounded, so a hung one cannot hold the sync.
+        _, pending = await asyncio.wait([asyncio.ensure_future(source.wait()), *readers,
+                                         *(asyncio.ensure_future(p.wait()) for p in sinks.values())],
+                                        timeout=RELAY_IDLE_TIMEOUT)
+        for task in pending:
+            task.cancel()
     finally:
-        for proc in [source, *sinks.values()]:
+        for proc in started:
             proc.kill()
     for name in [src.node.name, *(t.node.name for t in targets)]:
         doc = answers.get(name, {"error": "no answer"})
         problem = doc.get("error") or "; ".join(doc.get("errors") or [])
         if problem:
-            report.node_errors[name] = (f"source: {problem}" if name == src.node.name else f"SSH fallback: {problem}")
+            report.node_errors.setdefault(name, f"source: {problem}" if name == src.node.name
+                                          else f"SSH fallback: {problem}")

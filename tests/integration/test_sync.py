@@ -3,6 +3,7 @@ chain over the hosts' own addresses."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -387,3 +388,42 @@ def test_stray_partials_long_names_and_a_failing_node(testbed: TestBed, tmp_path
     assert (h2.srv / "model" / "zz.bin").read_bytes() == b"after the long name\n"
     assert _tree(h3.srv / "model") == _tree(h1.srv / "model") and not any(outside.iterdir())
     assert elapsed < 30, f"took {elapsed:.0f}s: a failed node held up the chain"
+
+
+def test_a_hung_relay_is_routed_around_in_seconds(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
+    from tests.testbed import _netns_pids
+
+    h1, h2, h3 = testbed.add_hosts(3)
+    _fill_source(h1, big=12 * CHUNK)
+    # ~1.2 MB/s into h2: its relay is still receiving when it is frozen (SIGSTOP: alive, silent, reading nothing).
+    subprocess.run(["tc", "qdisc", "add", "dev", h2.veth, "root", "tbf", "rate", "10mbit", "burst", "32kb",
+                    "latency", "50ms"], check=True)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml")
+    pb = _playbook(tmp_path / "pb.yaml")
+    argv = [sys.executable, "-m", "coordinator", "sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--json"]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen: list[int] = []
+    partial = h2.srv / "model" / "model.safetensors.partial"
+    deadline = time.monotonic() + 60
+    while not frozen and time.monotonic() < deadline and proc.poll() is None:
+        if not (partial.exists() and partial.stat().st_size > CHUNK):  # mid-stream
+            time.sleep(0.05)
+            continue
+        for pid in _netns_pids([h2.ns])[h2.ns]:
+            with contextlib.suppress(OSError):
+                if b"worker.relay\0serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
+        time.sleep(0.05)
+    assert frozen, "h2's relay never started"
+    subprocess.run(["tc", "qdisc", "del", "dev", h2.veth, "root"], check=True)
+    out, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, err + out
+    doc = json.loads(out)
+    assert doc["ok"] and doc["verified"] == {"h2": True, "h3": True}, doc
+    assert "silent" in doc["fallback"]["h2"], doc["fallback"]
+    for h in (h2, h3):
+        assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+    assert elapsed < 45, f"took {elapsed:.0f}s: the chain waited for the hung relay"
