@@ -321,8 +321,8 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
             on_plan(plan)
         if plan.doubtful and not delete_extras:
             refusal = describe_refusal(plan, src_side.dirs)
-            if check or plan.problems or confirm is None or not confirm(refusal.split(" (an unmounted")[0]
-                                                                        + ". Delete them?"):
+            if check or plan.problems or confirm is None or \
+                    not confirm(describe_refusal(plan, src_side.dirs, question=True)):
                 report.refusal = refusal
         if check or plan.problems or report.refusal:
             report.seconds = time.perf_counter() - started

@@ -228,8 +228,9 @@ def evaluate_deletions(manifest: Mapping[str, tuple[int, str]], target: NodeStat
     return out
 
 
-def describe_refusal(plan: SyncPlan, source_dirs: Mapping[str, str]) -> str:
-    """One line: why the plan's deletions are refused, naming the source node and dir and what would go."""
+def describe_refusal(plan: SyncPlan, source_dirs: Mapping[str, str], *, question: bool = False) -> str:
+    """One line: why the plan's deletions are refused, naming the source node and dir and what would go (with
+    `question`: the same facts, asked as a yes/no question for a terminal prompt)."""
     by_label: dict[str, list[DoubtfulDeletion]] = {}
     for d in plan.doubtful:
         by_label.setdefault(d.label, []).append(d)
@@ -240,6 +241,8 @@ def describe_refusal(plan: SyncPlan, source_dirs: Mapping[str, str]) -> str:
                else f"holds only {ds[0].source_files} file{'s' if ds[0].source_files != 1 else ''}")
         lost = ", ".join(f"{d.files} of {d.held_files} files ({_gb(d.bytes)}) on {d.node}" for d in ds)
         parts.append(f"source {where} {why}; syncing would delete {lost}")
+    if question:
+        return "; ".join(parts) + ". Delete them?"
     return ("refusing to delete on doubtful evidence: " + "; ".join(parts)
             + " (an unmounted disk or a wrong --from?); check the source, or pass --delete-extras to delete them")
 

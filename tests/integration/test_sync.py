@@ -265,6 +265,43 @@ def _relays(testbed: TestBed, hosts: list[Host]) -> list[str]:
     return found
 
 
+def _on_terminal(args: list[str], answer: bytes, timeout: float = 120) -> tuple[int, str]:
+    """Run the CLI on a pseudo-terminal, typing `answer` at its first yes/no question: (exit code, what it showed)."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI, its stdin and stdout the terminal
+        os.chdir(REPO)
+        os.environ.update({"NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200"})
+        os.execv(sys.executable, [sys.executable, "-m", "coordinator", *args])
+    shown = b""
+    deadline = time.monotonic() + timeout
+    asked = False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                data = os.read(fd, 4096)
+            except OSError:  # the CLI exited: the terminal is gone
+                break
+            if not data:
+                break
+            shown += data
+            if not asked and b"[y/N]" in shown:
+                os.write(fd, answer)
+                asked = True
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), shown.decode(errors="replace")
+
+
 def test_a_doubtful_source_is_refused_unless_confirmed(testbed: TestBed, tmp_path: Path, run_cli: RunCli) -> None:
     h1, h2, h3 = testbed.add_hosts(3)
     for h in (h1, h2, h3):
@@ -299,10 +336,18 @@ def test_a_doubtful_source_is_refused_unless_confirmed(testbed: TestBed, tmp_pat
     assert cp.returncode == 2 and "source h1:/srv/model holds only 1 file" in cp.stderr, cp.stderr
     assert {h.name: _tree(h.srv / "model") for h in (h2, h3)} == before, "a refused sync changed files"
 
+    # At a terminal the sync asks; no keeps everything.
+    code, shown = _on_terminal(["sync", "-i", str(inv), "-p", str(pb), "--from", "h1"], b"n\n")
+    assert code == 2 and "Delete them?" in shown, shown
+    assert {h.name: _tree(h.srv / "model") for h in (h2, h3)} == before, "a refused sync changed files"
+
     cp = run_cli("sync", "-i", str(inv), "-p", str(pb), "--from", "h1", "--delete-extras", "--json")
     assert cp.returncode == 0, cp.stderr + cp.stdout
     for h in (h2, h3):
         assert _tree(h.srv / "model") == _tree(h1.srv / "model"), h.name
+    _fill_source(h2)  # h2 holds a full copy again: yes at the terminal deletes it as --delete-extras did
+    code, shown = _on_terminal(["sync", "-i", str(inv), "-p", str(pb), "--from", "h1"], b"y\n")
+    assert code == 0 and _tree(h2.srv / "model") == _tree(h1.srv / "model"), shown
     # A missing source dir stays refused.
     (h1.srv / "model" / "config.json").unlink()
     (h1.srv / "model" / "sub").rmdir()
