@@ -26,7 +26,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,22 @@ async def _call(side: _Side, args: list[str], spec: dict[str, Any], timeout: flo
     return text
 
 
+async def _lines(reader: Any) -> AsyncIterator[bytes]:
+    """The lines of a binary pipe as they arrive, however long (a relay's answer lists every file it received:
+    a readline() would hit asyncio's 64 KiB line limit)."""
+    line = bytearray()
+    while chunk := await reader.read(1 << 16):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            line += chunk[start:end + 1]
+            yield bytes(line)
+            line.clear()
+            start = end + 1
+        line += chunk[start:]
+    if line:
+        yield bytes(line)
+
+
 def _spec_line(spec: dict[str, Any], deadline: float) -> bytes:
     """The relay's one line of stdin: `spec`, with the lifeline on (exit when stdin closes) and a deadline (the
     relay exits by itself after it, should even the lifeline fail)."""
@@ -184,7 +200,7 @@ class _Stream:
             proc.stdin.write(_spec_line(spec, TRANSFER_TIMEOUT))  # stdin stays open: the relay's lifeline
 
             async def errs(reader: Any) -> None:
-                while line := await reader.readline():
+                async for line in _lines(reader):
                     text = line.decode(errors="replace")
                     if text.startswith("progress "):
                         self.heard = time.monotonic()
@@ -197,7 +213,7 @@ class _Stream:
                         self.stderr.append(text.strip())
 
             async def outs(reader: Any) -> None:
-                while line := await reader.readline():
+                async for line in _lines(reader):
                     if not line.strip():
                         continue
                     doc = json.loads(line)
