@@ -20,10 +20,18 @@ reading anything else (a wrong one: the connection is closed and the relay keeps
 validates EVERY path of the header before writing a byte, connects to the next hop and forwards each chunk as
 soon as it has written it, so N nodes take about the time of one copy.
 
-Files it needs land in `<file>.partial` (its expected sha256 in `<file>.partial.sha256`, so a later run knows
-what a leftover prefix belongs to). A resumed file is truncated to `start`, the kept prefix is hashed from
-disk, and the rest appended; the file gets its final name only once the whole file's SHA256 matches, and its
-digest goes into the probe's stat-keyed hash cache so the verifying manifest does not read it again.
+Files it needs land in `<file>.partial` (its expected sha256 and the file's name in `<file>.partial.sha256`, so
+a later run knows what a leftover prefix belongs to; a name too long for that gets a shortened, hashed partial
+name: `partial_path`). A file this node cannot write fails alone: its bytes are still forwarded and the files
+after it delivered.
+
+Lifeline: with `"lifeline": true` in the spec, the coordinator keeps stdin open after the spec line and the
+relay exits (status 3) the moment it closes, or at `"deadline"` seconds; `serve`/`send` then also print `pid N`
+and an `alive` heartbeat line every second on stderr, so the coordinator can kill a hung relay.
+
+A resumed file is truncated to `start`, the kept prefix is hashed from disk, and the rest appended; the file gets
+its final name only once the whole file's SHA256 matches, and its digest goes into the probe's stat-keyed hash
+cache so the verifying manifest does not read it again.
 
 Paths: relative, "/"-separated, the first part a label of `dirs`, no empty/`.`/`..` parts, no NUL; every
 existing dir component under the target dir must be a real directory (never a symlink), the `.partial` file is

@@ -14,9 +14,12 @@ The I/O shell around `coordinator.planning.sync` (the pure plan). Steps:
    chain, every node writing and forwarding as bytes arrive;
 5. `plan` again on every target: each manifest must equal the source's.
 
-Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced); a
-relay error fails its node and, the chain being broken there, those after it. Exit 0 when every node ends
-identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on a usage error."""
+Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced). A
+plan with doubtful deletions is refused unless confirmed (`report.refusal`, exit 2; nothing changed). Every relay
+holds a lifeline (its stdin) and dies with this process. A relay that aborts, or says nothing for STALL_TIMEOUT,
+breaks the chain there: the relays after it are stopped within seconds and, with it, get the stream over SSH.
+Exit 0 when every target verifies identical (errors it outlived are in `recovered`), 1 otherwise (or when the
+plan has a problem such as disk space), 2 on a usage error."""
 
 from __future__ import annotations
 
