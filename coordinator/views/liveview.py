@@ -79,6 +79,15 @@ class NodeBars:
         if self.enabled:
             self.progress.stop()
 
+    def pause(self) -> None:
+        """Stop drawing (before a prompt); `resume` starts again."""
+        if self.enabled:
+            self.progress.stop()
+
+    def resume(self) -> None:
+        if self.enabled:
+            self.progress.start()
+
 
 _VERDICT_STYLE = {Verdict.OK: "green", Verdict.PENDING: "dim", Verdict.SLOW: "yellow"}
 
