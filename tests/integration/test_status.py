@@ -52,8 +52,12 @@ def seed(tmp: Path) -> tuple[Path, dict[str, str]]:
                                                "step": 3}], summary={"state": "succeeded"})
     time.sleep(0.05)  # distinct meta.json mtimes: the newest run wins
     write_run(runs, "live-run", [(0, "mac"), (1, "lin")], [
-        {"t": now - 5, "node": "mac", "rank": 0, "event": "started"},
-        {"t": now - 5, "node": "lin", "rank": 1, "event": "started"},
+        # Resumed at step 5: a rank's first step past its peers' + 2 would be implausible to the monitor's rules,
+        # which status replays (coordinator.run.replay).
+        {"t": now - 5, "node": "mac", "rank": 0, "event": "started", "resumed_from": 5},
+        {"t": now - 5, "node": "lin", "rank": 1, "event": "started", "resumed_from": 5},
+        {"t": now - 3, "node": "mac", "rank": 0, "event": "step", "step": 6, "loss": 2.5, "tok_s": 1234.5},
+        {"t": now - 3, "node": "lin", "rank": 1, "event": "step", "step": 6, "loss": 2.6, "tok_s": 1000.0},
         {"t": now - 2, "node": "mac", "rank": 0, "event": "step", "step": 7, "loss": 2.5, "tok_s": 1234.5},
         {"t": now - 2, "node": "lin", "rank": 1, "event": "step", "step": 7, "loss": 2.6, "tok_s": 1000.0},
         {"t": now - 1, "node": "lin", "rank": 1, "event": "heartbeat", "step": 7},
@@ -88,7 +92,7 @@ def test_status_json_rows_for_mac_linux_and_a_dead_host(bed: TestBed, run_cli: R
     assert mac["power"] and mac["disk"]["free_bytes"] > 0
     assert mac["load"] is None  # the recorded sysctl has no vm.loadavg: unknown, not 0
     assert mac["run"]["run_id"] == "live-run" and mac["run"]["active"] and mac["run"]["rank"] == 0
-    assert mac["run"]["step"] == 7 and mac["run"]["tokens_per_s"] == 1234.5
+    assert mac["run"]["step"] == 7 and mac["run"]["tokens_per_s"] == 1234.5 and mac["run"]["verdict"] == "ok"
     assert 1 <= mac["run"]["last_heartbeat_age_s"] < 60
     assert mac["quarantine"] == {"quarantined": False, "reason": None}
 
