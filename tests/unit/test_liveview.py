@@ -108,7 +108,7 @@ def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
 def test_prediction_is_said_plainly_when_far_off() -> None:
     assert prediction_gap(3214, 11039) is not None
     far = describe_prediction(3214, 11039)
-    assert "3,214 tok/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 15% SLOWER" in far
+    assert "3,214 real tokens/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 15% SLOWER" in far
     near = describe_prediction(10000, 11039)  # -9%: within 15%
     assert "-9%" in near and "MORE THAN" not in near
     assert "no prediction" in describe_prediction(1000, None)
