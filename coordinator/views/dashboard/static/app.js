@@ -33,7 +33,8 @@ function renderFleet(doc) {
     const mem = m.total_bytes == null ? "-" : `${gib(m.used_bytes)}/${gib(m.total_bytes)}`;
     const pressure = m.pressure ? ` <span class="${m.pressure === "normal" ? "ok" : "bad"}">${esc(m.pressure)}</span>` : "";
     const load = n.load ? `${n.load[0].toFixed(2)}${n.cpu_count ? "/" + n.cpu_count : ""}` : "-";
-    const run = n.run ? `<a href="/run/${encodeURIComponent(n.run.run_id)}" data-nav>${esc(n.run.run_id)}</a> ${n.run.active ? "rank " + esc(n.run.rank) + " step " + esc(n.run.step) : "(" + esc(n.run.state) + ")"}` : "-";
+    const run = n.run ? `<a href="/run/${encodeURIComponent(n.run.run_id)}" data-nav>${esc(n.run.run_id)}</a> ${n.run.active ? "rank " + esc(n.run.rank) + " step " + esc(n.run.step) : "(" + esc(n.run.state) + ")"}` +
+      (n.run.active && n.run.verdict ? ` <span class="${cls(n.run.verdict)}">${esc(n.run.verdict)}</span>` : "") : "-";
     const pf = n.preflight ? `<span class="${n.preflight === "pass" ? "ok" : n.preflight === "warn" ? "warn" : "bad"}">${esc(n.preflight)}</span>` : "-";
     const q_ = n.quarantine && n.quarantine.quarantined ? `<span class="bad">yes</span> ${esc(n.quarantine.reason)}` : "no";
     if (!n.reachable) {
