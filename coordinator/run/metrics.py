@@ -136,11 +136,13 @@ class NodeRun:
     tokens_per_s: float | None
     last_heartbeat_age_s: float | None
     verdict: str | None = None  # the rank's (RankStatus.verdict)
+    predicted_tokens_per_s: float | None = None  # the run's prediction (RunStatus), finished runs' included
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "active": self.active, "state": self.state, "rank": self.rank,
                 "step": self.step, "tokens_per_s": _round(self.tokens_per_s, 1),
-                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1), "verdict": self.verdict}
+                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1), "verdict": self.verdict,
+                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1)}
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,7 @@ class NodeRunOut(_Out):
     tokens_per_s: float | None = Field(description=_RANK_RATE)
     last_heartbeat_age_s: float | None
     verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
+    predicted_tokens_per_s: float | None = Field(description="the run's: " + _PREDICTED)
 
 
 class QuarantineFlagOut(_Out):

@@ -124,7 +124,7 @@ def node_run(runs: Sequence[RunStatus], node: str) -> NodeRun | None:
                    rank=rank.rank if rank else None, step=rank.step if rank else None,
                    tokens_per_s=rank.tokens_per_s if rank else None,
                    last_heartbeat_age_s=rank.last_heartbeat_age_s if rank else None,
-                   verdict=rank.verdict if rank else None)
+                   verdict=rank.verdict if rank else None, predicted_tokens_per_s=chosen.predicted_tokens_per_s)
 
 
 def build_rows(nodes: Sequence[Node], facts: Mapping[str, NodeFacts], errors: Mapping[str, str],

@@ -133,6 +133,7 @@ def test_every_view_of_the_real_run_agrees(real_run: tuple[Path, str], run_cli: 
     status = json.loads(proc.stdout)
     validate_output("status", status)
     assert {n["node"]: (n["run"]["tokens_per_s"], n["run"]["verdict"]) for n in status["nodes"]} == truth
+    assert all(n["run"]["predicted_tokens_per_s"] == pytest.approx(predicted, abs=0.06) for n in status["nodes"])
 
     tracked = open_run(root / run_id)
     assert tracked is not None
