@@ -106,10 +106,11 @@ class RunReplay:
     Feed it every line in file order; lines of other attempts are skipped (`rundir.AttemptCounter` names each
     line's attempt from the coordinator's own records; meta.json's attempt is of the newest session)."""
 
-    def __init__(self, meta: RunMeta, *, predicted: float | None = None) -> None:
+    def __init__(self, meta: RunMeta, *, predicted: float | None = None, fallback: FaultPolicy | None = None) -> None:
+        """`fallback`: the thresholds of a run whose meta.json predates them (`rundir.policy_from_playbook`)."""
         self.meta = meta
         self.attempt = meta.attempt
-        self.policy = meta.faults or FaultPolicy()
+        self.policy = meta.faults or fallback or FaultPolicy()
         self.predicted = prediction_of(meta.predicted_tokens_per_s, predicted)
         self.monitor = self._new_monitor()
         self.counter = AttemptCounter()

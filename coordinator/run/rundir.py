@@ -151,6 +151,16 @@ def parse_faults(value: Any) -> FaultPolicy | None:
     return FaultPolicy(**args)
 
 
+def policy_from_playbook(doc: Any) -> FaultPolicy | None:
+    """An older run's thresholds (its meta.json has no `faults`), from its decoded playbook: `faults:` and
+    `heartbeat_timeout`, each key missing or mistyped at its default; None when `doc` is no mapping."""
+    if not isinstance(doc, Mapping):
+        return None
+    faults = doc.get("faults")
+    return parse_faults({**(faults if isinstance(faults, Mapping) else {}),
+                         "heartbeat_timeout": doc.get("heartbeat_timeout")})
+
+
 def _opt_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

@@ -20,6 +20,7 @@ from coordinator.facts.build import node_load
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, Node
 from coordinator.run.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, RunStatus
+from coordinator.run.monitor import FaultPolicy
 from coordinator.run.quarantine import Entry
 from coordinator.run.replay import RunReplay, prediction_of
 from coordinator.run.rundir import (
@@ -163,8 +164,9 @@ class RunEvents:
     _replay: RunReplay | None = None
 
     @classmethod
-    def for_meta(cls, meta: RunMeta) -> RunEvents:
-        return cls(meta=meta, _replay=RunReplay(meta))
+    def for_meta(cls, meta: RunMeta, *, fallback: FaultPolicy | None = None) -> RunEvents:
+        """`fallback`: an older run's thresholds, from its playbook (`rundir.policy_from_playbook`)."""
+        return cls(meta=meta, _replay=RunReplay(meta, fallback=fallback))
 
     def replay(self, meta: RunMeta) -> RunReplay:
         """The replay for `meta` (made from the kept lines when none was made yet). A reader whose meta.json names

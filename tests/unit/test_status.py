@@ -383,3 +383,17 @@ def test_a_relaunch_is_judged_by_its_new_meta(tmp_path: Path) -> None:
             fh.write(json.dumps(x) + "\n")
     [again] = watcher.scan(now=NOW)
     assert [(r.node, r.verdict, r.tokens_per_s) for r in again.ranks] == [("mac", "ok", 400.0)]
+
+
+@pytest.mark.parametrize(("playbook", "verdict"), [("heartbeat_timeout: 30\n", "ok"), (None, "hung")])
+def test_an_older_runs_thresholds_come_from_its_playbook(tmp_path: Path, playbook: str | None, verdict: str) -> None:
+    """A meta.json without `faults` (an older coordinator's): the run's playbook copy says how long a silence is."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps(META))
+    if playbook is not None:
+        (run / "playbook.yaml").write_text(playbook)
+    (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {"t": NOW - 20, "node": n, "rank": r, "event": "started"} for r, n in ((0, "mac"), (1, "lin")))))
+    [status] = RunWatcher(tmp_path).scan(now=NOW)
+    assert [r.verdict for r in status.ranks] == [verdict, verdict]

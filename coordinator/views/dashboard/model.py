@@ -80,11 +80,12 @@ class RunFold:
     _ckpt_steps: set[int] = field(default_factory=set)
     _started: set[int] = field(default_factory=set)
     replay: RunReplay | None = None  # meta.json's attempt through the monitor's rules (rates, verdicts)
+    fallback: FaultPolicy | None = None  # an older run's thresholds (its meta.json has none), from its playbook
 
     @classmethod
-    def from_meta(cls, run_id: str, meta: RunMeta | None) -> RunFold:
+    def from_meta(cls, run_id: str, meta: RunMeta | None, *, fallback: FaultPolicy | None = None) -> RunFold:
         """A fold that knows the planned ranks (and their calibrated predictions) before any event."""
-        fold = cls(run_id, replay=RunReplay(meta) if meta is not None else None)
+        fold = cls(run_id, replay=RunReplay(meta, fallback=fallback) if meta is not None else None, fallback=fallback)
         for r in meta.ranks if meta is not None else ():
             fold.ranks[r.rank] = RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
         return fold
@@ -93,7 +94,7 @@ class RunFold:
         """A relaunch rewrote meta.json (another attempt, other ranks): the ranks are judged by its attempt from now
         on, the run's lines so far (`records`, from the start of events.jsonl) replayed for it, and the rank rows
         are its ranks (a node left out of the relaunch has no row). The curves stay."""
-        self.replay = RunReplay(meta)
+        self.replay = RunReplay(meta, fallback=self.fallback)
         self.replay.feed(records)
         kept = {r.rank: self.ranks.get(r.rank) for r in meta.ranks}
         self.ranks = {r.rank: view if view is not None and view.node == r.node

@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import yaml
 
 from coordinator.errors import ConfigError
+from coordinator.run.monitor import FaultPolicy
 from coordinator.run.rundir import (
     EVENTS,
     META,
@@ -155,7 +156,7 @@ class TrackedRun:
             return None
         self.size_seen = size
         if size < self.offset:  # rewritten (never done by the coordinator): read again from the start
-            self.offset, self.fold = 0, RunFold.from_meta(self.fold.run_id, self.meta)
+            self.offset, self.fold = 0, RunFold.from_meta(self.fold.run_id, self.meta, fallback=self.fold.fallback)
         records: list[dict[str, Any]] = []
         if size > self.offset:
             with events.open("rb") as fh:
@@ -190,7 +191,9 @@ def open_run(path: Path) -> TrackedRun | None:
     if meta is None:
         return None
     iters, timeout = _playbook_train(path, meta)
-    return TrackedRun(path, RunFold.from_meta(meta.run_id, meta), meta, iters, timeout)
+    # An older meta.json has no thresholds: its playbook's heartbeat_timeout judges its silence.
+    fold = RunFold.from_meta(meta.run_id, meta, fallback=FaultPolicy(heartbeat_timeout=timeout))
+    return TrackedRun(path, fold, meta, iters, timeout)
 
 
 FleetFn = Callable[[], Mapping[str, Any]]
