@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -74,7 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     root = tmp_path_factory.mktemp("pipe")
     model = build_tiny_model(root / "model", SMOKE, layers=LAYERS)
     base = {"model": str(model), "data": str(SMOKE), "max_seq_length": 64, "val_batches": 1, "seed": 0,
-            "keep_checkpoints": 2, "heartbeat_s": 0.5, "num_layers": None, "iters": 2, "save_every": 1,
+            "keep_checkpoints": 3, "heartbeat_s": 0.5, "num_layers": None, "iters": 2, "save_every": 1,
             "steps_per_eval": 2, "consistency_every": 1, "learning_rate": 0.05, "lora": {"rank": 4, "scale": 2.0}}
     out: dict[str, tuple[Path, Path]] = {}
     refs: dict[tuple[str, str], Path] = {}
@@ -97,6 +98,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
         log = launch(pipe, [PYTHON, "-m", "worker.train", "--config", str(cfg)], n=n)
         require_finished(pipe, list(range(n)), log)
         out[case.name] = (pipe, refs[key])
+    # Resume: the first case's pipeline goes on to step 3 from its step-2 shards, against one process's 3 steps.
+    case = CASES[0]
+    common = {**base, "method": case.method, "packing": case.packing, "optimizer": "sgd", "iters": 3}
+    ref3 = root / "ref-3-steps"
+    proc = run_direct(write_config(ref3 / "run.json", **common, run_id=ref3.name, run_dir=str(ref3),
+                                   ranks=[{"rank": 0, "node": "local", "batch_size": 4}]))
+    require_finished(ref3, [0], proc.stderr)
+    pipe = out[case.name][0]
+    cfg = write_config(pipe / "resume.json", **common, run_id=case.name, run_dir=str(pipe), resume=True,
+                       ranks=[{"rank": r, "node": "local", "batch_size": 4} for r in range(len(case.split))],
+                       layout={"kind": "pipeline", "stages": case.stages(), "micro_batches": case.micro_batches})
+    log = launch(pipe / "resume", [PYTHON, "-m", "worker.train", "--config", str(cfg)], n=len(case.split))
+    require_finished(pipe, list(range(len(case.split))), log)
+    out["resumed"] = (pipe, ref3)
     return out
 
 
@@ -110,6 +125,12 @@ def merged_shards(run_dir: Path, stages: int, step: int) -> dict[str, mx.array]:
     return merged
 
 
+def first_attempt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of a rank's first run (a resumed run appends its own after them)."""
+    starts = [i for i, e in enumerate(events) if e["event"] == "started"]
+    return events[:starts[1]] if len(starts) > 1 else events
+
+
 def assert_close(a: float, b: float, rtol: float = RTOL) -> None:
     assert abs(a - b) <= rtol * max(abs(b), 1e-3), (a, b)
 
@@ -121,7 +142,7 @@ def test_a_pipeline_step_equals_one_process_over_the_same_rows(runs: dict[str, t
     n = len(case.split)
     want_steps = kinds(read_events(ref, 0), "step")
     for rank in range(n):
-        events = read_events(pipe, rank)
+        events = first_attempt(read_events(pipe, rank))
         [started] = kinds(events, "started")
         stage = case.stages()[rank]
         assert (started["first_layer"], started["last_layer"]) == (stage["first_layer"], stage["last_layer"])
@@ -144,6 +165,23 @@ def test_a_pipeline_step_equals_one_process_over_the_same_rows(runs: dict[str, t
         for name, want in loaded.items():
             diff = scalar(mx.max(mx.abs(got[name] - want)))
             assert diff <= ATOL + RTOL * scalar(mx.max(mx.abs(want))), (step, name, diff)
+
+
+def test_a_pipeline_resumes_from_its_stage_shards_as_if_never_stopped(runs: dict[str, tuple[Path, Path]]) -> None:
+    pipe, ref = runs["resumed"]
+    want = kinds(read_events(ref, 0), "step")[2]
+    for rank in range(2):
+        events = read_events(pipe, rank)
+        started = kinds(events, "started")[-1]
+        assert started["resumed_from"] == 2 and started["data_position"] == 8
+        [step3] = [e for e in kinds(events, "step") if e["step"] == 3]
+        assert_close(step3["loss"], want["loss"])
+        assert_close(step3["grad_norm"], want["grad_norm"], 1e-4)
+    got = merged_shards(pipe, 2, 3)
+    loaded = mx.load(str(ref / "checkpoints" / "step-000003" / WEIGHTS))
+    assert isinstance(loaded, dict) and sorted(got) == sorted(loaded)
+    for name, arr in loaded.items():
+        assert scalar(mx.max(mx.abs(got[name] - arr))) <= ATOL + RTOL * scalar(mx.max(mx.abs(arr))), name
 
 
 def test_each_stage_saves_only_its_own_layers_under_global_names(runs: dict[str, tuple[Path, Path]]) -> None:

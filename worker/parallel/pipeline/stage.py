@@ -225,7 +225,7 @@ def load_stage(model_dir: Path, where: StageRange, *, seed: int, method: str, nu
         del inner["norm"]
         if not tied:
             del model["lm_head"]
-    if grad_checkpoint:
+    if grad_checkpoint and inner.layers:
         from mlx_lm.tuner.trainer import grad_checkpoint as checkpoint_layers
 
         checkpoint_layers(inner.layers[0])  # type: ignore[no-untyped-call]
