@@ -1,0 +1,118 @@
+"""A pipeline run resumes from its stage shards as if it had never stopped, onto the same split or another one
+(the shards re-cut by layer), and refuses, naming the layers, when a stage's shards are gone.
+
+Real ranks (`mlx.launch --backend ring` on 127.0.0.1, the real `worker.train`), a tiny 6-layer model, a FULL
+fine-tune with Adam: every layer's weights and both Adam moments are in the shards, so a re-cut that dropped or
+misplaced any of them would change step 3. The reference is the same pipeline run for 3 steps without stopping;
+the interrupted one stops after step 2 (its checkpoint), and goes on to step 3 (a) on the same 2-stage split
+(2 + 4 layers), (b) on a 3-stage split (1 + 3 + 2 layers). Float32; step 3 matches to float32 summation-order
+differences (a layer's gradients are computed by another stage's graph)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from tests.unit.test_train_distributed import (
+    PYTHON,
+    SMOKE,
+    kinds,
+    launch,
+    read_events,
+    require_finished,
+    write_config,
+)
+from worker.checkpoint import WEIGHTS
+from worker.comm import scalar
+from worker.tinymodel import build_tiny_model
+
+LAYERS = 6
+RTOL = 1e-5
+
+
+def stages(split: tuple[int, ...]) -> list[dict[str, int]]:
+    out, at = [], 0
+    for rank, n in enumerate(split):
+        out.append({"rank": rank, "first_layer": at, "last_layer": at + n})
+        at += n
+    return out
+
+
+def pipeline_run(run_dir: Path, base: dict[str, Any], split: tuple[int, ...], name: str, **extra: Any) -> str:
+    n = len(split)
+    cfg = write_config(run_dir / f"{name}.json", **base, **extra, run_dir=str(run_dir),
+                       ranks=[{"rank": r, "node": "local", "batch_size": 4} for r in range(n)],
+                       layout={"kind": "pipeline", "stages": stages(split), "micro_batches": 2})
+    return launch(run_dir / name, [PYTHON, "-m", "worker.train", "--config", str(cfg)], n=n)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("piperesume")
+    model = build_tiny_model(root / "model", SMOKE, layers=LAYERS)
+    base = {"model": str(model), "data": str(SMOKE), "max_seq_length": 64, "val_batches": 1, "seed": 0,
+            "keep_checkpoints": 3, "heartbeat_s": 0.5, "num_layers": None, "save_every": 1, "steps_per_eval": 0,
+            "consistency_every": 0, "learning_rate": 1e-3, "method": "full", "optimizer": "adam",
+            "packing": "off", "run_id": "r"}
+    out = {name: root / name for name in ("ref", "same", "resplit", "lost")}
+    log = pipeline_run(out["ref"], base, (2, 4), "a", iters=3)
+    require_finished(out["ref"], [0, 1], log)
+    log = pipeline_run(out["same"], base, (2, 4), "a", iters=2)
+    require_finished(out["same"], [0, 1], log)
+    for name in ("resplit", "lost"):  # the step-2 checkpoint as the interrupted run left it
+        shutil.copytree(out["same"] / "checkpoints", out[name] / "checkpoints", symlinks=True)
+        shutil.copytree(out["same"] / "events", out[name] / "events")
+    log = pipeline_run(out["same"], base, (2, 4), "b", iters=3, resume=True)
+    require_finished(out["same"], [0, 1], log)
+    log = pipeline_run(out["resplit"], base, (1, 3, 2), "b", iters=3, resume=True)
+    require_finished(out["resplit"], [0, 1, 2], log)
+    shutil.rmtree(out["lost"] / "checkpoints" / "stage-1")  # the node of stage 1 is gone, with its shards
+    pipeline_run(out["lost"], base, (1, 3, 2), "b", iters=3, resume=True)
+    return out
+
+
+def merged(run_dir: Path, step: int, n: int) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for rank in range(n):
+        loaded = mx.load(str(run_dir / "checkpoints" / f"stage-{rank}" / f"step-{step:06d}" / WEIGHTS))
+        assert isinstance(loaded, dict) and not set(loaded) & set(out)
+        out.update(loaded)
+    return out
+
+
+@pytest.mark.parametrize(("name", "n"), [("same", 2), ("resplit", 3)])
+def test_a_resumed_pipeline_continues_the_uninterrupted_loss_curve(runs: dict[str, Path], name: str, n: int) -> None:
+    want = kinds(read_events(runs["ref"], 0), "step")
+    assert want[1]["loss"] != want[2]["loss"]
+    for rank in range(n):
+        events = read_events(runs[name], rank)
+        started = kinds(events, "started")[-1]
+        assert started["resumed_from"] == 2 and started["data_position"] == 8
+        steps = {s["step"]: s for s in kinds(events, "step")}
+        for step in ((1, 2, 3) if rank < 2 else (3,)):  # a third stage only ran the resumed step
+            assert abs(steps[step]["loss"] - want[step - 1]["loss"]) <= RTOL * abs(want[step - 1]["loss"])
+            assert abs(steps[step]["grad_norm"] - want[step - 1]["grad_norm"]) <= 1e-4 * want[step - 1]["grad_norm"]
+    got, ref = merged(runs[name], 3, n), merged(runs["ref"], 3, 2)
+    assert sorted(got) == sorted(ref)
+    for key, arr in ref.items():
+        assert scalar(mx.max(mx.abs(got[key] - arr))) <= 1e-6 + RTOL * scalar(mx.max(mx.abs(arr))), key
+
+
+def test_a_resume_onto_another_split_says_so(runs: dict[str, Path]) -> None:
+    warnings = [w for w in kinds(read_events(runs["resplit"], 1), "warning") if w["code"] == "resplit"]
+    assert warnings and "[[0, 2], [2, 6]]" in warnings[-1]["message"] and "holds [1, 4)" in warnings[-1]["message"]
+
+
+def test_a_resume_without_some_layers_refuses_naming_them(runs: dict[str, Path]) -> None:
+    for rank in range(3):
+        events = read_events(runs["lost"], rank)
+        assert kinds(events, "started")[-1:] == [] or events[-1]["event"] == "error"
+        error = kinds(events, "error")[-1]
+        assert error["message"].startswith("ResumeRefused: no step has a complete checkpoint")
+        assert "no valid shard of stage 1 (layers [2, 6))" in error["message"]
+    assert not (runs["lost"] / "checkpoints" / "stage-2").exists() or not any(
+        (runs["lost"] / "checkpoints" / "stage-2").glob("step-*"))
