@@ -28,6 +28,11 @@ from tests.unit.test_train_distributed import (
 )
 from worker.checkpoint import WEIGHTS
 from worker.comm import scalar
+from worker.export import ExportError, build_export
+from worker.parallel.base import load_arrays
+from worker.parallel.pipeline.layout import StageRange, to_local
+from worker.parallel.pipeline.stage import Chunk, load_stage
+from worker.runconfig import LoraSpec
 from worker.tinymodel import build_tiny_model
 
 LAYERS = 6
@@ -58,7 +63,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "keep_checkpoints": 3, "heartbeat_s": 0.5, "num_layers": None, "save_every": 1, "steps_per_eval": 0,
             "consistency_every": 0, "learning_rate": 1e-3, "method": "full", "optimizer": "adam",
             "packing": "off", "run_id": "r"}
-    out = {name: root / name for name in ("ref", "same", "resplit", "lost")}
+    out = {name: root / name for name in ("ref", "same", "resplit", "lost", "lora")}
+    out["model"] = model
+    log = pipeline_run(out["lora"], {**base, "method": "lora", "learning_rate": 0.05, "lora": {"rank": 4, "scale": 2.0}},
+                       (2, 4), "a", iters=1)
+    require_finished(out["lora"], [0, 1], log)
     log = pipeline_run(out["ref"], base, (2, 4), "a", iters=3)
     require_finished(out["ref"], [0, 1], log)
     log = pipeline_run(out["same"], base, (2, 4), "a", iters=2)
@@ -116,3 +125,69 @@ def test_a_resume_without_some_layers_refuses_naming_them(runs: dict[str, Path])
         assert "no valid shard of stage 1 (layers [2, 6))" in error["message"]
     assert not (runs["lost"] / "checkpoints" / "stage-2").exists() or not any(
         (runs["lost"] / "checkpoints" / "stage-2").glob("step-*"))
+
+
+# --- export -------------------------------------------------------------------------------------------------------
+
+
+def pipeline_logits(model: Path, run_dir: Path, step: int, split: tuple[int, ...], method: str,
+                    tokens: mx.array) -> mx.array:
+    """The logits of the pipeline's own stages (`Stage.forward`, then the last stage's norm and head), each
+    stage loaded as a rank loads it and given its shard of `step`."""
+    h = tokens
+    n = len(split)
+    for spec in stages(split):
+        i, first, last = spec["rank"], spec["first_layer"], spec["last_layer"]
+        stage, _ = load_stage(model, StageRange(i, n, first, last), seed=0, method=method, num_layers=None,
+                              lora=LoraSpec(rank=4, scale=2.0), grad_checkpoint=False)
+        shard = load_arrays(run_dir / "checkpoints" / f"stage-{i}" / f"step-{step:06d}" / WEIGHTS)
+        stage.model.load_weights(list(to_local(shard, first).items()), strict=False)
+        chunk = Chunk(tokens, tokens, tokens, None, mx.array(0), mx.array(0))
+        h = stage.forward(h, chunk)
+        if i == n - 1:
+            inner = stage.model.model
+            h = inner.norm(h)
+            h = inner.embed_tokens.as_linear(h) if stage.tied else stage.model.lm_head(h)
+    return h.astype(mx.float32)
+
+
+TOKENS = mx.array([[1, 5, 9, 13, 2, 7, 11, 3], [4, 4, 8, 15, 16, 23, 42, 6]])
+LOGIT_ATOL = 1e-4  # float32, one process either way: only the graph differs (chained stages vs the whole model)
+
+
+def test_a_full_pipeline_exports_a_model_dir_mlx_lm_loads(runs: dict[str, Path], tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    out = tmp_path / "export"
+    result = build_export(runs["resplit"] / "checkpoints", runs["model"], out)
+    assert result["step"] == 3 and result["kind"] == "pipeline" and result["method"] == "full"
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(result["files"])
+    model, tokenizer = load(str(out))
+    assert tokenizer.encode("hello") == load(str(runs["model"]))[1].encode("hello")
+    got = model(TOKENS).astype(mx.float32)
+    want = pipeline_logits(runs["model"], runs["resplit"], 3, (1, 3, 2), "full", TOKENS)
+    base = load(str(runs["model"]))[0](TOKENS).astype(mx.float32)
+    assert scalar(mx.max(mx.abs(got - want))) <= LOGIT_ATOL
+    assert scalar(mx.max(mx.abs(base - want))) > 100 * LOGIT_ATOL  # the export holds the trained weights
+    with pytest.raises(ExportError, match="exists"):
+        build_export(runs["resplit"] / "checkpoints", runs["model"], out)
+
+
+def test_a_lora_pipeline_exports_an_adapter_dir_mlx_lm_loads(runs: dict[str, Path], tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    out = tmp_path / "adapters"
+    result = build_export(runs["lora"] / "checkpoints", runs["model"], out)
+    assert result["files"] == ["adapter_config.json", "adapters.safetensors"] and result["step"] == 1
+    model, _ = load(str(runs["model"]), adapter_path=str(out))
+    got = model(TOKENS).astype(mx.float32)
+    want = pipeline_logits(runs["model"], runs["lora"], 1, (2, 4), "lora", TOKENS)
+    base = load(str(runs["model"]))[0](TOKENS).astype(mx.float32)
+    assert scalar(mx.max(mx.abs(got - want))) <= LOGIT_ATOL
+    assert scalar(mx.max(mx.abs(base - want))) > 100 * LOGIT_ATOL
+
+
+def test_nothing_is_exported_without_a_complete_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"no complete pipeline checkpoint .*no valid shard of stage 1"):
+        build_export(runs["lost"] / "checkpoints", runs["model"], tmp_path / "x")
+    assert not list(tmp_path.iterdir())
