@@ -1,6 +1,6 @@
 """Export a run's newest complete checkpoint as what `mlx_lm.load` takes.
 
-    python -m worker.export --checkpoints <run_dir>/checkpoints --model BASE_MODEL_DIR --out DIR
+    python -m worker.export --checkpoints <run_dir>/checkpoints [--checkpoints DIR...] [--model BASE] --out DIR
 
 * A pipeline run (`stage-*/step-N/` shards): the newest step whose checkpoint is complete
   (`worker.parallel.pipeline.shards.evaluate_steps`), every shard checked against the digest its manifest records,
@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +45,17 @@ class ExportError(Exception):
     """Nothing complete to export, or the output cannot be written."""
 
 
-def gather_trained(checkpoints: Path) -> tuple[int, str, dict[str, mx.array], dict[str, Any]]:
+def gather_trained(roots: Sequence[Path]) -> tuple[int, str, dict[str, mx.array], dict[str, Any]]:
     """(step, layout kind, trained arrays under the model's names, adapter_config) of the newest complete
-    checkpoint under `checkpoints`."""
-    if stage_dirs(checkpoints):
-        steps = evaluate_steps(scan_shards(checkpoints))
+    checkpoint under the checkpoints dirs `roots` (a pipeline's shards may be spread over several: the run's own
+    and those gathered from other nodes; a dp run's is the first)."""
+    checkpoints = roots[0]
+    if any(stage_dirs(r) for r in roots):
+        steps = evaluate_steps([s for r in roots for s in scan_shards(r)])
         verdict = next((v for v in steps if v.complete), None)
         if verdict is None or verdict.manifest is None:
             why = "; ".join(f"step {v.step}: {v.missing}" for v in steps) or "no shards"
-            raise ExportError(f"{checkpoints}: no complete pipeline checkpoint ({why})")
+            raise ExportError(f"{', '.join(map(str, roots))}: no complete pipeline checkpoint ({why})")
         merged: dict[str, mx.array] = {}
         for shard in verdict.shards:
             arrays = load_arrays(shard.path / WEIGHTS)
@@ -73,10 +76,16 @@ def gather_trained(checkpoints: Path) -> tuple[int, str, dict[str, mx.array], di
     return found.step, "dp", load_arrays(found.path / WEIGHTS), read_json(found.path / ADAPTER_CONFIG)
 
 
-def build_export(checkpoints: Path, model: Path, out: Path) -> dict[str, Any]:
+def build_export(roots: Sequence[Path], model: Path | None, out: Path) -> dict[str, Any]:
+    """Write the export into `out` (see the module docstring); `model` None: the base model the run trained from
+    (its adapter_config.json's `model`)."""
     if out.exists():
         raise ExportError(f"{out} exists: choose a new --out (an export is never written over another)")
-    step, kind, trained, config = gather_trained(checkpoints)
+    step, kind, trained, config = gather_trained(roots)
+    if model is None:
+        model = Path(str(config.get("model", "")))
+    if not (model / "config.json").is_file():
+        raise ExportError(f"base model {model} has no config.json (pass --model)")
     method = str(config.get("fine_tune_type", ""))
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -107,13 +116,14 @@ def build_export(checkpoints: Path, model: Path, out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="worker.export", description="export a run's newest complete checkpoint")
-    parser.add_argument("--checkpoints", required=True, help="the run dir's checkpoints dir")
-    parser.add_argument("--model", required=True, help="the base model dir")
+    parser.add_argument("--checkpoints", required=True, action="append",
+                        help="a checkpoints dir (repeat: a pipeline's shards gathered from other nodes)")
+    parser.add_argument("--model", help="the base model dir (default: the one the run trained from)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
-        result = build_export(Path(args.checkpoints).expanduser(), Path(args.model).expanduser(),
-                              Path(args.out).expanduser())
+        result = build_export([Path(c).expanduser() for c in args.checkpoints],
+                              Path(args.model).expanduser() if args.model else None, Path(args.out).expanduser())
     except (ExportError, OSError, ValueError) as exc:
         print(f"worker.export: {exc}", file=sys.stderr)
         return 1

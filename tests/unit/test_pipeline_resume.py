@@ -159,7 +159,7 @@ def test_a_full_pipeline_exports_a_model_dir_mlx_lm_loads(runs: dict[str, Path],
     from mlx_lm import load
 
     out = tmp_path / "export"
-    result = build_export(runs["resplit"] / "checkpoints", runs["model"], out)
+    result = build_export([runs["resplit"] / "checkpoints"], None, out)
     assert result["step"] == 3 and result["kind"] == "pipeline" and result["method"] == "full"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(result["files"])
     model, tokenizer = load(str(out))
@@ -170,14 +170,14 @@ def test_a_full_pipeline_exports_a_model_dir_mlx_lm_loads(runs: dict[str, Path],
     assert scalar(mx.max(mx.abs(got - want))) <= LOGIT_ATOL
     assert scalar(mx.max(mx.abs(base - want))) > 100 * LOGIT_ATOL  # the export holds the trained weights
     with pytest.raises(ExportError, match="exists"):
-        build_export(runs["resplit"] / "checkpoints", runs["model"], out)
+        build_export([runs["resplit"] / "checkpoints"], None, out)
 
 
 def test_a_lora_pipeline_exports_an_adapter_dir_mlx_lm_loads(runs: dict[str, Path], tmp_path: Path) -> None:
     from mlx_lm import load
 
     out = tmp_path / "adapters"
-    result = build_export(runs["lora"] / "checkpoints", runs["model"], out)
+    result = build_export([runs["lora"] / "checkpoints"], runs["model"], out)
     assert result["files"] == ["adapter_config.json", "adapters.safetensors"] and result["step"] == 1
     model, _ = load(str(runs["model"]), adapter_path=str(out))
     got = model(TOKENS).astype(mx.float32)
@@ -189,5 +189,51 @@ def test_a_lora_pipeline_exports_an_adapter_dir_mlx_lm_loads(runs: dict[str, Pat
 
 def test_nothing_is_exported_without_a_complete_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"no complete pipeline checkpoint .*no valid shard of stage 1"):
-        build_export(runs["lost"] / "checkpoints", runs["model"], tmp_path / "x")
+        build_export([runs["lost"] / "checkpoints"], runs["model"], tmp_path / "x")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str, Path], tmp_path: Path) -> None:
+    # Two `connection: local` nodes, each holding only its own stage's shards (as two machines would), and the
+    # run's record as `coordinator launch` leaves it: `coordinator export` must gather stage 1's shards onto the
+    # first node, assemble there and bring the result back.
+    import json
+    import subprocess
+
+    from mlx_lm import load
+
+    from coordinator.run.rundir import META, RunMeta
+    from coordinator.views.jsonout import validate_output
+
+    node_dirs = {name: tmp_path / "nodes" / name / "runs" / "r" for name in ("n-a", "n-b")}
+    for rank, name in enumerate(node_dirs):
+        shutil.copytree(runs["same"] / "checkpoints" / f"stage-{rank}",
+                        node_dirs[name] / "checkpoints" / f"stage-{rank}", symlinks=True)
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text("defaults:\n  connection: local\nnodes:\n" + "".join(
+        f"  - name: {name}\n    workdir: {tmp_path / 'nodes' / name}\n" for name in node_dirs))
+    record = tmp_path / "runs" / "r"
+    record.mkdir(parents=True)
+    meta = RunMeta(run_id="r", inventory=str(inventory), nodes=tuple(node_dirs),
+                   remote_run_dirs={k: str(v) for k, v in node_dirs.items()})
+    (record / META).write_text(json.dumps(meta.to_json()))
+    argv = [PYTHON, "-m", "coordinator", "export", "r", "--run-dir", str(tmp_path / "runs"), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    validate_output("export", doc)
+    assert doc["out"] == str((record / "export").resolve()) and doc["step"] == 3
+    assert doc["kind"] == "pipeline" and doc["gathered_from"] == ["n-b"] and doc["node"] == "n-a"
+    model, _ = load(doc["out"])
+    want = pipeline_logits(runs["model"], runs["same"], 3, (2, 4), "full", TOKENS)
+    assert scalar(mx.max(mx.abs(model(TOKENS).astype(mx.float32) - want))) <= LOGIT_ATOL
+    # The staging dirs on the assembler are gone; a second export into the same dir is refused (exit 2).
+    assert sorted(p.name for p in node_dirs["n-a"].iterdir()) == ["checkpoints"]
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 2 and "exists" in again.stderr
+    # Without stage 1's node's shards there is no complete checkpoint: refused, naming the stage.
+    shutil.rmtree(node_dirs["n-b"] / "checkpoints")
+    lost = subprocess.run([*argv[:-1], "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert lost.returncode != 0 and "no valid shard of stage 1 (layers [2, 6))" in lost.stderr
+    assert not (tmp_path / "x").exists()
