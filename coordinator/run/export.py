@@ -38,6 +38,9 @@ _TAR_SHARDS = ('cd "$1" 2>/dev/null || exec tar -cf - -T /dev/null; set -- stage
                '/dev/null; exec tar -cf - --exclude=.lock --exclude="*.tmp-*" --exclude="*.old-*" '
                '--exclude="*.invalid-*" "$@"')
 _UNTAR = 'mkdir -p "$1" && exec tar -C "$1" -xf -'
+# Unpack the tar of one dir `$2` into `$1/$2`, in a temporary dir first: a copy cut short leaves nothing half done.
+UNTAR_INTO = ('set -e; mkdir -p "$1"; t="$1/.incoming-$$"; rm -rf "$t"; mkdir "$t"; tar -C "$t" -xf -; '
+              'rm -rf "$1/$2"; mv "$t/$2" "$1/$2"; rmdir "$t"')
 
 
 class ExportFailed(CoordinatorError):
@@ -79,7 +82,7 @@ def parse_export_output(node: str, stdout: str) -> dict[str, Any]:
     return doc
 
 
-async def _pump(src: Transport, src_argv: Sequence[str], dst: Transport, dst_argv: Sequence[str]) -> None:
+async def relay_tar(src: Transport, src_argv: Sequence[str], dst: Transport, dst_argv: Sequence[str]) -> None:
     """Stream `src_argv`'s stdout into `dst_argv`'s stdin (a tar, node to node, through this machine)."""
     reader = await src.open_binary(src_argv)
     writer = await dst.open_binary(dst_argv)
@@ -146,7 +149,7 @@ async def export_run(run_dir: Path, *, out: Path | None = None, inventory: str |
     async with Fleet(nodes, connect_timeout=connect_timeout) as fleet:
         asm = fleet.transports[assembler.name]
         try:
-            await asyncio.gather(*(_pump(fleet.transports[n.name],
+            await asyncio.gather(*(relay_tar(fleet.transports[n.name],
                                          ["sh", "-c", _TAR_SHARDS, "sh", f"{dirs[n.name]}/checkpoints"],
                                          asm, ["sh", "-c", _UNTAR, "sh", f"{gather_root}/{n.name}"])
                                    for n in others))

@@ -10,6 +10,7 @@ differences (a layer's gradients are computed by another stage's graph)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     require_finished(out["ref"], [0, 1], log)
     log = pipeline_run(out["same"], base, (2, 4), "a", iters=2)
     require_finished(out["same"], [0, 1], log)
+    shutil.copytree(out["same"] / "checkpoints", root / "same-step2", symlinks=True)
     for name in ("resplit", "lost"):  # the step-2 checkpoint as the interrupted run left it
         shutil.copytree(out["same"] / "checkpoints", out[name] / "checkpoints", symlinks=True)
         shutil.copytree(out["same"] / "events", out[name] / "events")
@@ -237,3 +239,48 @@ def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str
                           check=False)
     assert lost.returncode != 0 and "no valid shard of stage 1 (layers [2, 6))" in lost.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_resume_on_a_new_node_gathers_the_shards_and_continues_the_curve(runs: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    # The step-2 checkpoint of the 2-stage run, stage 0 on node n-a and stage 1 on n-b (as two machines left it);
+    # the resume runs on n-c, which holds nothing, as a 3-stage split. The coordinator's resume check picks step
+    # 2 (complete over the union of the nodes) and copies every shard to every node lacking it; then the ranks,
+    # on n-c's run dir, re-cut them and take step 3 as the uninterrupted run does.
+    import asyncio
+
+    from coordinator.config.inventory import load_inventory
+    from coordinator.fleet.transport import Fleet
+    from coordinator.run.resume import check_resume
+    from worker.parallel.pipeline.shards import evaluate_steps, scan_shards
+
+    node_dirs = {name: tmp_path / "nodes" / name / "runs" / "r" for name in ("n-a", "n-b", "n-c")}
+    for rank, name in enumerate(("n-a", "n-b")):
+        src = runs["resplit"].parent / "same-step2" / f"stage-{rank}"
+        shutil.copytree(src, node_dirs[name] / "checkpoints" / f"stage-{rank}", symlinks=True)
+    node_dirs["n-c"].mkdir(parents=True)
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text("defaults:\n  connection: local\nnodes:\n" + "".join(
+        f"  - name: {name}\n    workdir: {tmp_path / 'nodes' / name}\n" for name in node_dirs))
+    nodes = load_inventory(str(inventory)).nodes
+
+    async def check() -> Any:
+        async with Fleet(nodes) as fleet:
+            return await check_resume(fleet, nodes, {k: str(v) for k, v in node_dirs.items()}, run_id="r",
+                                      restart_from_scratch=False, events_file=tmp_path / "events.jsonl")
+
+    decision = asyncio.run(check())
+    assert decision.step == 2 and len(decision.gathered) == 4 and "copied between nodes" in decision.describe()
+    for name, path in node_dirs.items():
+        [best, *_] = evaluate_steps(scan_shards(path / "checkpoints"))
+        assert best.step == 2 and best.complete, name
+    assert sorted(p.name for p in (node_dirs["n-c"] / "checkpoints").iterdir()) == ["stage-0-from-n-a",
+                                                                                    "stage-1-from-n-b"]
+    base = json.loads((runs["same"] / "a.json").read_text())
+    base = {k: v for k, v in base.items() if k not in ("run_dir", "ranks", "layout", "iters")}
+    log = pipeline_run(node_dirs["n-c"], base, (1, 3, 2), "b", iters=3, resume=True)
+    require_finished(node_dirs["n-c"], [0, 1, 2], log)
+    want = kinds(read_events(runs["ref"], 0), "step")[2]
+    for rank in range(3):
+        [step3] = kinds(read_events(node_dirs["n-c"], rank), "step")
+        assert step3["step"] == 3 and abs(step3["loss"] - want["loss"]) <= RTOL * abs(want["loss"])

@@ -16,11 +16,16 @@ Resume onto a different split re-cuts by layer (`plan_recut`): a rank takes each
 the shard whose range holds that layer, the embeddings from the old first stage, the final norm and lm_head from
 the old last one; it refuses, naming the layers, when no valid shard holds one.
 
-Pure but for `scan_shards`/`read_shard_names`, which read the disk."""
+Pure but for `scan_shards`/`read_shard_names`, which read the disk, and `python -m
+worker.parallel.pipeline.shards scan ROOT`, the coordinator's view (`coordinator.run.resume`)."""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
+import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,3 +249,36 @@ def scan_shards(checkpoints: Path, max_step: int | None = None) -> list[Shard]:
 def read_shard_names(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(weight names, optimizer-state names) of a shard, from its safetensors headers alone."""
     return frozenset(read_header(path / WEIGHTS)), frozenset(read_header(path / OPTIMIZER))
+
+
+def manifest_id(manifest: Manifest) -> str:
+    """A short name for one whole checkpoint (its manifest and data position): shards with equal ids belong
+    together."""
+    doc = json.dumps({**manifest.to_json(), "data_position": manifest.data_position}, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def shard_json(shard: Shard) -> dict[str, Any]:
+    """One shard as `scan` prints it (what `coordinator.run.resume` decides from)."""
+    return {"step": shard.step, "index": shard.index, "path": str(shard.path), "dir": shard.path.parent.name,
+            "valid": shard.valid, "reason": shard.reason,
+            "stages": len(shard.manifest.stages) if shard.manifest else None,
+            "first_layer": shard.entry.first if shard.manifest else None,
+            "last_layer": shard.entry.last if shard.manifest else None,
+            "manifest_id": manifest_id(shard.manifest) if shard.manifest else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`scan ROOT`: {"root", "shards": [shard_json...]} of every shard under ROOT's `stage-*` dirs (verified;
+    nothing changes). One JSON object on stdout."""
+    parser = argparse.ArgumentParser(prog="worker.parallel.pipeline.shards", description="list stage shards")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("scan").add_argument("root")
+    args = parser.parse_args(argv)
+    root = Path(os.path.expanduser(args.root))
+    print(json.dumps({"root": str(root), "shards": [shard_json(s) for s in scan_shards(root)]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
