@@ -35,6 +35,7 @@ from coordinator.models import Node
 from coordinator.run.logs import current_redactor
 
 SCAN_TIMEOUT_S = 600.0  # verifying re-hashes the newest checkpoints: a full fine-tune's are large
+_SHARD_SCAN = "import sys; from worker.parallel.pipeline.shards import main; sys.exit(main(sys.argv[1:]))"
 
 
 class ResumeRefused(CoordinatorError):
@@ -263,8 +264,9 @@ async def scan_shards(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str
         transport = fleet.transports[node.name]
         try:
             worker_dir = await ship_worker(transport, node)
+            # -c, not -m: the package imports the module first, and runpy would warn about running it again.
             argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(
-                node.python, "-m", "worker.parallel.pipeline.shards", "scan", f"{run_dirs[node.name]}/checkpoints")]
+                node.python, "-c", _SHARD_SCAN, "scan", f"{run_dirs[node.name]}/checkpoints")]
             result = await transport.run(argv, timeout=SCAN_TIMEOUT_S)
         except TransportError as exc:
             return ScanFailed(node.name, str(exc))
