@@ -35,8 +35,7 @@ from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.modelsetup import count_parameters, make_optimizer
 from worker.objectives import Micro, SftObjective
-from worker.parallel.base import ResumeState, Strategy, mismatch
-from worker.parallel.dp import read_checkpoint
+from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
 from worker.parallel.pipeline.layout import StageRange, to_global, to_local
 from worker.parallel.pipeline.schedule import (
     BACKWARD,
