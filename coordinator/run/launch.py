@@ -451,7 +451,7 @@ class Launch:
         one that launched it) is recorded by what happened: its steps, and whether every rank had finished.
         Process states are not read: after a teardown every rank is gone, and that is no crash. `record`: append
         the events to events.jsonl (this process followed the attempt; else they are there already, or not ours
-        to write). A node that cannot be read adds nothing."""
+        to write). A node that cannot be read adds nothing. Call it after `teardown` (the followers stopped)."""
         async def one(name: str) -> list[Observation]:
             node = self.node_by_name[name]
             transport = self.fleet.transports[name]
@@ -483,7 +483,13 @@ class Launch:
                     found.append(Observation(ObservationKind.CHECKPOINTS, name, now, data={"step": msg.get("step")}))
             return found
 
-        results = await asyncio.gather(*(one(n) for n in self.nodes if n in self.fleet.connected))
+        # What the followers received but the monitor loop, which ended, never took: counted as delivered already.
+        queued: list[Observation] = []
+        while not self.queue.empty():
+            obs = self.queue.get_nowait()
+            if obs.kind == ObservationKind.EVENT:
+                queued.append(obs)
+        results = [queued, *await asyncio.gather(*(one(n) for n in self.nodes if n in self.fleet.connected))]
         with self.events_file.open("a", encoding="utf-8") as sink:
             for observations in results:
                 for obs in observations:
@@ -602,6 +608,10 @@ class Launch:
     async def teardown(self, mon: Monitor | None) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.tasks:
+            # A follower being (re)started as we cancel must have started or given up before the nodes' cleanup
+            # below kills the followers: else one started just after it outlives the run.
+            await asyncio.wait(self.tasks, timeout=5)
         if self.launcher is not None and self.launcher.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.launcher.pid, signal.SIGTERM)

