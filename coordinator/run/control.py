@@ -12,6 +12,7 @@ by a live one, and `stop` then asks that one to stop instead of pulling the run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,15 @@ from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import RunState
 from coordinator.run.quarantine import QuarantineStore
 from coordinator.run.rundir import META, PLAYBOOK, SUMMARY, RunMeta, SummaryFile, read_hostfile, read_meta, read_summary
-from coordinator.run.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
+from coordinator.run.supervision import (
+    LOCK_NAME,
+    RunBusy,
+    Supervision,
+    clear_stop_request,
+    holder_of,
+    holding,
+    request_stop,
+)
 
 STOP_WAIT_S = 120.0  # how long `coordinator stop` waits for a live coordinator to carry out its request
 
@@ -103,20 +112,26 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     run_id = meta.run_id
     inv = _inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
-    with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
-          run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent)):
-        ended = ended_summary(run_dir)
+    with supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui):
+        ended = ended_summary(run_dir)  # under the lock: the coordinator that saw the end has written it
         if ended is not None:
             raise RunEnded(run_id, ended)
-        sup.run_dir = run_dir
-        async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
-            await _connect_through_a_signal(fleet)
-            launch = _adopt(fleet, run_dir, meta, inv, pb, ui.progress)
-            launch.should_stop = sup.stop_reason
-            monitor = await watch(launch, sup)
-            adopted = Attempt(launch.attempt, list(launch.nodes), monitor, launch, None)
-            opts = JobOptions(run_root=run_dir.parent, connect_timeout=connect_timeout)
-            return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), run_id, run_dir, adopted, {}, sup)
+        with run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent):
+            return await _supervise_adopted(run_dir, meta, inv, pb, ui, sup, connect_timeout)
+
+
+async def _supervise_adopted(run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playbook, ui: JobUI,
+                             sup: Supervision, connect_timeout: float) -> RunSummary:
+    """attach's supervision, the run's lock and log held: adopt the attempt, watch it, answer its end."""
+    sup.run_dir = run_dir
+    async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
+        await _connect_through_a_signal(fleet)
+        launch = _adopt(fleet, run_dir, meta, inv, pb, ui.progress)
+        launch.should_stop = sup.stop_reason
+        monitor = await watch(launch, sup)
+        adopted = Attempt(launch.attempt, list(launch.nodes), monitor, launch, None)
+        opts = JobOptions(run_root=run_dir.parent, connect_timeout=connect_timeout)
+        return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), meta.run_id, run_dir, adopted, {}, sup)
 
 
 async def _connect_through_a_signal(fleet: Fleet) -> None:
@@ -192,6 +207,10 @@ async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> StopResult:
             raise CoordinatorError(f"run {run_id}: asked {who} to stop; it has not finished within {wait_s:g}s "
                                    "(the request stands: it is carried out once the attempt's monitor runs)")
         await asyncio.sleep(0.2)
+    # The request was for that coordinator, which is gone (it may have ended the run before seeing it): no
+    # request is left behind in the run dir, unless a new holder took the run meanwhile.
+    with contextlib.suppress(RunBusy), holding(run_dir, "stop", run_id):
+        clear_stop_request(run_dir)
     written = read_summary(run_dir)
     if written is None:
         raise CoordinatorError(f"run {run_id}: its coordinator ended without a summary.json")

@@ -101,10 +101,13 @@ class RunStatus:
     incident_counts: Mapping[str, int] = field(default_factory=dict)
     incidents: tuple[IncidentNote, ...] = ()  # the newest few
     left_out: tuple[tuple[str, str], ...] = ()  # (node, reason): inventory nodes the run started without
+    recorded_steps: int | None = None  # an ended run's summary.json `steps` (what the nodes prove)
 
     @property
     def step(self) -> int:
-        """The step every rank has reached (a synchronous job moves together)."""
+        """The step every rank has reached (a synchronous job moves together); once the run ended, its record's."""
+        if self.recorded_steps is not None:
+            return self.recorded_steps
         return min((r.step for r in self.ranks), default=0)
 
     def rank_of(self, node: str) -> RankStatus | None:

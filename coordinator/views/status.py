@@ -216,7 +216,8 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
                      incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
                      left_out=done.left_out if done is not None and done.left_out is not None
-                     else tuple((x["node"], x["reason"]) for x in meta.left_out))
+                     else tuple((x["node"], x["reason"]) for x in meta.left_out),
+                     recorded_steps=done.steps if done is not None else None)
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.
