@@ -268,6 +268,7 @@ class Launch:
         self.delivered: dict[str, dict[int, int]] = {
             n: {r.rank: 0 for r in ranks if r.node.name == n} for n in self.nodes}
         self.tasks: list[asyncio.Task[None]] = []
+        self.closing = False  # teardown began: a follower channel that ends is not reopened
         self.events_file = run_dir / EVENTS
 
     def split(self) -> dict[str, float]:
@@ -392,6 +393,8 @@ class Launch:
             if failures > FOLLOW_RETRIES:
                 reason = f"{reason} ({FOLLOW_RETRIES} restarts of the follower in a row failed)"
                 break
+            if self.closing:
+                return  # torn down: its follower was stopped on purpose
             try:
                 await self._reach(name)
             except TransportError as exc:
@@ -606,12 +609,17 @@ class Launch:
         self.record_supervisor("detached", launcher_pid=self.launcher.pid if self.launcher else self.launcher_pid)
 
     async def teardown(self, mon: Monitor | None) -> None:
-        for task in self.tasks:
-            task.cancel()
-        if self.tasks:
-            # A follower being (re)started as we cancel must have started or given up before the nodes' cleanup
-            # below kills the followers: else one started just after it outlives the run.
-            await asyncio.wait(self.tasks, timeout=5)
+        self.closing = True
+        # The followers end before the nodes' cleanup below kills their processes: else one restarted meanwhile
+        # outlives the run. Cancelled again while they run: asyncio.wait_for (Python 3.11) loses a cancellation
+        # that arrives as its awaited item does, which a follower with output waiting is likely to hit.
+        pending = {t for t in self.tasks if not t.done()}
+        for _ in range(20):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.25)
         if self.launcher is not None and self.launcher.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.launcher.pid, signal.SIGTERM)
