@@ -77,6 +77,12 @@ from coordinator.run.supervision import (
 STARTUP_RETRIES = 2
 
 
+def restarts_spent(attempt: int, races: int) -> int:
+    """The relaunches after attempt number `attempt` (0-based) that count against faults.max_restarts, when `races`
+    of the attempts so far ended in a start-up race: up to STARTUP_RETRIES of those are free."""
+    return attempt - min(races, STARTUP_RETRIES)
+
+
 def default_cache_dir() -> Path:
     """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -649,7 +655,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             mon.stopped = True
             message = sup.message()
             break
-        if number - min(races, STARTUP_RETRIES) >= pb.faults.max_restarts:
+        if restarts_spent(number, races) >= pb.faults.max_restarts:
             message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
             if race is not None:
                 known = race.evidence.get("explanation") or {}

@@ -660,3 +660,12 @@ def test_a_connect_error_after_the_first_step_blames_no_node_and_is_no_race() ->
     mon.observe(ev("b", 1, 1.0, event="step", step=1, loss=2.0))
     [inc] = mon.observe(ev("b", 1, 2.0, event="error", message=REFUSED))
     assert inc.action == "stop" and "startup_race" not in inc.evidence and mon.startup_race() is None
+
+
+def test_start_up_races_are_relaunched_beside_the_restart_budget_up_to_a_few() -> None:
+    from coordinator.run.job import STARTUP_RETRIES, restarts_spent
+
+    assert STARTUP_RETRIES == 2
+    # max_restarts 0 (give up once spent >= 0): the first two races are still retried, the third ends the run.
+    assert [restarts_spent(n, n + 1) >= 0 for n in range(3)] == [False, False, True]
+    assert restarts_spent(2, 0) == 2 and restarts_spent(3, 1) == 2
