@@ -259,7 +259,8 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
                      else tuple((x["node"], x["reason"]) for x in meta.left_out),
                      tokens_per_s=judged.tokens_per_s,
                      predicted_tokens_per_s=prediction_of(meta.predicted_tokens_per_s,
-                                                          done.predicted_tokens_per_s if done is not None else None))
+                                                          done.predicted_tokens_per_s if done is not None else None),
+                     recorded_steps=done.steps if done is not None else None)
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.
