@@ -6,6 +6,7 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
+                           [--lockstep]
 
 What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.modelsetup.apply_method` (the
 run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
@@ -35,6 +36,14 @@ for JIT-compiling the kernels of each new batch shape on its first step (MLX cac
 bounded by --one-time-budget and reported apart (`one_time_s`); --time-budget bounds the timed steps only, so the
 same budget measures the same curve on a cold machine and on a warm one.
 
+Lockstep (`--lockstep`, for nodes that share a machine: the coordinator runs their benches together, as their
+ranks will run). Before the timed steps of each point the bench says `bench lockstep ready batch=B` on stderr and
+waits for a line on stdin; after them it says `bench lockstep timed batch=B` and keeps taking untimed steps of
+that batch until the next line, so a node that finished its window early still loads the machine while the others
+time theirs; after its result it keeps taking untimed steps of its best batch until stdin ends (the whole group is
+done). The coordinator answers each wait once every member of the group is waiting (`coordinator.planning.colocate`).
+Waiting is charged to the one-time allowance; stdin at its end releases every wait at once.
+
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
                 "spread", "noisy"}], "best_batch", "packing": [bool, why],
@@ -61,6 +70,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import random
 import statistics
 import sys
@@ -69,7 +79,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import IO, Any, TextIO, cast
 
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
 MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
@@ -291,6 +301,44 @@ def advise_no_point(kind: str, *, limit: float, phase: str, step_s: float | None
             f"of batch 1 was measured{need}, or a smaller train.max_seq_length")
 
 
+class Lockstep:
+    """The bench's half of the coordinator's barrier (see "Lockstep" in the module docstring): a thread reads
+    stdin, `wait` announces a wait on stderr and returns at the next line; `busy`, when given, is called between
+    looks (an untimed step that keeps the machine loaded) and ends the wait early by returning False. Once stdin
+    has ended every wait returns at once: the coordinator released the group or is gone."""
+
+    def __init__(self, stream: IO[str], log: Callable[[str], None]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.ended = False
+        self.log = log
+        threading.Thread(target=self._read, args=(stream,), name="bench-lockstep", daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.lines.put(line)
+        finally:
+            self.lines.put(None)
+
+    def wait(self, what: str, busy: Callable[[], bool] | None = None) -> None:
+        if self.ended:
+            return
+        self.log(f"bench lockstep {what}")
+        while True:
+            if busy is None:
+                item = self.lines.get()
+            else:
+                try:
+                    item = self.lines.get_nowait()
+                except queue.Empty:
+                    if busy():
+                        continue
+                    return
+            if item is None:
+                self.ended = True
+            return
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # I/O: mlx, the clock, stdout.
 
@@ -327,6 +375,8 @@ class _State:
     phase: str = "starting"
     one_time: dict[str, Any] = field(default_factory=dict)  # import, matmul, load (s); first_steps {batch: s}
     step_s: float | None = None  # the latest single-step time seen (the warm-up's until a timed step ran)
+    lockstep: Lockstep | None = None  # --lockstep: the group's barrier
+    linger: Callable[[], None] | None = None  # --lockstep: after the result, load the machine until released
 
     def extra(self) -> dict[str, Any]:
         """The one-time costs and measuring time, as the result reports them."""
@@ -485,6 +535,21 @@ def spread(values: list[float]) -> float:
     return (qs[2] - qs[0]) / qs[1] if qs[1] > 0 else 0.0
 
 
+def _filler(trainer: _Trainer, batch: int, budget: Budget) -> Callable[[], bool]:
+    """One untimed step of `batch` per call (cycling through its batches, all compiled already), while the one-time
+    allowance lasts: the load this node puts on a shared machine while its neighbours measure."""
+    count = [0]
+
+    def step() -> bool:
+        if budget.left(ONE_TIME) <= 0:
+            return False
+        trainer.step(batch, count[0] % CANDIDATES)
+        count[0] += 1
+        return True
+
+    return step
+
+
 def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tuple[Point | None, bool]:
     """Warm up once per distinct batch shape (the one-time allowance: each compiles), then time steps on the
     measuring allowance, cycling through the point's batches: at least MIN_STEPS, more until `window` seconds of
@@ -505,6 +570,10 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     if state.step_s is None:
         state.step_s = warmup / len(shapes)
     _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} shape(s) (compile included: one-time)")
+    if state.lockstep is not None:
+        state.phase = f"waiting for the nodes sharing this machine (batch {batch})"
+        state.lockstep.wait(f"ready batch={batch}")
+        state.phase = f"measuring batch {batch}"
     budget.enter(MEASURE)
     per_token: list[float] = []
     times: list[float] = []
@@ -525,6 +594,11 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         if done and not extra and spread(per_token) > NOISY_SPREAD:
             extra, limit, until = True, limit + MAX_STEPS, sum(times) + window  # measure it once more
     budget.enter(ONE_TIME)
+    if state.lockstep is not None:
+        # Keep loading the machine with this batch until every member has timed it: the others' steps are timed
+        # against the load they will train beside.
+        state.phase = f"keeping batch {batch} running while the nodes sharing this machine time theirs"
+        state.lockstep.wait(f"timed batch={batch}", busy=_filler(trainer, batch, budget))
     if not times:
         return None, True
     fast = fast_quartile(per_token)
@@ -573,6 +647,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--one-time-budget", type=float, default=600.0,
                         help="seconds for imports, the model load and the first (compiling) step of each shape")
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--lockstep", action="store_true",
+                        help="measure in step with the nodes sharing this machine (waits on stdin; see the docstring)")
     parser.add_argument("--memory-fraction", type=float, default=0.8)
     args = parser.parse_args(argv)
     if args.seq_len < 2:
@@ -674,6 +750,10 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
                                          step_s=state.step_s, one_time={}))
     _log(f"bench stopped_because={reason} measuring {budget.used(MEASURE):.1f}s, one-time "
          f"{budget.used(ONE_TIME):.1f}s")
+    lockstep = state.lockstep
+    if lockstep is not None:
+        best = max(curve, key=lambda p: (p.tokens_per_s, -p.batch)).batch
+        state.linger = lambda: lockstep.wait("done", busy=_filler(trainer, best, budget))
     return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
                         meta={**state.meta, **state.extra()}, seconds=time.monotonic() - state.started)
 
@@ -692,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse_args(argv)
         budget = Budget(one_time_s=args.one_time_budget, measure_s=args.time_budget, clock=time.monotonic)
         budget.since = started  # python's own start-up until here is one-time too
-        state = _State(started=started, curve=[], budget=budget)
+        state = _State(started=started, curve=[], budget=budget,
+                       lockstep=Lockstep(sys.stdin, _log) if args.lockstep else None)
         stop = threading.Event()
         watchdog = threading.Thread(target=_watchdog, args=(state, out, stop), name="bench-watchdog", daemon=True)
         watchdog.start()
@@ -716,6 +797,8 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds": round(time.monotonic() - started, 3)})
         return 1
     out.emit(result)
+    if state.linger is not None:
+        state.linger()
     return 0
 
 

@@ -27,6 +27,7 @@ from coordinator.fleet.assets import provision
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
@@ -187,7 +188,9 @@ async def calibrate_and_plan(
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
-        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"),
+        # Nodes sharing a machine are measured together, as they will train (planning/colocate.py).
+        groups=compute_bench_groups(fleet.nodes, facts))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
