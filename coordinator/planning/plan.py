@@ -159,20 +159,40 @@ def prediction_gap(actual: float | None, predicted: float | None) -> float | Non
     return (actual - predicted) / predicted
 
 
-def describe_prediction(actual: float | None, predicted: float | None) -> str:
-    """The run's tokens/s next to the prediction, in words; a gap over PREDICTION_TOLERANCE is said loudly."""
+# A run of fewer steps says nothing about its rate: its first steps compile (one-time), and the median of two steps
+# is one of them.
+PREDICTION_MIN_STEPS = 3
+
+
+def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
+                        ranks: int = 1) -> str:
+    """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, the
+    known reasons and what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held
+    to the prediction at all. `ranks` > 1: the prediction leaves out the gradient all_sum between them (each node's
+    bench times its own step; the collective is not measured yet), which a run pays at every step."""
     if actual is None:
         return "no step finished: no tokens/s"
     text = f"{actual:,.0f} tok/s (median of the run's steps)"
     gap = prediction_gap(actual, predicted)
     if gap is None or predicted is None:
         return text + ", no prediction (uncalibrated split)"
+    if steps is not None and steps < PREDICTION_MIN_STEPS:
+        return (text + f"; {steps} step(s) are too few to hold against the {predicted:,.0f} tok/s predicted (the "
+                "first steps compile)")
     text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
-    if abs(gap) > PREDICTION_TOLERANCE:
-        side = "slower" if gap < 0 else "faster"
-        text += (f": MORE THAN {100 * PREDICTION_TOLERANCE:.0f}% {side.upper()} than calibration predicted; the "
-                 "split and ETA rest on that prediction (docs/calibration.md)")
-    return text
+    if abs(gap) <= PREDICTION_TOLERANCE:
+        return text + f": within {100 * PREDICTION_TOLERANCE:.0f}% of calibration"
+    if gap < 0:
+        why = ["the machine was busier than while calibrating (other work, or nodes that share it measured apart)"]
+        if ranks > 1:
+            why.insert(0, f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out "
+                          "(calibration times each node's step alone; the collective is not measured yet)")
+        return (text + f": slower than calibration predicted, by more than {100 * PREDICTION_TOLERANCE:.0f}%. "
+                "Likely: " + "; or ".join(why) + ". If the machine was busy while calibrating, run again with "
+                "--recalibrate on a quiet one; the split and ETA rest on the prediction (docs/calibration.md)")
+    return (text + f": faster than calibration predicted, by more than {100 * PREDICTION_TOLERANCE:.0f}%: the "
+            "machine was busier while calibrating than now; run again with --recalibrate for a split that fits "
+            "(docs/calibration.md)")
 
 
 def lift_dips(batches: Sequence[int], rates: Sequence[float]) -> list[float]:

@@ -93,8 +93,22 @@ def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
 def test_prediction_is_said_plainly_when_far_off() -> None:
     assert prediction_gap(3214, 11039) is not None
     far = describe_prediction(3214, 11039)
-    assert "3,214 tok/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 15% SLOWER" in far
+    assert "3,214 tok/s" in far and "11,039 predicted" in far and "-71%" in far
+    assert "slower than calibration predicted" in far and "--recalibrate" in far and "MORE THAN" not in far
+    assert "all_sum" not in far  # one rank: no collective to leave out
     near = describe_prediction(10000, 11039)  # -9%: within 15%
-    assert "-9%" in near and "MORE THAN" not in near
+    assert "-9%" in near and "within 15%" in near and "slower" not in near
     assert "no prediction" in describe_prediction(1000, None)
     assert describe_prediction(None, 5000) == "no step finished: no tokens/s"
+
+
+def test_prediction_line_names_the_collective_and_spares_a_one_step_run() -> None:
+    """The demo's end-of-run line: plain words, the all_sum the prediction leaves out named when there are ranks to
+    sum over, what to do; a run stopped after one step is not held to the prediction."""
+    two = describe_prediction(1200, 4250, steps=30, ranks=2)
+    assert "-72%" in two and "all_sum between the 2 ranks" in two and "--recalibrate" in two
+    assert two.upper() != two and "SLOWER" not in two
+    faster = describe_prediction(6000, 4250, steps=30, ranks=2)
+    assert "faster than calibration predicted" in faster and "--recalibrate" in faster
+    one = describe_prediction(900, 4250, steps=1, ranks=2)
+    assert "too few" in one and "slower" not in one and "%" not in one
