@@ -90,6 +90,7 @@ NOISY_SPREAD = 0.25  # (q3 - q1) / median of a point's per-token step times abov
 STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
 ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
 WATCHDOG_POLL_S = 0.1
+HEARTBEAT_S = 10.0  # a line at least this often while a one-time phase (a compiling first step) runs: never looks hung
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,57 @@ def advise_no_point(kind: str, *, limit: float, phase: str, step_s: float | None
         need = f"; set calibration.time_budget to at least {_round_up(2 * limit)}"
     return (f"calibration.time_budget of {limit:g}s (timed steps only) ran out while {phase}, before one point "
             f"of batch 1 was measured{need}, or a smaller train.max_seq_length")
+
+
+def kernel_cache_dir(version: str, tmp: str | None = None) -> Path:
+    """Where MLX keeps the kernels it compiles for the CPU backend (the system temp dir: $TMPDIR or /tmp)."""
+    import tempfile
+
+    return Path(tmp or tempfile.gettempdir()) / "mlx" / version
+
+
+def describe_first_step(batch: int, cache: Path, cold: bool) -> str:
+    """The announcement of a batch's first (compiling) step: on a cold kernel cache, where the time goes and that it
+    is paid once."""
+    if cold:
+        return (f"bench batch={batch} first step: compiling MLX's kernels (the cache {cache} is empty: a one-time "
+                f"cost, a minute or more on a small CPU; later runs reuse it)")
+    return f"bench batch={batch} first step: compiling this batch shape (one-time)"
+
+
+class Ticker:
+    """Says that a one-time phase is still running, every `every` seconds of `clock` (injected: tests drive it).
+    `poll()` is called often (by `ticking`'s thread); it logs only when a line is due."""
+
+    def __init__(self, what: str, log: Callable[[str], None], clock: Callable[[], float],
+                 every: float = HEARTBEAT_S) -> None:
+        self.what, self.log, self.clock, self.every = what, log, clock, every
+        self.began = clock()
+        self.due = self.began + every
+
+    def poll(self) -> None:
+        now = self.clock()
+        if now >= self.due:
+            self.log(f"{self.what}: still running, {now - self.began:.0f}s")
+            self.due = now + self.every
+
+
+def ticking(ticker: Ticker, fn: Callable[[], Any], poll_s: float = 1.0) -> Any:
+    """`fn()` with `ticker` polled from a thread while it runs (mlx releases the GIL while it compiles and
+    evaluates, so the thread does run). Returns what `fn` returns; its exceptions pass through."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(poll_s):
+            ticker.poll()
+
+    thread = threading.Thread(target=loop, name="bench-ticker", daemon=True)
+    thread.start()
+    try:
+        return fn()
+    finally:
+        done.set()
+        thread.join()
 
 
 class Lockstep:
@@ -565,7 +617,10 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         shape = tuple(tuple(a.shape) for a in trainer.micro(batch, k).inputs)
         if shape not in shapes:
             shapes.add(shape)
-            warmup += trainer.step(batch, k)[0]
+            cache = kernel_cache_dir(str(getattr(mx, "__version__", "")))
+            _log(describe_first_step(batch, cache, cold=not any(cache.glob("*/*"))))
+            ticker = Ticker(f"bench batch={batch} first step", _log, time.monotonic)
+            warmup += ticking(ticker, lambda: trainer.step(batch, k))[0]  # noqa: B023 - called before k moves on
     state.one_time.setdefault("first_steps", {})[batch] = warmup
     if state.step_s is None:
         state.step_s = warmup / len(shapes)

@@ -1,7 +1,8 @@
 """The live view of a run (rich): per rank node, step, loss, tok/s against its calibrated rate, memory, last
 heartbeat, ETA. Also the text printed when stdout is not a terminal (CI logs, `| tee`, `nohup`): one plain line
 when the run has advanced by a tenth of its steps or PLAIN_EVERY_S passed, a line every PLAIN_IDLE_S while it
-stands still, and always a last line with the true final step and state when the view closes."""
+stands still (the first, compiling, step says so: `first_step_note`), and always a last line with the true final
+step and state when the view closes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from coordinator.run.monitor import Monitor
 from coordinator.views.render import render_preflight
 
 PLAIN_EVERY_S = 5.0
-PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for minutes looks like a hang
+PLAIN_IDLE_S = 10.0  # a line even without progress (a compiling first step): a silent log looks like a hang
 PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
 
 
@@ -71,9 +72,22 @@ class NodeBars:
             self.progress.stop()
 
 
+def first_step_note(mon: Monitor) -> str | None:
+    """While the ranks take their first step (no step event yet, at least one in phase `step`): MLX compiles the
+    step's kernels then, a one-time cost of a minute or more per node on a cold kernel cache that would otherwise
+    look like a hang. None otherwise."""
+    views = list(mon.ranks.values())
+    if not views or any(v.tokens_per_s is not None for v in views) or not any(v.phase == "step" for v in views):
+        return None
+    return "first step: MLX compiles its kernels once (a minute or more per node on a cold kernel cache)"
+
+
 def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
     eta = mon.eta_s(now)
     title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    note = first_step_note(mon)
+    if note:
+        title += f"   {note}"
     if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
         title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
     table = Table(title=title, title_justify="left")
@@ -213,6 +227,9 @@ def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_o
     rate = mon.last_tokens_per_s()
     parts = [f"step {mon.step()}/{mon.iters}", "loss -" if loss is None else f"loss {loss:.4f}",
              "- tok/s" if rate is None else f"{rate:,.0f} tok/s"]
+    note = None if final else first_step_note(mon)
+    if note:
+        parts.append(note)
     if final:
         parts.append(str(mon.outcome() or ("stopped" if mon.stopped else "ended")))
     else:

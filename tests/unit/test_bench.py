@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,68 @@ def test_calibrate_runs_the_bench_and_caches(tiny_model: Path, tmp_path: Path) -
 ])
 def test_fast_quartile(times: list[float], expected: float) -> None:
     assert fast_quartile(times) == expected
+
+
+# --- the first step's heartbeat: a cold compile never looks hung --------------------------------------------------
+
+
+def test_ticker_says_a_long_first_step_is_still_running_every_interval() -> None:
+    from worker.bench import Ticker
+
+    now = [100.0]
+    lines: list[str] = []
+    ticker = Ticker("bench batch=1 first step", lines.append, lambda: now[0], every=10.0)
+    for t in (100.5, 105.0, 109.9):
+        now[0] = t
+        ticker.poll()
+    assert lines == []  # nothing before the first interval
+    now[0] = 110.0
+    ticker.poll()
+    ticker.poll()  # polled twice at one moment: one line
+    assert lines == ["bench batch=1 first step: still running, 10s"]
+    now[0] = 135.0  # the poller was late: one line now, the next a full interval later
+    ticker.poll()
+    now[0] = 144.0
+    ticker.poll()
+    now[0] = 145.0
+    ticker.poll()
+    assert lines[1:] == ["bench batch=1 first step: still running, 35s", "bench batch=1 first step: still running, 45s"]
+
+
+def test_heartbeat_lines_come_while_the_first_step_runs() -> None:
+    """`ticking` polls from a thread while the (scripted) compiling step blocks: the step moves the driven clock
+    on 10 s at a time and waits for each heartbeat line before going on, so every line is emitted during the step,
+    at least every interval of its time."""
+    from worker.bench import Ticker, ticking
+
+    now = [0.0]
+    lines: list[str] = []
+    arrived = threading.Condition()
+
+    def log(line: str) -> None:
+        with arrived:
+            lines.append(line)
+            arrived.notify_all()
+
+    ticker = Ticker("bench batch=1 first step", log, lambda: now[0], every=10.0)
+
+    def long_first_step() -> str:
+        for beat in range(1, 4):
+            with arrived:
+                now[0] = 10.0 * beat  # ten more seconds of compiling (driven time)
+                # A hang guard, not a timing claim: the line for this moment comes while the step still runs.
+                assert arrived.wait_for(lambda: len(lines) == beat, timeout=60), lines  # noqa: B023
+        return "stepped"
+
+    assert ticking(ticker, long_first_step, poll_s=0.001) == "stepped"
+    assert lines == [f"bench batch=1 first step: still running, {s}s" for s in (10, 20, 30)]
+
+
+def test_first_step_announcement_names_the_cold_kernel_cache(tmp_path: Path) -> None:
+    from worker.bench import describe_first_step, kernel_cache_dir
+
+    cache = kernel_cache_dir("0.32.4", str(tmp_path))
+    assert cache == tmp_path / "mlx" / "0.32.4"
+    cold = describe_first_step(1, cache, cold=True)
+    assert "compiling MLX's kernels" in cold and str(cache) in cold and "one-time" in cold
+    assert "one-time" in describe_first_step(4, cache, cold=False)

@@ -59,10 +59,32 @@ def test_piped_slow_run_prints_every_few_seconds_and_while_it_stands_still() -> 
     mon = started(1000)
     t = run_steps(ui, mon, range(1, 5), dt=6.0)  # a step every 6 s: a line for each
     assert len(out.getvalue().splitlines()) == 4
-    ui.progress(mon, t + 10)  # no progress, 16 s after the last line: nothing yet
+    ui.progress(mon, t + 2)  # no progress, 8 s after the last line: nothing yet
     assert len(out.getvalue().splitlines()) == 4
-    ui.progress(mon, t + 31)  # 30 s of silence get a line: a quiet log must not look like a hang
+    ui.progress(mon, t + 5)  # 11 s of silence get a line: a quiet log must not look like a hang (15 s at most)
     assert len(out.getvalue().splitlines()) == 5
+
+
+def test_piped_first_step_is_announced_and_repeated_while_it_compiles() -> None:
+    """The ranks' first step compiles MLX's kernels (70-92 s per node on a cold cache on 2 cores): the plain line
+    says so when it starts and again at least every 15 s, from the ranks' heartbeats alone."""
+    ui, out = piped()
+    mon = started(30)
+    for rank, node in ((0, "a"), (1, "b")):
+        mon.observe(ev(node, rank, 0.2, event="heartbeat", step=0, phase="load", pid=10 + rank))
+    ui.progress(mon, 0.2)
+    assert "compiles" not in out.getvalue()  # still loading: not yet the compile
+    t = 1.0
+    for rank, node in ((0, "a"), (1, "b")):
+        mon.observe(ev(node, rank, t, event="heartbeat", step=1, phase="step", pid=10 + rank))
+    for second in range(1, 91):  # 90 s of heartbeats, no step event
+        for rank, node in ((0, "a"), (1, "b")):
+            mon.observe(ev(node, rank, t + second, event="heartbeat", step=1, phase="step", pid=10 + rank))
+        ui.progress(mon, t + second)
+    lines = [line for line in out.getvalue().splitlines() if "MLX compiles its kernels once" in line]
+    assert len(lines) >= 90 // 15
+    run_steps(ui, mon, range(1, 3), dt=6.0, t0=t + 91)
+    assert "compiles" not in out.getvalue().splitlines()[-1]  # a step ended: the note is gone
 
 
 def test_last_line_says_a_failure() -> None:
