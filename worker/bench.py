@@ -619,7 +619,10 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         shape = tuple(tuple(a.shape) for a in trainer.micro(batch, k).inputs)
         if shape not in shapes:
             shapes.add(shape)
-            _log(describe_first_step(batch, state.kernel_cache, cold=state.cold_kernels))
+            if not state.one_time.get("first_steps") and len(shapes) == 1:
+                # The bench's first compile is the long one (everything the step needs); later shapes reuse most
+                # kernels, and the ticker speaks for any that still take long.
+                _log(describe_first_step(batch, state.kernel_cache, cold=state.cold_kernels))
             ticker = Ticker(f"bench batch={batch} first step", _log, time.monotonic)
             warmup += ticking(ticker, lambda: trainer.step(batch, k))[0]  # noqa: B023 - called before k moves on
             state.cold_kernels = False  # the cache holds the step's kernels now: later shapes compile less

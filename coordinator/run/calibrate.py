@@ -39,7 +39,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
-from coordinator.planning.colocate import Barrier, BenchGroup, MemberState
+from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
 from coordinator.run.rundir import CurveRecord, PlanNode
 
@@ -514,7 +514,8 @@ async def calibrate(
     weights. `time_budget` bounds each node's timed steps, `one_time_budget` its one-time costs (see the module
     docstring). `groups` (`coordinator.planning.colocate.compute_bench_groups`) name the nodes that share a machine:
     their benches run in lockstep, their curves are cached as measured together (the group is part of the key),
-    and a group is measured again as a whole when any member's curve is missing. Raises ValueError only for a
+    a group is measured again as a whole when any member's curve is missing, and interchangeable members (one
+    fingerprint, python and env) get one pooled curve (`pool_curves`). Raises ValueError only for a
     non-positive budget.
     """
     for label, value in (("time_budget", time_budget), ("one_time_budget", one_time_budget)):
@@ -580,6 +581,14 @@ async def calibrate(
         return calibration
 
     results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one))
+    for group in {id(g): g for g in group_of.values()}.values():
+        measured = [r for n in group.nodes if isinstance(r := results.get(n), NodeCalibration)]
+        kinds = {n.name: (fingerprints.get(n.name), n.python, n.env) for n in fleet.nodes if n.name in group.nodes}
+        for cal in pool_curves(measured, kinds):
+            if cal is not results[cal.node]:
+                results[cal.node] = cal
+                say(cal.node, "one curve for the interchangeable nodes of " + group.machine + " (the mean of their "
+                              "lockstep measurements: they run at one speed, the rest is who the scheduler favoured)")
     ordered: dict[str, NodeCalibration | CoordinatorError] = {}
     for node in fleet.nodes:
         if node.name in results:

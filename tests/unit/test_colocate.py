@@ -165,3 +165,27 @@ def test_the_cache_key_names_the_nodes_measured_beside() -> None:
     assert beside_b != alone
     assert compute_cache_key("a", fp, spec, "d", together=("c", "b")) == compute_cache_key(
         "a", fp, spec, "d", together=("b", "c")) != beside_b
+
+
+def test_interchangeable_members_share_one_curve_the_mean_of_theirs() -> None:
+    """Two identical nodes of one machine measured in lockstep on a busy machine: the scheduler favoured a at one
+    batch and b at the next (the demo's recorded numbers). Pooled, they split evenly; a third kind is untouched."""
+    from coordinator.planning.colocate import pool_curves
+    from coordinator.planning.plan import CurvePoint, NodeCalibration, compute_plan
+
+    def cal(node: str, *points: tuple[int, float, int], noisy: tuple[int, ...] = ()) -> NodeCalibration:
+        return NodeCalibration(node=node, curve=tuple(CurvePoint(*p) for p in points), matmul_gflops=1.0,
+                               memory_limit=None, seq_len=128, noisy=noisy)
+
+    a = cal("a", (1, 1264.0, 100), (2, 2588.0, 110), (4, 322.0, 200), (8, 3355.0, 300), (16, 3353.0, 600), noisy=(1,))
+    b = cal("b", (1, 142.0, 100), (2, 282.0, 120), (4, 2960.0, 200), (8, 648.0, 310), noisy=(4,))
+    other = cal("gpu", (1, 9000.0, 100))
+    before = compute_plan([a, b], 8, seq_len=128)
+    assert before.batch != {"a": 4, "b": 4}  # the noise decides the split
+    pa, pb, po = pool_curves([a, b, other], {"a": "cpu", "b": "cpu", "gpu": "other"})
+    assert po is other
+    assert pa.curve == pb.curve == (CurvePoint(1, 703.0, 100), CurvePoint(2, 1435.0, 120), CurvePoint(4, 1641.0, 200),
+                                    CurvePoint(8, 2001.5, 310))  # batch 16: only a measured it
+    assert pa.noisy == pb.noisy == (1, 4) and (pa.node, pb.node) == ("a", "b")
+    assert compute_plan([pa, pb], 8, seq_len=128).batch == {"a": 4, "b": 4}
+    assert pool_curves([a, b], {"a": "cpu", "b": "other cpu"}) == [a, b]  # different kinds: untouched
