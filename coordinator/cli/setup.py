@@ -24,7 +24,8 @@ COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
               help="macOS Thunderbolt addresses instead of software: print the networksetup commands per node.")
 @click.option("--apply", "apply_", is_flag=True, help="With --network: run the printed commands (sudo networksetup).")
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path),
-              help="The coordinator's wheel cache [default: ~/.cache/mlx-coordinator/wheelhouse].")
+              help="The coordinator's wheel cache [default: $XDG_CACHE_HOME/mlx-coordinator/wheelhouse, "
+                   "~/.cache/... without it].")
 @click.option("--find-links", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Download from this local wheel directory only, not PyPI (an air-gapped coordinator).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

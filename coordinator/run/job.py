@@ -24,6 +24,7 @@ from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.assets import provision
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
@@ -74,9 +75,8 @@ from coordinator.run.supervision import (
 
 
 def default_cache_dir() -> Path:
-    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "calibration"
+    """Calibration cache on the coordinator's machine (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "calibration"
 
 
 
