@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from coordinator.cli.common import DEFAULT_INVENTORY, run_async
-from coordinator.fleet.nodesetup import SetupFailed
 
 COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
 
@@ -59,10 +58,12 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
             for line in net.lines():
                 console.print(line, markup=False)
         if net.failed:
+            from coordinator.fleet.nodesetup import SetupFailed
+
             raise SetupFailed("setup --network failed on " + ", ".join(net.failed_nodes()))
         return
 
-    from coordinator.fleet.nodesetup import pins_from, run_setup
+    from coordinator.fleet.nodesetup import SetupFailed, pins_from, run_setup
 
     software = pb.software if pb is not None else None
     pins = pins_from(software.mlx if software else None, software.mlx_lm if software else None)
