@@ -41,6 +41,7 @@ from typing import Any
 
 from coordinator.errors import CoordinatorError
 from coordinator.planning.shards import largest_remainder
+from coordinator.units import format_bytes
 
 # Same knee criterion as worker.bench: a rate below this fraction of the best is a real fall, not noise.
 PLATEAU_RATIO = 0.97
@@ -288,7 +289,7 @@ class _NodeModel:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 1024**3:.1f} GiB"
+    return format_bytes(n)
 
 
 def _check_inputs(calibrations: Sequence[NodeCalibration], global_batch: int, seq_len: int) -> None:

@@ -17,6 +17,7 @@ from coordinator.models import PreflightReport
 from coordinator.planning.plan import PREDICTION_TOLERANCE, NodeCalibration, Plan, format_split, prediction_gap
 from coordinator.planning.shards import MapRow
 from coordinator.run.monitor import Monitor
+from coordinator.units import format_bytes
 from coordinator.views.render import render_preflight
 
 PLAIN_EVERY_S = 5.0
@@ -99,7 +100,7 @@ def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table
             gap = prediction_gap(v.tokens_per_s, v.calibrated_tokens_per_s)
             off = f", [yellow]{100 * gap:+.0f}%[/yellow]" if gap is not None and abs(gap) > PREDICTION_TOLERANCE else ""
             rate += f" ({v.calibrated_tokens_per_s:,.0f}{off})"
-        mem = "-" if v.peak_memory is None else f"{v.peak_memory / 1024**3:.2f} GiB"
+        mem = "-" if v.peak_memory is None else format_bytes(v.peak_memory)
         beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
         table.add_row(str(v.rank), v.node, str(v.state), str(v.step), "-" if v.loss is None else f"{v.loss:.4f}",
                       rate, mem, beat)

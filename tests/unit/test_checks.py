@@ -916,11 +916,11 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.edited("pmset_batt", "'AC Power'", "'Battery Power'"), {},
                  (W, ("on battery (100%)",), ("AC power",)), id="on-battery"),
     pytest.param(MBP_M.edited(*_df(100_000)), {},
-                 (F, ("0.1 GiB free under /Users/me/mlx-work", "checkpoints need 0.3 GiB"),
+                 (F, ("97.7 MiB free under /Users/me/mlx-work", "checkpoints need 314.7 MiB"),
                   ("free disk space on /System/Volumes/Data",)), id="disk-too-small-for-checkpoints"),
     # keep_checkpoints (2) + the one being written: 3 x ~0.1 GiB; under twice that is tight.
     pytest.param(MBP_M.edited(*_df(500_000)), {},
-                 (W, ("only 0.5 GiB free under /Users/me/mlx-work",), ("free disk space",)), id="disk-tight"),
+                 (W, ("only 488.3 MiB free under /Users/me/mlx-work",), ("free disk space",)), id="disk-tight"),
     pytest.param(MBP_M.but(worker={"config": {}}), {},
                  (W, ("model size unknown",), ("config.json",)), id="model-size-unknown"),
 ]
@@ -1214,3 +1214,17 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
                            playbook())
     assert results[("mbp", "software")].remedy.endswith(", or by hand: '/opt/py;id' -m pip install mlx==0.32.1 "
                                                         "mlx-lm==0.31.0")
+
+
+def test_thunderbolt_on_the_loopback_is_not_applicable() -> None:
+    """The local demo: two Linux nodes of one machine at 127.0.0.1. A pass would vouch for a cable that does not
+    exist; the check says it does not apply, and why. A loopback that does not answer still fails."""
+    a = M("a", linux_sections(), "127.0.0.1")
+    b = M("b", linux_sections(), "127.0.0.1")
+    run_case((a, b), playbook(backend="ring"), [
+        ("a", "thunderbolt", S, ("not applicable", "loopback (127.0.0.1)"), ()),
+        ("b", "thunderbolt", S, ("not applicable",), ()),
+    ])
+    run_case((a.but(down={"b": "connection refused"}), b), playbook(backend="ring"), [
+        ("a", "thunderbolt", F, ("cannot reach b",), ("`ips:`",)),
+    ])

@@ -21,6 +21,7 @@ from coordinator.config.playbook import Playbook
 from coordinator.facts.model import NodeFacts
 from coordinator.models import CheckResult, Node, Status
 from coordinator.preflight.checks.context import CheckContext, fact_error_result, majority, manifest_digest, node_manifest
+from coordinator.units import format_bytes
 
 
 def diff_manifests(mine: Mapping[str, str], ref: Mapping[str, str]) -> dict[str, list[str]]:
@@ -136,13 +137,13 @@ def _check_copies(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResul
             return CheckResult("model", node.name, Status.FAIL, f"differs from the reference manifest: {_describe(diff)}",
                                copy, evidence)
         return CheckResult("model", node.name, Status.PASS,
-                           f"{len(mine)} files ({total / 1e9:.2f} GB) match the reference manifest", evidence=evidence)
+                           f"{len(mine)} files ({format_bytes(total)}) match the reference manifest", evidence=evidence)
     manifests, digests = ctx.fleet_manifests
     ref_digest, odd = majority(digests)
     if node.name not in odd:
         agree = sum(1 for d in digests.values() if d == digests.get(node.name))
         return CheckResult("model", node.name, Status.PASS,
-                           f"{len(mine)} files ({total / 1e9:.2f} GB) identical on {agree}/{len(digests)} nodes",
+                           f"{len(mine)} files ({format_bytes(total)}) identical on {agree}/{len(digests)} nodes",
                            evidence=evidence)
     if ref_digest is not None:
         ref_node = next(n for n, d in digests.items() if d == ref_digest)
