@@ -404,3 +404,34 @@ def test_first_step_announcement_names_the_cold_kernel_cache(tmp_path: Path) -> 
     cold = describe_first_step(1, cache, cold=True)
     assert "compiling MLX's kernels" in cold and str(cache) in cold and "one-time" in cold
     assert "one-time" in describe_first_step(4, cache, cold=False)
+
+
+def test_nodes_of_one_machine_are_calibrated_together_in_lockstep(tiny_model: Path, tmp_path: Path) -> None:
+    """The local demo's shape: two `connection: local` nodes. Their benches run in lockstep over the real
+    LocalTransport (each waits on stdin, the coordinator releases both), both sweep the same batches, and being
+    interchangeable they come back with one curve: the even split, every time."""
+    from coordinator.planning.colocate import compute_bench_groups
+
+    nodes = [Node(name=n, host="127.0.0.1", connection=Connection.LOCAL, python=sys.executable,
+                  workdir=str(tmp_path / n)) for n in ("a", "b")]
+    spec = BenchSpec(model=str(tiny_model), seq_len=32, method="lora", num_layers=-1, max_batch=2)
+    fingerprint = NodeFingerprint(chip="test", model_id=None, memory_bytes=1, cpu_count=2, gpu_cores=None,
+                                  os_version="linux", mlx_version="0.32.4")
+    lines: list[tuple[str, str]] = []
+
+    async def go() -> dict[str, Any]:
+        async with Fleet(nodes) as fleet:
+            await fleet.connect_all()
+            return await calibrate(fleet, spec, fingerprints={"a": fingerprint, "b": fingerprint}, model_digest="tiny",
+                                   recalibrate=False, cache_dir=tmp_path / "cache", time_budget=10,
+                                   progress=lambda n, line: lines.append((n, line)),
+                                   groups=compute_bench_groups(nodes, {}))
+
+    result = asyncio.run(go())
+    a, b = result["a"], result["b"]
+    assert isinstance(a, NodeCalibration) and isinstance(b, NodeCalibration), result
+    assert a.curve == b.curve and [p.batch for p in a.curve] == [1, 2]
+    assert compute_plan([a, b], 4, seq_len=32).batch == {"a": 2, "b": 2}
+    assert any(n == "a" and "together with b" in line for n, line in lines)
+    assert not any("lockstep" in line and line.startswith("bench lockstep") for _, line in lines)  # the gate's own
+    assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 2
