@@ -67,6 +67,7 @@ the pure decision functions import without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -76,7 +77,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
@@ -338,6 +339,13 @@ class Ticker:
 def ticking(ticker: Ticker, fn: Callable[[], Any], poll_s: float = 1.0) -> Any:
     """`fn()` with `ticker` polled from a thread while it runs (mlx releases the GIL while it compiles and
     evaluates, so the thread does run). Returns what `fn` returns; its exceptions pass through."""
+    with ticker_running(ticker, poll_s):
+        return fn()
+
+
+@contextlib.contextmanager
+def ticker_running(ticker: Ticker, poll_s: float = 1.0) -> Iterator[Ticker]:
+    """`ticker` polled from a thread for the duration of the block (see `ticking`)."""
     done = threading.Event()
 
     def loop() -> None:
@@ -347,7 +355,7 @@ def ticking(ticker: Ticker, fn: Callable[[], Any], poll_s: float = 1.0) -> Any:
     thread = threading.Thread(target=loop, name="bench-ticker", daemon=True)
     thread.start()
     try:
-        return fn()
+        yield ticker
     finally:
         done.set()
         thread.join()
@@ -750,13 +758,9 @@ def _watchdog(state: _State, out: _Output, stop: threading.Event) -> None:
         return
 
 
-def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
-    budget = state.budget
-    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
-    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
-    window = max(0.5, 0.05 * float(args.time_budget))
-
-    model_path(args.model)
+def _start(args: argparse.Namespace, state: _State) -> _Trainer:
+    """The one-time start: import mlx, measure the matmul rate, load the model as the run sets it up. Returns the
+    trainer; fills `state` (device, memory limit, meta, one-time costs)."""
     state.phase = "importing mlx"
     mark = time.monotonic()
     import mlx.core as mx
@@ -786,6 +790,23 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     state.one_time["load"] = time.monotonic() - mark
     state.meta["packing"] = list(trainer.packing[:2])
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
+    return trainer
+
+
+def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
+    budget = state.budget
+    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
+    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
+    window = max(0.5, 0.05 * float(args.time_budget))
+
+    model_path(args.model)
+    # Importing mlx, the matmul probe and the model load take seconds, more on a busy machine (16 s measured with
+    # load 14 on 2 cores): announced, and said again while they last.
+    _log("bench starting: importing mlx, measuring a matmul, loading the model (one-time)")
+    with ticker_running(Ticker("bench starting", _log, time.monotonic)):
+        trainer = _start(args, state)
+    assert state.device is not None and state.meta is not None  # set by _start
+    memory_limit, device, meta = state.memory_limit, state.device, state.meta
 
     def on_point(p: Point) -> None:
         state.curve.append(p)
@@ -818,7 +839,7 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
         best = max(curve, key=lambda p: (p.tokens_per_s, -p.batch)).batch
         state.linger = lambda: lockstep.wait("done", busy=_filler(trainer, best, budget))
     return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
-                        meta={**state.meta, **state.extra()}, seconds=time.monotonic() - state.started)
+                        meta={**meta, **state.extra()}, seconds=time.monotonic() - state.started)
 
 
 def main(argv: list[str] | None = None) -> int:
