@@ -184,6 +184,7 @@ class RunSummaryOut(_SummaryOut):
     checkpoint: str | None
     tokens_per_s: float | None
     predicted_tokens_per_s: float | None
+    compute_tokens_per_s: float | None  # the run's median without the gradient all_sum (compute time only)
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None

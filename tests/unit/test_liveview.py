@@ -112,6 +112,20 @@ def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
     assert mon.last_tokens_per_s() == 500.0
 
 
+def test_run_compute_rate_is_the_median_of_the_ranks_summed_compute_rates() -> None:
+    """Each rank's tokens per second of compute (until it enters the all_sum), summed over the ranks of a step;
+    the median over the steps every rank reported: what calibration predicts, without the collective."""
+    mon = started(30)
+    assert mon.run_compute_tokens_per_s() is None
+    for step, (a, b) in enumerate(((100.0, 120.0), (1000.0, 900.0), (1100.0, 1000.0), (1200.0, 1050.0)), start=1):
+        mon.observe(ev("a", 0, float(step), event="step", step=step, loss=1.0, tok_s=500.0, total_tokens=1000,
+                       step_time_s=1.0, compute_tok_s=a))
+        if step < 4:  # b's last step not reported yet: that step does not count
+            mon.observe(ev("b", 1, float(step), event="step", step=step, loss=1.0, tok_s=500.0, total_tokens=1000,
+                           step_time_s=1.0, compute_tok_s=b))
+    assert mon.run_compute_tokens_per_s() == 1900.0  # median of 220, 1900, 2100
+
+
 def test_prediction_is_said_plainly_when_far_off() -> None:
     assert prediction_gap(3214, 11039) is not None
     far = describe_prediction(3214, 11039)
@@ -134,3 +148,17 @@ def test_prediction_line_names_the_collective_and_spares_a_one_step_run() -> Non
     assert "faster than calibration predicted" in faster and "--recalibrate" in faster
     one = describe_prediction(900, 4250, steps=1, ranks=2)
     assert "too few" in one and "slower" not in one and "%" not in one
+
+
+def test_prediction_line_measures_why_from_the_compute_rate() -> None:
+    """With the run's compute-only rate the line says what happened instead of guessing: the nodes ran as
+    calibrated and the all_sum took the rest (the split holds), or the nodes themselves were slower (a busy
+    machine: what to do)."""
+    as_calibrated = describe_prediction(2000, 6000, steps=30, ranks=2, compute=5600)
+    assert "measured why" in as_calibrated and "5,600 tok/s (-7% of the prediction)" in as_calibrated
+    assert "the rest, 64% of each step, is the gradient all_sum between the 2 ranks" in as_calibrated
+    assert "The split holds" in as_calibrated and "--recalibrate" not in as_calibrated
+    busy = describe_prediction(2058, 6316, steps=30, ranks=2, compute=2300)  # the cold demo's shape, load 12-16
+    assert "2,300 tok/s (-64% of the prediction)" in busy and "busier than while calibrating" in busy
+    assert "11% of each step went to the gradient all_sum" in busy and "--recalibrate" in busy
+    assert describe_prediction(5900, 6000, steps=30, ranks=2, compute=5950).endswith("within 15% of calibration")
