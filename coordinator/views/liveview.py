@@ -72,6 +72,15 @@ class NodeBars:
         if self.enabled:
             self.progress.stop()
 
+    def pause(self) -> None:
+        """Stop drawing (before a prompt); `resume` starts again."""
+        if self.enabled:
+            self.progress.stop()
+
+    def resume(self) -> None:
+        if self.enabled:
+            self.progress.start()
+
 
 def first_step_note(mon: Monitor) -> str | None:
     """While the ranks take their first step (no step event yet, at least one in phase `step`): MLX compiles the
