@@ -107,3 +107,21 @@ def test_a_renamed_key_is_a_one_line_error_naming_it() -> None:
     nodes[0] = {("name" if k == "node" else k): v for k, v in nodes[0].items()}
     with pytest.raises(ValueError, match="name"):
         cli_json("calibrate", json.dumps(doc))
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench_hash.py", "--big-mib", "1", "--small-mib", "1", "--small-count", "2", "--runs", "1"],
+    ["bench_dashboard.py", "--ranks", "2", "--seconds", "2", "--step-s", "0.5"],
+], ids=["hash", "dashboard"])
+def test_the_benchmarks_without_a_test_bed_run_ci_sized(argv: list[str], tmp_path: Path) -> None:
+    """The benchmarks that need no root, namespaces or GPU, run for real at the smallest size: they finish and
+    print their report (no figures judged: they depend on the machine)."""
+    extra = ["--dir", str(tmp_path)] if argv[0] == "bench_hash.py" else []
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / argv[0]), *argv[1:], *extra],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if argv[0] == "bench_hash.py":
+        assert "| probe, warm hash cache" in proc.stdout
+    else:
+        doc = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+        assert doc["steps_written"] == 4 and "steps_seen" in doc and "latency_median_s" in doc
