@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -116,15 +117,19 @@ def test_bench_lockstep_waits_for_a_line_keeps_busy_and_ends_at_eof() -> None:
 
         steps: list[int] = []
 
-        def busy() -> bool:
+        def busy() -> bool:  # one untimed step; at the third the coordinator's line arrives
             steps.append(1)
             if len(steps) == 3:
                 writer.write("go\n")
                 writer.flush()
-            return len(steps) < 1000
+                for _ in range(6000):  # until the reader thread has it queued (a hang guard, not a timing claim)
+                    if gate.lines.qsize():
+                        break
+                    time.sleep(0.005)
+            return True
 
         gate.wait("timed batch=1", busy)
-        assert 3 <= len(steps) < 1000  # stepped until the line came, then returned
+        assert len(steps) == 3  # stepped until the line came, then returned
         assert not gate.ended
         count = len(steps)
         gate.wait("done", lambda: False)  # busy says stop: the wait ends without a line
