@@ -44,15 +44,15 @@ if TYPE_CHECKING:
 def monitor(inventory: str, limit: str | None, run_dir: Path, interval: float, once: bool, metrics_port: int | None,
             metrics_host: str, accept_new_host_keys: bool, connect_timeout: float, probe_timeout: float) -> None:
     """Watch the fleet and the active run live (Ctrl-C stops); optionally export Prometheus metrics."""
-    from rich.console import Console
     from rich.live import Live
 
     from coordinator.run.metrics import MetricsServer
     from coordinator.run.quarantine import QuarantineStore
+    from coordinator.views.liveview import make_console
     from coordinator.views.statuswatch import watch
 
     inv = load_status_inventory(inventory, limit)
-    console = Console()
+    console = make_console(wide_tables=True)
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     if server is not None:
         console.print(f"serving metrics on {server.url}", style="dim")

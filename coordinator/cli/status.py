@@ -38,8 +38,6 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
            connect_timeout: float, probe_timeout: float) -> None:
     """Show every node: reachable, OS, chip, memory, load, GPU, power, disk, its run and quarantine.
     Unreachable nodes are rows with their error; exits 0 unless the inventory is invalid (2)."""
-    from rich.console import Console
-
     from coordinator.run.quarantine import QuarantineStore
     from coordinator.views.render import dumps
     from coordinator.views.statusview import render_run_table, render_status_table
@@ -51,7 +49,9 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
     if as_json:
         click.echo(dumps(report.to_json()))
         return
-    console = Console()
+    from coordinator.views.liveview import make_console
+
+    console = make_console(wide_tables=True)
     console.print(render_status_table(report.nodes))
     for run in report.runs:
         if run.active:

@@ -175,12 +175,12 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
     as calibrated, and the rest of each step is the collective and the ranks waiting for each other."""
     if actual is None:
         return "no step finished: no tokens/s"
-    text = f"{actual:,.0f} tok/s (median of the run's steps)"
+    text = f"{actual:,.0f} real tokens/s (median of the run's steps)"
     gap = prediction_gap(actual, predicted)
     if gap is None or predicted is None:
         return text + ", no prediction (uncalibrated split)"
     if steps is not None and steps < PREDICTION_MIN_STEPS:
-        return (text + f"; {steps} step(s) are too few to hold against the {predicted:,.0f} tok/s predicted (the "
+        return (text + f"; {steps} step(s) are too few to hold against the {predicted:,.0f} real tokens/s predicted (the "
                 "first steps compile)")
     text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
     tolerance = f"{100 * PREDICTION_TOLERANCE:.0f}%"
@@ -194,7 +194,7 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
     compute_gap = prediction_gap(compute, predicted)
     if ranks > 1 and compute is not None and compute_gap is not None and compute > actual:
         rest = f"{100 * (1 - actual / compute):.0f}% of each step"
-        measured = f"the ranks' own compute ran at {compute:,.0f} tok/s ({100 * compute_gap:+.0f}% of the prediction)"
+        measured = f"the ranks' own compute ran at {compute:,.0f} real tokens/s ({100 * compute_gap:+.0f}% of the prediction)"
         if compute_gap >= -PREDICTION_TOLERANCE:
             return (text + f": slower than calibration predicted, and measured why: {measured}, as calibrated; the "
                     f"rest, {rest}, is {collective}, and the ranks waiting for each other. The split holds; only the "
