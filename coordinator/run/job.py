@@ -24,9 +24,11 @@ from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.assets import provision
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
@@ -84,9 +86,8 @@ def restarts_spent(attempt: int, races: int) -> int:
 
 
 def default_cache_dir() -> Path:
-    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "calibration"
+    """Calibration cache on the coordinator's machine (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "calibration"
 
 
 
@@ -198,7 +199,9 @@ async def calibrate_and_plan(
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
-        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"),
+        # Nodes sharing a machine are measured together, as they will train (planning/colocate.py).
+        groups=compute_bench_groups(fleet.nodes, facts))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))

@@ -156,12 +156,14 @@ class RunSummary(SummaryBase):
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "attempts": self.attempts, "recoveries": self.recoveries, "resumed_from": self.resumed_from}
+                "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
+                "recoveries": self.recoveries, "resumed_from": self.resumed_from}
 
 
 _WRITE_FILES = (
@@ -721,12 +723,14 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()
+    compute_rate = mon.run_compute_tokens_per_s()
     return RunSummary(run_id=launch.run_id, state=state, steps=mon.proven_step(), nodes=nodes, split=dict(split),
                       incidents=list(mon.incidents), checkpoint=ckpt,
                       tokens_per_s=round(run_rate, 2) if run_rate is not None else None,
                       run_dir=str(launch.run_dir), message=message, iters=mon.iters,
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
-                                              if predicted_tokens_per_s else None))
+                                              if predicted_tokens_per_s else None),
+                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None)
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

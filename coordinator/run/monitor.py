@@ -992,6 +992,14 @@ class Monitor:
         does the last step alone."""
         return statistics.median(list(self.step_totals.values())) if self.step_totals else None
 
+    def run_compute_tokens_per_s(self) -> float | None:
+        """The run's rate had no rank waited for the gradient all_sum: the median over steps (those every rank
+        reported) of the sum of the ranks' tokens / compute seconds (the step until it enters the collective).
+        What calibration predicts, which times each node's step alone; its gap to `run_tokens_per_s` is what the
+        collective (and the waiting for the slowest rank) cost."""
+        sums = [sum(rates.values()) for rates in self.step_rates.values() if len(rates) == len(self.ranks)]
+        return statistics.median(sums) if sums else None
+
     def last_tokens_per_s(self) -> float | None:
         """The whole run's tokens/s at its latest reported step."""
         return self.step_totals[max(self.step_totals)] if self.step_totals else None

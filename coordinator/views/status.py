@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator import models
 from coordinator.facts.build import node_load
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, Node
@@ -33,10 +34,8 @@ from coordinator.run.rundir import (
 )
 from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int
 
-DEFAULT_RUN_DIR = Path("runs")
-
-
-DEFAULT_STATUS_PROBE_TIMEOUT = 60.0
+DEFAULT_RUN_DIR = Path(models.DEFAULT_RUN_DIR)
+DEFAULT_STATUS_PROBE_TIMEOUT = models.DEFAULT_STATUS_PROBE_TIMEOUT
 
 
 RECENT_RUNS = 20  # run dirs looked at, newest first (by meta.json's mtime)
