@@ -10,7 +10,7 @@ from rich.console import Console
 
 from coordinator.cli.common import run_async
 from coordinator.config.inventory import load_inventory
-from coordinator.models import Inventory
+from coordinator.models import Inventory, parse_limit
 from coordinator.run.quarantine import QuarantineStore
 from coordinator.views.render import dumps
 from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
@@ -20,8 +20,7 @@ from coordinator.views.statuswatch import collect_status
 
 def load_status_inventory(inventory: str, limit: str | None) -> Inventory:
     inv = load_inventory(inventory)
-    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
-    return inv.limit(names)
+    return inv.limit(parse_limit(limit))
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")

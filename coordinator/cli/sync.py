@@ -67,6 +67,7 @@ def register(main: click.Group) -> None:
         relay only the differing files once down a chain of nodes (pipelined, resumable), delete extras, then
         verify every node's manifest equals the source's."""
         from coordinator.cli.common import load, run_async
+        from coordinator.models import parse_limit
 
         if from_node and source_path:
             raise ConfigError("give --from NODE or --source PATH, not both")
@@ -82,7 +83,7 @@ def register(main: click.Group) -> None:
             missing = [lb for lb, _ in pb.hashed_dirs() if not (source_path / lb).is_dir()]
             if missing:
                 raise ConfigError(f"--source {source_path} lacks {', '.join(missing)}/ (one subdir per synced dir)")
-        targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
+        targets = inv.limit(parse_limit(limit))
         echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
         ui = _bars(enabled=not as_json and not check)
         with ui:

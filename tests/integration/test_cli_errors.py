@@ -102,3 +102,20 @@ def test_a_node_without_numpy_building_the_tiny_model(tmp_path: Path, run_cli: R
     one_error_line(cp, 1, "coordinator: error: bare: cannot build assets.tiny_model: the node's python ",
                    "has no module 'numpy' (install it: ", " -m pip install numpy)")
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.parametrize(("verb", "value"), [
+    ("launch", ""), ("launch", ","), ("launch", " , "), ("setup", ""), ("sync", ","), ("status", " "),
+    ("preflight", "a,,a"),
+])
+def test_a_limit_that_names_no_node_is_refused_not_widened_to_the_fleet(verb: str, value: str, files: tuple[Path, Path],
+                                                                        tmp_path: Path, run_cli: RunCli) -> None:
+    """`--limit "$NODES"` with an empty variable: exit 2 before any connection, never the whole fleet."""
+    inv, pb = files
+    args = {"launch": [str(pb), "--run-dir", str(tmp_path / "runs")], "setup": [], "sync": ["-p", str(pb)],
+            "status": ["--run-dir", str(tmp_path / "runs")], "preflight": ["-p", str(pb)]}[verb]
+    cp = run_cli(verb, "-i", str(inv), "--limit", value, *args,
+                 env={"XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=60)
+    what = "has an empty name between commas" if value.strip(", ") else "names no node"
+    one_error_line(cp, 2, f"coordinator: error: --limit {value!r} {what}: give comma-separated node names")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
