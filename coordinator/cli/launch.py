@@ -100,7 +100,7 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
                               "training jobs (kind: train)", path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
-    chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
+    chaos = [parse_chaos(spec, world_size=len(inv.nodes), iters=pb.train.iters) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     verdicts: dict[str, str] = {}  # each node's preflight, for the dashboard's fleet page

@@ -44,7 +44,7 @@ from coordinator.preflight.fix import (
 )
 from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
-from coordinator.run.chaos import Chaos
+from coordinator.run.chaos import Chaos, check_reachable
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
@@ -273,6 +273,9 @@ async def run_job(
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
+    if left_out:  # fewer ranks than the command line counted: a drill's rank may be gone
+        check_reachable(chaos, world_size=len(inv.nodes),
+                        why=f" (quarantine leaves out {', '.join(lo.node for lo in left_out)})")
     with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
         sup.run_dir = run_dir
         return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
@@ -532,6 +535,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
         if opts.resume is not None:
             # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
             resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+            check_reachable(chaos, after_step=resumed.step or 0)  # before any rank starts
         left = [lo.to_json() for lo in left_out]
         first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
                                    resume=opts.resume is not None, chaos=chaos, ui=ui,
