@@ -64,7 +64,7 @@ if TYPE_CHECKING:
               help="On SIGHUP (a closed terminal) leave the run running for `coordinator attach` instead of stopping it.")
 @click.option("--dashboard", "with_dashboard", is_flag=True, help="Serve the web dashboard beside the run.")
 @click.option("--dashboard-host", default=DEFAULT_METRICS_HOST, show_default=True,
-              help="Address the dashboard binds (any but loopback needs the printed token).")
+              help="Address the dashboard binds (every request needs the printed token).")
 @click.option("--dashboard-port", default=8050, show_default=True, type=click.IntRange(0, 65535))
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
