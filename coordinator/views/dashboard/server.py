@@ -55,7 +55,8 @@ from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8050
 TICK_S = 0.25  # how often active runs' events.jsonl are looked at: an event shows within TICK_S + a push
-LIST_EVERY_S = 2.0  # how often the run root is listed for new runs
+LIST_EVERY_S = 2.0  # how often the run root is looked at for new runs (its mtime: one stat)
+RELIST_EVERY_S = 30.0  # how often it is listed anyway (a resumed run's meta.json rewritten makes it recent again)
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
 RECENT_RUNS = 30  # the runs page: the newest run dirs, kept and tailed
 CACHED_RUNS = 16  # other runs asked for (an old run's page): kept least-recently-used, polled only when asked
@@ -200,6 +201,8 @@ class DashboardState:
     subscribers: set[asyncio.Queue[str]] = field(default_factory=set)
     fleet_version: int = 0
     _listed_at: float = float("-inf")
+    _relisted_at: float = float("-inf")
+    _root_mtime: int = -1
 
     def list_runs(self, force: bool = False) -> None:
         """Pick up new run directories (the newest RECENT_RUNS with a meta.json); the ones that fell out of them
@@ -209,6 +212,11 @@ class DashboardState:
             return
         self._listed_at = now
         try:
+            # A new run dir changes the root's mtime: a root of thousands of runs is not stat'ed every 2 s.
+            mtime = self.run_root.stat().st_mtime_ns
+            if not force and mtime == self._root_mtime and now - self._relisted_at < RELIST_EVERY_S:
+                return
+            self._root_mtime, self._relisted_at = mtime, now
             children = [c for c in self.run_root.iterdir() if c.is_dir()]
         except OSError:
             return
