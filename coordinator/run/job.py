@@ -522,7 +522,8 @@ async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequ
     report = await run_setup(nodes, pins, connect_timeout=opts.connect_timeout,
                              accept_new_host_keys=opts.accept_new_host_keys,
                              on_download=lambda name: ui.message(f"--fix: wheels for {name}: from the cache, else "
-                                                                  "downloaded now (once; hundreds of MB)"))
+                                                                  "downloaded now (once; hundreds of MB)"),
+                             on_note=lambda note: ui.message(f"--fix: {note}"))
     for n in report.nodes:
         detail = " | ".join(x for x in ("; ".join(n.actions), n.message) if x)
         ui.message(f"--fix setup {n.outcome}: {n.node}" + (f": {detail}" if detail else ""))
