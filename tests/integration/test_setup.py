@@ -209,16 +209,20 @@ def corrupt(path: Path) -> None:
 def cached_wheelhouse(run_cli: RunCli, inv: Path) -> tuple[Path, str]:
     """The coordinator's own cache of the bed's platform (downloaded once per machine, as the tests above use it)
     and its name `<platform>/<pins>`."""
-    from coordinator.fleet.nodesetup import Platform, coordinator_pins, default_wheelhouse_root, ensure_wheelhouse
+    from coordinator.fleet.nodesetup import (
+        Platform,
+        coordinator_pins,
+        default_wheelhouse_root,
+        ensure_wheelhouse,
+        wheelhouse_name,
+    )
 
     cp = run_cli("setup", "-i", str(inv), "--check", "--json", timeout=120)
-    doc = json.loads(cp.stdout)
-    [key] = {n["platform"] for n in doc["nodes"]}
-    pins = coordinator_pins()
-    assert key.startswith("linux-x86_64-cp311-glibc2.36-cpu"), key
-    house = asyncio.run(ensure_wheelhouse(Platform("linux", "x86_64", (3, 11), (2, 36), "cpu"), pins,
-                                          default_wheelhouse_root()))
-    return house.path, house.name
+    [key] = {n["platform"] for n in json.loads(cp.stdout)["nodes"]}
+    platform, pins, root = Platform("linux", "x86_64", (3, 11), (2, 36), "cpu"), coordinator_pins(), default_wheelhouse_root()
+    assert key == platform.key, key
+    asyncio.run(ensure_wheelhouse(platform, pins, root))
+    return root / wheelhouse_name(platform, pins), wheelhouse_name(platform, pins)
 
 
 def test_a_corrupted_wheel_is_named_removed_and_fetched_again_and_the_nodes_copy_is_checked_too(
