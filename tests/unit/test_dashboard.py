@@ -317,6 +317,27 @@ def test_what_the_dashboard_watches_is_bounded_whatever_the_pages_asked_for(
     asyncio.run(main())
 
 
+def test_a_new_run_is_picked_up_though_its_meta_json_comes_after_its_dir(tmp_path: Path) -> None:
+    """The root is listed again only when its mtime changes (a new dir), but a launch writes meta.json after it
+    made the dir: a young dir without one keeps the next listings coming until it has one."""
+    [old] = make_runs(tmp_path, 1)
+    state = DashboardState(tmp_path)
+    state.list_runs(force=True)
+    assert state.recent == [old]
+
+    def list_now() -> None:
+        state._listed_at = float("-inf")  # past LIST_EVERY_S (no clock in a unit test)
+        state.list_runs()
+
+    (tmp_path / "new").mkdir()
+    list_now()
+    assert state.recent == [old]
+    (tmp_path / "new" / "meta.json").write_text(json.dumps({"run_id": "new", "nodes": ["n0"],
+                                                           "ranks": [{"rank": 0, "node": "n0", "batch_size": 4}]}))
+    list_now()  # the root's mtime did not change: the listing comes because "new" was unsettled
+    assert state.recent == ["new", old]
+
+
 def test_compute_evictions() -> None:
     order = ["a", "b", "c", "d", "e"]  # least recently used first
     assert compute_evictions(order, {"a"}, 2) == ["b", "c"]

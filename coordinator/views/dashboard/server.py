@@ -203,6 +203,7 @@ class DashboardState:
     _listed_at: float = float("-inf")
     _relisted_at: float = float("-inf")
     _root_mtime: int = -1
+    _unsettled: bool = False
 
     def list_runs(self, force: bool = False) -> None:
         """Pick up new run directories (the newest RECENT_RUNS with a meta.json); the ones that fell out of them
@@ -214,24 +215,34 @@ class DashboardState:
         try:
             # A new run dir changes the root's mtime: a root of thousands of runs is not stat'ed every 2 s.
             mtime = self.run_root.stat().st_mtime_ns
-            if not force and mtime == self._root_mtime and now - self._relisted_at < RELIST_EVERY_S:
+            if (not force and mtime == self._root_mtime and not self._unsettled
+                    and now - self._relisted_at < RELIST_EVERY_S):
                 return
             self._root_mtime, self._relisted_at = mtime, now
             children = [c for c in self.run_root.iterdir() if c.is_dir()]
         except OSError:
             return
         dated: list[tuple[float, Path]] = []
+        # A run dir is made before its meta.json is written: one seen without it (or with one not readable yet)
+        # while young is looked at again at the next listing, not 30 s later.
+        unsettled = False
+        wall = time.time()
         for child in children:
-            with contextlib.suppress(OSError):
+            try:
                 dated.append(((child / META).stat().st_mtime, child))
+            except OSError:
+                with contextlib.suppress(OSError):
+                    unsettled = unsettled or wall - child.stat().st_mtime < RELIST_EVERY_S
         recent = []
-        for _, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
+        for written, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
             if child.name not in self.runs and (run := open_run(child)) is not None:
                 run.poll()  # read up to now: pushes carry what is appended from here on
                 self.runs[child.name] = run
             if child.name in self.runs:
                 recent.append(child.name)
-        self.recent = recent
+            else:
+                unsettled = unsettled or wall - written < RELIST_EVERY_S
+        self.recent, self._unsettled = recent, unsettled
         self._evict()
 
     def _evict(self) -> None:
