@@ -429,25 +429,33 @@ a = json.loads(sys.argv[1])
 wheels = os.path.expanduser(a["wheelhouse"])
 python = os.path.expanduser(a["python"])
 made = []
-def broken():
-    # Which wheels do not read back (pip names none when an install fails on one): each member's CRC checked.
-    import zipfile, zlib
-    out = []
-    for path in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
+def broken(output):
+    # The wheel pip failed on (it names none): the first whose members fail their CRC check, looked at in pip's
+    # install order ("Installing collected packages: a, b, ...").
+    import re, zipfile, zlib
+    norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
+    order = []
+    for line in output.splitlines():
+        if line.startswith("Installing collected packages:"):
+            order = [norm(n.strip()) for n in line.split(":", 1)[1].split(",")]
+    rank = lambda path: (order.index(norm(os.path.basename(path).split("-")[0]))
+                         if norm(os.path.basename(path).split("-")[0]) in order else len(order))
+    for path in sorted(glob.glob(os.path.join(wheels, "*.whl")), key=rank):
         try:
             with zipfile.ZipFile(path) as zf:
-                if zf.testzip() is not None:
-                    out.append(os.path.basename(path))
+                if zf.testzip() is None:
+                    continue
         except (OSError, zipfile.BadZipFile, EOFError, zlib.error):
-            out.append(os.path.basename(path))
-    return out
+            pass
+        return [os.path.basename(path)]
+    return []
 def fail(what, output, command=None, check=False):
     removed = None
     for path in made:
         shutil.rmtree(path, ignore_errors=True)
         removed = path
     print(json.dumps({"failed": what, "command": command or what, "output": output, "removed": removed,
-                      "broken": broken() if check else []}))
+                      "broken": broken(output) if check else []}))
     sys.exit(1)
 def run(what, argv, check=False):
     r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)

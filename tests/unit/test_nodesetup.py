@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from coordinator.facts.build import build_node_facts
 from coordinator.facts.model import NetInterface, NodeFacts, ParseError, Software
 from coordinator.fleet.netsetup import NETMASK, compute_cables, plan_network, render_command
 from coordinator.fleet.nodesetup import (
+    _INSTALL,
     NodeState,
     Pins,
     Platform,
@@ -27,6 +30,7 @@ from coordinator.fleet.nodesetup import (
     build_download_argv,
     compute_bad_wheels,
     compute_platform,
+    describe_install_failure,
     parse_node_state,
     parse_pip_failure,
     plan_node,
@@ -172,6 +176,40 @@ def make_wheel(path: Path) -> Path:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("m/__init__.py", "x = 1\n" * 4000)
     return path
+
+
+def test_the_install_script_names_the_wheel_pip_failed_on_in_pips_order(tmp_path: Path) -> None:
+    """The node's install script, run here: pip (a stand-in that fails as pip does on a bad wheel) names no wheel;
+    the script finds it by CRC, in pip's install order, and stops there. A bad wheel of a package pip did not
+    reach is not blamed."""
+    house = tmp_path / "wheels"
+    house.mkdir()
+    for name in ("aaa-1-py3-none-any.whl", "mdurl-0.1.2-py3-none-any.whl", "mlx_lm-0.32.2-py3-none-any.whl",
+                 "zzz-1-py3-none-any.whl"):
+        make_wheel(house / name)
+    for name in ("mlx_lm-0.32.2-py3-none-any.whl", "zzz-1-py3-none-any.whl"):
+        data = bytearray((house / name).read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        (house / name).write_bytes(bytes(data))
+    pip = tmp_path / "python"
+    pip.write_text("#!/bin/sh\necho 'Installing collected packages: mdurl, mlx-lm, zzz'\n"
+                   "echo 'Traceback (most recent call last):'\necho 'zlib.error: Error -3'\nexit 2\n")
+    pip.chmod(0o755)
+    args = {"python": str(pip), "venv": None, "install": ["mlx-lm==0.32.2"], "wheelhouse": str(house)}
+    r = subprocess.run([sys.executable, "-c", _INSTALL, json.dumps(args)], capture_output=True, text=True, check=False)
+    assert r.returncode == 1
+    why = json.loads(r.stdout.strip().splitlines()[-1])
+    assert why["broken"] == ["mlx_lm-0.32.2-py3-none-any.whl"] and why["failed"] == "pip install mlx-lm==0.32.2"
+    assert why["removed"] is None  # no venv was made by this run: nothing removed
+    assert describe_install_failure("n1", why, tmp_path / "logs").startswith(
+        "`pip install mlx-lm==0.32.2` failed: mlx_lm-0.32.2-py3-none-any.whl: zlib.error: Error -3; full log: "
+        f"{tmp_path}/logs/install-n1-")
+    # the wheels the coordinator's hashes name are checked first: a copy that differs stops it before anything
+    args["hashes"] = {"aaa-1-py3-none-any.whl": "0" * 64}
+    r = subprocess.run([sys.executable, "-c", _INSTALL, json.dumps(args)], capture_output=True, text=True, check=False)
+    why = json.loads(r.stdout.strip().splitlines()[-1])
+    assert why["failed"] == "verify" and why["output"].endswith(": aaa-1-py3-none-any.whl")
+    assert not (house / "aaa-1-py3-none-any.whl").exists()  # removed: the next setup sends it again
 
 
 def test_verify_wheelhouse_checks_the_recorded_hashes_and_gives_an_old_cache_its_hashes(tmp_path: Path) -> None:
