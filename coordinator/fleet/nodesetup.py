@@ -9,9 +9,10 @@ How (docs/setup.md):
 2. Plan (pure, `plan_node`): create the venv when `python` is missing and is a venv path (`.../bin/python`);
    install `mlx[<backend>]==PIN mlx-lm==PIN` when the versions differ; ship the worker when it is missing.
 3. Download the wheels ONCE per platform on the coordinator (`pip download --only-binary :all: --platform ...
-   --python-version ...`), cached under ~/.cache/mlx-coordinator/wheelhouse/<platform>/<pins>/ with each wheel's
-   SHA256 recorded in its `.complete` marker, push the ones each node's copy lacks or holds different (by SHA256)
-   over SFTP and install with `pip install --no-index --find-links`: nodes need no network.
+   --python-version ...`), cached under $XDG_CACHE_HOME/mlx-coordinator/wheelhouse/<platform>/<pins>/ (~/.cache/...
+   without it) with each wheel's SHA256 recorded in its `.complete` marker, push the ones each node's copy lacks or
+   holds different (by SHA256) over SFTP and install with `pip install --no-index --find-links`: nodes need no
+   network.
 4. Inspect again: a node whose plan is still not empty is `failed` with what still differs.
 
 Nothing is used unverified: the cache's wheels are checked against their recorded SHA256 before every use (a bad
@@ -45,6 +46,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import ParseError, version_tuple
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.ship import remote_worker_dir, ship_worker
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport
 from coordinator.models import Node
@@ -290,9 +292,8 @@ def plan_node(node: Node, state: NodeState, pins: Pins) -> NodePlan:
 
 
 def default_wheelhouse_root() -> Path:
-    """The coordinator's wheel cache ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "wheelhouse"
+    """The coordinator's wheel cache (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "wheelhouse"
 
 
 def wheelhouse_name(platform: Platform, pins: Pins) -> str:
@@ -542,8 +543,11 @@ async def push_wheels(transport: Transport, node: Node, house: Wheelhouse, remot
 
 
 def default_log_dir() -> Path:
-    """Where setup keeps pip's full output ($XDG_STATE_HOME honoured)."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    """Where setup keeps pip's full output: $XDG_STATE_HOME/mlx-coordinator/setup-logs (~/.local/state/... when it
+    is unset, empty or relative, as for `cachedir.cache_root`)."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.expanduser("~/.local/state")
     return Path(base) / "mlx-coordinator" / "setup-logs"
 
 
