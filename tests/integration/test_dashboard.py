@@ -119,7 +119,7 @@ def finish(live_run: LiveRun) -> int | None:
     [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
     assert (run_dir / "summary.json").exists()
     time.sleep(3)  # well after the run: the page is still served
-    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}")
+    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}", token=live_run.token)
     assert status == 200 and doc["state"] == "succeeded" and not doc["active"], doc
     assert live_run.proc.poll() is None
     rc = stop(live_run.proc, signal.SIGINT, timeout=60)
