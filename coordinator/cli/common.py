@@ -129,10 +129,10 @@ def handle_errors(fn: F) -> F:
 def load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inventory, Playbook | None]:
     from coordinator.config.inventory import load_inventory
     from coordinator.config.playbook import load_playbook
+    from coordinator.models import parse_limit
 
     inv = load_inventory(inventory)
-    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
-    inv = inv.limit(names)
+    inv = inv.limit(parse_limit(limit))
     pb = load_playbook(playbook) if playbook else None
     return inv, pb
 

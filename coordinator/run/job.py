@@ -23,7 +23,7 @@ import structlog
 from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.fleet.assets import provision
+from coordinator.fleet.assets import look_at_dirs, provided_labels, provision
 from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
@@ -37,16 +37,18 @@ from coordinator.preflight.fix import (
     FixOptions,
     FixPlan,
     SyncSource,
+    check_sync_source_before_setup,
     choose_sync_source,
     compute_fix_plan,
     compute_sync_outcomes,
     describe_fix_plan,
     describe_left,
+    parse_dir_states,
     resolve_requested,
 )
 from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
-from coordinator.run.chaos import Chaos
+from coordinator.run.chaos import Chaos, check_reachable
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
@@ -285,8 +287,13 @@ async def run_job(
     sup = supervision or Supervision()
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
+    if opts.fix is not None:
+        requested_source(inv, pb, opts.fix)  # a bad --fix-source is refused before anything is made or touched
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
+    if left_out:  # fewer ranks than the command line counted: a drill's rank may be gone
+        check_reachable(chaos, world_size=len(inv.nodes),
+                        why=f" (quarantine leaves out {', '.join(lo.node for lo in left_out)})")
     with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
         sup.run_dir = run_dir
         return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
@@ -455,6 +462,8 @@ async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     plan = compute_fix_plan(state.report, source_named=source_named)
     ui.message("--fix: " + describe_fix_plan(plan))
     log.info("fix_plan", **plan.to_json())
+    if plan.setup and (plan.sync or any(f.check == "model" for f in plan.deferred)):
+        await _check_source_before_setup(fleet, inv, pb, fix, state.report, plan)
     if plan.setup:
         await _fix_setup(inv, pb, opts, plan.setup, ui)
         if await provision_assets(fleet, pb, ui, strict=False):
@@ -478,18 +487,42 @@ async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     return state, left
 
 
+def requested_source(inv: Inventory, pb: Playbook, fix: FixOptions) -> SyncSource | None:
+    """`--fix-source` as a node or a dir on this machine; ConfigError (exit 2) for a dir that lacks a synced
+    dir. Called before the launch connects (`ready_fleet`), and again when sync runs."""
+    if fix.source is None:
+        return None
+    labels = [lb for lb, _ in pb.hashed_dirs()]
+    base = Path(fix.source).expanduser()
+    return resolve_requested(fix.source, inv.names(), labels, {lb: (base / lb).is_dir() for lb in labels}, str(base))
+
+
+def _local_dirs(pb: Playbook) -> tuple[list[tuple[str, str]], bool]:
+    """The playbook's synced dirs on this machine, and whether every one of them is here."""
+    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
+    return local, all(Path(d).is_dir() for _, d in local)
+
+
 def _fix_source(inv: Inventory, pb: Playbook, fix: FixOptions, report: PreflightReport,
                 targets: Sequence[str]) -> SyncSource:
     """Look on this machine for what `choose_sync_source` needs: `--fix-source` as a dir, the playbook's paths."""
-    labels = [lb for lb, _ in pb.hashed_dirs()]
-    requested = None
-    if fix.source is not None:
-        base = Path(fix.source).expanduser()
-        requested = resolve_requested(fix.source, inv.names(), labels,
-                                      {lb: (base / lb).is_dir() for lb in labels}, str(base))
-    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
-    return choose_sync_source(report, targets, requested=requested, local_dirs=local,
-                              local_present=all(Path(d).is_dir() for _, d in local))
+    local, present = _local_dirs(pb)
+    return choose_sync_source(report, targets, requested=requested_source(inv, pb, fix), local_dirs=local,
+                              local_present=present)
+
+
+async def _check_source_before_setup(fleet: Fleet, inv: Inventory, pb: Playbook, fix: FixOptions,
+                                     report: PreflightReport, plan: FixPlan) -> None:
+    """ConfigError before setup changes any node when sync will need a source and none can exist
+    (`fix.check_sync_source_before_setup`); the dirs of the nodes being set up are looked at with python3."""
+    local, present = _local_dirs(pb)
+    requested = requested_source(inv, pb, fix)
+    seen: Mapping[str, Mapping[str, str] | None] = {}
+    if requested is None and not present:
+        seen = await look_at_dirs(fleet, [f.node for f in plan.deferred if f.check == "model"], dict(pb.hashed_dirs()))
+    check_sync_source_before_setup(report, plan, requested=requested, local_dirs=local, local_present=present,
+                                   node_dirs={n: parse_dir_states(d) for n, d in seen.items()},
+                                   provided=provided_labels(pb))
 
 
 async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], ui: JobUI) -> None:
@@ -503,7 +536,8 @@ async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequ
     report = await run_setup(nodes, pins, connect_timeout=opts.connect_timeout,
                              accept_new_host_keys=opts.accept_new_host_keys,
                              on_download=lambda name: ui.message(f"--fix: wheels for {name}: from the cache, else "
-                                                                  "downloaded now (once; hundreds of MB)"))
+                                                                  "downloaded now (once; hundreds of MB)"),
+                             on_note=lambda note: ui.message(f"--fix: {note}"))
     for n in report.nodes:
         detail = " | ".join(x for x in ("; ".join(n.actions), n.message) if x)
         ui.message(f"--fix setup {n.outcome}: {n.node}" + (f": {detail}" if detail else ""))
@@ -553,6 +587,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
         if opts.resume is not None:
             # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
             resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+            check_reachable(chaos, after_step=resumed.step or 0)  # before any rank starts
         left = [lo.to_json() for lo in left_out]
         first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
                                    resume=opts.resume is not None, chaos=chaos, ui=ui,

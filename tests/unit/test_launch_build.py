@@ -167,6 +167,38 @@ def test_chaos_spec_parses_into_the_workers_record() -> None:
         parse_chaos("kill:rank=2", world_size=2)
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("kill:rank=0,step=11", "--chaos 'kill:rank=0,step=11': step 11 is never reached: the run trains 10 step(s) "
+                            "(train.iters); the drill would run without its fault"),
+    ("slow:rank=0,step=11,factor=2", "step 11 is never reached"),
+    ("kill:rank=0,step=3,factor=2", "factor applies to slow only (a kill has none)"),
+])
+def test_a_chaos_drill_that_cannot_fire_is_refused(spec: str, message: str) -> None:
+    from coordinator.errors import ConfigError
+    from coordinator.run.chaos import parse_chaos
+
+    with pytest.raises(ConfigError) as info:
+        parse_chaos(spec, world_size=2, iters=10)
+    assert message in str(info.value)
+    assert parse_chaos("stall:rank=1,step=10", world_size=2, iters=10).step == 10  # the last step is reached
+
+
+@pytest.mark.parametrize(("spec", "bounds", "reason"), [
+    (Chaos("kill", 2, 5), {"world_size": 2}, "rank 2 is not a rank of this run (ranks 0..1)"),
+    (Chaos("kill", 1, 5), {"world_size": 2, "iters": 5}, None),
+    (Chaos("nan", 0, 5), {"after_step": 5}, "step 5 is never reached: this attempt resumes after step 5 "
+                                            "(a nan acts at its step only)"),
+    (Chaos("hang", 0, 6), {"after_step": 5}, None),
+    # slow and lie act from their step on: a resume past it still runs them
+    (Chaos("slow", 0, 1, 3.0), {"after_step": 40, "iters": 100}, None),
+    (Chaos("lie", 0, 10), {"after_step": 40}, None),
+])
+def test_compute_unreachable(spec: Chaos, bounds: dict[str, int], reason: str | None) -> None:
+    from coordinator.run.chaos import compute_unreachable
+
+    assert compute_unreachable(spec, **bounds) == reason
+
+
 def test_train_clear_cache_reaches_the_ranks_run_json() -> None:
     pb = load_playbook(PLAYBOOKS[0])
     pb = pb.model_copy(update={"train": pb.train.model_copy(update={"clear_cache": True})})
