@@ -6,7 +6,7 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
-                           [--lockstep]
+                           [--lockstep] [--blocks K --micro-batch MB]
 
 What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.modelsetup.apply_method` (the
 run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
@@ -52,6 +52,16 @@ Output: ONE JSON object on stdout (progress lines go to stderr):
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
      "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s"}
 `seconds` counts from the start of `main` (imports of mlx and the model load included).
+
+Per-block mode (`--blocks K --micro-batch MB`, for the pipeline planner): instead of the curve, K transformer
+blocks loaded alone as a pipeline stage loads them (so a node that cannot hold the whole model is measured too),
+timed at MB rows per micro-batch (`worker.parallel.pipeline.measure`); ONE JSON object
+    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "peak_memory",
+     "blocks_weight_bytes", "model_layers", "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
+     "repeats", "matmul_gflops", "matmul_dtype", "device", "memory_limit", "mlx_version", "mlx_lm_version",
+     "one_time_s", "seconds"}
+seconds per micro-batch: `block_s` per block as a non-last stage runs it (forward, then the vjp that recomputes
+it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds.
 
 Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread holds each
 clock to its allowance: when one is spent while the main thread is still busy (a step, a load), the watchdog prints
@@ -718,7 +728,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lockstep", action="store_true",
                         help="measure in step with the nodes sharing this machine (waits on stdin; see the docstring)")
     parser.add_argument("--memory-fraction", type=float, default=0.8)
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="time K transformer blocks alone, as a pipeline stage (0: the whole model's curve)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="rows per pipeline micro-batch (--blocks)")
     args = parser.parse_args(argv)
+    if args.blocks < 0:
+        raise BenchError(f"--blocks must be >= 0 (0: the whole model's curve), got {args.blocks}")
+    if args.micro_batch < 1:
+        raise BenchError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if args.seq_len < 2:
         raise BenchError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.num_layers == 0 or args.num_layers < -1:
@@ -758,9 +775,10 @@ def _watchdog(state: _State, out: _Output, stop: threading.Event) -> None:
         return
 
 
-def _start(args: argparse.Namespace, state: _State) -> _Trainer:
+def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     """The one-time start: import mlx, measure the matmul rate, load the model as the run sets it up. Returns the
-    trainer; fills `state` (device, memory limit, meta, one-time costs)."""
+    trainer (None with --blocks: the blocks are loaded by `_run_blocks`); fills `state` (device, memory limit,
+    meta, one-time costs)."""
     state.phase = "importing mlx"
     mark = time.monotonic()
     import mlx.core as mx
@@ -784,6 +802,8 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer:
     state.one_time["matmul"] = time.monotonic() - mark
     _log(f"bench matmul_gflops={state.matmul[0]:.1f} dtype={state.matmul[1]}")
 
+    if args.blocks:
+        return None
     state.phase = "loading the model"
     mark = time.monotonic()
     trainer = _Trainer(args)
@@ -805,6 +825,8 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     _log("bench starting: importing mlx, measuring a matmul, loading the model (one-time)")
     with ticker_running(Ticker("bench starting", _log, time.monotonic)):
         trainer = _start(args, state)
+    if trainer is None:
+        return _run_blocks(args, state, window)
     assert state.device is not None and state.meta is not None  # set by _start
     memory_limit, device, meta = state.memory_limit, state.device, state.meta
 
@@ -840,6 +862,34 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
         state.linger = lambda: lockstep.wait("done", busy=_filler(trainer, best, budget))
     return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
                         meta={**meta, **state.extra()}, seconds=time.monotonic() - state.started)
+
+
+def _run_blocks(args: argparse.Namespace, state: _State, window: float) -> dict[str, Any]:
+    """The per-block answer (`--blocks`): see the module docstring."""
+    import mlx.core as mx
+
+    from worker.parallel.pipeline.measure import measure_blocks
+    from worker.runconfig import LoraSpec
+
+    state.phase = f"timing {args.blocks} blocks at micro-batch {args.micro_batch}"
+    state.budget.enter(MEASURE)
+    mark = time.monotonic()
+    try:
+        result = measure_blocks(
+            model_path(args.model), blocks=args.blocks, micro_batch=args.micro_batch, seq_len=args.seq_len,
+            method=args.method, num_layers=None if args.num_layers == -1 else args.num_layers,
+            lora=LoraSpec(rank=args.lora_rank, scale=args.lora_scale, dropout=args.lora_dropout), seed=args.seed,
+            grad_checkpoint=bool(args.grad_checkpoint), window=window, optimizer=args.optimizer,
+            learning_rate=args.learning_rate)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+    _log(f"bench blocks={args.blocks} micro_batch={args.micro_batch} block_s={result['block_s']:.5f} "
+         f"head_s={result['head_s']:.5f} peak_memory={result['peak_memory']} in {time.monotonic() - mark:.1f}s")
+    assert state.meta is not None and state.matmul is not None and state.device is not None
+    return {**result, "matmul_gflops": round(state.matmul[0], 1), "matmul_dtype": state.matmul[1],
+            "device": state.device, "memory_limit": state.memory_limit, "grad_checkpoint": bool(args.grad_checkpoint),
+            "mlx_version": getattr(mx, "__version__", None), "mlx_lm_version": state.meta.get("mlx_lm_version"),
+            **state.extra(), "seconds": round(time.monotonic() - state.started, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,10 @@ def make_strategy(config: RunConfig, log: EventLog) -> Strategy:
         from worker.parallel.dp import DataParallel
 
         return DataParallel(config, log)
+    if kind == "pipeline":
+        from worker.parallel.pipeline import Pipeline
+
+        return Pipeline(config, log)
     raise TrainingError(f"layout kind {kind!r} is not implemented by this worker")
 
 

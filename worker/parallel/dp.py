@@ -25,9 +25,6 @@ import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
 from worker.checkpoint import (
-    OPTIMIZER,
-    STATE,
-    WEIGHTS,
     Checkpoint,
     checkpoints_dir,
     list_checkpoints,
@@ -42,7 +39,7 @@ from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.modelsetup import apply_method, make_optimizer
 from worker.objectives import DpoObjective, Micro, SftObjective
-from worker.parallel.base import STATE_FORMAT, ResumeState, Strategy, load_arrays, mismatch
+from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
 from worker.step import Local, StepResult, TrainStep, decide_packing, flatten
 
 REPLICA_RTOL = 1e-5
@@ -240,12 +237,3 @@ class DataParallel(Strategy):
         self.optimizer.learning_rate = self.config.learning_rate
         mx.eval(self.model.parameters(), self.optimizer.state)
 
-
-def read_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
-    """(weights, optimizer state, state.json) of a checkpoint dir."""
-    weights = load_arrays(path / WEIGHTS)
-    opt_state = load_arrays(path / OPTIMIZER)
-    state = json.loads((path / STATE).read_text(encoding="utf-8"))
-    if state.get("format") != STATE_FORMAT:
-        raise TrainingError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-    return weights, opt_state, state
