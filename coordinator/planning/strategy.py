@@ -28,6 +28,7 @@ from coordinator.config.playbook import TrainConfig
 from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
 from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory, usable_memory
+from coordinator.planning.pipeline import block_params
 
 Strategy = Literal["dp", "fsdp"]
 
@@ -79,14 +80,6 @@ class StrategyDecision:
 
 def _gb(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
-
-
-def block_params(shape: ModelShape) -> int:
-    """Parameters of one transformer block (attention, MLP, two norms), as `estimate.estimate_params` counts."""
-    heads = shape.n_heads
-    d = shape.head_dim or shape.hidden // heads
-    kv = shape.kv_heads or heads
-    return shape.hidden * heads * d * 2 + shape.hidden * kv * d * 2 + 3 * shape.hidden * shape.mlp + 2 * shape.hidden
 
 
 def per_rank_need(shape: ModelShape, train: TrainConfig, *, world_size: int, budget: NodeBudget) -> tuple[int, int]:
