@@ -97,7 +97,7 @@ class PipelineJob:
     shape: ModelShape
     method: str  # full | lora | dora
     seq_len: int
-    global_batch: int  # rows per optimizer step
+    global_batch: int  # examples per optimizer step (the playbook's batch_size)
     micro_batches: int
     trained_from: int = 0
     grad_checkpoint: bool = False
@@ -105,6 +105,7 @@ class PipelineJob:
     train_embeddings: bool = False
     with_reference: bool = False  # DPO's frozen reference: a second bf16 copy of the stage's weights
     fill: float = 1.0  # real tokens per row / seq_len
+    rows_per_example: int = 1  # a DPO pair is two rows
 
     @property
     def kind(self) -> str:
@@ -113,7 +114,7 @@ class PipelineJob:
     @property
     def micro_batch_rows(self) -> int:
         """Rows of the largest micro-batch (the global batch in M near-equal parts: it sets the peak and pace)."""
-        return -(-self.global_batch // self.micro_batches)
+        return -(-self.global_batch // self.micro_batches) * self.rows_per_example
 
 
 def block_params(shape: ModelShape) -> int:
@@ -124,6 +125,15 @@ def block_params(shape: ModelShape) -> int:
     return shape.hidden * heads * d * 2 + shape.hidden * kv * d * 2 + 3 * shape.hidden * shape.mlp + 2 * shape.hidden
 
 
+def stage_block_params(shape: ModelShape) -> int:
+    """Parameters of one block as a stage holds it: the config's arithmetic (`block_params`), or the model's
+    counted parameters less the embedding, head and final norm, shared over the blocks, when that is more
+    (biases, extra norms or experts the arithmetic does not know), so that the stages together never need less
+    than a replica's weights."""
+    rest = shape.params - 2 * shape.vocab * shape.hidden - shape.hidden
+    return max(block_params(shape), rest // shape.layers)
+
+
 def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int, stages: int,
                          fused_attention: bool = True) -> MemoryEstimate:
     """The peak of stage `index` of `stages` holding blocks [first, last) (module docstring)."""
@@ -131,10 +141,11 @@ def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int,
     blocks = last - first
     trained = max(0, last - max(first, job.trained_from))
     embed = shape.vocab * shape.hidden
-    frozen_params = blocks * block_params(shape) + (embed if index == 0 else 0) + (
+    per_block = stage_block_params(shape)
+    frozen_params = blocks * per_block + (embed if index == 0 else 0) + (
         embed + shape.hidden if index == stages - 1 else 0)
     if job.kind == "full":
-        trainable = trained * block_params(shape)
+        trainable = trained * per_block
         if job.train_embeddings:
             trainable += (embed if index == 0 else 0) + (embed + shape.hidden if index == stages - 1 else 0)
         weights, grads, optimizer = 2 * frozen_params, 2 * trainable, 4 * trainable
@@ -171,8 +182,8 @@ def _check_job(job: PipelineJob, nodes: Sequence[StageNode]) -> None:
     if job.micro_batches < 1:
         raise PlanError(f"micro_batches must be >= 1, got {job.micro_batches}")
     if job.micro_batches > job.global_batch:
-        raise PlanError(f"{job.micro_batches} micro-batches but a global batch of {job.global_batch} rows: every "
-                        "micro-batch needs a row (lower train.micro_batches or raise the batch)")
+        raise PlanError(f"{job.micro_batches} micro-batches but a global batch of {job.global_batch}: every "
+                        "micro-batch needs an example (lower train.micro_batches or raise train.batch_size)")
 
 
 def _fits_table(job: PipelineJob, nodes: Sequence[StageNode]) -> list[list[int]]:

@@ -20,7 +20,7 @@ so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,11 +28,25 @@ from coordinator.config.playbook import TrainConfig
 from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
 from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory, usable_memory
-from coordinator.planning.pipeline import block_params
+from coordinator.planning.pipeline import (
+    LayerTiming,
+    PipelineJob,
+    PipelinePlan,
+    StageNode,
+    block_params,
+    check_layer_split,
+    compute_layer_split,
+)
+from coordinator.planning.plan import NodeCalibration, Plan, PlanError, compute_plan
 
-Strategy = Literal["dp", "fsdp"]
+Strategy = Literal["dp", "pipeline", "fsdp"]
 
 SUM_SCATTER_BACKENDS = frozenset({"nccl"})
+# Backends without point-to-point send/recv: "Send has no CUDA implementation" (mlx 0.32.4's nccl).
+NO_SEND_RECV_BACKENDS = frozenset({"nccl"})
+# Whether the worker runs a pipeline layout (worker/parallel/): until it does, a plan that resolves to a pipeline
+# is refused before launch, never run as dp.
+PIPELINE_IN_WORKER = False
 MLX_VERSION = "0.32.4"
 
 
@@ -66,14 +80,20 @@ class NodeNeed:
 
 @dataclass(frozen=True)
 class StrategyDecision:
-    requested: str  # auto | dp | fsdp
+    requested: str  # auto | dp | pipeline | fsdp
     strategy: Strategy
     world_size: int
     needs: tuple[NodeNeed, ...]
+    pipeline: PipelinePlan | None = None  # the memory-fitting split (balanced blocks: no timings before calibration)
 
     def describe(self) -> str:
+        how = "chosen by auto" if self.requested == "auto" else "forced"
+        if self.pipeline is not None:
+            stages = ", ".join(f"{s.node} {s.layers} blocks ~{_gb(s.need)} of {_gb(s.budget)}"
+                               for s in self.pipeline.stages)
+            return f"pipeline ({how}): {stages} (the split is recomputed by speed after calibration)"
         smallest = min(self.needs, key=lambda n: n.usable)
-        return (f"{self.strategy} ({'chosen by auto' if self.requested == 'auto' else 'forced'}): per node dp "
+        return (f"{self.strategy} ({how}): per node dp "
                 f"~{_gb(smallest.dp)}, fsdp over {self.world_size} ~{_gb(smallest.fsdp)}; smallest node "
                 f"{smallest.node} has {_gb(smallest.usable)} usable")
 
@@ -96,10 +116,13 @@ def per_rank_need(shape: ModelShape, train: TrainConfig, *, world_size: int, bud
 
 
 def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
-                     budgets: Mapping[str, NodeBudget]) -> StrategyDecision:
-    """The strategy for a fleet of `budgets` (node -> usable memory). `requested` auto picks dp when it fits
-    every node, else fsdp when that fits every node; dp or fsdp forced must fit every node. StrategyError (with
-    every node's numbers) otherwise. LoRA and DoRA always run dp (their frozen weights are not what fsdp saves)."""
+                     budgets: Mapping[str, NodeBudget], *, backend: str = "ring") -> StrategyDecision:
+    """The strategy for a fleet of `budgets` (node -> usable memory, ring order), by memory alone (preflight: no
+    calibration yet). `requested` auto picks dp when it fits every node, else a pipeline over the nodes when
+    one fits (not on a backend without send/recv), else fsdp when that fits every node; dp, pipeline or fsdp
+    forced must fit. StrategyError (with every node's numbers) otherwise. LoRA and DoRA never pick fsdp (their
+    frozen weights are not what fsdp saves). After calibration, `compute_strategy_choice` weighs the plans by
+    speed."""
     if not budgets:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     world = len(budgets)
@@ -108,19 +131,32 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
     dp_fits = all(n.fits_dp for n in needs)
     fsdp_fits = all(n.fits_fsdp for n in needs)
     full = train.fine_tune_type == "full"
+    pipeline: PipelinePlan | None = None
+    pipeline_note = ""
+    if requested == "pipeline" or (requested == "auto" and not dp_fits):
+        nodes = [FleetNode(name, b) for name, b in budgets.items()]
+        try:
+            picked = compute_strategy_choice("pipeline", shape, train, nodes, backend=backend).chosen
+            pipeline = picked.pipeline
+        except StrategyError as exc:
+            pipeline_note = str(exc).split(": ", 1)[-1]
     if requested == "auto":
-        chosen: Strategy | None = "dp" if dp_fits else "fsdp" if fsdp_fits and full else None
+        chosen: Strategy | None = ("dp" if dp_fits else "pipeline" if pipeline is not None
+                                   else "fsdp" if fsdp_fits and full else None)
+    elif requested == "pipeline":
+        chosen = "pipeline" if pipeline is not None else None
     elif requested == "dp":
         chosen = "dp" if dp_fits else None
     else:
         chosen = "fsdp" if fsdp_fits else None
     if chosen is None:
-        what = (f"{requested} does not fit" if requested != "auto" else "neither dp nor fsdp fits" if full
-                else f"dp does not fit ({train.fine_tune_type}: fsdp is for full fine-tunes)")
+        what = (f"{requested} does not fit" if requested != "auto" else "neither dp, a pipeline nor fsdp fits"
+                if full else f"neither dp nor a pipeline fits ({train.fine_tune_type}: fsdp is for full fine-tunes)")
         rows = "; ".join(f"{n.node}: {_gb(n.usable)} usable, dp needs ~{_gb(n.dp)}, fsdp over {world} needs "
                          f"~{_gb(n.fsdp)}" for n in needs)
-        raise StrategyError(f"train.strategy {requested}: {what} ({rows})")
-    return StrategyDecision(requested, chosen, world, needs)
+        tail = f"; pipeline: {pipeline_note}" if pipeline_note else ""
+        raise StrategyError(f"train.strategy {requested}: {what} ({rows}){tail}")
+    return StrategyDecision(requested, chosen, world, needs, pipeline if chosen == "pipeline" else None)
 
 
 def fsdp_refusal(backend: str) -> str:
@@ -134,7 +170,8 @@ def fsdp_refusal(backend: str) -> str:
 
 def node_budget(facts: NodeFacts) -> NodeBudget | None:
     """The node's usable training memory, as the resources check reads it: an NVIDIA GPU's own memory, else the
-    machine's (macOS: the GPU's default wired share). None when the facts hold no memory size."""
+    machine's (macOS: the GPU's default wired share; Linux: the cgroup memory limit where it is lower than RAM).
+    None when the facts hold no memory size."""
     total = (facts.memory.total_bytes if facts.memory else None) or (
         facts.hardware.memory_bytes if facts.hardware else None)
     gpu = facts.gpu.devices[0] if facts.gpu is not None and facts.gpu.cuda and facts.gpu.devices else None
@@ -143,4 +180,183 @@ def node_budget(facts: NodeFacts) -> NodeBudget | None:
         return NodeBudget(usable_memory(gpu.memory_total_bytes, is_macos=False), fused_attention=True)
     if total is None:
         return None
+    # A rank inherits its SSH session's cgroup: a memory limit below RAM is what it can really use.
+    limit = facts.cgroup_memory.limit_bytes if facts.cgroup_memory is not None else None
+    if limit is not None and not is_mac:
+        total = min(total, limit)
     return NodeBudget(usable_memory(total, is_macos=is_mac), fused_attention=is_mac)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weighing the plans: dp on every node, dp on the nodes that fit, one node solo, a pipeline over all or some nodes.
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    """One node as the planner sees it, in ring (inventory) order: its memory budget, its whole-model calibration
+    curve in examples (None: not measured, e.g. it cannot hold the model) and its per-block timing (None: not
+    measured)."""
+
+    node: str
+    budget: NodeBudget
+    calibration: NodeCalibration | None = None
+    timing: LayerTiming | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the planner weighed. `fits`: it fits memory (and, for dp, the calibrated split could be made);
+    `tokens_per_s` None where no measurement predicts it; `note`: its numbers, or why it does not fit."""
+
+    label: str
+    strategy: Strategy
+    nodes: tuple[str, ...]
+    fits: bool
+    tokens_per_s: float | None
+    note: str
+    dp: Plan | None = None
+    pipeline: PipelinePlan | None = None
+
+    def line(self, *, chosen: bool) -> str:
+        rate = f"~{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s is not None else "rate not measured"
+        head = "chosen" if chosen else "fits" if self.fits else "does not fit"
+        return f"{head}: {self.label}: " + (f"{rate}; {self.note}" if self.fits else self.note)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    requested: str
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+
+    def reasons(self) -> list[str]:
+        """One line per candidate, the chosen one first."""
+        rest = [c for c in self.candidates if c is not self.chosen]
+        return [self.chosen.line(chosen=True), *(c.line(chosen=False) for c in rest)]
+
+
+def pipeline_job(shape: ModelShape, train: TrainConfig, *, fill: float = 1.0) -> PipelineJob:
+    """The playbook's training, as a pipeline sees it."""
+    trained_from = shape.layers - min(train.num_layers, shape.layers) if train.num_layers else 0
+    return PipelineJob(shape, train.fine_tune_type, seq_len=train.max_seq_length, global_batch=train.batch_size,
+                       micro_batches=train.pipeline_micro_batches, trained_from=trained_from,
+                       grad_checkpoint=train.grad_checkpoint, lora_rank=train.lora.rank,
+                       train_embeddings=train.train_embeddings, with_reference=train.method == "dpo", fill=fill,
+                       rows_per_example=train.rows_per_example)
+
+
+def _dp_candidate(label: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode],
+                  split: str | Mapping[str, float]) -> Candidate:
+    names = tuple(n.node for n in nodes)
+    needs = [(n, per_rank_need(shape, train, world_size=len(nodes), budget=n.budget)[0]) for n in nodes]
+    over = [f"{n.node} needs ~{_gb(need)} of {_gb(n.budget.usable)}" for n, need in needs if need > n.budget.usable]
+    if over:
+        return Candidate(label, "dp", names, False, None, "a replica per node: " + "; ".join(over))
+    worst = max(needs, key=lambda x: x[1] / max(1, x[0].budget.usable))
+    note = f"~{_gb(worst[1])} per node (most loaded: {worst[0].node}, {_gb(worst[0].budget.usable)})"
+    cals = [n.calibration for n in nodes]
+    if any(c is None for c in cals):
+        return Candidate(label, "dp", names, True, None, note)
+    try:
+        plan = compute_plan([c for c in cals if c is not None], train.batch_size, split=split,
+                            seq_len=train.max_seq_length)
+    except PlanError as exc:
+        return Candidate(label, "dp", names, False, None, str(exc))
+    batches = ", ".join(f"{n} {b}" for n, b in plan.batch.items())
+    return Candidate(label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan)
+
+
+def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode],
+                        layer_split: Sequence[int] | None) -> Candidate:
+    names = tuple(n.node for n in nodes)
+    stage_nodes = [StageNode(n.node, n.budget.usable, n.timing, n.budget.fused_attention) for n in nodes]
+    try:
+        plan = (check_layer_split(job, stage_nodes, layer_split) if layer_split is not None
+                else compute_layer_split(job, stage_nodes))
+    except PlanError as exc:
+        return Candidate(label, "pipeline", names, False, None, str(exc))
+    split = "/".join(str(k) for k in plan.layer_split)
+    note = (f"blocks {split}{' (pinned)' if plan.pinned else ''}, {plan.micro_batches} micro-batches, bubble "
+            f"{plan.bubble:.0%}")
+    return Candidate(label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan)
+
+
+def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
+    """Which node a smaller pipeline leaves out first: the slowest per block (by its timing), else the smallest."""
+    def key(n: FleetNode) -> tuple[float, float]:
+        return (-(n.timing.layer_s if n.timing is not None else 0.0), n.budget.usable)
+    return sorted(nodes, key=key)
+
+
+def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode], *,
+                            backend: str, split: str | Mapping[str, float] = "calibrated") -> StrategyChoice:
+    """Weigh the plans that can train `train` on `nodes` (ring order) and pick one.
+
+    Candidates: dp on every node; dp on the nodes whose replica fits (when that is some but not all, >= 2); the
+    fastest node solo; a pipeline over every node (`train.layer_split` when pinned); pipelines over fewer nodes,
+    leaving out the slowest per block one at a time. `auto` takes the fitting candidate with the best predicted
+    tokens/s (where none is measured: dp on every node, a pipeline over every node, dp on some, a smaller
+    pipeline, solo, in that order); `dp` is dp on every node, `pipeline` the pipeline over every node. Raises
+    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit."""
+    if not nodes:
+        raise StrategyError("no node memory known: the strategy cannot be planned")
+    fills = [n.calibration.fill for n in nodes if n.calibration is not None]
+    job = pipeline_job(shape, train, fill=sum(fills) / len(fills) if fills else 1.0)
+    everyone = _dp_candidate("dp on every node", shape, train, nodes, split)
+    candidates = [everyone]
+    solo_fit = [n for n in nodes if per_rank_need(shape, train, world_size=1, budget=n.budget)[0] <= n.budget.usable]
+    if requested in ("auto", "dp") and 2 <= len(solo_fit) < len(nodes):
+        fit_names = ", ".join(n.node for n in solo_fit)
+        candidates.append(_dp_candidate(f"dp on {fit_names}", shape, train, solo_fit, "calibrated"))
+    if requested == "auto" and len(nodes) > 1:
+        solos = [_dp_candidate(f"solo on {n.node}", shape, train, [n], "calibrated") for n in solo_fit]
+        fitting = [c for c in solos if c.fits]
+        if fitting:
+            candidates.append(max(fitting, key=lambda c: c.tokens_per_s or 0.0))
+        elif solos:
+            candidates.append(solos[0])
+    pipelines: list[Candidate] = []
+    if requested in ("auto", "pipeline"):
+        if backend in NO_SEND_RECV_BACKENDS:
+            pipelines.append(Candidate("pipeline over every node", "pipeline", tuple(n.node for n in nodes), False,
+                                       None, pipeline_refusal(backend)))
+        elif len(nodes) > 1 or requested == "pipeline":
+            pipelines.append(_pipeline_candidate(
+                f"pipeline over {', '.join(n.node for n in nodes)}", job, nodes, train.layer_split))
+            if train.layer_split is None and requested == "auto":
+                left = list(nodes)
+                for out in _slowest_first(nodes)[:-2]:
+                    left = [n for n in left if n.node != out.node]
+                    pipelines.append(_pipeline_candidate(f"pipeline over {', '.join(n.node for n in left)}", job,
+                                                         left, None))
+    candidates += pipelines
+    wanted = {"dp": [everyone], "pipeline": pipelines[:1]}.get(requested, [c for c in candidates if c.fits])
+    fitting = [c for c in wanted if c.fits]
+    if not fitting:
+        lines = "; ".join(c.line(chosen=False) for c in (candidates if requested == "auto" else wanted))
+        budgets = ", ".join(f"{n.node} {_gb(n.budget.usable)}" for n in nodes)
+        raise StrategyError(f"train.strategy {requested}: nothing fits (usable memory: {budgets}): {lines}")
+    rated = [c for c in fitting if c.tokens_per_s is not None]
+    if rated:
+        chosen = max(rated, key=lambda c: c.tokens_per_s or 0.0)  # ties: the earlier candidate
+    else:
+        order = {"dp on every node": 0}
+        def rank(c: Candidate) -> tuple[int, int]:
+            if c.label in order:
+                return (0, 0)
+            if c.strategy == "pipeline":
+                return (1 if len(c.nodes) == len(nodes) else 3, -len(c.nodes))
+            return (4, 0) if c.label.startswith("solo") else (2, 0)
+        chosen = min(fitting, key=rank)
+    # Smaller pipelines that lose are noise: keep the best of them only.
+    shown = [c for c in candidates if not (c.strategy == "pipeline" and c is not pipelines[0] and c is not chosen)]
+    extra = [c for c in pipelines[1:] if c.fits and c is not chosen]
+    if extra:
+        shown.append(max(extra, key=lambda c: c.tokens_per_s or 0.0))
+    return StrategyChoice(requested, chosen, tuple(shown))
+
+
+def pipeline_refusal(backend: str) -> str:
+    """Why a pipeline cannot run on `backend`."""
+    return (f"[{backend}] has no send/recv (mlx {MLX_VERSION}: \"Send has no CUDA implementation\"): a pipeline "
+            "needs backend ring (or jaccl)")

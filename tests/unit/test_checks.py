@@ -1214,3 +1214,17 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
                            playbook())
     assert results[("mbp", "software")].remedy.endswith(", or by hand: '/opt/py;id' -m pip install mlx==0.32.1 "
                                                         "mlx-lm==0.31.0")
+
+
+def test_resources_judges_a_pipeline_stage_not_a_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once the worker runs pipelines: a node that cannot hold a replica passes when the strategy gives it a stage.
+    members = (MBP_M.but(worker={"params": 50_000_000_000}), STUDIO_M.but(worker={"params": 50_000_000_000}))
+    _, results = preflight(members, playbook(train={"method": "lora"}))
+    assert results[("mbp", "resources")].status is F  # the worker runs dp only: a replica's need is the truth
+    monkeypatch.setattr("coordinator.preflight.checks.context.PIPELINE_IN_WORKER", True)
+    _, results = preflight(members, playbook(train={"method": "lora"}))
+    r = results[("mbp", "resources")]
+    assert r.status is Status.PASS and "of 96.0 GiB usable; as pipeline stage of blocks 0-" in r.summary
+    assert r.evidence["pipeline_stage"]["need"] <= r.evidence["pipeline_stage"]["budget"]
+    _, results = preflight(members, playbook(train={"method": "lora", "strategy": "dp"}))
+    assert results[("mbp", "resources")].status is F  # dp forced: a replica it is

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from coordinator.config.playbook import TrainConfig
 from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory
 from coordinator.planning.pipeline import (
     LayerTiming,
@@ -17,9 +18,18 @@ from coordinator.planning.pipeline import (
     check_layer_split,
     compute_layer_split,
     compute_stage_memory,
+    stage_block_params,
     stage_time,
 )
-from coordinator.planning.plan import PlanError
+from coordinator.planning.plan import CurvePoint, NodeCalibration, PlanError
+from coordinator.planning.strategy import (
+    FleetNode,
+    NodeBudget,
+    StrategyError,
+    compute_strategy_choice,
+    per_rank_need,
+    pipeline_job,
+)
 
 SHAPE = ModelShape(params=1_000_000_000, hidden=2048, layers=12, vocab=32000, intermediate=8192, heads=16)
 FULL = PipelineJob(SHAPE, "full", seq_len=512, global_batch=8, micro_batches=4)
@@ -31,7 +41,10 @@ def timed(node: str, layer_s: float, *, embed_s: float = 0.0, head_s: float = 0.
 
 
 def test_stage_memory_ends_hold_embedding_head_and_logits_and_in_flight_falls_along_the_pipe() -> None:
-    block, embed = block_params(SHAPE), SHAPE.vocab * SHAPE.hidden
+    block, embed = stage_block_params(SHAPE), SHAPE.vocab * SHAPE.hidden
+    # The counted 1B parameters less embedding, head and norm are more than the config's block arithmetic: the
+    # stages together hold at least a replica's weights.
+    assert block == (1_000_000_000 - 2 * embed - 2048) // 12 > block_params(SHAPE)
     first = compute_stage_memory(FULL, 0, 4, index=0, stages=3)
     middle = compute_stage_memory(FULL, 4, 8, index=1, stages=3)
     last = compute_stage_memory(FULL, 8, 12, index=2, stages=3)
@@ -130,7 +143,7 @@ def test_nothing_fits_names_every_node() -> None:
         compute_layer_split(FULL, nodes)
     with pytest.raises(PlanError, match="13 stages but the model has 12 blocks"):
         compute_layer_split(FULL, [StageNode(f"n{i}", BIG) for i in range(13)])
-    with pytest.raises(PlanError, match="9 micro-batches but a global batch of 8 rows"):
+    with pytest.raises(PlanError, match="9 micro-batches but a global batch of 8: every micro-batch needs an example"):
         compute_layer_split(PipelineJob(SHAPE, "full", seq_len=512, global_batch=8, micro_batches=9),
                             [StageNode("a", BIG)])
 
@@ -162,3 +175,74 @@ def test_bubble_step_time_and_rate() -> None:
         {"rank": 2, "first_layer": 8, "last_layer": 12}]}
     untimed = compute_layer_split(FULL, [StageNode(n, BIG) for n in "abc"])
     assert untimed.step_s is None and untimed.tokens_per_s is None
+
+
+# ------------------------------------------------------------------------------------------------- the choice
+
+TRAIN = TrainConfig(method="full", batch_size=4, max_seq_length=512, micro_batches=4)
+
+
+def curve(node: str, tokens_per_s: float) -> NodeCalibration:
+    """A flat curve: every batch of 1..4 rows at `tokens_per_s`."""
+    return NodeCalibration(node, tuple(CurvePoint(b, tokens_per_s, GiB) for b in (1, 2, 4)), 1.0, None, seq_len=512)
+
+
+def fleet_node(node: str, budget: int, *, layer_s: float, solo_rate: float | None = None) -> FleetNode:
+    return FleetNode(node, NodeBudget(budget), calibration=None if solo_rate is None else curve(node, solo_rate),
+                     timing=LayerTiming(node, micro_batch=1, layer_s=layer_s))
+
+
+REPLICA = per_rank_need(SHAPE, TRAIN, world_size=1, budget=NodeBudget(BIG))[0]
+STAGE = compute_stage_memory(pipeline_job(SHAPE, TRAIN), 0, 1, index=0, stages=3).total  # one block on stage 0
+
+
+@pytest.mark.parametrize(("label", "fleet", "chosen"), [
+    ("every node holds a replica and dp is fastest",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=6000), fleet_node("max", BIG, layer_s=0.01, solo_rate=6000),
+      fleet_node("mini", BIG, layer_s=0.01, solo_rate=6000)], "dp on every node"),
+    ("only the ultra holds a replica, the others are slow: solo",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=9000), fleet_node("max", 4 * STAGE, layer_s=1.0),
+      fleet_node("mini", 4 * STAGE, layer_s=1.0)], "solo on ultra"),
+    ("only the ultra holds a replica, the others are as fast: a pipeline over all",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=3000), fleet_node("max", 8 * STAGE, layer_s=0.01),
+      fleet_node("mini", 8 * STAGE, layer_s=0.01)], "pipeline over ultra, max, mini"),
+    ("nobody holds a replica; a slow node is better left out",
+     [fleet_node("ultra", REPLICA // 2 + 4 * STAGE, layer_s=0.01), fleet_node("max", REPLICA // 2 + 4 * STAGE,
+                                                                              layer_s=0.01),
+      fleet_node("mini", 3 * STAGE, layer_s=0.5)], "pipeline over ultra, max"),
+])
+def test_auto_weighs_the_plans_by_predicted_tokens_per_s(label: str, fleet: list[FleetNode], chosen: str) -> None:
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.label == chosen, (label, choice.reasons())
+    lines = choice.reasons()
+    assert lines[0].startswith(f"chosen: {chosen}: ~")
+    assert len(lines) == len(choice.candidates)
+    fitting = [c for c in choice.candidates if c.fits and c.tokens_per_s is not None]
+    assert choice.chosen.tokens_per_s == max(c.tokens_per_s or 0.0 for c in fitting)
+
+
+def test_auto_says_why_each_plan_does_not_fit_and_refuses_with_every_number() -> None:
+    fleet = [fleet_node("ultra", 8 * STAGE, layer_s=0.01), fleet_node("max", 8 * STAGE, layer_s=0.02)]
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.label == "pipeline over ultra, max" and choice.chosen.pipeline is not None
+    refused = next(c for c in choice.candidates if c.label == "dp on every node")
+    assert not refused.fits and refused.note.startswith("a replica per node: ultra needs ~")
+    with pytest.raises(StrategyError, match=r"train.strategy dp: nothing fits \(usable memory: ultra [\d.]+ GiB, max "
+                                            r"[\d.]+ GiB\): does not fit: dp on every node: a replica per node"):
+        compute_strategy_choice("dp", SHAPE, TRAIN, fleet, backend="ring")
+    tiny = [fleet_node(n, STAGE // 2, layer_s=0.01) for n in ("a", "b")]
+    with pytest.raises(StrategyError, match=r"does not fit: pipeline over a, b: no split of 12 blocks over 2 stage"):
+        compute_strategy_choice("auto", SHAPE, TRAIN, tiny, backend="ring")
+    with pytest.raises(StrategyError, match=r"\[nccl\] has no send/recv"):
+        compute_strategy_choice("pipeline", SHAPE, TRAIN, fleet, backend="nccl")
+
+
+def test_a_pinned_layer_split_is_the_pipeline_weighed() -> None:
+    fleet = [fleet_node("ultra", BIG, layer_s=0.01), fleet_node("max", BIG, layer_s=0.01)]
+    pinned = TrainConfig(method="full", batch_size=4, max_seq_length=512, strategy="pipeline", layer_split=(7, 5))
+    choice = compute_strategy_choice("pipeline", SHAPE, pinned, fleet, backend="ring")
+    assert choice.chosen.pipeline is not None and choice.chosen.pipeline.layer_split == (7, 5)
+    assert "blocks 7/5 (pinned)" in choice.chosen.note
+    wrong = TrainConfig(method="full", batch_size=4, max_seq_length=512, strategy="pipeline", layer_split=(7, 4))
+    with pytest.raises(StrategyError, match=r"layer_split \[7, 4\] sums to 11 but the model has 12 blocks"):
+        compute_strategy_choice("pipeline", SHAPE, wrong, fleet, backend="ring")

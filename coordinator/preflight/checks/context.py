@@ -14,6 +14,9 @@ from coordinator.facts.model import FactError, FactErrorKind, NodeFacts
 from coordinator.facts.topology import Link, compute_links, reach_peers
 from coordinator.models import CheckResult, ConnectInfo, Node, Status
 from coordinator.models import majority as majority  # re-exported: the checks use it
+from coordinator.planning.estimate import model_shape
+from coordinator.planning.pipeline import StagePlan
+from coordinator.planning.strategy import PIPELINE_IN_WORKER, StrategyError, compute_strategy, node_budget
 
 K = TypeVar("K", bound=Hashable)
 
@@ -126,6 +129,27 @@ class CheckContext:
             if not problems and f.hashes is not None:
                 manifests[name] = m
         return manifests, {name: manifest_digest(m) for name, m in manifests.items()}
+
+    @cached_property
+    def pipeline_stages(self) -> dict[str, StagePlan]:
+        """node -> its stage, when the playbook's strategy resolves to a pipeline by memory (every node's memory
+        and the model's size known); {} otherwise. The resources check then judges a node by its stage's need,
+        not a replica's."""
+        pb = self.playbook
+        # Until the worker runs a pipeline, such a plan is refused (lint `strategy`): a replica's need is the truth.
+        if not PIPELINE_IN_WORKER or pb is None or pb.kind != "train" or pb.train.strategy not in ("auto", "pipeline"):
+            return {}
+        configs = [f for f in self.facts.values() if f.model_config is not None]
+        shape = model_shape(configs[0].model_config, configs[0].model_params) if configs else None
+        budgets = {n.name: node_budget(self.facts[n.name]) if n.name in self.facts else None for n in self.nodes}
+        known = {n: b for n, b in budgets.items() if b is not None}
+        if shape is None or len(known) != len(budgets):
+            return {}
+        try:
+            decision = compute_strategy(pb.train.strategy, shape, pb.train, known, backend=self.backend)
+        except StrategyError:
+            return {}
+        return {s.node: s for s in decision.pipeline.stages} if decision.pipeline is not None else {}
 
     @cached_property
     def python_minors(self) -> dict[str, str]:
