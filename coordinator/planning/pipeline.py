@@ -41,7 +41,7 @@ from coordinator.planning.estimate import (
     layers_activation_bytes,
     logit_bytes,
 )
-from coordinator.planning.plan import PlanError
+from coordinator.planning.plan import NodeCalibration, PlanError, predicted_step_s
 
 SCHEDULE = "1f1b"
 DEFAULT_MICRO_BATCHES = 8
@@ -76,6 +76,16 @@ class LayerTiming:
                 raise PlanError(f"{self.node}: {name} must be a non-negative number of seconds, got {value!r}")
         if self.micro_batch < 1:
             raise PlanError(f"{self.node}: a timing needs a micro-batch of >= 1 row, got {self.micro_batch}")
+
+
+def timing_from_curve(cal: NodeCalibration, layers: int, micro_batch: int, seq_len: int) -> LayerTiming:
+    """A node's per-block time from its whole-model curve: the predicted step time of one micro-batch shared over
+    the blocks (embedding, head and optimizer folded in: an over-estimate, the same for every node measured so).
+    Only for a node that could hold the model; `worker.bench --blocks` measures the others."""
+    if layers < 1:
+        raise PlanError(f"{cal.node}: a model of {layers} blocks")
+    return LayerTiming(cal.node, micro_batch, predicted_step_s(cal, micro_batch, seq_len) / layers,
+                       source=TimingSource.CURVE)
 
 
 @dataclass(frozen=True)

@@ -340,6 +340,11 @@ def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> lis
     return fractions
 
 
+def predicted_step_s(cal: NodeCalibration, batch: int, seq_len: int) -> float:
+    """The step time the node's curve predicts for `batch` rows of `seq_len` tokens (the model above)."""
+    return _NodeModel(cal, seq_len).step_s(batch)
+
+
 def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:
     """The curve in examples of `rows_per_example` rows (a DPO pair is 2): a point of b rows, b a multiple, is
     b // rows examples at the same token rate and peak memory. Splits by it keep each node's measured speed and

@@ -21,8 +21,8 @@ so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from coordinator.config.playbook import TrainConfig
 from coordinator.errors import CoordinatorError
@@ -204,6 +204,24 @@ class FleetNode:
 
 
 @dataclass(frozen=True)
+class PlanRow:
+    """One node of a candidate: the blocks it holds ([first_layer, last_layer); a dp replica holds them all),
+    its predicted memory need and budget, and its predicted time (a dp node's step, a stage's per micro-batch;
+    None: not measured)."""
+
+    node: str
+    first_layer: int
+    last_layer: int
+    need: int
+    budget: int
+    time_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "first_layer": self.first_layer, "last_layer": self.last_layer,
+                "need_bytes": self.need, "budget_bytes": self.budget, "predicted_s": self.time_s}
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One plan the planner weighed. `fits`: it fits memory (and, for dp, the calibrated split could be made);
     `tokens_per_s` None where no measurement predicts it; `note`: its numbers, or why it does not fit."""
@@ -216,6 +234,7 @@ class Candidate:
     note: str
     dp: Plan | None = None
     pipeline: PipelinePlan | None = None
+    rows: tuple[PlanRow, ...] = ()
 
     def line(self, *, chosen: bool) -> str:
         rate = f"~{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s is not None else "rate not measured"
@@ -233,6 +252,42 @@ class StrategyChoice:
         """One line per candidate, the chosen one first."""
         rest = [c for c in self.candidates if c is not self.chosen]
         return [self.chosen.line(chosen=True), *(c.line(chosen=False) for c in rest)]
+
+    def table(self) -> list[tuple[str, ...]]:
+        """The chosen plan as a table (header first): node, layers, memory need / budget, predicted stage time
+        (a dp node's step), bubble, predicted tokens/s (the pipeline's on every stage; a dp node's own rate)."""
+        c = self.chosen
+        pipe = c.pipeline
+        out: list[tuple[str, ...]] = [TABLE_HEADER]
+        for row in c.rows:
+            rate: float | None = c.tokens_per_s if pipe is not None else (
+                c.dp.node_tokens_per_s(row.node) if c.dp is not None else None)
+            out.append((row.node, f"{row.first_layer}-{row.last_layer - 1} ({row.last_layer - row.first_layer})",
+                        f"{_gb(row.need)} / {_gb(row.budget)}",
+                        "-" if row.time_s is None else f"{row.time_s * 1000:,.1f} ms",
+                        f"{pipe.bubble:.0%}" if pipe is not None else "-",
+                        "-" if rate is None else f"{rate:,.0f}"))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """plan.json's and `calibrate --json`'s `strategy` (docs/json.md)."""
+        c, pipe = self.chosen, self.chosen.pipeline
+        return {"requested": self.requested, "chosen": c.label, "strategy": c.strategy, "nodes": list(c.nodes),
+                "predicted_tokens_per_s": c.tokens_per_s, "rows": [r.to_json() for r in c.rows],
+                "micro_batches": pipe.micro_batches if pipe else None, "bubble": pipe.bubble if pipe else None,
+                "schedule": pipe.schedule if pipe else None, "layout": pipe.layout() if pipe else {"kind": "dp"},
+                "candidates": [{"label": x.label, "strategy": x.strategy, "nodes": list(x.nodes), "fits": x.fits,
+                                "predicted_tokens_per_s": x.tokens_per_s, "note": x.note} for x in self.candidates],
+                "reasons": self.reasons()}
+
+
+TABLE_HEADER = ("node", "layers", "memory need / budget", "predicted stage time", "bubble", "predicted tokens/s")
+
+
+def format_table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Plain aligned text lines of a table (header first): what the launch prints through its message channel."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def pipeline_job(shape: ModelShape, train: TrainConfig, *, fill: float = 1.0) -> PipelineJob:
@@ -256,14 +311,18 @@ def _dp_candidate(label: str, shape: ModelShape, train: TrainConfig, nodes: Sequ
     note = f"~{_gb(worst[1])} per node (most loaded: {worst[0].node}, {_gb(worst[0].budget.usable)})"
     cals = [n.calibration for n in nodes]
     if any(c is None for c in cals):
-        return Candidate(label, "dp", names, True, None, note)
+        return Candidate(label, "dp", names, True, None, note,
+                         rows=tuple(PlanRow(n.node, 0, shape.layers, need, n.budget.usable, None) for n, need in needs))
     try:
         plan = compute_plan([c for c in cals if c is not None], train.batch_size, split=split,
                             seq_len=train.max_seq_length)
     except PlanError as exc:
         return Candidate(label, "dp", names, False, None, str(exc))
     batches = ", ".join(f"{n} {b}" for n, b in plan.batch.items())
-    return Candidate(label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan)
+    rows = tuple(PlanRow(n.node, 0, shape.layers, need, n.budget.usable, plan.per_node_step_s.get(n.node))
+                 for n, need in needs)
+    return Candidate(label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan,
+                     rows=rows)
 
 
 def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode],
@@ -278,7 +337,10 @@ def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode]
     split = "/".join(str(k) for k in plan.layer_split)
     note = (f"blocks {split}{' (pinned)' if plan.pinned else ''}, {plan.micro_batches} micro-batches, bubble "
             f"{plan.bubble:.0%}")
-    return Candidate(label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan)
+    timed = all(n.timing is not None for n in nodes)
+    rows = tuple(PlanRow(st.node, st.first_layer, st.last_layer, st.need, st.budget, st.stage_s if timed else None)
+                 for st in plan.stages)
+    return Candidate(label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan, rows=rows)
 
 
 def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
@@ -289,7 +351,8 @@ def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
 
 
 def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode], *,
-                            backend: str, split: str | Mapping[str, float] = "calibrated") -> StrategyChoice:
+                            backend: str, split: str | Mapping[str, float] = "calibrated",
+                            pipeline_runs: bool = True) -> StrategyChoice:
     """Weigh the plans that can train `train` on `nodes` (ring order) and pick one.
 
     Candidates: dp on every node; dp on the nodes whose replica fits (when that is some but not all, >= 2); the
@@ -297,7 +360,8 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
     leaving out the slowest per block one at a time. `auto` takes the fitting candidate with the best predicted
     tokens/s (where none is measured: dp on every node, a pipeline over every node, dp on some, a smaller
     pipeline, solo, in that order); `dp` is dp on every node, `pipeline` the pipeline over every node. Raises
-    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit."""
+    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit.
+    `pipeline_runs` False (the worker runs dp only): pipelines are weighed and shown, never chosen."""
     if not nodes:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     fills = [n.calibration.fill for n in nodes if n.calibration is not None]
@@ -329,6 +393,9 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
                     left = [n for n in left if n.node != out.node]
                     pipelines.append(_pipeline_candidate(f"pipeline over {', '.join(n.node for n in left)}", job,
                                                          left, None))
+    if not pipeline_runs:
+        pipelines = [replace(c, fits=False, note=f"{c.note} (the worker runs dp only in this version)")
+                     for c in pipelines]
     candidates += pipelines
     wanted = {"dp": [everyone], "pipeline": pipelines[:1]}.get(requested, [c for c in candidates if c.fits])
     fitting = [c for c in wanted if c.fits]

@@ -27,9 +27,20 @@ from coordinator.fleet.assets import provision
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
-from coordinator.planning.hostfile import Hostfile, build_hostfile
+from coordinator.planning.estimate import ModelShape, model_shape
+from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
+from coordinator.planning.pipeline import timing_from_curve
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
+from coordinator.planning.strategy import (
+    PIPELINE_IN_WORKER,
+    FleetNode,
+    NodeBudget,
+    StrategyChoice,
+    compute_strategy_choice,
+    format_table,
+    per_rank_need,
+)
 from coordinator.preflight.checks.context import manifest_digest, node_manifest
 from coordinator.preflight.fix import (
     FixOptions,
@@ -42,7 +53,14 @@ from coordinator.preflight.fix import (
     describe_left,
     resolve_requested,
 )
-from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
+from coordinator.preflight.pipeline import (
+    FleetFacts,
+    evaluate,
+    fleet_budgets,
+    model_config,
+    probe_connected,
+    strategy_refusal,
+)
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
 from coordinator.run.chaos import Chaos
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
@@ -175,19 +193,75 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
 
 async def calibrate_and_plan(
     fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI
-) -> tuple[Plan, dict[str, NodeCalibration]]:
+) -> tuple[Plan, dict[str, NodeCalibration], StrategyChoice | None]:
     """Measure (or read cached) curves and split the global batch by them. A fixed split (`equal`, explicit
-    fractions) needs no measurement: it returns a plan without curves at once."""
+    fractions) needs no measurement: it returns a plan without curves at once. With `train.strategy` auto or
+    pipeline the plans are weighed (`planning.strategy.compute_strategy_choice`): the returned plan is the
+    chosen dp's, over its nodes (all, some, or one solo); the choice is returned too (None where nothing was
+    weighed)."""
+    inputs = strategy_inputs(inv, pb, facts)
+    if inputs is None:
+        dp_plan, dp_cals = await _calibrate_dp(fleet, inv, pb, facts, opts, ui)
+        return dp_plan, dp_cals, None
+    shape, budgets, backend = inputs
+    t = pb.train
+    # Only a node that holds a replica can run the whole-model bench; the others are timed per block (the
+    # worker's `bench --blocks`) when a pipeline is weighed.
+    replica = [n for n in inv.nodes if per_rank_need(shape, t, world_size=1, budget=budgets[n.name])[0]
+               <= budgets[n.name].usable]
+    cals: dict[str, NodeCalibration] = {}
+    if replica and pb.split == "calibrated":
+        _, cals = await _calibrate_dp(fleet, Inventory(tuple(replica), inv.path), pb, facts, opts, ui, quiet=True)
+    timings = {n: timing_from_curve(c, shape.layers, -(-t.batch_size // t.pipeline_micro_batches), t.max_seq_length)
+               for n, c in cals.items()}
+    fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
+    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,
+                                     pipeline_runs=PIPELINE_IN_WORKER)
+    for line in [f"strategy {t.strategy}: {choice.chosen.label}", *format_table(choice.table()),
+                 *choice.reasons()]:
+        ui.message(line)
+    chosen = choice.chosen
+    if chosen.dp is not None:
+        plan = chosen.dp
+    elif chosen.strategy == "dp":  # a fixed split, or nothing measured: the plan as written, over its nodes
+        plan = fixed_plan(list(chosen.nodes), t.batch_size, pb.split if pb.split != "calibrated" else "equal",
+                          seq_len=t.max_seq_length)
+    else:
+        raise LaunchError(f"strategy {t.strategy} chose {chosen.label}: the worker runs dp only in this version")
+    ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
+    return plan, cals, choice
+
+
+def strategy_inputs(inv: Inventory, pb: Playbook,
+                    facts: Mapping[str, NodeFacts]) -> tuple[ModelShape, dict[str, NodeBudget], str] | None:
+    """The model's shape, every node's budget and the resolved backend, when the strategy is to be weighed
+    (`train.strategy` auto or pipeline, a training playbook, all of them known); None otherwise."""
+    if pb.kind != "train" or pb.train.strategy not in ("auto", "pipeline"):
+        return None
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inv, FleetFacts({}, dict(facts), {}))
+    if shape is None or not budgets:
+        return None
+    return shape, budgets, resolve_backend(pb.backend, facts, inv.nodes)
+
+
+async def _calibrate_dp(
+    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI,
+    *, quiet: bool = False,
+) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """The dp split over `inv`'s nodes: measured (cached) curves, or the fixed split without measuring.
+    `quiet`: the caller reports the plan (it weighs strategies first)."""
     if pb.split != "calibrated":
         plan = fixed_plan([n.name for n in inv.nodes], pb.train.batch_size, pb.split, seq_len=pb.train.max_seq_length)
-        ui.calibration(plan, {})
+        if not quiet:
+            ui.calibration(plan, {})
         return plan, {}
     results = await calibrate(
         fleet, bench_spec(pb, len(inv.nodes)), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
-        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"), names=[n.name for n in inv.nodes])
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
@@ -195,12 +269,13 @@ async def calibrate_and_plan(
             for n, r in results.items() if isinstance(r, NodeCalibration)}
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
-    ui.calibration(plan, cals)
+    if not quiet:
+        ui.calibration(plan, cals)
     return plan, cals
 
 
 async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
-                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration]]:
+                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration], StrategyChoice | None]:
     """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
@@ -526,8 +601,8 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
         ui.message("calibrating (cached per node, model and sequence length)")
-        plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
-        nodes = list(inv.nodes)
+        plan, cals, choice = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
+        nodes = [n for n in inv.nodes if n.name in plan.batch]  # the strategy may train on some nodes, or one
         resumed: ResumeDecision | None = None
         if opts.resume is not None:
             # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
@@ -536,7 +611,8 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
         first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
                                    resume=opts.resume is not None, chaos=chaos, ui=ui,
                                    inventory_path=str(Path(inv.path).resolve()) if inv.path else None, sup=sup,
-                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos))
+                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos),
+                                   strategy=choice)
         return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
                                resumed=resumed)
 
@@ -656,7 +732,8 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             gathered = await gather_facts(fleet, pb)
             facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
         sub = Inventory(tuple(nodes), inv.path)
-        plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        plan, cals, choice = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        nodes = [n for n in nodes if n.name in plan.batch]
         # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
         try:
             decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
@@ -668,7 +745,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
                                            resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup,
                                            earlier_errors=earlier_errors,
                                            restart_from_scratch=restart_from_scratch, left_out=left_out,
-                                           drill=drill))
+                                           drill=drill, strategy=choice))
     final = attempts[-1]
     split = final.plan.split if final.plan is not None else final.launch.split()
     predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
@@ -735,7 +812,7 @@ async def _run_attempt(
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
     earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
-    left_out: Sequence[dict[str, str]] = (), drill: bool = False,
+    left_out: Sequence[dict[str, str]] = (), drill: bool = False, strategy: StrategyChoice | None = None,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -751,7 +828,8 @@ async def _run_attempt(
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
-                        backend=hostfile.backend, attempt=number)
+                        backend=hostfile.backend, attempt=number,
+                        strategy=strategy.to_json() if strategy is not None else None)
     local_hostfile = launch.write_local_files(record)
 
     async def start() -> None:

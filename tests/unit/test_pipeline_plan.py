@@ -246,3 +246,27 @@ def test_a_pinned_layer_split_is_the_pipeline_weighed() -> None:
     wrong = TrainConfig(method="full", batch_size=4, max_seq_length=512, strategy="pipeline", layer_split=(7, 4))
     with pytest.raises(StrategyError, match=r"layer_split \[7, 4\] sums to 11 but the model has 12 blocks"):
         compute_strategy_choice("pipeline", SHAPE, wrong, fleet, backend="ring")
+
+
+def test_the_plan_table_and_its_json() -> None:
+    from coordinator.planning.strategy import TABLE_HEADER, format_table
+    from coordinator.views.jsonout import StrategyOut
+
+    fleet = [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=3000), fleet_node("max", 8 * STAGE, layer_s=0.01),
+             fleet_node("mini", 8 * STAGE, layer_s=0.01)]
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    pipe = choice.chosen.pipeline
+    assert pipe is not None
+    header, *rows = choice.table()
+    assert header == TABLE_HEADER == ("node", "layers", "memory need / budget", "predicted stage time", "bubble",
+                                      "predicted tokens/s")
+    assert [r[0] for r in rows] == ["ultra", "max", "mini"]
+    assert rows[0][1] == f"0-{pipe.stages[0].last_layer - 1} ({pipe.stages[0].layers})"
+    # P 3, M 4: bubble 2/6; every stage runs at the pipeline's rate.
+    assert all(r[4] == "33%" and r[5] == f"{choice.chosen.tokens_per_s:,.0f}" for r in rows)
+    doc = choice.to_json()
+    StrategyOut.model_validate(doc)
+    assert doc["layout"] == pipe.layout() and doc["strategy"] == "pipeline" and doc["bubble"] == pipe.bubble
+    assert [r["node"] for r in doc["rows"]] == ["ultra", "max", "mini"]
+    lines = format_table(choice.table())
+    assert lines[0].startswith("node   layers") and len(lines) == 4
