@@ -328,7 +328,10 @@ def _dp_candidate(label: str, shape: ModelShape, train: TrainConfig, nodes: Sequ
 def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode],
                         layer_split: Sequence[int] | None) -> Candidate:
     names = tuple(n.node for n in nodes)
-    stage_nodes = [StageNode(n.node, n.budget.usable, n.timing, n.budget.fused_attention) for n in nodes]
+    # Seconds for some nodes and none for others do not compare: then the split only balances blocks.
+    timed = all(n.timing is not None for n in nodes)
+    stage_nodes = [StageNode(n.node, n.budget.usable, n.timing if timed else None, n.budget.fused_attention)
+                   for n in nodes]
     try:
         plan = (check_layer_split(job, stage_nodes, layer_split) if layer_split is not None
                 else compute_layer_split(job, stage_nodes))
@@ -337,7 +340,6 @@ def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode]
     split = "/".join(str(k) for k in plan.layer_split)
     note = (f"blocks {split}{' (pinned)' if plan.pinned else ''}, {plan.micro_batches} micro-batches, bubble "
             f"{plan.bubble:.0%}")
-    timed = all(n.timing is not None for n in nodes)
     rows = tuple(PlanRow(st.node, st.first_layer, st.last_layer, st.need, st.budget, st.stage_s if timed else None)
                  for st in plan.stages)
     return Candidate(label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan, rows=rows)

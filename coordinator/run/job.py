@@ -29,10 +29,11 @@ from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_ho
 from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
-from coordinator.planning.pipeline import timing_from_curve
+from coordinator.planning.pipeline import LayerTiming, timing_from_curve
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
 from coordinator.planning.strategy import (
+    NO_SEND_RECV_BACKENDS,
     PIPELINE_IN_WORKER,
     FleetNode,
     NodeBudget,
@@ -61,7 +62,7 @@ from coordinator.preflight.pipeline import (
     probe_connected,
     strategy_refusal,
 )
-from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
+from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
 from coordinator.run.chaos import Chaos
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
@@ -88,6 +89,10 @@ from coordinator.run.supervision import (
     acquire_run,
     clear_stop_request,
 )
+
+# Blocks a per-block bench times (their mean is the node's time per block): enough to average, few enough for
+# the smallest node.
+BENCH_BLOCKS = 2
 
 
 def default_cache_dir() -> Path:
@@ -212,8 +217,14 @@ async def calibrate_and_plan(
     cals: dict[str, NodeCalibration] = {}
     if replica and pb.split == "calibrated":
         _, cals = await _calibrate_dp(fleet, Inventory(tuple(replica), inv.path), pb, facts, opts, ui, quiet=True)
-    timings = {n: timing_from_curve(c, shape.layers, -(-t.batch_size // t.pipeline_micro_batches), t.max_seq_length)
-               for n, c in cals.items()}
+    micro = -(-t.batch_size // t.pipeline_micro_batches)  # examples per micro-batch
+    timings: dict[str, LayerTiming] = {n: timing_from_curve(c, shape.layers, micro, t.max_seq_length)
+                                       for n, c in cals.items()}
+    if PIPELINE_IN_WORKER and len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
+            and backend not in NO_SEND_RECV_BACKENDS:
+        # A pipeline is weighed with a node that cannot run the whole model: every node is timed per block, the
+        # same way (a curve's share per block folds the head and optimizer in: it would not compare).
+        timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
     fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
     choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,
                                      pipeline_runs=PIPELINE_IN_WORKER)
@@ -230,6 +241,24 @@ async def calibrate_and_plan(
         raise LaunchError(f"strategy {t.strategy} chose {chosen.label}: the worker runs dp only in this version")
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
     return plan, cals, choice
+
+
+async def _time_blocks(fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions,
+                       ui: JobUI, micro_batch: int, layers: int) -> dict[str, LayerTiming]:
+    """Each node's time per block (`worker.bench --blocks`); a node whose bench fails is left untimed, said."""
+    spec = replace(bench_spec(pb, len(inv.nodes)), blocks=min(BENCH_BLOCKS, layers), micro_batch=micro_batch)
+    results = await calibrate_layers(
+        fleet, spec, [n.name for n in inv.nodes], fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
+        time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+    out: dict[str, LayerTiming] = {}
+    for name, result in results.items():
+        if isinstance(result, LayerTiming):
+            out[name] = result
+        else:
+            ui.message(f"{name}: not timed per block ({result}): the pipeline's split balances blocks by memory")
+    return out
 
 
 def strategy_inputs(inv: Inventory, pb: Playbook,

@@ -270,3 +270,18 @@ def test_the_plan_table_and_its_json() -> None:
     assert [r["node"] for r in doc["rows"]] == ["ultra", "max", "mini"]
     lines = format_table(choice.table())
     assert lines[0].startswith("node   layers") and len(lines) == 4
+
+
+def test_a_curve_stands_in_for_a_node_that_holds_the_model_and_mixed_timings_balance_blocks() -> None:
+    from coordinator.planning.pipeline import TimingSource, timing_from_curve
+
+    t = timing_from_curve(curve("ultra", 1024.0), SHAPE.layers, 2, 512)  # 2 rows x 512 at 1024 tokens/s: 1 s
+    assert (t.layer_s, t.source) == (pytest.approx(1 / 12), TimingSource.CURVE)
+    with pytest.raises(PlanError, match="a model of 0 blocks"):
+        timing_from_curve(curve("ultra", 1024.0), 0, 2, 512)
+    # One node measured, one not: seconds and "one per block" do not compare, so the split balances blocks and
+    # no rate is predicted.
+    fleet = [fleet_node("ultra", BIG, layer_s=5.0), FleetNode("max", NodeBudget(BIG))]
+    choice = compute_strategy_choice("pipeline", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.pipeline is not None and choice.chosen.pipeline.layer_split == (6, 6)
+    assert choice.chosen.tokens_per_s is None and choice.table()[1][3] == "-"
