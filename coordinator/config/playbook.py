@@ -267,6 +267,9 @@ class TrainConfig(_Strict):
     def _embeddings(self) -> TrainConfig:
         if self.train_embeddings and (self.fine_tune_type != "full" or self.num_layers is not None):
             raise ValueError("train_embeddings needs full fine-tuning of all layers (num_layers unset or -1)")
+        if self.strategy == "pipeline" and (self.method == "dpo" or self.train_embeddings):
+            raise ValueError("strategy pipeline trains neither DPO nor embeddings (train_embeddings): use strategy "
+                             "dp or auto")
         if self.layer_split is not None and self.strategy != "pipeline":
             raise ValueError(f"layer_split pins a pipeline's blocks per node: it needs strategy pipeline (this one is "
                              f"{self.strategy})")

@@ -41,7 +41,7 @@ from coordinator.planning.estimate import (
     layers_activation_bytes,
     logit_bytes,
 )
-from coordinator.planning.plan import NodeCalibration, PlanError, predicted_step_s
+from coordinator.planning.plan import NodeCalibration, Plan, PlanError, SplitMode, predicted_step_s
 
 SCHEDULE = "1f1b"
 DEFAULT_MICRO_BATCHES = 8
@@ -287,6 +287,13 @@ class PipelinePlan:
     @property
     def nodes(self) -> tuple[str, ...]:
         return tuple(s.node for s in self.stages)
+
+    def as_plan(self) -> Plan:
+        """The launch's `Plan` of a pipeline: every rank gets the whole global batch (each stage computes every row
+        of every micro-batch); no per-node rate (a stage's pace is the pipeline's)."""
+        return Plan(split={s.node: 1.0 for s in self.stages}, batch={s.node: self.global_batch for s in self.stages},
+                    global_batch=self.global_batch, mode=SplitMode.PIPELINE, seq_len=self.seq_len,
+                    predicted_step_s=self.step_s or 0.0, predicted_tokens_per_s=self.tokens_per_s or 0.0)
 
     def layout(self) -> dict[str, object]:
         """The worker's `RunConfig.layout` (rank i = stage i)."""

@@ -56,6 +56,7 @@ class SplitMode(StrEnum):
     CALIBRATED = "calibrated"
     EQUAL = "equal"
     EXPLICIT = "explicit"
+    PIPELINE = "pipeline"  # every stage computes every row (planning.pipeline): no split of the batch
 
 
 @dataclass(frozen=True)

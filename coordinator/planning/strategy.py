@@ -383,9 +383,10 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
             candidates.append(solos[0])
     pipelines: list[Candidate] = []
     if requested in ("auto", "pipeline"):
-        if backend in NO_SEND_RECV_BACKENDS:
+        unsupported = pipeline_unsupported(train)
+        if backend in NO_SEND_RECV_BACKENDS or unsupported:
             pipelines.append(Candidate("pipeline over every node", "pipeline", tuple(n.node for n in nodes), False,
-                                       None, pipeline_refusal(backend)))
+                                       None, unsupported or pipeline_refusal(backend)))
         elif len(nodes) > 1 or requested == "pipeline":
             pipelines.append(_pipeline_candidate(
                 f"pipeline over {', '.join(n.node for n in nodes)}", job, nodes, train.layer_split))
@@ -423,6 +424,16 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
     if extra:
         shown.append(max(extra, key=lambda c: c.tokens_per_s or 0.0))
     return StrategyChoice(requested, chosen, tuple(shown))
+
+
+def pipeline_unsupported(train: TrainConfig) -> str:
+    """Why the pipeline worker cannot train `train` ("" when it can): it splits neither DPO's reference model and
+    pair loss nor trained embeddings (the first and last stages would both hold the tied matrix)."""
+    if train.method == "dpo":
+        return "a pipeline does not train DPO (its reference model and pair loss are not split over stages)"
+    if train.train_embeddings:
+        return "a pipeline does not train embeddings/lm_head (train_embeddings)"
+    return ""
 
 
 def pipeline_refusal(backend: str) -> str:

@@ -65,7 +65,7 @@ from coordinator.preflight.pipeline import (
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
 from coordinator.run.chaos import Chaos
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
-from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
+from coordinator.run.launchfiles import RankPlan, build_layout, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.run.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.run.quarantine import (
@@ -237,6 +237,8 @@ async def calibrate_and_plan(
     elif chosen.strategy == "dp":  # a fixed split, or nothing measured: the plan as written, over its nodes
         plan = fixed_plan(list(chosen.nodes), t.batch_size, pb.split if pb.split != "calibrated" else "equal",
                           seq_len=t.max_seq_length)
+    elif chosen.pipeline is not None and PIPELINE_IN_WORKER:
+        plan = chosen.pipeline.as_plan()
     else:
         raise LaunchError(f"strategy {t.strategy} chose {chosen.label}: the worker runs dp only in this version")
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
@@ -854,6 +856,7 @@ async def _run_attempt(
     launch.left_out = list(left_out)
     launch.drill = drill
     launch.should_stop = sup.stop_reason
+    launch.layout = build_layout(strategy.chosen.pipeline if strategy is not None else None)
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,

@@ -159,6 +159,22 @@ def test_playbook_pipeline_keys() -> None:
         playbook(micro_batches=16)
     with pytest.raises(ConfigError, match="layer_split"):
         playbook(strategy="pipeline", layer_split=[4, 0])
+    # What the pipeline worker refuses is refused in the playbook already.
+    with pytest.raises(ConfigError, match="strategy pipeline trains neither DPO nor embeddings"):
+        playbook(method="dpo", strategy="pipeline")
+    with pytest.raises(ConfigError, match="strategy pipeline trains neither DPO nor embeddings"):
+        playbook(method="full", strategy="pipeline", train_embeddings=True)
+
+
+def test_auto_never_weighs_a_pipeline_the_worker_refuses() -> None:
+    from coordinator.planning.strategy import FleetNode, compute_strategy_choice
+
+    dpo = playbook(method="dpo", dpo={"fine_tune_type": "full"}).train
+    nodes = [FleetNode("a", NodeBudget(1000 * GiB)), FleetNode("b", NodeBudget(1000 * GiB))]
+    choice = compute_strategy_choice("auto", SHAPE, dpo, nodes, backend="ring")
+    assert choice.chosen.label == "dp on every node"
+    [pipe] = [c for c in choice.candidates if c.strategy == "pipeline"]
+    assert not pipe.fits and pipe.note.startswith("a pipeline does not train DPO")
 
 
 # ------------------------------------------------------------------------------------------------- lint
