@@ -56,14 +56,15 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
         table.add_column(col)
     for node in inv.nodes:
-        if node.name not in plan.batch:
-            continue  # the strategy left it out (see the plan below)
+        if node.name not in plan.batch or node.name not in cals or plan.mode == "pipeline":
+            continue  # left out by the strategy, or a pipeline's stage: the plan below says which blocks it holds
         cal = cals[node.name]
         table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
                       f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
-    console.print(table)
-    console.print(f"split: [bold]{format_split(plan)}[/bold]")
+    if plan.mode != "pipeline":
+        console.print(table)
+        console.print(f"split: [bold]{format_split(plan)}[/bold]")
     if choice is not None:
         render_strategy(choice, console)
 

@@ -38,7 +38,7 @@ from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv
 from coordinator.models import Node
 from coordinator.planning.pipeline import LayerTiming, TimingSource
-from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
+from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
 from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import CurveRecord, PlanNode
 
@@ -329,7 +329,8 @@ def calibration_to_json(
 ) -> dict[str, Any]:
     """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}}` plus, where the strategy was
     weighed, `"strategy"` (docs/json.md); PlanError as `build_plan_nodes`."""
-    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split),
+    rows = build_plan_nodes(plan, calibrations) if plan.mode != SplitMode.PIPELINE else ()  # stages: `strategy`
+    return {"nodes": [n.to_json() for n in rows], "split": dict(plan.split),
             **({"strategy": strategy.to_json()} if strategy is not None else {})}
 
 

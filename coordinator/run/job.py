@@ -30,7 +30,14 @@ from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
 from coordinator.planning.pipeline import LayerTiming, timing_from_curve
-from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
+from coordinator.planning.plan import (
+    NodeCalibration,
+    Plan,
+    SplitMode,
+    compute_plan,
+    fixed_plan,
+    per_example_calibration,
+)
 from coordinator.planning.shards import MapRow
 from coordinator.planning.strategy import (
     NO_SEND_RECV_BACKENDS,
@@ -857,7 +864,9 @@ async def _run_attempt(
     launch.drill = drill
     launch.should_stop = sup.stop_reason
     launch.layout = build_layout(strategy.chosen.pipeline if strategy is not None else None)
-    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
+    # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
+    split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
+    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
                         backend=hostfile.backend, attempt=number,
