@@ -85,9 +85,18 @@ class StrategyDecision:
     world_size: int
     needs: tuple[NodeNeed, ...]
     pipeline: PipelinePlan | None = None  # the memory-fitting split (balanced blocks: no timings before calibration)
+    nodes: tuple[str, ...] = ()  # the nodes the plan trains on (all but those whose replica does not fit: dp on some)
+
+    @property
+    def left_out(self) -> tuple[NodeNeed, ...]:
+        """Nodes the plan does not use (dp on the nodes that fit)."""
+        return tuple(n for n in self.needs if self.nodes and n.node not in self.nodes)
 
     def describe(self) -> str:
         how = "chosen by auto" if self.requested == "auto" else "forced"
+        if self.left_out:
+            out = "; ".join(f"{n.node} ({_gb(n.usable)} usable, a replica needs ~{_gb(n.dp)})" for n in self.left_out)
+            return f"dp ({how}) on {', '.join(self.nodes)}: the other nodes cannot hold a replica: {out}"
         if self.pipeline is not None:
             stages = ", ".join(f"{s.node} {s.layers} blocks ~{_gb(s.need)} of {_gb(s.budget)}"
                                for s in self.pipeline.stages)
@@ -118,11 +127,12 @@ def per_rank_need(shape: ModelShape, train: TrainConfig, *, world_size: int, bud
 def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
                      budgets: Mapping[str, NodeBudget], *, backend: str = "ring") -> StrategyDecision:
     """The strategy for a fleet of `budgets` (node -> usable memory, ring order), by memory alone (preflight: no
-    calibration yet). `requested` auto picks dp when it fits every node, else a pipeline over the nodes when
-    one fits (not on a backend without send/recv), else fsdp when that fits every node; dp, pipeline or fsdp
-    forced must fit. StrategyError (with every node's numbers) otherwise. LoRA and DoRA never pick fsdp (their
-    frozen weights are not what fsdp saves). After calibration, `compute_strategy_choice` weighs the plans by
-    speed."""
+    calibration yet). `requested` auto picks, in this order: dp when a replica fits every node; a pipeline over
+    the nodes when one fits and the worker runs it (not on a backend without send/recv); dp on the nodes whose
+    replica fits (some, or one solo; `nodes` names them); a pipeline the worker does not run yet (so that the
+    refusal says so); fsdp when a shard fits every node (LoRA and DoRA never: their frozen weights are not what
+    fsdp saves). dp, pipeline or fsdp forced must fit every node. StrategyError (with every node's numbers)
+    otherwise. After calibration, `compute_strategy_choice` weighs the plans by speed."""
     if not budgets:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     world = len(budgets)
@@ -140,9 +150,20 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
             pipeline = picked.pipeline
         except StrategyError as exc:
             pipeline_note = str(exc).split(": ", 1)[-1]
+    # A replica that fits a node alone fits it in any dp over fewer rows per rank: these nodes can train dp.
+    alone = tuple(name for name, b in budgets.items()
+                  if per_rank_need(shape, train, world_size=1, budget=b)[0] <= b.usable)
+    used = tuple(budgets)
     if requested == "auto":
-        chosen: Strategy | None = ("dp" if dp_fits else "pipeline" if pipeline is not None
-                                   else "fsdp" if fsdp_fits and full else None)
+        chosen: Strategy | None
+        if dp_fits:
+            chosen = "dp"
+        elif pipeline is not None and PIPELINE_IN_WORKER:
+            chosen = "pipeline"
+        elif alone:
+            chosen, used = "dp", alone
+        else:
+            chosen = "pipeline" if pipeline is not None else "fsdp" if fsdp_fits and full else None
     elif requested == "pipeline":
         chosen = "pipeline" if pipeline is not None else None
     elif requested == "dp":
@@ -156,7 +177,7 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
                          f"~{_gb(n.fsdp)}" for n in needs)
         tail = f"; pipeline: {pipeline_note}" if pipeline_note else ""
         raise StrategyError(f"train.strategy {requested}: {what} ({rows}){tail}")
-    return StrategyDecision(requested, chosen, world, needs, pipeline if chosen == "pipeline" else None)
+    return StrategyDecision(requested, chosen, world, needs, pipeline if chosen == "pipeline" else None, used)
 
 
 def fsdp_refusal(backend: str) -> str:

@@ -68,6 +68,9 @@ def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets:
                            "micro-batches or max_seq_length, or more / larger nodes")]
     if decision.strategy == "fsdp":
         return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {fsdp_refusal(backend)}", _FSDP_REMEDY)]
+    if decision.left_out:
+        return [LintResult("strategy", Status.WARN, decision.describe(),
+                           "use LoRA, grad_checkpoint: true or a smaller batch to train on every node")]
     if decision.strategy == "pipeline":
         if not PIPELINE_IN_WORKER:
             return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; the worker runs dp only in this "

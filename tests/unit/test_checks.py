@@ -896,9 +896,14 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.but(worker={"params": 42_000_000_000}), {},
                  (W, ("~87.7 GiB needed", "96.0 GiB usable (little headroom)"), ("grad_checkpoint",)),
                  id="lora-42b-little-headroom"),
-    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {"strategy": "dp"},
                  (F, ("~102.6 GiB needed (50.00B params", "of 96.0 GiB usable"), ("grad_checkpoint: true",)),
                  id="lora-50b-does-not-fit"),
+    # auto trains dp on the nodes whose replica fits (the Studio): this one sits the run out, said as a warning.
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+                 (W, ("~102.6 GiB needed (50.00B params", "left out of the run by train.strategy auto"),
+                  ("to train on this node too",)),
+                 id="lora-50b-left-out-by-auto"),
     pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}), {"method": "full"},
                  (F, ("~64.9 GiB needed (8.00B params, full", "of 36.0 GiB usable", "GPU watchdog"),
                   ("use LoRA", "on an Ultra")), id="full-8b-on-48gb"),
@@ -983,7 +988,8 @@ def test_resources_on_an_nvidia_node_budget_the_gpus_memory_not_host_ram() -> No
     ])
     # The same node without nvidia-smi trains on the CPU, in host RAM: it does not fit.
     cpu = gpu.with_section("nvidia_smi", None)
-    run_case((cpu, mac), playbook(backend="ring"), [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
+    run_case((cpu, mac), playbook(backend="ring", train={"strategy": "dp"}),
+             [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
     busy = gpu.edited("nvidia_smi", "81559, 0, 0,", "81559, 60000, 100,")
     run_case((busy, mac), playbook(backend="ring"), [
         ("gpu1", "resources", W, ("58.6 GiB of GPU 0's 79.6 GiB already in use by other processes",), ("nvidia-smi",)),
@@ -1220,8 +1226,10 @@ def test_resources_judges_a_pipeline_stage_not_a_replica(monkeypatch: pytest.Mon
     # Once the worker runs pipelines: a node that cannot hold a replica passes when the strategy gives it a stage.
     members = (MBP_M.but(worker={"params": 50_000_000_000}), STUDIO_M.but(worker={"params": 50_000_000_000}))
     _, results = preflight(members, playbook(train={"method": "lora"}))
-    assert results[("mbp", "resources")].status is F  # the worker runs dp only: a replica's need is the truth
+    # While the worker runs dp only, auto trains on the Studio alone (its replica fits): the Max sits it out.
+    assert results[("mbp", "resources")].status is W
     monkeypatch.setattr("coordinator.preflight.checks.context.PIPELINE_IN_WORKER", True)
+    monkeypatch.setattr("coordinator.planning.strategy.PIPELINE_IN_WORKER", True)
     _, results = preflight(members, playbook(train={"method": "lora"}))
     r = results[("mbp", "resources")]
     assert r.status is Status.PASS and "of 96.0 GiB usable; as pipeline stage of blocks 0-" in r.summary

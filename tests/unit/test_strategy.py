@@ -298,3 +298,20 @@ def test_launch_refuses_a_run_that_resolves_to_fsdp() -> None:
     assert strategy_refusal(INV, forced_nccl, roomy) == ("train.strategy pipeline: [nccl] has no send/recv (mlx "
                                                          '0.32.4: "Send has no CUDA implementation"): a pipeline needs '
                                                          "backend ring (or jaccl)")
+
+
+def test_auto_trains_dp_on_the_nodes_that_hold_a_replica_before_a_plan_the_worker_cannot_run() -> None:
+    solo = per_rank_need(SHAPE, FULL, world_size=1, budget=NodeBudget(GiB))[0]
+    budgets = {"ultra": NodeBudget(solo), "max": NodeBudget(solo // 3)}
+    decision = compute_strategy("auto", SHAPE, FULL, budgets)
+    assert (decision.strategy, decision.nodes) == ("dp", ("ultra",))
+    assert [n.node for n in decision.left_out] == ["max"]
+    assert decision.describe().startswith("dp (chosen by auto) on ultra: the other nodes cannot hold a replica: max (")
+    # dp forced still needs every node.
+    with pytest.raises(StrategyError, match=r"train\.strategy dp: dp does not fit"):
+        compute_strategy("dp", SHAPE, FULL, budgets)
+    # The lint says who sits the run out, as a warning.
+    results = lint_playbook(playbook(method="full", batch_size=4, max_seq_length=512), MODEL_CONFIG,
+                            budgets={"a": NodeBudget(10**12), "b": NodeBudget(GiB // 8)}, backend="ring")
+    [finding] = [r for r in results if r.id == "strategy"]
+    assert finding.status is Status.WARN and "on a: the other nodes cannot hold a replica: b (" in finding.summary

@@ -76,6 +76,10 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
                                           "need": stage.need, "budget": stage.budget}
             evidence["fit"] = (f"a replica needs {need}; as pipeline stage of blocks {stage.first_layer}-"
                                f"{stage.last_layer - 1} ~{_gb(stage.need)} of {_gb(stage.budget)}")
+        elif est.total > usable and node.name in ctx.left_out_by_strategy:
+            # The strategy trains on the nodes that hold a replica (lint `strategy`): this one sits the run out.
+            warns.append(f"{need}: left out of the run by train.strategy {t.strategy} (see the strategy finding)")
+            remedies.append("use LoRA, grad_checkpoint: true or a smaller batch to train on this node too")
         elif est.total > usable:
             fails.append(need)
             remedies.append("use LoRA, grad_checkpoint: true, a smaller batch_size or max_seq_length, or a node with "
