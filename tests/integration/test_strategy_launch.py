@@ -98,3 +98,47 @@ def test_capped_nodes_refuse_dp_with_their_cgroup_numbers_and_fit_a_pipeline(tes
     stages = re.findall(r"(\S+) (\d+) blocks ~([\d.]+) GiB of ([\d.]+) GiB", chosen["summary"])
     assert [s[0] for s in stages] == list(caps) and sum(int(s[1]) for s in stages) == 6
     assert all(float(need) <= float(budget) for _, _, need, budget in stages)
+
+
+def test_auto_trains_solo_on_the_node_that_holds_the_model(testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    """Two hosts, one capped below a replica's need: preflight warns that it sits the run out (no failure), and
+    launch weighs the plans and trains on the other alone ("solo"), its plan in plan.json."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from cgroups import HostCgroups
+
+    hosts = testbed.add_hosts(2)
+    big, small = hosts
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
+    for host in hosts:
+        build_tiny_model(host.srv / "model", DATA, layers=2, hidden=64, seed=0)
+        shutil.copytree(DATA, host.srv / "data")
+    pb = tmp_path / "pb.yaml"
+    # 8 rows of 1024 tokens, full: a replica needs ~86 MiB per rank over two nodes (CPU attention scores), more
+    # than the small host's 72 MiB (0.9 x its 80 MiB cap).
+    pb.write_text(yaml.safe_dump({
+        "name": "solo", "kind": "train", "model": "/srv/model", "data": "/srv/data",
+        "train": {"method": "full", "iters": 2, "batch_size": 8, "max_seq_length": 1024, "save_every": 2,
+                  "steps_per_eval": 100, "val_batches": 1},
+        "split": "equal"}, sort_keys=False))  # no bench: unmeasured, the fitting plans go in their fixed order
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    runs = tmp_path / "runs"
+    with HostCgroups(f"{testbed.tag}-{os.getpid()}") as cg:
+        assert small.pid is not None
+        cg.place(small.name, small.pid, cpus=None, memory_bytes=80 * 2**20)
+        report = run_cli("preflight", "-i", str(inv), "-p", str(pb), "--json", env=env)
+        proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(runs), "--json", env=env, timeout=400)
+    doc = json.loads(report.stdout)
+    [strategy] = [r for r in doc["lint"] if r["id"] == "strategy"]
+    assert strategy["status"] == "warn" and strategy["summary"].startswith(
+        f"dp (chosen by auto) on {big.name}: the other nodes cannot hold a replica: {small.name} ("), strategy
+    checks = {(n["node"], c["id"]): c for n in doc["nodes"] for c in n["checks"]}
+    assert checks[(small.name, "resources")]["status"] == "warn"
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"strategy auto: solo on {big.name}" in out
+    assert re.search(r"node +layers +memory need / budget +predicted stage time +bubble +predicted tokens/s", out)
+    summary = json.loads(proc.stdout)
+    assert summary["state"] == "succeeded" and [n["node"] for n in summary["nodes"]] == [big.name]
+    plan = json.loads((runs / summary["run_id"] / "plan.json").read_text())
+    assert plan["strategy"]["chosen"] == f"solo on {big.name}" and plan["strategy"]["layout"] == {"kind": "dp"}
+    assert any(c["label"] == "dp on every node" and not c["fits"] for c in plan["strategy"]["candidates"])
