@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any, Literal
 
 from coordinator.config.playbook import TrainConfig
@@ -242,11 +243,25 @@ class PlanRow:
                 "need_bytes": self.need, "budget_bytes": self.budget, "predicted_s": self.time_s}
 
 
+class CandidateKind(StrEnum):
+    """The plans weighed, in the order `auto` prefers them where none is measured."""
+
+    DP_ALL = "dp on every node"
+    PIPELINE_ALL = "pipeline over every node"
+    DP_SOME = "dp on the nodes that fit"
+    PIPELINE_SOME = "pipeline over fewer nodes"
+    SOLO = "solo"
+
+
+KIND_ORDER = tuple(CandidateKind)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One plan the planner weighed. `fits`: it fits memory (and, for dp, the calibrated split could be made);
     `tokens_per_s` None where no measurement predicts it; `note`: its numbers, or why it does not fit."""
 
+    kind: CandidateKind
     label: str
     strategy: Strategy
     nodes: tuple[str, ...]
@@ -321,34 +336,35 @@ def pipeline_job(shape: ModelShape, train: TrainConfig, *, fill: float = 1.0) ->
                        rows_per_example=train.rows_per_example)
 
 
-def _dp_candidate(label: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode],
+def _dp_candidate(kind: CandidateKind, label: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode],
                   split: str | Mapping[str, float]) -> Candidate:
     names = tuple(n.node for n in nodes)
     needs = [(n, per_rank_need(shape, train, world_size=len(nodes), budget=n.budget)[0]) for n in nodes]
     over = [f"{n.node} needs ~{_gb(need)} of {_gb(n.budget.usable)}" for n, need in needs if need > n.budget.usable]
     if over:
-        return Candidate(label, "dp", names, False, None, "a replica per node: " + "; ".join(over))
+        return Candidate(kind, label, "dp", names, False, None, "a replica per node: " + "; ".join(over))
     worst = max(needs, key=lambda x: x[1] / max(1, x[0].budget.usable))
     note = f"~{_gb(worst[1])} per node (most loaded: {worst[0].node}, {_gb(worst[0].budget.usable)})"
     cals = [n.calibration for n in nodes]
     if any(c is None for c in cals):
-        return Candidate(label, "dp", names, True, None, note,
+        return Candidate(kind, label, "dp", names, True, None, note,
                          rows=tuple(PlanRow(n.node, 0, shape.layers, need, n.budget.usable, None) for n, need in needs))
     try:
         plan = compute_plan([c for c in cals if c is not None], train.batch_size, split=split,
                             seq_len=train.max_seq_length)
     except PlanError as exc:
-        return Candidate(label, "dp", names, False, None, str(exc))
+        return Candidate(kind, label, "dp", names, False, None, str(exc))
     batches = ", ".join(f"{n} {b}" for n, b in plan.batch.items())
     rows = tuple(PlanRow(n.node, 0, shape.layers, need, n.budget.usable, plan.per_node_step_s.get(n.node))
                  for n, need in needs)
-    return Candidate(label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan,
+    return Candidate(kind, label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan,
                      rows=rows)
 
 
-def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode],
+def _pipeline_candidate(kind: CandidateKind, job: PipelineJob, nodes: Sequence[FleetNode],
                         layer_split: Sequence[int] | None) -> Candidate:
     names = tuple(n.node for n in nodes)
+    label = f"pipeline over {', '.join(names)}"
     # Seconds for some nodes and none for others do not compare: then the split only balances blocks.
     timed = all(n.timing is not None for n in nodes)
     stage_nodes = [StageNode(n.node, n.budget.usable, n.timing if timed else None, n.budget.fused_attention)
@@ -357,13 +373,13 @@ def _pipeline_candidate(label: str, job: PipelineJob, nodes: Sequence[FleetNode]
         plan = (check_layer_split(job, stage_nodes, layer_split) if layer_split is not None
                 else compute_layer_split(job, stage_nodes))
     except PlanError as exc:
-        return Candidate(label, "pipeline", names, False, None, str(exc))
+        return Candidate(kind, label, "pipeline", names, False, None, str(exc))
     split = "/".join(str(k) for k in plan.layer_split)
     note = (f"blocks {split}{' (pinned)' if plan.pinned else ''}, {plan.micro_batches} micro-batches, bubble "
             f"{plan.bubble:.0%}")
     rows = tuple(PlanRow(st.node, st.first_layer, st.last_layer, st.need, st.budget, st.stage_s if timed else None)
                  for st in plan.stages)
-    return Candidate(label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan, rows=rows)
+    return Candidate(kind, label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan, rows=rows)
 
 
 def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
@@ -389,62 +405,52 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
         raise StrategyError("no node memory known: the strategy cannot be planned")
     fills = [n.calibration.fill for n in nodes if n.calibration is not None]
     job = pipeline_job(shape, train, fill=sum(fills) / len(fills) if fills else 1.0)
-    everyone = _dp_candidate("dp on every node", shape, train, nodes, split)
+    everyone = _dp_candidate(CandidateKind.DP_ALL, "dp on every node", shape, train, nodes, split)
     candidates = [everyone]
     solo_fit = [n for n in nodes if per_rank_need(shape, train, world_size=1, budget=n.budget)[0] <= n.budget.usable]
-    if requested in ("auto", "dp") and 2 <= len(solo_fit) < len(nodes):
-        fit_names = ", ".join(n.node for n in solo_fit)
-        candidates.append(_dp_candidate(f"dp on {fit_names}", shape, train, solo_fit, "calibrated"))
+    if requested == "auto" and 2 <= len(solo_fit) < len(nodes):
+        candidates.append(_dp_candidate(CandidateKind.DP_SOME, f"dp on {', '.join(n.node for n in solo_fit)}", shape,
+                                        train, solo_fit, "calibrated"))
     if requested == "auto" and len(nodes) > 1:
-        solos = [_dp_candidate(f"solo on {n.node}", shape, train, [n], "calibrated") for n in solo_fit]
+        solos = [_dp_candidate(CandidateKind.SOLO, f"solo on {n.node}", shape, train, [n], "calibrated")
+                 for n in solo_fit]
         fitting = [c for c in solos if c.fits]
-        if fitting:
-            candidates.append(max(fitting, key=lambda c: c.tokens_per_s or 0.0))
-        elif solos:
-            candidates.append(solos[0])
+        if fitting or solos:
+            candidates.append(max(fitting, key=lambda c: c.tokens_per_s or 0.0) if fitting else solos[0])
     pipelines: list[Candidate] = []
     if requested in ("auto", "pipeline"):
         unsupported = pipeline_unsupported(train)
         if backend in NO_SEND_RECV_BACKENDS or unsupported:
-            pipelines.append(Candidate("pipeline over every node", "pipeline", tuple(n.node for n in nodes), False,
-                                       None, unsupported or pipeline_refusal(backend)))
+            pipelines.append(Candidate(CandidateKind.PIPELINE_ALL, "pipeline over every node", "pipeline",
+                                       tuple(n.node for n in nodes), False, None,
+                                       unsupported or pipeline_refusal(backend)))
         elif len(nodes) > 1 or requested == "pipeline":
-            pipelines.append(_pipeline_candidate(
-                f"pipeline over {', '.join(n.node for n in nodes)}", job, nodes, train.layer_split))
+            pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_ALL, job, nodes, train.layer_split))
             if train.layer_split is None and requested == "auto":
                 left = list(nodes)
                 for out in _slowest_first(nodes)[:-2]:
                     left = [n for n in left if n.node != out.node]
-                    pipelines.append(_pipeline_candidate(f"pipeline over {', '.join(n.node for n in left)}", job,
-                                                         left, None))
+                    pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None))
     if not pipeline_runs:
         pipelines = [replace(c, fits=False, note=f"{c.note} (the worker runs dp only in this version)")
                      for c in pipelines]
+    # Of the smaller pipelines only the best is worth a line.
+    smaller = [c for c in pipelines if c.kind is CandidateKind.PIPELINE_SOME]
+    if smaller:
+        best = max(smaller, key=lambda c: (c.fits, c.tokens_per_s or 0.0))
+        pipelines = [c for c in pipelines if c.kind is CandidateKind.PIPELINE_ALL or c is best]
     candidates += pipelines
-    wanted = {"dp": [everyone], "pipeline": pipelines[:1]}.get(requested, [c for c in candidates if c.fits])
+    wanted = {"dp": [everyone], "pipeline": pipelines[:1]}.get(requested, candidates)
     fitting = [c for c in wanted if c.fits]
     if not fitting:
         lines = "; ".join(c.line(chosen=False) for c in (candidates if requested == "auto" else wanted))
         budgets = ", ".join(f"{n.node} {_gb(n.budget.usable)}" for n in nodes)
         raise StrategyError(f"train.strategy {requested}: nothing fits (usable memory: {budgets}): {lines}")
     rated = [c for c in fitting if c.tokens_per_s is not None]
-    if rated:
-        chosen = max(rated, key=lambda c: c.tokens_per_s or 0.0)  # ties: the earlier candidate
-    else:
-        order = {"dp on every node": 0}
-        def rank(c: Candidate) -> tuple[int, int]:
-            if c.label in order:
-                return (0, 0)
-            if c.strategy == "pipeline":
-                return (1 if len(c.nodes) == len(nodes) else 3, -len(c.nodes))
-            return (4, 0) if c.label.startswith("solo") else (2, 0)
-        chosen = min(fitting, key=rank)
-    # Smaller pipelines that lose are noise: keep the best of them only.
-    shown = [c for c in candidates if not (c.strategy == "pipeline" and c is not pipelines[0] and c is not chosen)]
-    extra = [c for c in pipelines[1:] if c.fits and c is not chosen]
-    if extra:
-        shown.append(max(extra, key=lambda c: c.tokens_per_s or 0.0))
-    return StrategyChoice(requested, chosen, tuple(shown))
+    # The best predicted rate; where none is measured, the preferred kind (ties: the earlier candidate).
+    chosen = (max(rated, key=lambda c: c.tokens_per_s or 0.0) if rated
+              else min(fitting, key=lambda c: KIND_ORDER.index(c.kind)))
+    return StrategyChoice(requested, chosen, tuple(candidates))
 
 
 def pipeline_unsupported(train: TrainConfig) -> str:
