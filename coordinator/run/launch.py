@@ -451,9 +451,11 @@ class Launch:
 
     def new_monitor(self) -> Monitor:
         plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
-                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
+                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors,
+                              replica_groups=tuple((r.rank,) for r in self.ranks) if pipeline else None)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
