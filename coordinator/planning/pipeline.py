@@ -69,9 +69,13 @@ class LayerTiming:
     embed_s: float = 0.0
     head_s: float = 0.0
     source: TimingSource = TimingSource.BLOCKS
+    # The last stage's per block: its forward and backward in one pass (the others recompute the forward inside
+    # their backward, MLX keeping no tape between calls); None: `layer_s`.
+    last_layer_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("layer_s", self.layer_s), ("embed_s", self.embed_s), ("head_s", self.head_s)):
+        for name, value in (("layer_s", self.layer_s), ("embed_s", self.embed_s), ("head_s", self.head_s),
+                            ("last_layer_s", self.layer_s if self.last_layer_s is None else self.last_layer_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise PlanError(f"{self.node}: {name} must be a non-negative number of seconds, got {value!r}")
         if self.micro_batch < 1:
@@ -177,8 +181,9 @@ def stage_time(timing: LayerTiming | None, blocks: int, *, index: int, stages: i
     split then balances blocks)."""
     if timing is None:
         return float(blocks)
-    return (timing.layer_s * blocks + (timing.embed_s if index == 0 else 0.0)
-            + (timing.head_s if index == stages - 1 else 0.0))
+    last = index == stages - 1
+    per_block = timing.last_layer_s if last and timing.last_layer_s is not None else timing.layer_s
+    return per_block * blocks + (timing.embed_s if index == 0 else 0.0) + (timing.head_s if last else 0.0)
 
 
 def _check_job(job: PipelineJob, nodes: Sequence[StageNode]) -> None:

@@ -291,8 +291,9 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
 
 def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
-    `{"blocks": K, "micro_batch": MB, "block_s": s, "embed_s": s, "head_s": s, "peak_memory": bytes, ...}`:
-    seconds per micro-batch, forward + backward (`block_s` per block, the mean over the K timed). Raises
+    `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
+    "peak_memory": bytes, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage, optional). Raises
     CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
     if "error" in obj:
         raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
@@ -301,8 +302,9 @@ def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
                                "per-block mode (worker.bench --blocks)")
     block_s, embed_s, head_s, micro = (_number(node, obj, k) for k in ("block_s", "embed_s", "head_s", "micro_batch"))
     assert block_s is not None and embed_s is not None and head_s is not None and micro is not None
+    fused = _number(node, obj, "block_fused_s", optional=True)
     try:
-        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS)
+        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused)
     except PlanError as exc:
         raise CalibrationError(node, f"bench result is not a usable timing: {exc}") from exc
 

@@ -285,3 +285,11 @@ def test_a_curve_stands_in_for_a_node_that_holds_the_model_and_mixed_timings_bal
     choice = compute_strategy_choice("pipeline", SHAPE, TRAIN, fleet, backend="ring")
     assert choice.chosen.pipeline is not None and choice.chosen.pipeline.layer_split == (6, 6)
     assert choice.chosen.tokens_per_s is None and choice.table()[1][3] == "-"
+
+
+def test_the_last_stage_runs_its_blocks_at_the_fused_rate() -> None:
+    t = LayerTiming("a", 2, layer_s=0.3, head_s=0.5, last_layer_s=0.2)
+    assert stage_time(t, 4, index=0, stages=2) == pytest.approx(1.2)
+    assert stage_time(t, 4, index=1, stages=2) == pytest.approx(0.8 + 0.5)
+    with pytest.raises(PlanError, match="last_layer_s must be a non-negative"):
+        LayerTiming("a", 2, layer_s=0.3, last_layer_s=-1.0)

@@ -489,6 +489,8 @@ def test_dpo_pairs_are_planned_on_the_curve_in_pairs() -> None:
 def test_per_block_timing_from_the_bench_and_its_cache() -> None:
     obj = {"blocks": 2, "micro_batch": 4, "block_s": 0.125, "embed_s": 0.01, "head_s": 0.2, "peak_memory": 2**30}
     assert layer_timing_from_bench("max", obj) == LayerTiming("max", 4, 0.125, 0.01, 0.2, TimingSource.BLOCKS)
+    fused = layer_timing_from_bench("max", {**obj, "block_fused_s": 0.075})
+    assert fused.last_layer_s == 0.075
     with pytest.raises(CalibrationError, match="max: bench failed: out of memory"):
         layer_timing_from_bench("max", {"error": "out of memory"})
     # A worker without the per-block mode answers with a whole-model curve: said, not misread.
