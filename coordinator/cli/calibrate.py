@@ -53,7 +53,8 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         click.echo(dumps(result))
         return
     table = Table(title=f"calibration: {pb.model} at seq {pb.train.max_seq_length}, global batch {plan.global_batch}")
-    for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
+    # Two units: the bench times padded rows (every position), training reports real tokens (padding excluded).
+    for col in ("node", "best padded pos/s", "at batch", "planned batch", "share", "predicted real tok/s", "cached"):
         table.add_column(col)
     for node in inv.nodes:
         if node.name not in plan.batch or node.name not in cals or plan.mode == "pipeline":
@@ -64,7 +65,8 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
                       "yes" if cal.cached else "no")
     if plan.mode != "pipeline":
         console.print(table)
-        console.print(f"split: [bold]{format_split(plan)}[/bold]")
+        console.print(f"split: [bold]{format_split(plan)}[/bold]; predicted {plan.predicted_tokens_per_s:,.0f} real "
+                      "tokens/s for the run (padded positions/s: what the bench timed, padding included)")
     if choice is not None:
         render_strategy(choice, console)
 

@@ -17,7 +17,7 @@ the same error as a culprit of an earlier attempt on another node (it followed t
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -135,6 +135,7 @@ class RankView:
     trainable: str | None = None  # its `started` event's words: share of parameters, layers, what is frozen
     packing: str | None = None  # ... and whether its batches are packed, and why
     steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
+    recent_tok_s: list[float] = field(default_factory=list)  # its last RATE_STEPS steps' tok_s (`rank_rate`)
 
 
 class ObservationKind(StrEnum):
@@ -146,6 +147,9 @@ class ObservationKind(StrEnum):
     TICK = "tick"
     LOST = "lost"
     LAUNCHER_EXIT = "launcher_exit"
+    # The newest complete checkpoint dir on the node (`data["step"]`, None: none), read from its disk when the
+    # coordinator reads a run's record (`worker.follow --once`): steps the run proved, events or not.
+    CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,68 @@ class FaultPolicy:
     # stall_min_s) is stalled: alive and heartbeating, but its collective never completes.
     stall_factor: float = 10.0
     stall_min_s: float = 60.0
+
+
+class Verdict(StrEnum):
+    """A rank in one word, the same in every view (live view, piped lines, status, report, dashboard, --json):
+    `rank_verdict` applies the monitor's own rules with the run's own thresholds."""
+
+    PENDING = "pending"  # not started yet (loading)
+    OK = "ok"
+    SLOW = "slow"  # the straggler test holds: under faults.straggler_fraction of the fleet for its window of steps
+    STALLED = "stalled"  # inside a step that ends no step for the stall window (faults.stall_factor / stall_min_s)
+    HUNG = "hung"  # silent past heartbeat_timeout on a live channel, or stopped (SIGSTOP)
+    DEAD = "dead"  # ended without finishing: crashed, failed with an error, its node unreachable
+
+
+# A rank's rate (`rank_rate`): the median of its last steps' tok_s, so one slow or compiling step does not stand
+# for the rank, and neither does the last step alone. The window of RecentSteps (the stall window's).
+RATE_STEPS = RecentSteps.KEPT
+RATE_UNIT = "real tokens/s"  # every rate a view shows of a run: tokens of the data, padding excluded
+_DEAD_KINDS = frozenset({"crash", "error", "unreachable"})
+
+
+def stall_window(view: RankView, policy: FaultPolicy) -> float | None:
+    """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
+    first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
+    vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
+    window = view.steps.window(policy.stall_factor, policy.stall_min_s)
+    return None if window is None else max(window, policy.heartbeat_timeout + 1.0)
+
+
+def rank_rate(view: RankView) -> float | None:
+    """The rank's rate in real tokens/s (RATE_UNIT): the median tok_s of its last RATE_STEPS steps; None before a
+    step. What every view shows as the rank's tokens/s."""
+    return statistics.median(view.recent_tok_s) if view.recent_tok_s else None
+
+
+def rank_verdict(view: RankView, policy: FaultPolicy, incident_kinds: Collection[str], *,
+                 now: float | None) -> Verdict:
+    """The rank's `Verdict` by the monitor's rules. `incident_kinds`: the kinds of this attempt's incidents that
+    name the rank (the monitor's word wins: a hang it found stays `hung`); `now`: the time on the clock of the
+    view's times while the run is live, None once it has ended (no silence can grow then). The time checks are
+    `Monitor.check`'s (heartbeat timeout, stall window); `slow` is the straggler test's state at the rank's latest
+    step (`RankView.slow_steps`, `FaultPolicy.straggler_window`)."""
+    kinds = {str(k) for k in incident_kinds}
+    if IncidentKind.HANG in kinds:
+        return Verdict.HUNG
+    if IncidentKind.STALL in kinds:
+        return Verdict.STALLED
+    if kinds & _DEAD_KINDS or view.state is WorkerState.FAILED:
+        return Verdict.DEAD
+    if view.state is WorkerState.PENDING:
+        return Verdict.PENDING
+    if now is not None and view.state is WorkerState.RUNNING:
+        last = view.last_event_at if view.last_event_at is not None else view.started_at
+        if last is not None and now - last > policy.heartbeat_timeout:
+            return Verdict.HUNG
+        window = stall_window(view, policy)
+        since = view.last_progress_at if view.last_progress_at is not None else view.started_at
+        if view.phase == "step" and window is not None and since is not None and now - since > window:
+            return Verdict.STALLED
+    if view.slow_steps >= policy.straggler_window:
+        return Verdict.SLOW
+    return Verdict.OK
 
 
 # Incident kinds that name a culprit node (quarantined); other stop incidents only end the attempt.
@@ -298,6 +364,7 @@ class Monitor:
     # signature -> nodes that earlier attempts of this run blamed for an own error with it ("follows the work")
     earlier_errors: dict[str, frozenset[str]] = field(default_factory=dict)
     job_error: Incident | None = None
+    checkpoint_dirs: dict[str, int] = field(default_factory=dict)  # node -> its newest complete checkpoint's step
     # Ranks that hold the same parameters and must agree on digests and checkpoints (the run's layout): None is
     # data parallel, every rank a replica; a pipeline's stages each hold their own blocks, one rank per group.
     replica_groups: tuple[tuple[int, ...], ...] | None = None
@@ -334,6 +401,11 @@ class Monitor:
             return self._proc(obs)
         if obs.kind == ObservationKind.LOST:
             return self._lost(obs)
+        if obs.kind == ObservationKind.CHECKPOINTS:
+            step = obs.data.get("step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0 and obs.node in self.nodes():
+                self.checkpoint_dirs[obs.node] = max(step, self.checkpoint_dirs.get(obs.node, 0))
+            return []
         if obs.kind == ObservationKind.LAUNCHER_EXIT:
             rc = obs.data.get("rc")
             return self.launcher_exited(rc if isinstance(rc, int) else None, obs.at)
@@ -396,26 +468,34 @@ class Monitor:
         elif isinstance(event, ErrorEvent):
             view.state = WorkerState.FAILED
             view.error = str(event.message)
+            if self.stopped and is_echo(view.error):
+                # Read after the run was stopped: the stop's own teardown (SIGTERM) or a peer lost to it.
+                return []
             # An error after another fault, or about a lost peer, is an echo (peers lose the ring when a rank
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
-            echo = self.first_fatal_at is not None or is_echo(view.error)
+            known = explain_error(view.error)
+            # An error that names a peer's absence (its connect refused when the ring was formed) blames no node:
+            # before the rank's first step it is a start-up race (`startup_race`: relaunched, nobody quarantined).
+            peer = known is not None and known.blame == "peer"
+            echo = self.first_fatal_at is not None or is_echo(view.error) or peer
             # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
             job = event.fault == "job"
             evidence: dict[str, Any] = {"message": view.error, "traceback": (event.traceback or "")[-2000:],
                                         "echo": echo}
             if job:
                 evidence["fault"] = "job"
-            elif not is_echo(view.error) and not event.fenced:
+            elif not is_echo(view.error) and not event.fenced and not peer:
                 # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
                 # with the same signature is the same failure, not an echo of the first).
                 sig = error_signature(view.error, {v.node for v in self.ranks.values()})
                 self.own_errors.setdefault(view.rank, RankError(view.rank, obs.node, sig, view.error, obs.at,
                                                                 evidence["traceback"]))
                 evidence["signature"] = sig
-            known = explain_error(view.error)
             if known is not None:
                 evidence["explanation"] = known.to_json()
+            if peer and view.rank not in self.first_step_at:
+                evidence["startup_race"] = True
             return self._add(Incident(kind=IncidentKind.ERROR, node=obs.node, rank=rank, step=view.step,
                                       detected_after_s=0.0, evidence=evidence,
                                       action=Action.STOP if echo or job else Action.QUARANTINE, t=obs.at))
@@ -449,6 +529,8 @@ class Monitor:
         view.step = max(view.step, step)
         view.loss = event.loss
         view.tokens_per_s = event.tok_s
+        if event.tok_s is not None and event.tok_s > 0:
+            view.recent_tok_s = [*view.recent_tok_s[-(RATE_STEPS - 1):], event.tok_s]
         view.peak_memory = event.peak_memory
         view.grad_norm = event.grad_norm
         view.compute_tokens_per_s = event.compute_tok_s
@@ -731,8 +813,7 @@ class Monitor:
         """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
         first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
         vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
-        window = view.steps.window(self.policy.stall_factor, self.policy.stall_min_s)
-        return None if window is None else max(window, self.heartbeat_timeout + 1.0)
+        return stall_window(view, self.policy)
 
     def _stalls(self, now: float) -> list[Incident]:
         """Ranks alive and heartbeating inside a step that never ends: what a data-plane link that went down
@@ -778,7 +859,9 @@ class Monitor:
 
     def culprits(self) -> list[str]:
         """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order. Secondary
-        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first)."""
+        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first) and
+        no start-up race explains the failure (mlx.launch kills the other ranks once the one that could not
+        connect exits)."""
         primary: list[str] = []
         secondary: list[str] = []
         for inc in self.incidents:
@@ -786,7 +869,19 @@ class Monitor:
                 out = secondary if self._secondary(inc) else primary
                 if inc.node not in out:
                     out.append(inc.node)
-        return primary or secondary
+        if primary or self._race() is not None:
+            return primary
+        return secondary
+
+    def _race(self) -> Incident | None:
+        return next((i for i in self.incidents if i.evidence.get("startup_race")), None)
+
+    def startup_race(self) -> Incident | None:
+        """The error that ended this attempt when its ranks could not connect at start-up (a peer not listening
+        yet), when nothing names a culprit: the attempt is relaunched on the same nodes, nobody quarantined
+        (`job.supervise`, within STARTUP_RETRIES). None otherwise."""
+        race = self._race()
+        return race if race is not None and not self.culprits() and self.job_error is None else None
 
     def classify(self) -> JobErrorVerdict | None:
         """`classify_errors` over this attempt's observations: is the failure the job's?"""
@@ -866,7 +961,8 @@ class Monitor:
         # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
         # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
         heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
-        return (bool(blamed) or self.job_fault() is not None) and waited >= SETTLE_S and heard and self._errors_in(now)
+        explained = bool(blamed) or self.job_fault() is not None or self._race() is not None
+        return explained and waited >= SETTLE_S and heard and self._errors_in(now)
 
     def job_fault(self) -> Incident | None:
         """The first error that every rank hit because of the job itself (`fault: job`), not because of a node:
@@ -884,24 +980,45 @@ class Monitor:
         return all(v.state in (WorkerState.FAILED, WorkerState.FINISHED) for v in self.ranks.values())
 
     def outcome(self) -> RunState | None:
-        if self.stopped:
+        """How the attempt ended (None: not yet). A stop (`stopped`: a signal, `coordinator stop`) that came
+        when every rank had already finished, or after a job error was judged, changes nothing: the run
+        succeeded, or failed with that error. What happened is recorded, not the order of the news."""
+        fatal = any(i.action in FATAL_ACTIONS for i in self.incidents)
+        finished = all(v.state is WorkerState.FINISHED for v in self.ranks.values())
+        if self.stopped and self.job_error is None and not (finished and not fatal):
             return RunState.STOPPED
-        if any(i.action in FATAL_ACTIONS for i in self.incidents):
+        if fatal or any(v.state is WorkerState.FAILED for v in self.ranks.values()):
             return RunState.FAILED
-        if any(v.state is WorkerState.FAILED for v in self.ranks.values()):
-            return RunState.FAILED
-        if all(v.state is WorkerState.FINISHED for v in self.ranks.values()):
+        if finished:
             return RunState.SUCCEEDED
         return None
 
     def step(self) -> int:
+        """The step every rank has reached (the live view's): the slowest rank's."""
         return min((v.step for v in self.ranks.values()), default=0)
+
+    def proven_step(self) -> int:
+        """The run's record of its progress: the highest step that any rank's step event (or the step it
+        resumed from), any checkpoint event or any node's complete checkpoint dir proves. A synchronous step is
+        only reported once every rank joined its collective, so one rank's report speaks for the run; and a
+        stop that interrupted the reading of events never makes a run that trained look as if it had not."""
+        return max([v.step for v in self.ranks.values()]
+                   + [v.checkpoint_step for v in self.ranks.values() if v.checkpoint_step is not None]
+                   + list(self.checkpoint_dirs.values()), default=0)
 
     def run_tokens_per_s(self) -> float | None:
         """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
         median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
         does the last step alone."""
         return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+
+    def run_compute_tokens_per_s(self) -> float | None:
+        """The run's rate had no rank waited for the gradient all_sum: the median over steps (those every rank
+        reported) of the sum of the ranks' tokens / compute seconds (the step until it enters the collective).
+        What calibration predicts, which times each node's step alone; its gap to `run_tokens_per_s` is what the
+        collective (and the waiting for the slowest rank) cost."""
+        sums = [sum(rates.values()) for rates in self.step_rates.values() if len(rates) == len(self.ranks)]
+        return statistics.median(sums) if sums else None
 
     def last_tokens_per_s(self) -> float | None:
         """The whole run's tokens/s at its latest reported step."""

@@ -17,14 +17,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top. A module may import its own layer and those before it, never one after it.
-LAYERS = ("coordinator.errors coordinator.models", "coordinator.config", "coordinator.facts", "coordinator.planning",
-          "coordinator.fleet", "coordinator.preflight", "coordinator.run", "coordinator.views", "coordinator.cli")
+LAYERS = ("coordinator.errors coordinator.models coordinator.units", "coordinator.config", "coordinator.facts",
+          "coordinator.planning", "coordinator.fleet", "coordinator.preflight", "coordinator.run", "coordinator.views",
+          "coordinator.cli")
 
 # The pure core: decisions and parsing, no network, no processes, no event loop.
-PURE_LAYERS = ("coordinator.errors", "coordinator.models", "coordinator.config", "coordinator.facts",
-               "coordinator.planning", "coordinator.preflight.checks", "coordinator.preflight.lint",
+PURE_LAYERS = ("coordinator.errors", "coordinator.models", "coordinator.units", "coordinator.config",
+               "coordinator.facts", "coordinator.planning", "coordinator.preflight.checks", "coordinator.preflight.lint",
                "coordinator.preflight.fix", "coordinator.run.monitor", "coordinator.run.signatures",
-               "coordinator.run.launchfiles")
+               "coordinator.run.launchfiles", "coordinator.run.replay")
 IO_LIBRARIES = ("asyncssh", "subprocess", "asyncio")
 
 PURE = ("coordinator.preflight.checks", "coordinator.preflight.lint", "coordinator.preflight.fix",
@@ -32,7 +33,8 @@ PURE = ("coordinator.preflight.checks", "coordinator.preflight.lint", "coordinat
         "coordinator.facts.model", "coordinator.facts.probe", "coordinator.facts.topology",
         "coordinator.config.inventory", "coordinator.config.playbook", "coordinator.planning.plan",
         "coordinator.planning.estimate", "coordinator.planning.strategy", "coordinator.planning.shards",
-        "coordinator.planning.hostfile", "coordinator.run.monitor", "coordinator.run.launchfiles", "coordinator.models")
+        "coordinator.planning.hostfile", "coordinator.run.monitor", "coordinator.run.launchfiles", "coordinator.models",
+        "coordinator.run.replay")
 
 # I/O libraries, and our modules that do I/O (the transport, the launcher, the fan-out, the CLI shell).
 FORBIDDEN = ("asyncssh", "subprocess", "asyncio", "rich", "click", "structlog", "coordinator.fleet",
