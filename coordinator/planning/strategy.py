@@ -1,21 +1,29 @@
-"""Which training strategy a fleet can run: `dp` (every rank holds a full replica) or `fsdp` (mlx's
-`nn.fully_shard`: parameters, gradients and optimizer state split across the ranks). Pure: the model's shape, the
-playbook's train section and each node's usable memory in, a `StrategyDecision` out (or `StrategyError` with the
-numbers per node). docs/strategy.md says what is computed and what was not measured.
+"""Which training strategy a fleet runs: `dp` (every rank holds a full replica: on every node, on the nodes that
+hold one, or one node solo), `pipeline` (each node a contiguous range of blocks: `planning.pipeline`) or `fsdp`
+(mlx's `nn.fully_shard`: parameters, gradients and optimizer state split across the ranks). Pure: the model's
+shape, the playbook's train section and each node's budget (and, after calibration, its curve and per-block time)
+in; a decision out, or `StrategyError` with the numbers per node. docs/strategy.md says what is computed and what
+was not measured.
+
+Two entry points:
+- `compute_strategy`: by memory alone (preflight's lint and resources check, launch's refusal): dp when a replica
+  fits every node, else a pipeline the worker runs, else dp on the nodes whose replica fits, else a pipeline the
+  worker does not run yet or fsdp (both refused before launch), else a refusal.
+- `compute_strategy_choice`: after calibration, every candidate weighed by predicted tokens/s, one line each.
 
 Per rank, from `estimate.estimate_training_memory` (the same estimate the resources check uses):
 - dp: weights + grads + Adam state + activations (+ DPO's reference copy), all whole.
+- pipeline: a stage's share (`pipeline.compute_stage_memory`).
 - fsdp: (weights + grads + Adam state) / world size, plus the largest unit gathered at once in bf16 (one
   transformer block, or the embedding when that is larger: `fully_shard` gathers a wrapped module's parameters for
   its forward), plus the activations (not sharded: each rank runs its own batch) and the reference, whole.
 
-`auto` picks dp when it fits every node (so the smallest node), else fsdp when that fits every node, else refuses.
-
-The worker implements dp only. fsdp also needs a backend with `sum_scatter` (the reduce-scatter of the gradients
+The worker does not run fsdp. fsdp also needs a backend with `sum_scatter` (the reduce-scatter of the gradients
 in `fully_shard`'s backward): mlx 0.32.4's ring raises `[ring] sum_scatter not supported`, mpi `[mpi] sum_scatter
 not yet implemented` (both strings are in libmlx.so). The jaccl library's headers implement `sum_scatter` for its
 mesh and ring groups, but mlx's jaccl adapter is not in the installed sources (and not built into the Linux wheel),
-so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a native reduce-scatter.
+so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a native reduce-scatter, but no
+send/recv: no pipeline over nccl.
 """
 
 from __future__ import annotations
