@@ -23,7 +23,16 @@ from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import ConnectInfo, Inventory, LintResult, PreflightReport
 from coordinator.planning.estimate import model_shape
 from coordinator.planning.hostfile import has_cuda, resolve_backend
-from coordinator.planning.strategy import NodeBudget, StrategyError, compute_strategy, fsdp_refusal, node_budget
+from coordinator.planning.strategy import (
+    NO_SEND_RECV_BACKENDS,
+    PIPELINE_IN_WORKER,
+    NodeBudget,
+    StrategyError,
+    compute_strategy,
+    fsdp_refusal,
+    node_budget,
+    pipeline_refusal,
+)
 from coordinator.preflight.checks import evaluate_preflight
 from coordinator.preflight.checks.context import CheckContext
 from coordinator.preflight.lint import lint_playbook
@@ -119,23 +128,33 @@ def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudg
 
 
 def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
-    """Why the run must not start with its `train.strategy` (None: it runs dp). Launch checks this even under
-    `--skip-preflight`: the worker runs dp only, so a run that resolves to fsdp must be refused, not run as dp.
-    auto with neither strategy fitting is the resources check's failure (which --skip-preflight overrides)."""
+    """Why the run must not start with its `train.strategy` (None: it can). Launch checks this even under
+    `--skip-preflight`: a run that resolves to fsdp (which the worker does not run), or to a pipeline on a backend
+    without send/recv (or while the worker runs dp only), must be refused, not run as dp. auto with nothing
+    fitting is the resources check's failure (which --skip-preflight overrides)."""
     t = playbook.train
-    if t.strategy == "dp" or (t.strategy == "auto" and t.fine_tune_type != "full"):
+    if t.strategy == "dp":
         return None
     backend = resolve_backend(playbook.backend, facts, inventory.nodes)
+    if t.strategy == "pipeline" and backend in NO_SEND_RECV_BACKENDS:
+        return f"train.strategy pipeline: {pipeline_refusal(backend)}"
+    if t.strategy == "pipeline" and not PIPELINE_IN_WORKER:
+        return "train.strategy pipeline: the worker runs dp only in this version"
+    if t.strategy == "pipeline":
+        return None
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
     if t.strategy == "auto":
-        shape = model_shape(model_config(facts), None)
-        budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
         if shape is None or not budgets:
             return None
         try:
-            if compute_strategy("auto", shape, t, budgets).strategy == "dp":
-                return None
+            decision = compute_strategy("auto", shape, t, budgets, backend=backend)
         except StrategyError:
             return None
+        if decision.strategy == "dp" or (decision.strategy == "pipeline" and PIPELINE_IN_WORKER):
+            return None
+        if decision.strategy == "pipeline":
+            return "train.strategy auto resolves to a pipeline: the worker runs dp only in this version"
     return f"train.strategy {t.strategy} resolves to fsdp: {fsdp_refusal(backend)}"
 
 

@@ -365,22 +365,27 @@ class Monitor:
     earlier_errors: dict[str, frozenset[str]] = field(default_factory=dict)
     job_error: Incident | None = None
     checkpoint_dirs: dict[str, int] = field(default_factory=dict)  # node -> its newest complete checkpoint's step
+    # Ranks that hold the same parameters and must agree on digests and checkpoints (the run's layout): None is
+    # data parallel, every rank a replica; a pipeline's stages each hold their own blocks, one rank per group.
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
                max_tokens_per_row: int | None = None,
-               earlier_errors: dict[str, frozenset[str]] | None = None) -> Monitor:
+               earlier_errors: dict[str, frozenset[str]] | None = None,
+               replica_groups: tuple[tuple[int, ...], ...] | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
         (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
-        `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`)."""
+        `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`).
+        `replica_groups`: which ranks must agree (None: all of them, data parallel)."""
         ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
                                   calibrated_tokens_per_s=p.calibrated_tokens_per_s,
                                   max_tokens_per_step=p.batch_size * max_tokens_per_row if max_tokens_per_row else None)
                  for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
-                  policy=policy, earlier_errors=dict(earlier_errors or {}))
+                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups)
         for view in ranks.values():
             mon.node_seen_at[view.node] = now
         return mon
@@ -607,8 +612,8 @@ class Monitor:
         ranks): a rank far from the others for `outlier_steps` consecutive steps is flagged (a warning: the
         digests decide Byzantine replicas; honest heterogeneous batches stay within the relative floor)."""
         values = self.step_locals.get(step, {})
-        if len(values) < len(self.ranks) or len(self.ranks) < 3:
-            return []
+        if len(values) < len(self.ranks) or len(self.ranks) < 3 or self.replica_groups is not None:
+            return []  # a pipeline's stages hold different blocks: their local values are not comparable
         flagged: set[int] = set()
         for idx in (0, 1):
             series: dict[int, float] = {}
@@ -635,7 +640,8 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
+        return self._votes(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at,
+                           "params/optimizer digest")
 
     def _checkpoint(self, view: RankView, event: CheckpointEvent, obs: Observation) -> list[Incident]:
         step, sha = event.step, event.sha256
@@ -646,7 +652,21 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote(IncidentKind.CHECKPOINT_MISMATCH, step, {r: table[r] for r in live}, obs.at, "checkpoint manifest")
+        return self._votes(IncidentKind.CHECKPOINT_MISMATCH, step, {r: table[r] for r in live}, obs.at,
+                           "checkpoint manifest")
+
+    def _votes(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
+        """One vote per replica group (`replica_groups`); a group of one rank has nothing to compare."""
+        if self.replica_groups is None:
+            return self._vote(kind, step, values, at, what)
+        found: list[Incident] = []
+        for group in self.replica_groups:
+            members = {r: values[r] for r in group if r in values}
+            if len(members) > 1:
+                found += self._vote(kind, step, members, at, what)
+        if kind == IncidentKind.INCONSISTENT and not found:
+            self.last_consistent_step = max(self.last_consistent_step or 0, step)
+        return found
 
     def _vote(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
         """Replicas must agree exactly. With a strict majority the odd ranks are culprits; without one (two

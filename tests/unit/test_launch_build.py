@@ -207,3 +207,29 @@ def test_train_clear_cache_reaches_the_ranks_run_json() -> None:
     assert config.clear_cache is True
     assert parse_run_config(json.loads(json.dumps(config.to_json()))).clear_cache is True
     assert config.digest() == build_run_config(load_playbook(PLAYBOOKS[0]), ranks, "r-1", resume=False).digest()
+
+
+def test_a_pipeline_plan_is_the_layout_the_worker_parses() -> None:
+    """The planner's pipeline (planning.pipeline) becomes run.json's layout: one stage per rank in ring order,
+    contiguous blocks, every rank the global batch, the micro-batches and schedule; the worker parses it back."""
+    from coordinator.config.playbook import parse_playbook
+    from coordinator.planning.estimate import GiB, ModelShape
+    from coordinator.planning.pipeline import LayerTiming, PipelineJob, StageNode, compute_layer_split
+    from coordinator.run.launchfiles import build_layout
+    from worker.runconfig import Layout, StageSpec
+
+    shape = ModelShape(params=1_000_000_000, hidden=2048, layers=12, vocab=32000, intermediate=8192, heads=16)
+    job = PipelineJob(shape, "full", seq_len=512, global_batch=8, micro_batches=4)
+    nodes = [StageNode(n, 1000 * GiB, LayerTiming(n, 2, s)) for n, s in (("a", 1.0), ("b", 1.0), ("c", 2.0))]
+    pipe = compute_layer_split(job, nodes)
+    assert build_layout(None) == Layout()
+    layout = build_layout(pipe)
+    assert layout == Layout("pipeline", (StageSpec(0, 0, 5), StageSpec(1, 5, 10), StageSpec(2, 10, 12)), 4, "1f1b")
+    pb = parse_playbook({"name": "p", "model": "/m", "data": "/d", "train": {
+        "method": "full", "strategy": "pipeline", "batch_size": 8, "micro_batches": 4}}, path="p.yaml")
+    plan = pipe.as_plan()
+    assert plan.batch == {"a": 8, "b": 8, "c": 8} and plan.mode == "pipeline"
+    ranks = [RankPlan(i, Node(name=n, host=f"10.0.0.{i + 1}"), plan.batch[n]) for i, n in enumerate(plan.batch)]
+    config = build_run_config(pb, ranks, "r-1", resume=False, layout=layout)
+    parsed = parse_run_config(json.loads(json.dumps(replace(config, run_dir=Path("/w/r-1/a")).to_json())))
+    assert parsed.layout == layout

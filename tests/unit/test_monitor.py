@@ -566,6 +566,28 @@ def test_an_event_claiming_a_rank_as_a_float_is_that_rank_and_a_string_is_spoofe
     assert [i.kind for i in spoofed] == [IncidentKind.SPOOFED]
 
 
+def test_a_pipelines_stages_never_vote_on_digests_or_checkpoints() -> None:
+    """Each stage holds its own blocks: their digests and checkpoint manifests differ by design. With one rank per
+    replica group nothing is compared (and every fully reported step counts as consistent); data parallel ranks
+    that disagree the same way are a stop."""
+    plan = [PlannedRank(0, "a", 6), PlannedRank(1, "b", 6), PlannedRank(2, "c", 6)]
+
+    def run(groups: tuple[tuple[int, ...], ...] | None) -> Monitor:
+        mon = Monitor.create(plan, iters=9, now=0.0, replica_groups=groups)
+        for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+            mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+        for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+            mon.observe(ev(node, rank, 1.0, event="digest", step=2, params_sha256=f"p{rank}", optimizer_sha256=f"o{rank}"))
+            mon.observe(ev(node, rank, 1.1, event="checkpoint", step=2, sha256=f"m{rank}", path="x"))
+        return mon
+
+    piped = run(((0,), (1,), (2,)))
+    assert piped.incidents == [] and piped.last_consistent_step == 2
+    dp = run(None)
+    assert {i.kind for i in dp.incidents} == {IncidentKind.INCONSISTENT, IncidentKind.CHECKPOINT_MISMATCH}
+    assert dp.last_consistent_step is None
+
+
 # --- verdicts and rates: the one judgement every view shows ---------------------------------------------------------
 
 
