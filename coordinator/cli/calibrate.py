@@ -48,17 +48,17 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         console.print(table)
         return
     plan, cals = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
-    result = calibration_to_json(plan, [cals[n.name] for n in inv.nodes])
+    result = calibration_to_json(plan, cals)  # one row per rank node: a node with several GPUs has one per GPU
     if as_json:
         click.echo(dumps(result))
         return
     table = Table(title=f"calibration: {pb.model} at seq {pb.train.max_seq_length}, global batch {plan.global_batch}")
     for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
         table.add_column(col)
-    for node in inv.nodes:
-        cal = cals[node.name]
-        table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
-                      f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
+    for name in plan.batch:
+        cal = cals[name]
+        table.add_row(name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[name]),
+                      f"{100 * plan.split[name]:.1f}%", f"{plan.node_tokens_per_s(name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
     console.print(table)
     console.print(f"split: [bold]{format_split(plan)}[/bold]")

@@ -27,6 +27,7 @@ from coordinator.fleet.assets import provision
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.gpuranks import build_rank_nodes, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
@@ -201,11 +202,34 @@ async def calibrate_and_plan(
 
 async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
                           ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration]]:
-    """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
+    """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure; one
+    entry per rank node (a node with several GPUs has one per GPU), in rank order."""
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         facts = await facts_for_calibration(fleet, pb, ui)
-        return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
+        inv, ranks_fleet, facts = per_gpu_ranks(inv, fleet, pb, facts, ui)
+        return await calibrate_and_plan(ranks_fleet, inv, pb, facts, opts, ui)
+
+
+def per_gpu_ranks(inv: Inventory, fleet: Fleet, pb: Playbook, facts: Mapping[str, NodeFacts],
+                  ui: JobUI) -> tuple[Inventory, Fleet, dict[str, NodeFacts]]:
+    """The job's ranks once the facts are in: a node with several NVIDIA GPUs becomes one rank node per GPU
+    (`planning.gpuranks`), over the machine's one connection; facts get an entry per rank node. Unchanged
+    otherwise."""
+    ranks = build_rank_nodes(inv, pb.backend, facts)
+    if ranks is inv:
+        return inv, fleet, dict(facts)
+    split = sorted({n.machine for n in ranks.nodes if n.machine is not None})
+    ui.message("one rank per GPU: " + "; ".join(
+        f"{m}: {', '.join(n.name for n in ranks.nodes if n.machine == m)}" for m in split))
+    return ranks, fleet.for_ranks(ranks.nodes), rank_facts(facts, ranks.nodes)
+
+
+def check_chaos(chaos: Sequence[Chaos], world_size: int) -> None:
+    """--chaos names ranks; with one rank per GPU the world is known only once the facts are in."""
+    for c in chaos:
+        if c.rank >= world_size:
+            raise ConfigError(f"--chaos: rank {c.rank} is not a rank of this job (0..{world_size - 1})")
 
 
 async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[str, NodeFacts]:
@@ -525,6 +549,9 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
+        inv, fleet, facts = per_gpu_ranks(inv, fleet, pb, state.facts, ui)
+        state = FleetState(facts, state.report)
+        check_chaos(chaos, len(inv.nodes))
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
         nodes = list(inv.nodes)
