@@ -68,7 +68,7 @@ def spawn(mode: str, extra: list[str], world: int = 2, timeout: float = 400.0) -
 def stream_rank() -> dict[str, Any]:
     import mlx.core as mx
 
-    group = mx.distributed.init(backend="nccl", strict=True)
+    group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
     out: dict[str, Any] = {"rank": group.rank()}
     for label, kwargs in (("backend's stream (worker.comm now)", {}), ("stream=mx.cpu (mlx-lm's evaluate)",
                                                                      {"stream": mx.cpu})):
@@ -97,11 +97,11 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import load
 
-    group = mx.distributed.init(backend="nccl", strict=True)
+    group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
     rank, world = group.rank(), group.size()
     result: dict[str, Any] = {"rank": rank, "world": world}
-    rng = mx.random.key(0)
-    tokens = mx.random.randint(0, 32000, (batch * world, seq + 1), key=rng)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    tokens = mx.random.randint(0, vocab, (batch * world, seq + 1), key=mx.random.key(0))
     mine = tokens[rank * batch:(rank + 1) * batch]
 
     def loss_fn(model: Any, x: mx.array) -> mx.array:
@@ -155,7 +155,7 @@ def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iter
                    f"    workdir: {json.dumps(str(root / 'node'))}\n" + (f"    gpus: {gpus}\n" if gpus else ""))
     pb = root / f"pb-{name}.yaml"
     pb.write_text(f"name: gpus-{name}\nkind: train\nmodel: {json.dumps(str(model))}\ndata: {json.dumps(str(data))}\n"
-                  f"backend: nccl\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
+                  f"backend: {os.environ.get('BENCH_BACKEND', 'nccl')}\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
                   f"  method: {method}\n  iters: {iters}\n  batch_size: 8\n  learning_rate: 1.0e-5\n"
                   "  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
                   f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
