@@ -30,6 +30,17 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     val_batches       global batches per eval, -1 = the whole validation set (25)
     seed              (0)          keep_checkpoints   newest N kept per node (2)
     ranks             required: [{"rank": 0, "node": "a", "batch_size": 3}, ...], ranks 0..N-1 exactly once
+    layout            how the ranks share the work ({"kind": "dp"}): `worker.parallel` runs it
+                        {"kind": "dp"}  data parallel: every rank holds the whole model and takes its
+                                        `batch_size` rows of each global batch (the sum of the batch sizes)
+                        {"kind": "pipeline", "stages": [{"rank": 0, "first_layer": 0, "last_layer": 5}, ...],
+                         "micro_batches": 8, "schedule": "1f1b" | "gpipe"}
+                                        pipeline parallel: rank r holds transformer blocks
+                                        [first_layer, last_layer) (embeddings with the first stage, final norm
+                                        and lm_head with the last); stage order is rank order, the ranges are
+                                        contiguous and cover the model; every rank's `batch_size` is the global
+                                        batch (all equal), split into `micro_batches` (<= the global batch).
+                                        SFT only (method lora, dora or full; not dpo, not train_embeddings)
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
@@ -75,6 +86,8 @@ METHODS = ("lora", "dora", "full", "dpo")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LAYOUT_KINDS = ("dp", "pipeline")
+SCHEDULES = ("1f1b", "gpipe")
 PACKING = ("auto", "on", "off")
 MAX_HEARTBEAT_S = 2.0
 
@@ -88,6 +101,39 @@ class RankSpec:
     rank: int
     node: str
     batch_size: int
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: `rank` holds transformer blocks [first_layer, last_layer) (last_layer exclusive)."""
+
+    rank: int
+    first_layer: int
+    last_layer: int
+
+    @property
+    def layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks share the work: `dp` (every rank a full replica) or `pipeline` (`stages`, one per rank in
+    rank order; `micro_batches` per global batch; `schedule` 1f1b or gpipe). `worker.parallel` runs it."""
+
+    kind: str = "dp"
+    stages: tuple[StageSpec, ...] = ()
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+
+    def stage(self, rank: int) -> StageSpec:
+        return self.stages[rank]
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind != "pipeline":
+            return {"kind": self.kind}
+        return {"kind": self.kind, "stages": [asdict(s) for s in self.stages], "micro_batches": self.micro_batches,
+                "schedule": self.schedule}
 
 
 @dataclass(frozen=True)
@@ -137,6 +183,7 @@ class RunConfig:
     data: str
     ranks: tuple[RankSpec, ...]
     run_dir: Path
+    layout: Layout = field(default_factory=Layout)
     method: str = "lora"
     iters: int = 1000
     learning_rate: float = 1e-5
@@ -177,7 +224,10 @@ class RunConfig:
 
     @property
     def global_batch(self) -> int:
-        """Rows per micro-batch over all ranks (sum of batch sizes)."""
+        """Rows per micro-batch over all ranks: the sum of the batch sizes (dp), or the batch size every stage
+        shares (pipeline: each stage computes every row, through its own layers)."""
+        if self.layout.kind == "pipeline":
+            return self.ranks[0].batch_size
         return sum(r.batch_size for r in self.ranks)
 
     @property
@@ -244,6 +294,8 @@ class RunConfig:
             out["dpo"] = asdict(self.dpo)
         if self.debug != DebugSpec():
             out["debug"] = asdict(self.debug)
+        if self.layout != Layout():
+            out["layout"] = self.layout.to_json()
         return out
 
 
@@ -253,7 +305,7 @@ _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
     "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "clear_cache", "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
-    "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence",
+    "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence", "layout",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -313,6 +365,63 @@ def _parse_ranks(raw: Any) -> tuple[RankSpec, ...]:
     if [r.rank for r in specs] != list(range(len(specs))):
         raise ConfigError(f"ranks must number 0..{len(specs) - 1} exactly once, got {[r.rank for r in specs]}")
     return tuple(specs)
+
+
+def _parse_layout(raw: Any, ranks: tuple[RankSpec, ...]) -> Layout:
+    """`layout` ({"kind": "dp"} when absent). A pipeline names one stage per rank, in rank order, with contiguous
+    layer ranges from layer 0 on (that they end at the model's last layer is checked against the model when a
+    stage loads: the config alone does not know the model's depth)."""
+    if raw is None:
+        return Layout()
+    if not isinstance(raw, dict):
+        raise ConfigError("layout must be an object")
+    try:
+        kind = _choice(raw, "kind", "dp", LAYOUT_KINDS)
+    except ConfigError as exc:
+        raise ConfigError(f"layout.{exc}") from None
+    if kind == "dp":
+        if set(raw) - {"kind"}:
+            raise ConfigError(f"layout: unknown keys for kind dp {sorted(set(raw) - {'kind'})}")
+        return Layout()
+    unknown = set(raw) - {"kind", "stages", "micro_batches", "schedule"}
+    if unknown:
+        raise ConfigError(f"layout: unknown keys {sorted(unknown)}")
+    stages_raw = raw.get("stages")
+    if not isinstance(stages_raw, list) or len(stages_raw) != len(ranks):
+        raise ConfigError(f"layout.stages must list one stage per rank ({len(ranks)}), got {stages_raw!r}")
+    stages = []
+    for i, item in enumerate(stages_raw):
+        if not isinstance(item, dict) or set(item) != {"rank", "first_layer", "last_layer"}:
+            raise ConfigError(f"layout.stages[{i}] must be {{rank, first_layer, last_layer}}, got {item!r}")
+        try:
+            stage = StageSpec(rank=_int(item, "rank", None, minimum=0),
+                              first_layer=_int(item, "first_layer", None, minimum=0),
+                              last_layer=_int(item, "last_layer", None, minimum=1))
+        except ConfigError as exc:
+            raise ConfigError(f"layout.stages[{i}].{exc}") from None
+        stages.append(stage)
+    stages.sort(key=lambda s: s.rank)
+    if [s.rank for s in stages] != list(range(len(ranks))):
+        raise ConfigError(f"layout.stages must name ranks 0..{len(ranks) - 1} exactly once, "
+                          f"got {[s.rank for s in stages]}")
+    end = 0
+    for s in stages:
+        if s.first_layer != end or s.last_layer <= s.first_layer:
+            raise ConfigError(f"layout.stages: rank {s.rank} holds layers [{s.first_layer}, {s.last_layer}), but "
+                              f"stages must be non-empty and contiguous in rank order (expected it to start at {end})")
+        end = s.last_layer
+    batches = {r.batch_size for r in ranks}
+    if len(batches) != 1:
+        raise ConfigError(f"layout pipeline: every rank computes every row, so every batch_size is the global batch "
+                          f"and must be equal, got {sorted(batches)}")
+    try:
+        micro = _int(raw, "micro_batches", 1, minimum=1)
+        schedule = _choice(raw, "schedule", "1f1b", SCHEDULES)
+    except ConfigError as exc:
+        raise ConfigError(f"layout.{exc}") from None
+    if micro > ranks[0].batch_size:
+        raise ConfigError(f"layout.micro_batches {micro} exceeds the global batch of {ranks[0].batch_size} rows")
+    return Layout(kind="pipeline", stages=tuple(stages), micro_batches=micro, schedule=schedule)
 
 
 def _parse_lora(raw: Any) -> LoraSpec:
@@ -427,6 +536,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         data=os.path.expanduser(_str(raw, "data")),
         ranks=ranks,
         run_dir=run_dir,
+        layout=_parse_layout(raw.get("layout"), ranks),
         method=method,
         dpo=_parse_dpo(raw.get("dpo"), method),
         iters=_int(raw, "iters", 1000, minimum=1),
@@ -456,6 +566,14 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
     )
     if config.train_embeddings and (config.fine_tune_type != "full" or config.num_layers not in (None, -1)):
         raise ConfigError("train_embeddings needs full fine-tuning of all layers (num_layers null or -1)")
+    if config.layout.kind == "pipeline":
+        # Refused here, before any rank loads a model: each is a feature the pipeline stages do not implement.
+        if config.method == "dpo":
+            raise ConfigError("layout pipeline does not train DPO (its reference model and pair loss are not "
+                              "split over stages): use layout dp, or method lora/dora/full")
+        if config.train_embeddings:
+            raise ConfigError("layout pipeline does not train embeddings/lm_head (train_embeddings): the first and "
+                              "last stages would both hold tied embeddings")
     return config
 
 

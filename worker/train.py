@@ -22,21 +22,21 @@ Contract
   this rank's own pre-reduction values too (local_loss, local_loss_finite, local_grad_norm, compute_s,
   compute_tok_s), so a NaN or an outlier can be attributed to the rank that produced it.
 * Consistency: every `consistency_every` steps and at the last step, after the update, every rank emits a
-  `digest` event (SHA256 of all parameters, frozen ones included, and of the optimizer state); data-parallel
-  replicas are bit-identical, so honest ranks report identical digests.
+  `digest` event (SHA256 of all its parameters, frozen ones included, and of its optimizer state); data-parallel
+  replicas are bit-identical, so honest ranks report identical digests (`Strategy.digest_peers`: who must agree).
 * Chaos (tests and drills): the `chaos` faults planned for this rank are applied at fixed points of the step
   (see `worker.chaos` for what each does and where).
-* Checkpoints: one copy per node in `<run_dir>/checkpoints/step-NNNNNN/` (layout in `worker.checkpoint`), written
-  by the node's checkpoint writer: the lowest rank planned on that node name (several ranks on one machine share
-  the run dir, so only one writes; every node still holds a full copy, so losing a node loses no state). All
-  ranks wait for all writers (a barrier) before reporting the `checkpoint` event.
-* Resume (`resume: true`): each rank finds its node's newest checkpoint that verifies (reporting every skipped
-  one as `checkpoint_invalid`, and the node's writer sets each aside as `step-N.invalid-<code>`, never deleted);
-  the ranks agree on the newest step any of them has; when every rank holds byte-identical copies each loads its
-  own, otherwise the lowest rank holding it broadcasts weights, optimizer state and state.json to all. Training
-  continues at step+1 at the saved global data position, whatever the new world or split. When checkpoints exist
-  but none is valid on any rank, every rank raises `ResumeRefused` (an error event with `fault: job`) unless
-  `restart_from_scratch` is set. A fresh run (`resume: false`) refuses a run dir that already has checkpoints.
+* Layout (`config.layout`): how the ranks share the model is the run's strategy (`worker.parallel`): `dp` (every
+  rank a full replica, `worker.parallel.dp`) or `pipeline` (each rank a range of layers). The trainer talks to it
+  only: the model, the optimizer, the step, the replica/stage check, the digests, the checkpoint shard and its
+  restore, the evaluation sums.
+* Checkpoints: `<strategy.checkpoint_root>/step-NNNNNN/` (layout in `worker.checkpoint`), written by the ranks the
+  strategy names (dp: one full copy per node, by the lowest rank on that node). All ranks wait for all writers
+  (a barrier) before reporting the `checkpoint` event.
+* Resume (`resume: true`): the strategy restores its shard (dp: see `worker.parallel.dp`); training continues at
+  step+1 at the saved global data position. A fresh run (`resume: false`) refuses a run dir that already has
+  checkpoints; checkpoints of which none is valid make every rank raise `ResumeRefused` (an error event with
+  `fault: job`) unless `restart_from_scratch` is set.
 * Exit: 0 only after `finished`; any exception -> `error` event (message, traceback) and exit 1; SIGTERM/SIGINT/
   SIGHUP -> `error` event and exit 128+signal, even while the main thread is blocked in a collective."""
 
@@ -55,16 +55,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map_with_path
 
-from worker.chaos import RankChaos, arrays_sha256, lie_about, perturb, signal_self
+from worker.chaos import RankChaos, lie_about, perturb, signal_self
 from worker.checkpoint import (
     ADAPTER_CONFIG,
     MANIFEST,
@@ -72,54 +70,26 @@ from worker.checkpoint import (
     STATE,
     WEIGHTS,
     Checkpoint,
-    checkpoints_dir,
-    list_checkpoints,
     remove_stale_temporaries,
-    scan_checkpoints,
-    set_aside_invalid,
     step_dir_name,
     write_checkpoint,
     writer_lock,
 )
 from worker.comm import Comm, scalar
-from worker.data import eval_batches, load_datasets, rank_slice
-from worker.dpo import load_preference_datasets
+from worker.data import eval_batches
+from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
-from worker.modelsetup import adapter_config, apply_method, count_parameters, make_optimizer, trainable_detail, trainable_text
-from worker.objectives import DpoObjective, Micro, SftObjective, stats_fields
+from worker.modelsetup import adapter_config, trainable_text
+from worker.objectives import Micro, stats_fields
+from worker.parallel import Strategy, make_strategy
+from worker.parallel.base import STATE_FORMAT, ResumeState, load_arrays
 from worker.runconfig import ConfigError, RunConfig, load_run_config
-from worker.step import (
-    TrainStep,
-    WeightMismatch,
-    decide_packing,
-    flatten,
-)
+from worker.step import TrainStep, WeightMismatch
 from worker.tensorfile import sha256_file, write_safetensors
 
-STATE_FORMAT = "mlx-coordinator-checkpoint/1"
-
-
-REPLICA_RTOL = 1e-5
-
-
-class TrainingError(RuntimeError):
-    """A condition that makes continuing pointless or wrong (bad world, diverged loss, replicas differ...)."""
-
-
-class ResumeRefused(TrainingError):
-    """Resume found checkpoints but none valid on any rank: starting from step 0 over them would lose the run.
-
-    A fault of the job, not of a node (every rank raises it together): its error event says `fault: job`, so
-    the coordinator stops the run without quarantining anyone."""
-
-    fault = "job"
-
-
-def load_arrays(path: Path) -> dict[str, mx.array]:
-    loaded = mx.load(str(path))
-    if not isinstance(loaded, dict):
-        raise TypeError(f"{path} did not load as a dict of arrays")
-    return loaded
+# Re-exported: tests and tools import them from here.
+__all__ = ["STATE_FORMAT", "ResumeRefused", "ResumeState", "Trainer", "TrainingError", "load_arrays", "main",
+           "step_seed"]
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -127,36 +97,64 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
-@dataclass
-class ResumeState:
-    step: int
-    data_position: int
-    checkpoint: Path
-    state: dict[str, Any]
-
-
 class Trainer:
-    """One rank's run. `run()` returns normally only after `finished` was emitted; everything else raises."""
+    """One rank's run. `run()` returns normally only after `finished` was emitted; everything else raises.
+
+    The model, its optimizer, the data and the checkpoint shard belong to the run's strategy (`worker.parallel`,
+    from `config.layout`); the trainer keeps the world, the loop, events, chaos and state.json."""
 
     def __init__(self, config: RunConfig, log: EventLog, heartbeat: Heartbeat, env_rank: int) -> None:
         self.config = config
         self.log = log
         self.hb = heartbeat
         self.env_rank = env_rank
-        self.root = checkpoints_dir(config.run_dir)
+        self.strategy: Strategy = make_strategy(config, log)
         self.comm: Comm
-        self.model: Any = None
-        self.optimizer: Any = None
-        self.train_set: Any = None
-        self.valid_set: Any = None
-        self.num_layers = 0
         self.position = 0
         self.last_loss: float | None = None
         self.last_checkpoint: Path | None = None
         self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
-        self.objective: Any = None  # SftObjective | DpoObjective, set in load()
-        self.packing: tuple[bool, str, int] = (False, "", 0)  # (packed?, why, width), set in load()
-        self.step: TrainStep | None = None  # built after restore: it captures the model and optimizer state
+
+    # What the strategy holds, under the names the rest of the trainer (and its tests and benchmarks) use.
+    @property
+    def model(self) -> Any:
+        return self.strategy.model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self.strategy.model = value
+
+    @property
+    def optimizer(self) -> Any:
+        return self.strategy.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self.strategy.optimizer = value
+
+    @property
+    def train_set(self) -> Any:
+        return self.strategy.train_set
+
+    @property
+    def valid_set(self) -> Any:
+        return self.strategy.valid_set
+
+    @property
+    def objective(self) -> Any:
+        return self.strategy.objective
+
+    @property
+    def packing(self) -> tuple[bool, str, int]:
+        return self.strategy.packing
+
+    @property
+    def num_layers(self) -> int:
+        return self.strategy.num_layers
+
+    @property
+    def root(self) -> Path:
+        return self.strategy.checkpoint_root
 
     # -- setup ---------------------------------------------------------------------------------------------
 
@@ -166,7 +164,7 @@ class Trainer:
 
     @property
     def is_writer(self) -> bool:
-        return self.config.checkpoint_writer(self.rank) == self.rank
+        return self.strategy.is_writer
 
     def init_distributed(self) -> None:
         group = mx.distributed.init()
@@ -179,172 +177,26 @@ class Trainer:
                 "refusing to train a different world")
         if "MLX_RANK" in os.environ and self.comm.rank != self.env_rank:
             raise TrainingError(f"group rank {self.comm.rank} != MLX_RANK {self.env_rank}")
+        self.strategy.comm = self.comm
         self.chaos = RankChaos.for_rank(self.config.chaos, self.comm.rank)
 
     def load(self) -> None:
-        from mlx_lm.utils import load, maybe_set_recommended_wired_limit
-
-        cfg = self.config
-        if not Path(cfg.model).is_dir():
-            raise FileNotFoundError(f"model dir {cfg.model} does not exist (nothing is downloaded by workers)")
-        maybe_set_recommended_wired_limit()
-        loaded = load(cfg.model)
-        self.model, tokenizer = loaded[0], loaded[1]
-        # Adapters are initialised from mx.random: the same seed on every rank gives the same initial state.
-        mx.random.seed(cfg.seed)
-        self.num_layers = apply_method(self.model, cfg.fine_tune_type, cfg.num_layers, cfg.lora,
-                                       train_embeddings=cfg.train_embeddings)
-        if cfg.grad_checkpoint:
-            from mlx_lm.tuner.trainer import grad_checkpoint
-
-            grad_checkpoint(self.model.layers[0])  # type: ignore[no-untyped-call]
-        if cfg.method == "dpo":
-            reference_dir = cfg.dpo.reference or cfg.model
-            if not Path(reference_dir).is_dir():
-                raise FileNotFoundError(f"DPO reference model dir {reference_dir} does not exist")
-            reference = load(reference_dir)[0]
-            reference.freeze()
-            reference.eval()
-            self.objective = DpoObjective(reference, cfg.dpo.beta, cfg.max_seq_length)
-            self.train_set, self.valid_set = load_preference_datasets(Path(cfg.data), tokenizer)
-            self.packing = (False, "DPO pairs are not packed", 0)
-        else:
-            self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
-            self.model.train()
-            self.packing = decide_packing(cfg.packing, self.model, self.train_set, max_seq_length=cfg.max_seq_length,
-                                          global_batch=cfg.global_batch, seed=cfg.seed)
-            self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
-        self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
-        self.optimizer.init(self.model.trainable_parameters())
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.strategy.load()
 
     def trainable_flat(self) -> dict[str, mx.array]:
-        return flatten(self.model.trainable_parameters())
+        return self.strategy.trainable()
 
     # -- resume ------------------------------------------------------------------------------------------------
 
-    def _on_invalid(self, step: int, path: Path, reason: str) -> None:
-        self.log.emit(EventKind.CHECKPOINT_INVALID, step=step, path=str(path), reason=reason)
-
     def restore(self) -> ResumeState | None:
-        """Fresh start (None) or the agreed resume point, with model and optimizer restored."""
-        cfg = self.config
-        if not cfg.resume:
-            existing = [r for r, (n,) in enumerate(self.comm.gather_ints([len(list_checkpoints(self.root))])) if n]
-            if existing:
-                raise TrainingError(f"ranks {existing} already have checkpoints under their run dir "
-                                    f"({self.root} here): set resume, or use a new run id")
-            return None
-        verdicts = scan_checkpoints(self.root)
-        invalid = [v for v in verdicts if not v.valid]
-        for v in invalid:
-            self._on_invalid(v.step, v.path, v.reason)
-        valid = [v for v in verdicts if v.valid]
-        local = Checkpoint(valid[0].step, valid[0].path, valid[0].manifest_sha256 or "") if valid else None
-        gathered = self.comm.gather_ints([local.step if local else -1, len(invalid)])
-        steps = [s for s, _ in gathered]
-        best = max(steps)
-        if best < 0 and any(n for _, n in gathered) and not cfg.restart_from_scratch:
-            # Every rank gets here together (same gathered values): none starts over checkpoints it cannot read.
-            raise ResumeRefused(
-                "no rank has a valid checkpoint to resume from, and these are invalid: "
-                + ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(gathered) if n)
-                + (f" (here: {'; '.join(f'{v.path}: {v.reason}' for v in invalid)})" if invalid else "")
-                + ": refusing to start from step 0 over them (restart_from_scratch sets them aside and starts over)")
-        # Every invalid checkpoint of this node is set aside, kept for inspection: it must not shadow, nor make
-        # pruning delete, what this run writes next. (All of them are newer than this node's newest valid one,
-        # so none is the checkpoint any rank is about to load.)
-        if self.is_writer and invalid:
-            moved = [str(set_aside_invalid(self.root, v.step, v.code)) for v in invalid]
-            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
-                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
-        if best < 0:
-            self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but no rank has a valid checkpoint: starting at step 0"
-                                  + (" (restart_from_scratch)" if any(n for _, n in gathered) else ""))
-            return None
-        digest = bytes.fromhex(local.manifest_sha256) if local and local.step == best else bytes(32)
-        digests = self.comm.gather_ints(list(digest))
-        holders = [r for r, s in enumerate(steps) if s == best]
-        source = holders[0]
-        everyone_same = len(holders) == self.comm.size and all(d == digests[source] for d in digests)
-        payload = self._read_checkpoint(local.path) if local is not None and local.step == best else None
-        if everyone_same:
-            if payload is None:  # everyone_same implies this rank verified the agreed checkpoint
-                raise TrainingError(f"internal: no local copy of step {best} although all ranks report one")
-            weights, opt_state, state = payload
-        else:
-            weights, opt_state, state = self._broadcast_checkpoint(payload, source)
-        self._apply_checkpoint(weights, opt_state)
-        if state.get("config_digest") != cfg.digest():
-            self.log.emit(EventKind.WARNING, code="config_changed",
-                          message="the checkpoint was written under other training settings (config digest "
-                                  "differs); continuing with the current ones")
-        path = self.root / step_dir_name(best)
-        return ResumeState(step=int(state["step"]), data_position=int(state["data_position"]),
-                           checkpoint=path, state=state)
-
-    def _read_checkpoint(self, path: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
-        weights = load_arrays(path / WEIGHTS)
-        opt_state = load_arrays(path / OPTIMIZER)
-        state = json.loads((path / STATE).read_text(encoding="utf-8"))
-        if state.get("format") != STATE_FORMAT:
-            raise TrainingError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-        return weights, opt_state, state
-
-    def _broadcast_checkpoint(
-        self, payload: tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]] | None, source: int
-    ) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
-        # Templates (names/shapes/dtypes) come from this rank's own model and freshly initialised optimizer; the
-        # source checks its checkpoint against the same templates first, and every rank learns the verdict
-        # before any large transfer (a mismatch must not leave peers waiting in a collective).
-        w_tmpl = self.trainable_flat()
-        o_tmpl = flatten(self.optimizer.state)
-        problem = ""
-        if self.rank == source:
-            problem = ("source has no checkpoint" if payload is None else
-                       _mismatch(payload[0], w_tmpl, "weights") or _mismatch(payload[1], o_tmpl, "optimizer state"))
-        verdicts = self.comm.gather_ints([1 if problem else 0])
-        if any(v for (v,) in verdicts):
-            raise TrainingError(f"checkpoint held by rank {source} does not fit this model"
-                                + (f": {problem}" if problem else ""))
-        mine = self.rank == source and payload is not None
-        weights = self.comm.broadcast_arrays(payload[0] if mine and payload else w_tmpl, source)
-        opt_state = self.comm.broadcast_arrays(payload[1] if mine and payload else o_tmpl, source)
-        raw = json.dumps(payload[2], sort_keys=True).encode() if mine and payload else None
-        state = json.loads(self.comm.broadcast_bytes(raw, source).decode())
-        return weights, opt_state, state
-
-    def _apply_checkpoint(self, weights: dict[str, mx.array], opt_state: dict[str, mx.array]) -> None:
-        w_tmpl = self.trainable_flat()
-        o_tmpl = flatten(self.optimizer.state)
-        problem = _mismatch(weights, w_tmpl, "weights") or _mismatch(opt_state, o_tmpl, "optimizer state")
-        if problem:
-            raise TrainingError(f"checkpoint does not fit this model: {problem}")
-        self.model.load_weights(list(weights.items()), strict=False)
-        self.optimizer.state = tree_map_with_path(lambda path, _: opt_state[path], self.optimizer.state)
-        # The config's learning rate wins over the saved one (a deliberate change on resume is honoured).
-        self.optimizer.learning_rate = self.config.learning_rate
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        """Fresh start (None) or the agreed resume point, with model and optimizer restored (by the strategy)."""
+        return self.strategy.restore()
 
     def check_replicas(self) -> None:
-        """All ranks must start from the same trainable state (same files, same seed): compare cheap
-        fingerprints (sum, sum of squares) so a divergent node fails now, not as a silently wrong model."""
-        flat = self.trainable_flat()
-        s = sum((mx.sum(v.astype(mx.float32)) for v in flat.values()), mx.array(0.0))
-        q = sum((mx.sum(mx.square(v.astype(mx.float32))) for v in flat.values()), mx.array(0.0))
-        prints = self.comm.gather_floats([scalar(s), scalar(q)])
-        for r, fp in enumerate(prints):
-            for a, b in zip(fp, prints[0]):  # both [sum, sum of squares]: gather_floats keeps lengths
-                if not math.isclose(a, b, rel_tol=REPLICA_RTOL, abs_tol=1e-6):
-                    raise TrainingError(f"rank {r} starts from other weights than rank 0 (fingerprint {fp} vs "
-                                        f"{prints[0]}): model files or code differ between nodes")
+        """Every rank starts from what its peers expect (data parallel: identical replicas)."""
+        self.strategy.check_start()
 
     # -- steps -------------------------------------------------------------------------------------------------
-
-    def _my_rows(self, global_rows: Sequence[int]) -> list[int]:
-        spec = self.config.rank_spec(self.rank)
-        return rank_slice(global_rows, self.config.rank_offset(self.rank), spec.batch_size)
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step; returns the TRUE fields of its step event (a lying rank inflates them later).
@@ -358,18 +210,14 @@ class Trainer:
         sig = self.chaos.signal_at(step)
         if sig is not None:
             signal_self(sig)  # kill: never returns; hang: returns only if someone sends SIGCONT
-        if self.step is None:
-            self.step = TrainStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
-                                  world_size=self.comm.size, stats=bool(self.objective.stats),
-                                  clear_cache=cfg.clear_cache)
         mx.random.seed(step_seed(cfg.seed, step))
-        spec = cfg.rank_spec(self.rank)
+        offset, count = self.strategy.rows()
 
         def build() -> list[Micro]:
             micros = []
             for _ in range(cfg.grad_accumulation):
                 micro = self.objective.micro(self.train_set, self.position, cfg.global_batch, cfg.seed,
-                                             cfg.rank_offset(self.rank), spec.batch_size)
+                                             offset, count)
                 micros.append(micro)
                 self.position += micro.consumed
             return micros
@@ -386,8 +234,8 @@ class Trainer:
         # Everything until compute_s was this rank alone (a slowdown included, as a slower machine would be); from
         # there on the step waits for the slowest peer.
         try:
-            done = self.step.run(build, after_local=TrainStep.poison if self.chaos.poisons(step) else None,
-                                 before_apply=slow_down)
+            done = self.strategy.step(build, after_local=TrainStep.poison if self.chaos.poisons(step) else None,
+                                      before_apply=slow_down)
         except WeightMismatch as exc:
             raise TrainingError(str(exc)) from exc
         micros, local, extras, compute_s = done.micros, done.local, done.extras, done.compute_s
@@ -422,10 +270,8 @@ class Trainer:
         }
 
     def digests(self) -> dict[str, str]:
-        """The `digest` event's hashes: every parameter (trainable and frozen: a corrupted frozen weight must
-        show too) and the optimizer state, canonically encoded (`worker.chaos.arrays_sha256`)."""
-        return {"params_sha256": arrays_sha256(flatten(self.model.parameters())),
-                "optimizer_sha256": arrays_sha256(flatten(self.optimizer.state))}
+        """The `digest` event's hashes of this rank's parameters and optimizer state (`Strategy.digests`)."""
+        return self.strategy.digests()
 
     def evaluate(self) -> tuple[float | None, int, dict[str, float]]:
         """Validation loss over `val_batches` global batches, split like training and combined exactly:
@@ -436,11 +282,9 @@ class Trainer:
         self.model.eval()
         sums = mx.zeros((2 + len(self.objective.stats),), mx.float32)  # loss sum, weight, extras
         for global_rows in eval_batches(len(self.valid_set), cfg.global_batch, cfg.val_batches):
-            rows = self._my_rows(global_rows)
-            if rows:  # a short last batch can leave this rank nothing; it still joins the all_sum below
-                ls, weight, stats = self.objective.eval_sums(self.model, self.valid_set, rows)
-                parts = [ls.astype(mx.float32).reshape(1), weight.astype(mx.float32).reshape(1)]
-                sums = sums + mx.concatenate(parts + ([stats] if stats is not None else []))
+            part = self.strategy.eval_sums(global_rows)
+            if part is not None:  # a rank with no part of this batch still joins the all_sum below
+                sums = sums + part
                 mx.eval(sums)
         total = np.asarray(self.comm.all_sum(sums)).tolist()
         self.model.train()
@@ -482,8 +326,7 @@ class Trainer:
         self.hb.set(phase=Phase.CHECKPOINT)
         path = self.root / step_dir_name(step)
         if self.is_writer:
-            weights = self.trainable_flat()
-            opt_state = flatten(self.optimizer.state)
+            weights, opt_state = self.strategy.checkpoint_arrays()
             state = json.dumps(self.state_json(step), indent=2, sort_keys=True).encode() + b"\n"
             adapter = json.dumps(adapter_config(self.config, self.num_layers), indent=2, sort_keys=True).encode()
             files: dict[str, Callable[[Path], None]] = {
@@ -498,7 +341,7 @@ class Trainer:
         self.hb.set(phase=Phase.SYNC)
         self.comm.barrier()
         self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
-                      writer=self.config.checkpoint_writer(self.rank))
+                      writer=self.strategy.writer())
         self.last_checkpoint = path
         return path
 
@@ -535,8 +378,7 @@ class Trainer:
 
     def _started(self, resumed: ResumeState | None) -> None:
         cfg = self.config
-        trainable, total = count_parameters(self.model)
-        detail = trainable_detail(self.model, cfg.fine_tune_type, self.num_layers, cfg.train_embeddings)
+        trainable, total, detail = self.strategy.describe()
         spec = cfg.rank_spec(self.rank)
         print(f"worker.train rank {self.rank}/{self.comm.size} on {spec.node}: {trainable_text(trainable, total, detail)}, "
               f"resumed from {resumed.step if resumed else None}; {self.packing[1]}", file=sys.stderr, flush=True)
@@ -548,7 +390,7 @@ class Trainer:
             data_position=self.position, iters=cfg.iters, pid=os.getpid(), host=socket.gethostname(),
             checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
             valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
-            packing=self.packing[0], packing_reason=self.packing[1],
+            packing=self.packing[0], packing_reason=self.packing[1], **self.strategy.started_fields(),
         )
 
     def _loop(self, start: int) -> None:
@@ -581,18 +423,6 @@ class Trainer:
 
 def _write_bytes(path: Path, data: bytes) -> None:
     path.write_bytes(data)
-
-
-def _mismatch(got: Mapping[str, mx.array], want: Mapping[str, mx.array], what: str) -> str:
-    """'' when `got` has exactly `want`'s names and shapes, else a short description of the difference."""
-    if missing := sorted(set(want) - set(got)):
-        return f"{what}: missing {missing[:5]}"
-    if extra := sorted(set(got) - set(want)):
-        return f"{what}: unexpected {extra[:5]}"
-    for name, arr in want.items():
-        if tuple(got[name].shape) != tuple(arr.shape):
-            return f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(arr.shape)}"
-    return ""
 
 
 class _SignalExit:

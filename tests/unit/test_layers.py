@@ -132,3 +132,56 @@ def test_the_check_sees_an_io_import() -> None:
     # The check above must be able to fail: the transport's import is seen, asyncssh with it.
     loaded = loaded_after(("coordinator.fleet.transport",))
     assert {"asyncssh", "coordinator.fleet.transport"} <= set(forbidden_in(loaded))
+
+
+# --- worker/ -------------------------------------------------------------------------------------------------------
+# The worker runs on the nodes, alone: it never imports the coordinator. Inside it, bottom to top: the flat modules
+# (data, step, checkpoint, comm, ...), then the strategies (worker.parallel: one per layout), then the programs that
+# drive them (the trainer and the bench). A strategy may use any flat module, never the trainer.
+WORKER_PROGRAMS = ("worker.train", "worker.bench")
+
+
+def worker_layer_of(module: str) -> int | None:
+    if not (module == "worker" or module.startswith("worker.")):
+        return None
+    if module in WORKER_PROGRAMS or any(module.startswith(p + ".") for p in WORKER_PROGRAMS):
+        return 2
+    if module == "worker.parallel" or module.startswith("worker.parallel."):
+        return 1
+    return 0
+
+
+def worker_violations(module: str, source: str) -> list[str]:
+    own = worker_layer_of(module)
+    assert own is not None
+    bad = []
+    for line, target in imports_of(source):
+        if target == "coordinator" or target.startswith("coordinator."):
+            bad.append(f"{module}:{line} imports {target} (the worker never imports the coordinator)")
+        layer = worker_layer_of(target)
+        if layer is not None and layer > own:
+            bad.append(f"{module}:{line} imports {target} (a layer above its own)")
+    return sorted(set(bad))
+
+
+def worker_modules() -> list[Path]:
+    return sorted(p for p in (ROOT / "worker").rglob("*.py") if module_name(p) != "worker")
+
+
+def test_no_worker_module_imports_the_coordinator_or_a_layer_above_its_own() -> None:
+    assert [module_name(p) for p in worker_modules() if module_name(p).startswith("worker.parallel")]  # seen
+    bad = [b for p in worker_modules() for b in worker_violations(module_name(p), p.read_text(encoding="utf-8"))]
+    assert bad == []
+
+
+def test_the_worker_layer_check_can_fail() -> None:
+    source = "def f():\n    from worker.train import Trainer\nimport coordinator.models\nfrom worker.step import x\n"
+    assert worker_violations("worker.parallel.dp", source) == [
+        "worker.parallel.dp:2 imports worker.train (a layer above its own)",
+        "worker.parallel.dp:2 imports worker.train.Trainer (a layer above its own)",
+        "worker.parallel.dp:3 imports coordinator.models (the worker never imports the coordinator)"]
+    assert worker_violations("worker.step", "from worker.parallel import make_strategy\n") == [
+        "worker.step:1 imports worker.parallel (a layer above its own)",
+        "worker.step:1 imports worker.parallel.make_strategy (a layer above its own)"]
+    assert worker_violations("worker.train", source) == [
+        "worker.train:3 imports coordinator.models (the worker never imports the coordinator)"]
