@@ -11,11 +11,10 @@ Per rank, from `estimate.estimate_training_memory` (the same estimate the resour
 
 `auto` picks dp when it fits every node (so the smallest node), else fsdp when that fits every node, else refuses.
 
-The worker implements dp only. fsdp also needs a backend with `sum_scatter` (the reduce-scatter of the gradients
-in `fully_shard`'s backward): mlx 0.32.4's ring raises `[ring] sum_scatter not supported`, mpi `[mpi] sum_scatter
-not yet implemented` (both strings are in libmlx.so). The jaccl library's headers implement `sum_scatter` for its
-mesh and ring groups, but mlx's jaccl adapter is not in the installed sources (and not built into the Linux wheel),
-so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a native reduce-scatter.
+The worker runs both (`worker.parallel.dp`, `worker.parallel.fsdp`). fsdp needs a backend with `sum_scatter` (the
+reduce-scatter of the gradients in `fully_shard`'s backward): mlx 0.32.4's ring raises `[ring] sum_scatter not
+supported`, mpi `[mpi] sum_scatter not yet implemented` (both strings are in libmlx.so). nccl has a native
+reduce-scatter (run on 2x H100); jaccl has had one since mlx 0.32.1 (mlx PR#3901; not run here).
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from coordinator.planning.estimate import GiB, ModelShape, estimate_training_mem
 
 Strategy = Literal["dp", "fsdp"]
 
-SUM_SCATTER_BACKENDS = frozenset({"nccl"})
+# nccl: run on 2x H100 (docs/benchmarks.md). jaccl, jaccl-ring: sum_scatter since mlx 0.32.1 (mlx PR#3901), not run here.
+SUM_SCATTER_BACKENDS = frozenset({"nccl", "jaccl", "jaccl-ring"})
 MLX_VERSION = "0.32.4"
 
 
@@ -130,13 +130,12 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
     return StrategyDecision(requested, chosen, world, needs)
 
 
-def fsdp_refusal(backend: str) -> str:
-    """Why an fsdp run cannot start on `backend` (the resolved one) in this version: the backend's missing
-    `sum_scatter`, or, where it has one, the worker that implements dp only."""
+def fsdp_refusal(backend: str) -> str | None:
+    """Why an fsdp run cannot start on `backend` (the resolved one): the backend's missing `sum_scatter`; None where
+    it has one (the worker runs fsdp: worker.parallel.fsdp)."""
     if backend not in SUM_SCATTER_BACKENDS:
-        return (f"[{backend}] sum_scatter not supported (mlx {MLX_VERSION}): fsdp needs nccl (CUDA nodes)")
-    return (f"fsdp training needs a backend with sum_scatter; not implemented for {backend} in this version "
-            "(the worker runs dp only)")
+        return (f"[{backend}] sum_scatter not supported (mlx {MLX_VERSION}): fsdp needs nccl (CUDA nodes) or jaccl")
+    return None
 
 
 def node_budget(facts: NodeFacts) -> NodeBudget | None:

@@ -39,7 +39,7 @@ def lint_backend(pb: Playbook, cuda: Mapping[str, bool]) -> list[LintResult]:
 def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets: Mapping[str, NodeBudget],
                   backend: str) -> list[LintResult]:
     """`train.strategy` against the fleet (`budgets`: node -> usable memory; `backend`: the resolved one). A
-    strategy that resolves to fsdp fails: its backend has no sum_scatter, or the worker does not run fsdp yet.
+    strategy that resolves to fsdp fails where its backend has no sum_scatter.
     auto says nothing where it stays dp or cannot choose fsdp (LoRA, DoRA, unknown size): the resources check
     reports that fit."""
     t = pb.train
@@ -48,8 +48,8 @@ def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets:
         return []
     shape = model_shape(model_config, None) if model_config else None
     if shape is None or not budgets:
-        if t.strategy == "fsdp":
-            return [LintResult("strategy", Status.FAIL, fsdp_refusal(backend), _FSDP_REMEDY)]
+        if t.strategy == "fsdp" and (refusal := fsdp_refusal(backend)) is not None:
+            return [LintResult("strategy", Status.FAIL, refusal, _FSDP_REMEDY)]
         return [] if auto else [LintResult("strategy", Status.SKIP,
                                            "model size or node memory unknown: strategy not planned")]
     try:
@@ -57,9 +57,10 @@ def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets:
     except StrategyError as exc:
         return [LintResult("strategy", Status.FAIL, str(exc), "use LoRA, grad_checkpoint: true, a smaller batch or "
                            "max_seq_length, or more / larger nodes")]
-    if decision.strategy == "fsdp":
-        return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {fsdp_refusal(backend)}", _FSDP_REMEDY)]
-    return [] if auto else [LintResult("strategy", Status.PASS, decision.describe())]
+    if decision.strategy == "fsdp" and (refusal := fsdp_refusal(backend)) is not None:
+        return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {refusal}", _FSDP_REMEDY)]
+    # auto's choice of fsdp is news (the run shards): said; auto staying dp is the resources check's to report.
+    return [] if auto and decision.strategy == "dp" else [LintResult("strategy", Status.PASS, decision.describe())]
 
 
 _FSDP_REMEDY = "fit a dp replica instead (LoRA, grad_checkpoint: true, a smaller batch or max_seq_length)"

@@ -118,25 +118,33 @@ def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudg
     return known if len(known) == len(budgets) else {}
 
 
-def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
-    """Why the run must not start with its `train.strategy` (None: it runs dp). Launch checks this even under
-    `--skip-preflight`: the worker runs dp only, so a run that resolves to fsdp must be refused, not run as dp.
-    auto with neither strategy fitting is the resources check's failure (which --skip-preflight overrides)."""
+def resolve_strategy(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str:
+    """The strategy the run's ranks take (`dp` or `fsdp`): forced, or auto's choice for this fleet (its rank nodes:
+    one per GPU, `planning.gpuranks`); auto stays dp when it cannot choose (LoRA, unknown size or memory, nothing
+    fits: the resources check's failure)."""
     t = playbook.train
-    if t.strategy == "dp" or (t.strategy == "auto" and t.fine_tune_type != "full"):
+    if t.strategy in ("dp", "fsdp"):
+        return t.strategy
+    if t.fine_tune_type != "full":
+        return "dp"
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
+    if shape is None or not budgets:
+        return "dp"
+    try:
+        return compute_strategy("auto", shape, t, budgets).strategy
+    except StrategyError:
+        return "dp"
+
+
+def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
+    """Why the run must not start with its `train.strategy` (None: it may). Launch checks this even under
+    `--skip-preflight`: a run that resolves to fsdp on a backend without sum_scatter must be refused, never run
+    as dp."""
+    if resolve_strategy(inventory, playbook, facts) != "fsdp":
         return None
-    backend = resolve_backend(playbook.backend, facts, inventory.nodes)
-    if t.strategy == "auto":
-        shape = model_shape(model_config(facts), None)
-        budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
-        if shape is None or not budgets:
-            return None
-        try:
-            if compute_strategy("auto", shape, t, budgets).strategy == "dp":
-                return None
-        except StrategyError:
-            return None
-    return f"train.strategy {t.strategy} resolves to fsdp: {fsdp_refusal(backend)}"
+    refusal = fsdp_refusal(resolve_backend(playbook.backend, facts, inventory.nodes))
+    return None if refusal is None else f"train.strategy {playbook.train.strategy} resolves to fsdp: {refusal}"
 
 
 def evaluate(inventory: Inventory, playbook: Playbook | None, fleet: FleetFacts) -> PreflightReport:

@@ -43,7 +43,7 @@ from coordinator.preflight.fix import (
     describe_left,
     resolve_requested,
 )
-from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
+from coordinator.preflight.pipeline import evaluate, probe_connected, resolve_strategy, strategy_refusal
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
 from coordinator.run.chaos import Chaos
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
@@ -71,6 +71,7 @@ from coordinator.run.supervision import (
     acquire_run,
     clear_stop_request,
 )
+from worker.runconfig import Layout
 
 
 def default_cache_dir() -> Path:
@@ -446,7 +447,8 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
     ui.preflight(state.report)
     if not state.report.ok() and not opts.skip_preflight:
         raise PreflightFailed(state.report, left)
-    refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
+    ranks = build_rank_nodes(inv, pb.backend, state.facts)  # the strategy is planned over the ranks (GPUs)
+    refusal = strategy_refusal(ranks, pb, rank_facts(state.facts, ranks.nodes))  # never run an fsdp plan as dp
     if refusal is not None:
         raise LaunchError(refusal)
     return state
@@ -775,6 +777,7 @@ async def _run_attempt(
     launch.left_out = list(left_out)
     launch.drill = drill
     launch.should_stop = sup.stop_reason
+    launch.layout = Layout(kind=resolve_strategy(sub, pb, facts))
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
@@ -784,7 +787,8 @@ async def _run_attempt(
     async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
         await launch.prepare()
-        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
+        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks, "
+                   f"{launch.layout.kind})")
         launch.start_launcher(local_hostfile)
 
     monitor = await watch(launch, sup, start)

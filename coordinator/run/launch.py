@@ -73,6 +73,7 @@ from coordinator.run.rundir import (
     RunMeta,
     SummaryBase,
 )
+from worker.runconfig import Layout
 
 TICK_S = 0.5
 
@@ -246,6 +247,7 @@ class Launch:
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
+        self.layout = Layout()  # how the ranks share the work (dp, or fsdp: job.resolve_strategy)
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
@@ -282,7 +284,7 @@ class Launch:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
-                                  restart_from_scratch=self.restart_from_scratch)
+                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:

@@ -19,7 +19,7 @@ from coordinator.errors import ConfigError
 from coordinator.facts.probe import pythonpath_prepend, shell_path
 from coordinator.models import Connection, Inventory, Node
 from coordinator.run.chaos import Chaos
-from worker.runconfig import DpoSpec, LoraSpec, RankSpec, RunConfig
+from worker.runconfig import DpoSpec, Layout, LoraSpec, RankSpec, RunConfig
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -94,7 +94,8 @@ def build_tmp_cleanup(run_id: str) -> str:
 
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> RunConfig:
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False,
+                     layout: Layout | None = None) -> RunConfig:
     """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
     worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
     `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node."""
@@ -118,6 +119,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
                FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
         chaos=tuple(chaos),
+        layout=layout or Layout(),  # dp, or fsdp as the strategy resolved (preflight.pipeline.resolve_strategy)
     )
 
 
