@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from coordinator.errors import ConfigError
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, Node
+from coordinator.planning.plan import CurvePoint, NodeCalibration
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -127,3 +128,40 @@ def rank_node_from_name(inv: Inventory, name: str) -> Node | None:
     if node is None:
         return None
     return replace(node, name=name, machine=machine, gpu=int(gpu), env=_with_device(node, gpu))
+
+
+def pool_identical_gpus(cals: Mapping[str, NodeCalibration], nodes: Sequence[Node],
+                        facts: Mapping[str, NodeFacts]) -> dict[str, NodeCalibration]:
+    """Rank nodes of one machine whose GPUs are the same model (nvidia-smi's name and memory) share ONE curve: at
+    every batch all of them measured, the mean of their rates and the largest peak; their memory limit the
+    smallest. Same silicon, same software, same machine: what differs between their curves is measurement noise
+    (a bench of a few steps, taken while the other GPUs' benches run), and a plan split by noise gives two
+    identical H100s 62.5% / 37.5% (seen on the lent 2x H100). A GPU that really is slower shows as a straggler
+    in the run. Others (other machines, other GPU models, no GPU) are returned as they are."""
+    groups: dict[tuple[str, str, int | None], list[str]] = {}
+    for node in nodes:
+        if node.machine is None or node.gpu is None or node.name not in cals:
+            continue
+        f = facts.get(node.name)
+        device = next((d for d in (f.gpu.devices if f is not None and f.gpu is not None else ())
+                       if d.index == node.gpu), None)
+        if device is None:
+            continue
+        groups.setdefault((node.machine, device.name, device.memory_total_bytes), []).append(node.name)
+    out = dict(cals)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        members = [cals[n] for n in names]
+        batches = sorted(set.intersection(*({p.batch for p in c.curve} for c in members)))
+        if not batches:
+            continue
+        points = tuple(CurvePoint(b, sum(p.tokens_per_s for c in members for p in c.curve if p.batch == b)
+                                  / len(members),
+                                  max(p.peak_memory for c in members for p in c.curve if p.batch == b))
+                       for b in batches)
+        limits = [c.memory_limit for c in members if c.memory_limit is not None]
+        for name in names:
+            out[name] = replace(cals[name], curve=points, memory_limit=min(limits) if limits else None,
+                                noisy=tuple(sorted({b for c in members for b in c.noisy if b in batches})))
+    return out

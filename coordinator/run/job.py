@@ -27,7 +27,7 @@ from coordinator.fleet.assets import provision
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
-from coordinator.planning.gpuranks import build_rank_nodes, rank_facts
+from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
 from coordinator.planning.shards import MapRow
@@ -195,6 +195,7 @@ async def calibrate_and_plan(
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
     cals = {n: per_example_calibration(r, pb.train.rows_per_example)
             for n, r in results.items() if isinstance(r, NodeCalibration)}
+    cals = pool_identical_gpus(cals, inv.nodes, facts)  # identical GPUs of one machine: one curve, an even split
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     ui.calibration(plan, cals)

@@ -179,3 +179,39 @@ def test_a_fleet_view_shares_the_machines_connection_and_does_not_close_it() -> 
         assert made[-1].closed == 1
 
     asyncio.run(go())
+
+
+def test_identical_gpus_of_one_machine_share_one_curve_and_split_evenly() -> None:
+    """Seen on the lent 2x H100: benches of a few steps each gave 22.8k and 19.3k tok/s at batch 8 and the plan
+    split 62.5% / 37.5%. Same model, same machine: one pooled curve, an even split."""
+    from coordinator.planning.gpuranks import pool_identical_gpus
+
+    other = Node(name="one", host="10.0.0.6")
+    ranks = build_rank_nodes(Inventory((BOX, other)), "nccl", {"box": gpus(2), "one": gpus(1, "one")})
+    facts = rank_facts({"box": gpus(2), "one": gpus(1, "one")}, ranks.nodes)
+
+    def cal(name: str, r4: float, r8: float, limit: int) -> NodeCalibration:
+        return NodeCalibration(node=name, curve=(CurvePoint(4, r4, 40), CurvePoint(8, r8, 80 + limit % 7)),
+                               matmul_gflops=1.0, memory_limit=limit, noisy=(4,) if r4 > 17000 else ())
+
+    cals = {"box/gpu0": cal("box/gpu0", 17484.4, 22820.4, 1000), "box/gpu1": cal("box/gpu1", 14834.6, 19294.2, 900),
+            "one": cal("one", 5000.0, 6000.0, 500)}
+    assert compute_plan([cals[n] for n in ("box/gpu0", "box/gpu1")], 8, seq_len=512).batch == {"box/gpu0": 5,
+                                                                                                 "box/gpu1": 3}
+    pooled = pool_identical_gpus(cals, ranks.nodes, facts)
+    assert pooled["box/gpu0"].curve == pooled["box/gpu1"].curve
+    assert [p.tokens_per_s for p in pooled["box/gpu0"].curve] == [(17484.4 + 14834.6) / 2, (22820.4 + 19294.2) / 2]
+    assert pooled["box/gpu1"].memory_limit == 900 and pooled["box/gpu1"].noisy == (4,)
+    assert pooled["one"] is cals["one"]
+    plan = compute_plan([pooled[n] for n in ("box/gpu0", "box/gpu1")], 8, seq_len=512)
+    assert plan.batch == {"box/gpu0": 4, "box/gpu1": 4}
+
+
+def test_chaos_ranks_are_checked_against_the_rank_nodes() -> None:
+    from coordinator.run.chaos import parse_chaos
+    from coordinator.run.job import check_chaos
+
+    kill = parse_chaos("kill:rank=1,step=6", world_size=None)
+    check_chaos([kill], 2)  # one node, two GPUs: rank 1 exists
+    with pytest.raises(ConfigError, match="rank 1 is not a rank of this job"):
+        check_chaos([kill], 1)
