@@ -31,7 +31,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(ROOT)]
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 
@@ -94,7 +94,7 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_flatten, tree_map, tree_map_with_path
     from mlx_lm.utils import load
 
     group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
@@ -112,11 +112,10 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
         mx.clear_cache()
         model, _ = load(model_dir)
         model.unfreeze()
-        if strategy == "fsdp":
-            inner = model.model
-            for i, layer in enumerate(inner.layers):
-                inner.layers[i] = nn.fully_shard(layer, group=group)
-            inner.embed_tokens = nn.fully_shard(inner.embed_tokens, group=group)
+        if strategy == "fsdp":  # the worker's own sharding (worker.parallel.fsdp)
+            from worker.parallel.fsdp import shard_model
+
+            result["wrapped"] = len(shard_model(model, group))
         mx.eval(model.parameters())
         params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
         opt = optim.Adam(learning_rate=1e-5)
@@ -127,8 +126,12 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
             mx.reset_peak_memory()
             loss, grads = grad_fn(model, mine)
             loss = mx.distributed.all_sum(loss, group=group) / count
-            if strategy == "dp":  # fsdp's gradients arrive reduced (sum_scatter / N) through its gather's vjp
-                grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group) / world, grads)
+            # dp: all_sum every gradient; fsdp: the sharded ones arrive reduced (sum_scatter / N) through the
+            # gather's vjp, the replicated rest (norms) are all_summed.
+            sharded = strategy == "fsdp"
+            grads = tree_map_with_path(
+                lambda path, g, sharded=sharded: g if sharded and ".module." in path
+                else mx.distributed.all_sum(g, group=group) / world, grads)
             grads = tree_map(lambda g: g * (1.0 / (batch * seq)), grads)  # world / global tokens
             opt.update(model, grads)
             mx.eval(loss, model.parameters(), opt.state)
@@ -149,14 +152,14 @@ def events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
 
 
 def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iters: int, gpus: int | None,
-               chaos: str | None, eval_every: int, split: str) -> dict[str, Any]:
+               chaos: str | None, eval_every: int, split: str, strategy: str = "dp") -> dict[str, Any]:
     inv = root / f"inv-{name}.yaml"
     inv.write_text("defaults:\n  connection: local\nnodes:\n  - name: h100\n"
                    f"    workdir: {json.dumps(str(root / 'node'))}\n" + (f"    gpus: {gpus}\n" if gpus else ""))
     pb = root / f"pb-{name}.yaml"
     pb.write_text(f"name: gpus-{name}\nkind: train\nmodel: {json.dumps(str(model))}\ndata: {json.dumps(str(data))}\n"
                   f"backend: {os.environ.get('BENCH_BACKEND', 'nccl')}\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
-                  f"  method: {method}\n  iters: {iters}\n  batch_size: 8\n  learning_rate: 1.0e-5\n"
+                  f"  method: {method}\n  strategy: {strategy}\n  iters: {iters}\n  batch_size: 8\n  learning_rate: 1.0e-5\n"
                   "  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
                   f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
                   "faults:\n  max_restarts: 2\n  min_nodes: 1\n"
@@ -209,14 +212,18 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"size": args.size, "iters": args.iters}
     # Calibrated where the split is the point (two GPUs measured each on its own device); `equal` elsewhere, which
     # skips a calibration per run (its cache is per rank node) inside the lease's minutes.
-    plan = {"lora1": ("lora", 1, None, args.iters, "equal"), "lora2": ("lora", None, None, args.iters, "calibrated"),
-            "full2": ("full", None, None, args.iters, "equal"),
-            "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal")}
+    plan = {"lora1": ("lora", 1, None, args.iters, "equal", "dp"),
+            "lora2": ("lora", None, None, args.iters, "calibrated", "dp"),
+            "full1": ("full", 1, None, args.iters, "equal", "dp"),
+            "full2": ("full", None, None, args.iters, "equal", "dp"),
+            "fsdp2": ("full", None, None, args.iters, "equal", "fsdp"),
+            "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp"),
+            "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp")}
     for name in args.what.split(","):
-        method, gpus, chaos, eval_every, split = plan[name]
+        method, gpus, chaos, eval_every, split, strategy = plan[name]
         bt.log(f"launch {name}")
         results[name] = launch_one(root, name, model, data, method, args.iters if not chaos else 12, gpus, chaos,
-                                   eval_every, split)
+                                   eval_every, split, strategy)
         write(Path(args.out) / "launch.json", results)
     return results
 

@@ -3,7 +3,8 @@
 # The device tool sends the lead's checkout; this branch's files travel under .dev27 (see docs/benchmarks.md):
 #   call 1: carry .dev27/benchmarks/out/whl-a                      bash .dev27/benchmarks/device_gpus.sh stage
 #   call 2: carry code + .dev27/benchmarks/out/whl-b               bash .dev27/benchmarks/device_gpus.sh checks
-#   call 3: same carry                                             bash .dev27/benchmarks/device_gpus.sh bench
+#   call 3: same carry                                             bash .dev27/benchmarks/device_gpus.sh bench [WHAT]
+#   (a second lease: stage, then `fsdp` (install, fsdp runs, kill drills), then `bench lora1,lora2,full1,full2`)
 # Everything lands in $OUT (at most 8 files come back). NCCL_NVLS_ENABLE=0 throughout (the machine's rule).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,9 +30,18 @@ case "${1:-}" in
         --iters 20 2>&1 | tail -5
     timeout 200 python3 benchmarks/bench_gpus.py fsdp --out "$OUT" --model /tmp/bench-gpus/model-M --steps 3 \
         2>&1 | tail -40 ;;
+  fsdp)
+    bash benchmarks/device_train.sh install > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+    timeout 200 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what fsdp2 \
+        --iters 20 2>&1 | tail -3
+    timeout 150 python3 benchmarks/bench_gpus.py fsdp --out "$OUT" --model /tmp/bench-gpus/model-M --steps 3 \
+        2>&1 | tail -30
+    mv "$OUT/launch.json" "$OUT/launch-fsdp.json"
+    timeout 200 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what kill,killfsdp \
+        --iters 20 2>&1 | tail -3 ;;
   bench)
-    timeout 560 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what lora1,full2 \
-        --iters 20 2>&1 | tail -5
+    timeout 560 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus \
+        --what "${2:-lora1,full2}" --iters 20 2>&1 | tail -5
     python3 - "$OUT/launch.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -40,5 +50,5 @@ for k, v in r.items():
         print(k, v.get("rc"), (v.get("summary") or {}).get("state"), [(x["rank"], x["total_tok_per_s_median"], x["peak_memory"]) for x in v.get("ranks", [])])
 PY
     ;;
-  *) echo "usage: $0 stage|checks|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|checks|fsdp|bench [WHAT]" >&2; exit 2 ;;
 esac
