@@ -108,11 +108,15 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
         logits = model(x[:, :-1])
         return nn.losses.cross_entropy(logits.astype(mx.float32), x[:, 1:], reduction="sum")
 
-    for strategy in ("dp", "fsdp"):
+    for strategy in ("dp", "fsdp", "dp+ckpt", "fsdp+ckpt"):
+        if strategy == "dp+ckpt":  # from here on every block is gradient-checkpointed (a class patch: for good)
+            from mlx_lm.tuner.trainer import grad_checkpoint
+
+            grad_checkpoint(load(model_dir)[0].model.layers[0])
         mx.clear_cache()
         model, _ = load(model_dir)
         model.unfreeze()
-        if strategy == "fsdp":  # the worker's own sharding (worker.parallel.fsdp)
+        if strategy.startswith("fsdp"):  # the worker's own sharding (worker.parallel.fsdp)
             from worker.parallel.fsdp import shard_model
 
             result["wrapped"] = len(shard_model(model, group))
@@ -128,7 +132,7 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
             loss = mx.distributed.all_sum(loss, group=group) / count
             # dp: all_sum every gradient; fsdp: the sharded ones arrive reduced (sum_scatter / N) through the
             # gather's vjp, the replicated rest (norms) are all_summed.
-            sharded = strategy == "fsdp"
+            sharded = strategy.startswith("fsdp")
             grads = tree_map_with_path(
                 lambda path, g, sharded=sharded: g if sharded and ".module." in path
                 else mx.distributed.all_sum(g, group=group) / world, grads)

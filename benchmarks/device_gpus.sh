@@ -37,7 +37,7 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/bench_gpus.py fsdp --out "$OUT" --model /tmp/bench-gpus/model-M --steps 3 \
         2>&1 | tail -30
     mv "$OUT/launch.json" "$OUT/launch-fsdp.json"
-    timeout 200 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what kill,killfsdp \
+    timeout 240 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what "${2:-kill,killfsdp}" \
         --iters 20 2>&1 | tail -3 ;;
   bench)
     timeout 560 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus \
