@@ -123,11 +123,14 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
         mx.eval(model.parameters())
         params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
         opt = optim.Adam(learning_rate=1e-5)
+        opt.init(model.trainable_parameters())  # the state exists before the first step: every step counts it
+        mx.eval(opt.state)
         count = mx.array(float(batch * seq * world))
         grad_fn = nn.value_and_grad(model, loss_fn)
         losses, peaks = [], []
         for _ in range(steps):
-            mx.reset_peak_memory()
+            mx.synchronize()
+            mx.reset_peak_memory()  # the step's own peak: weights, optimizer state, gradients, activations
             loss, grads = grad_fn(model, mine)
             loss = mx.distributed.all_sum(loss, group=group) / count
             # dp: all_sum every gradient; fsdp: the sharded ones arrive reduced (sum_scatter / N) through the
@@ -141,9 +144,10 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
             mx.eval(loss, model.parameters(), opt.state)
             losses.append(loss.item())
             peaks.append(mx.get_peak_memory())
+            del grads, loss  # not alive through the next step
         result[strategy] = {"losses": losses, "peak_bytes": peaks, "active_bytes": mx.get_active_memory(),
                             "local_trainable_params": params}
-        del model, opt, grads
+        del model, opt
     return result
 
 
@@ -223,7 +227,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
             "fsdp2": ("full", None, None, args.iters, "equal", "fsdp"),
             "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp"),
             "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp")}
-    for name in args.what.split(","):
+    for name in filter(None, args.what.split(",")):  # "" builds the model and data only
         method, gpus, chaos, eval_every, split, strategy = plan[name]
         bt.log(f"launch {name}")
         results[name] = launch_one(root, name, model, data, method, args.iters if not chaos else 12, gpus, chaos,

@@ -39,6 +39,12 @@ case "${1:-}" in
     mv "$OUT/launch.json" "$OUT/launch-fsdp.json"
     timeout 240 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what "${2:-kill,killfsdp}" \
         --iters 20 2>&1 | tail -3 ;;
+  peaks)
+    bash benchmarks/device_train.sh install > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+    timeout 150 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus --what "" 2>&1 | tail -2
+    timeout 200 python3 benchmarks/bench_gpus.py fsdp --out "$OUT" --model /tmp/bench-gpus/model-M --steps 4 \
+        2>&1 | grep -v '^ ' | tail -5
+    python3 -c 'import json,sys; [print(x.get("rank"), {k: (v["peak_bytes"], v["active_bytes"], [round(l, 5) for l in v["losses"]]) for k, v in x.items() if isinstance(v, dict)}) for x in json.load(open(sys.argv[1]))]' "$OUT/fsdp.json" ;;
   bench)
     timeout 560 python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus \
         --what "${2:-lora1,full2}" --iters 20 2>&1 | tail -5
