@@ -20,10 +20,18 @@ reading anything else (a wrong one: the connection is closed and the relay keeps
 validates EVERY path of the header before writing a byte, connects to the next hop and forwards each chunk as
 soon as it has written it, so N nodes take about the time of one copy.
 
-Files it needs land in `<file>.partial` (its expected sha256 in `<file>.partial.sha256`, so a later run knows
-what a leftover prefix belongs to). A resumed file is truncated to `start`, the kept prefix is hashed from
-disk, and the rest appended; the file gets its final name only once the whole file's SHA256 matches, and its
-digest goes into the probe's stat-keyed hash cache so the verifying manifest does not read it again.
+Files it needs land in `<file>.partial` (its expected sha256 and the file's name in `<file>.partial.sha256`, so
+a later run knows what a leftover prefix belongs to; a name too long for that gets a shortened, hashed partial
+name: `partial_path`). A file this node cannot write fails alone: its bytes are still forwarded and the files
+after it delivered.
+
+Lifeline: with `"lifeline": true` in the spec, the coordinator keeps stdin open after the spec line and the
+relay exits (status 3) the moment it closes, or at `"deadline"` seconds; `serve`/`send` then also print `pid N`
+and an `alive` heartbeat line every second on stderr, so the coordinator can kill a hung relay.
+
+A resumed file is truncated to `start`, the kept prefix is hashed from disk, and the rest appended; the file gets
+its final name only once the whole file's SHA256 matches, and its digest goes into the probe's stat-keyed hash
+cache so the verifying manifest does not read it again.
 
 Paths: relative, "/"-separated, the first part a label of `dirs`, no empty/`.`/`..` parts, no NUL; every
 existing dir component under the target dir must be a real directory (never a symlink), the `.partial` file is
@@ -42,6 +50,7 @@ import shutil
 import socket
 import stat
 import sys
+import threading
 import time
 
 from worker import probe
@@ -53,6 +62,10 @@ if TYPE_CHECKING:
 CHUNK = 1 << 20  # bytes per read/forward: the unit a resumed transfer may repeat
 PARTIAL = ".partial"
 PARTIAL_SHA = ".partial.sha256"
+NAME_MAX = 255  # bytes in one file name (Linux and macOS): `<name>.partial.sha256` must fit too
+HEARTBEAT = 1.0  # seconds between a serving/sending relay's `alive` lines (the coordinator stops a silent one)
+LIFELINE_EXIT = 3  # exit status of a relay whose coordinator went away (its stdin closed) or whose deadline passed
+_ERR_LOCK = threading.Lock()  # progress lines and the heartbeat share stderr
 CONNECT_TIMEOUT = 5.0  # seconds to reach the next hop
 DEFAULT_TIMEOUT = 60.0  # seconds a socket may stay silent (accept included) before the relay gives up
 PROGRESS_INTERVAL = 0.25
@@ -82,6 +95,21 @@ def check_path(rel: Any, dirs: dict[str, str]) -> tuple[str, str]:
     if is_partial_name(rel):
         raise RelayError(f"refused path {rel!r}: reserved suffix")
     return parts[0], "/".join(parts[1:])
+
+
+def partial_path(path: str) -> str:
+    """Where the file at `path` is received before its rename: `<path>.partial`, or, when that name (with the
+    `.sha256` of its sidecar) would pass NAME_MAX, the name cut short plus a hash of it (`<start>~<hash16>.partial`),
+    so a 250-character file name syncs like any other. The sidecar `<partial>.sha256` records the expected sha256
+    and the real name (so `plan` maps a shortened partial back to its file)."""
+    head, name = os.path.split(path)
+    if len(name.encode()) + len(PARTIAL_SHA) <= NAME_MAX:
+        return path + PARTIAL
+    import hashlib
+
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    short = name.encode()[: NAME_MAX - len(PARTIAL_SHA) - len(digest) - 1].decode(errors="ignore")
+    return os.path.join(head, f"{short}~{digest}{PARTIAL}")
 
 
 def _top(d: str) -> str:
@@ -150,15 +178,14 @@ def plan(spec: dict[str, Any]) -> dict[str, Any]:
             if f.rel.endswith(PARTIAL_SHA):
                 # A sidecar whose partial is gone (a crash between the two unlinks): an empty partial, so the
                 # coordinator deletes it (or reuses the name) like any leftover, and preflight sees no extra.
-                partials.setdefault(rel[: -len(PARTIAL_SHA)], [0, ""])
+                partials.setdefault(_partial_key(rel[: -len(".sha256")], f.path[: -len(".sha256")]), [0, ""])
                 continue
             if f.rel.endswith(PARTIAL):
-                try:
-                    with open(f.path + ".sha256", encoding="ascii") as fh:  # <file>.partial.sha256
-                        want = fh.read().strip()
-                except OSError:
-                    want = ""
-                partials[rel[: -len(PARTIAL)]] = [f.size, want]
+                want = _sidecar(f.path)[0]
+                key = _partial_key(rel, f.path)
+                # A partial that is not a regular file of ours (a dir's files are listed as files, a symlink is
+                # followed) is of no use: recorded so the coordinator removes it.
+                partials[key] = [f.size, want if os.path.isfile(f.path) and not os.path.islink(f.path) else ""]
                 continue
             sha = cache.get(f)
             if sha is None:
@@ -177,6 +204,25 @@ def plan(spec: dict[str, Any]) -> dict[str, Any]:
             "errors": errors}
 
 
+def _sidecar(partial: str) -> tuple[str, str | None]:
+    """(expected sha256, real file name or None) from `<partial>.sha256`; ("", None) when unreadable."""
+    try:
+        with open(partial + ".sha256", encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return "", None
+    return (lines[0].strip() if lines else ""), (lines[1] if len(lines) > 1 and lines[1] else None)
+
+
+def _partial_key(rel: str, path: str) -> str:
+    """The `<label>/<path>` a partial found at `rel` (on disk at `path`) belongs to: its sidecar's name when that
+    name's partial_path is this very file (a shortened one), else its own name less `.partial`."""
+    name = _sidecar(path)[1]
+    if name is not None and "/" not in name and partial_path(os.path.join(os.path.dirname(path), name)) == path:
+        return f"{rel.rsplit('/', 1)[0]}/{name}"
+    return rel[: -len(PARTIAL)]
+
+
 def delete(spec: dict[str, Any]) -> dict[str, Any]:
     """Remove the files named (extras; `<file>.partial` names a leftover partial and its .sha256). A path that
     fails validation is refused, not removed."""
@@ -190,8 +236,12 @@ def delete(spec: dict[str, Any]) -> dict[str, Any]:
         except RelayError as exc:
             errors.append(str(exc))
             continue
-        for p in (target + PARTIAL, target + PARTIAL_SHA) if is_partial else (target,):
+        for p in (partial_path(target), partial_path(target) + ".sha256") if is_partial else (target,):
             try:
+                if is_partial and os.path.isdir(p) and not os.path.islink(p):
+                    os.rmdir(p)  # a dir at our reserved name: its files were deleted as extras first
+                    deleted.append(rel)
+                    continue
                 os.unlink(p)
             except FileNotFoundError:
                 continue
@@ -256,8 +306,9 @@ class Meter:
         now = time.monotonic()
         if final or now - self.last >= PROGRESS_INTERVAL:
             self.last = now
-            self.stream.write(f"progress {self.done}\n")
-            self.stream.flush()
+            with _ERR_LOCK:
+                self.stream.write(f"progress {self.done}\n")
+                self.stream.flush()
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -266,25 +317,33 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def _open_partial(path: str, start: int, sha: str) -> tuple[int, Any]:
-    """(fd, hash seeded with the kept prefix) for `<path>.partial`, truncated to `start` bytes."""
+    """(fd, hash seeded with the kept prefix) for `path`'s partial, truncated to `start` bytes."""
     import hashlib
 
     digest = hashlib.sha256()
     nofollow = getattr(os, "O_NOFOLLOW", 0)
-    side = os.open(path + PARTIAL_SHA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o644)
-    with os.fdopen(side, "w", encoding="ascii") as fh:
-        fh.write(sha + "\n")
-    fd = os.open(path + PARTIAL, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+    partial = partial_path(path)
+    for name in (partial, partial + ".sha256"):
+        # Our reserved names: a symlink there is removed (the link, never its target), an emptied dir too (its
+        # files were deleted as extras); anything else fails the open below, for this file only.
+        if os.path.islink(name):
+            os.unlink(name)
+        elif os.path.isdir(name):
+            os.rmdir(name)
+    side = os.open(partial + ".sha256", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o644)
+    with os.fdopen(side, "w", encoding="utf-8") as fh:
+        fh.write(f"{sha}\n{os.path.basename(path)}\n")
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
     try:
         size = os.fstat(fd).st_size
         if size < start:
-            raise RelayError(f"{path}{PARTIAL} has {size} bytes, the stream resumes at {start}")
+            raise RelayError(f"{partial} has {size} bytes, the stream resumes at {start}")
         os.ftruncate(fd, start)
         done = 0
         while done < start:
             block = os.pread(fd, min(probe.CHUNK, start - done), done)
             if not block:
-                raise RelayError(f"{path}{PARTIAL} shrank while resuming")
+                raise RelayError(f"{partial} shrank while resuming")
             digest.update(block)
             done += len(block)
         os.lseek(fd, start, os.SEEK_SET)
@@ -295,54 +354,86 @@ def _open_partial(path: str, start: int, sha: str) -> tuple[int, Any]:
 
 
 def _finish(path: str, fd: int, digest: Any, want: str, cache: Any) -> str | None:
-    """Rename `<path>.partial` to `path` when its digest is `want`; the error otherwise (the partial is removed:
-    its bytes are wrong, resuming from them would never match)."""
+    """Rename the partial to `path` when its digest is `want`; the error otherwise (the partial is removed: its
+    bytes are wrong, resuming from them would never match)."""
+    partial = partial_path(path)
     try:
         got = digest.hexdigest()
         if got != want:
             os.close(fd)
-            for p in (path + PARTIAL, path + PARTIAL_SHA):
+            for p in (partial, partial + ".sha256"):
                 with contextlib.suppress(OSError):
                     os.unlink(p)
-            return f"{path}: sha256 {got[:12]} != expected {want[:12]} (the source changed while being sent?)"
+            return f"sha256 {got[:12]} != expected {want[:12]} (the source changed while being sent?)"
         os.fsync(fd)
         st = os.fstat(fd)
         os.close(fd)
-        os.replace(path + PARTIAL, path)
+        os.replace(partial, path)
         with contextlib.suppress(OSError):
-            os.unlink(path + PARTIAL_SHA)
+            os.unlink(partial + ".sha256")
         cache.put(os.path.realpath(path), st, want)
         return None
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return exc.strerror or str(exc)
 
 
 def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: list[list[Any]], token: str,
           dirs: dict[str, str], need: set[str], source: bool, meter: Meter, timeout: float,
           pipe: Pipe | None = None) -> dict[str, Any]:
     """Stream `files` (from disk when `source`, else from `up`) to the next hop of `chain` (or to `pipe`), writing
-    the ones in `need` locally. Returns {"bytes": moved, "files": [...done], "errors": [...]}."""
-    targets = {}
+    the ones in `need` locally. Returns {"bytes": moved, "files": [...done], "errors": [...], "downstream": error
+    of the next hop or None}.
+
+    Failure semantics: a broken upstream (or, on the source, an unreadable file or a broken first hop) ends the
+    stream (RelayError / OSError). Anything else is per file or per hop and the stream goes on: a file this node
+    cannot write (a refused path, a name its filesystem refuses, a full disk, a digest mismatch) is an error for
+    that file while its bytes are still forwarded, so one bad file never stops the files after it; a next hop
+    that fails is recorded in "downstream" and this node keeps receiving for itself."""
+    targets: dict[str, str | None] = {}
+    errors: list[str] = []
     for f in files:
         if not isinstance(f, dict) or not isinstance(f.get("size"), int) or not isinstance(f.get("start"), int) \
                 or not isinstance(f.get("sha256"), str) or not 0 <= f["start"] <= f["size"]:
             raise RelayError(f"bad file entry in header: {f!r}")
-        targets[f["path"]] = (source_path(f["path"], dirs) if source
-                              else safe_target(f["path"], dirs, create=f["path"] in need))
+        if source:
+            targets[f["path"]] = source_path(f["path"], dirs)
+            continue
+        check_path(f["path"], dirs)  # a malformed path refuses the whole header (it was checked on accept too)
+        try:
+            targets[f["path"]] = safe_target(f["path"], dirs, create=f["path"] in need)
+        except (RelayError, OSError) as exc:
+            targets[f["path"]] = None
+            if f["path"] in need:
+                errors.append(f"{f['path']}: {exc}")
     down: socket.socket | Pipe | None = pipe
+    hop = ""
+    downstream: str | None = None  # why the next hop failed (this node then goes on for itself)
     if chain:
         ip, port = chain[0]
+        hop = f"{ip}:{port}"
         # A short connect timeout: an unreachable next hop must fail fast, so the coordinator falls back to SSH.
-        down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
-        down.settimeout(timeout)
-        down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A receiver that cannot reach it still receives for itself (the coordinator serves the rest).
+        try:
+            down = socket.create_connection((ip, int(port)), timeout=min(timeout, CONNECT_TIMEOUT))
+            down.settimeout(timeout)
+            down.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            if source:
+                raise
+            downstream = f"next hop {hop} unreachable: {exc.strerror or exc}"
     if down is not None:
         header = json.dumps({"chain": chain[1:], "files": files}, separators=(",", ":"))
-        down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
+        try:
+            down.sendall(token.encode() + b"\n" + header.encode() + b"\n")
+        except OSError as exc:
+            if source or not isinstance(down, socket.socket):
+                raise
+            downstream = f"next hop {hop} failed: {exc.strerror or exc}"
+            down.close()
+            down = None
     cache = probe.HashCache(probe.DEFAULT_CACHE)
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    errors: list[str] = []
     done: list[str] = []
     moved = 0
     try:
@@ -353,10 +444,14 @@ def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: l
             digest = None
             src = None
             if source:
+                assert path is not None
                 src = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in the finally below
                 src.seek(start)
-            elif rel in need:
-                fd, digest = _open_partial(path, start, f["sha256"])
+            elif rel in need and path is not None:
+                try:
+                    fd, digest = _open_partial(path, start, f["sha256"])
+                except (RelayError, OSError) as exc:
+                    errors.append(f"{rel}: {exc}")
             try:
                 left = size - start
                 while left:
@@ -369,21 +464,36 @@ def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: l
                         assert up is not None
                         n = _recv_into(up, view[:want])
                     chunk = view[:n]
-                    if digest is not None:
-                        _write_all(fd, chunk)
-                        digest.update(chunk)
+                    if fd >= 0 and digest is not None:
+                        try:
+                            _write_all(fd, chunk)
+                            digest.update(chunk)
+                        except OSError as exc:  # a full disk, an I/O error: this file fails, the stream goes on
+                            errors.append(f"{rel}: {exc.strerror or exc}")
+                            os.close(fd)
+                            fd = -1
                     if down is not None:
-                        down.sendall(chunk)
+                        try:
+                            down.sendall(chunk)
+                        except OSError as exc:
+                            if source or not isinstance(down, socket.socket):
+                                raise
+                            downstream = f"next hop {hop} failed: {exc.strerror or exc}"
+                            down.close()
+                            down = None
                     left -= n
                     moved += n
                     meter.add(n)
             finally:
                 if src is not None:
                     src.close()
+                if fd >= 0 and left:  # the stream broke mid-file: keep the partial (the next run resumes it)
+                    os.close(fd)
+                    fd = -1
             if fd >= 0:
-                problem = _finish(path, fd, digest, f["sha256"], cache)
+                problem = _finish(path or "", fd, digest, f["sha256"], cache)
                 if problem:
-                    errors.append(problem)
+                    errors.append(f"{rel}: {problem}")
                 else:
                     done.append(rel)
         meter.add(0, final=True)
@@ -398,7 +508,7 @@ def relay(up: socket.socket | Pipe | None, files: list[dict[str, Any]], chain: l
             down.close()
         with contextlib.suppress(OSError):
             cache.save()
-    return {"bytes": moved, "files": done, "errors": errors}
+    return {"bytes": moved, "files": done, "errors": errors, "downstream": downstream}
 
 
 def _accept_header(conn: socket.socket | Pipe, token: str, dirs: dict[str, str], peer: str) -> dict[str, Any]:
@@ -492,6 +602,41 @@ def send(spec: dict[str, Any], out: IO[str], err: IO[str], stdout: Any = None) -
     return 0 if not result["errors"] else 1
 
 
+def _hold_lifeline(deadline: Any, *, heartbeat: bool) -> None:
+    """Die with the coordinator: the coordinator keeps our stdin open (after the spec line) for as long as it
+    wants us; when it closes (the coordinator exited or was killed, its SSH session dropped, or it gave up on us)
+    we exit at once, whatever we are doing (a partial stays, and resumes next time). `deadline` (seconds) bounds
+    us even should that fail. `heartbeat`: an `alive` line on stderr every HEARTBEAT s, so the coordinator can
+    tell a hung relay (silent) from one that is merely waiting."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 65536):  # the raw fd: a daemon thread must not hold sys.stdin's buffer lock at exit
+                pass
+        os._exit(LIFELINE_EXIT)
+
+    def expire() -> None:
+        time.sleep(float(deadline))
+        os._exit(LIFELINE_EXIT)
+
+    def beat() -> None:
+        while True:
+            time.sleep(HEARTBEAT)
+            with _ERR_LOCK, contextlib.suppress(OSError, ValueError):
+                sys.stderr.write("alive\n")
+                sys.stderr.flush()
+
+    if heartbeat:
+        with _ERR_LOCK:
+            sys.stderr.write(f"pid {os.getpid()}\n")  # so a hung relay can be killed by the coordinator
+            sys.stderr.flush()
+    threading.Thread(target=watch, daemon=True).start()
+    if isinstance(deadline, (int, float)) and deadline > 0:
+        threading.Thread(target=expire, daemon=True).start()
+    if heartbeat:
+        threading.Thread(target=beat, daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.relay")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -512,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(json.dumps({"error": f"bad spec: {exc}"}))
         return 2
+    if spec.get("lifeline"):
+        _hold_lifeline(spec.get("deadline"), heartbeat=args.cmd in ("serve", "send"))
     if args.cmd == "plan":
         print(json.dumps(plan(spec)))
         return 0

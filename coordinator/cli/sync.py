@@ -31,7 +31,8 @@ def render_plan(plan: SyncPlan, echo: Callable[[str], None]) -> None:
             continue
         resumed = sum(p.kept.values())
         echo(f"  {p.node}: copy {len(p.copy)} files ({_size(p.write_bytes)}"
-             + (f", {_size(resumed)} resumed" if resumed else "") + f"), delete {len(p.delete)}")
+             + (f", {_size(resumed)} resumed" if resumed else "")
+             + f"), delete {len(p.delete)} files ({_size(p.delete_bytes)})")
         for path in p.copy[:10]:
             echo(f"      copy   {path} ({_size(plan.manifest[path][0])})")
         for path in p.delete[:10]:
@@ -41,6 +42,9 @@ def render_plan(plan: SyncPlan, echo: Callable[[str], None]) -> None:
             echo(f"      ... {hidden} more")
         if p.disk_problem:
             echo(f"      PROBLEM: {p.disk_problem}")
+    for d in plan.doubtful:
+        echo(f"  DOUBTFUL: {d.node}: deletes {d.files} of its {d.held_files} files in {d.label} "
+             f"({_size(d.bytes)} of {_size(d.held_bytes)}); the source has {d.source_files} there")
     if plan.chain:
         echo(f"stream: {_size(plan.stream_bytes)} once, relayed {plan.source} -> " + " -> ".join(plan.chain))
 
@@ -58,11 +62,15 @@ def register(main: click.Group) -> None:
     @click.option("--check", is_flag=True, help="Print the plan (files and bytes per node); change nothing.")
     @click.option("--limit", help="Comma-separated node names to sync (the --from node need not be among them).")
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+    @click.option("--delete-extras", is_flag=True,
+                  help="Delete what the source lacks even when that is most of a node's copy (or the source's dir "
+                       "is empty); without it such a sync asks at a terminal and is refused otherwise.")
     @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key fails).")
     @click.option("--connect-timeout", default=5.0, show_default=True, type=click.FloatRange(0.1, 300))
     @handle_errors
     def sync(inventory: str, playbook: str, from_node: str | None, source_path: Path | None, check: bool,
-             limit: str | None, as_json: bool, accept_new_host_keys: bool, connect_timeout: float) -> None:
+             limit: str | None, as_json: bool, delete_extras: bool, accept_new_host_keys: bool,
+             connect_timeout: float) -> None:
         """Make the playbook's model and data dirs byte-identical on every node: plan from SHA256 manifests,
         relay only the differing files once down a chain of nodes (pipelined, resumable), delete extras, then
         verify every node's manifest equals the source's."""
@@ -85,15 +93,31 @@ def register(main: click.Group) -> None:
         targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
         echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
         ui = _bars(enabled=not as_json and not check)
+
+        def confirm(question: str) -> bool:
+            # Only a person at a terminal can say yes; piped or scripted runs need --delete-extras.
+            if not sys.stdin.isatty():
+                return False
+            ui.pause()
+            try:
+                return click.confirm(question, default=False, err=True)
+            finally:
+                ui.resume()
+
         with ui:
             report = run_async(run_sync(targets, pb, source_node=src, source_path=source_path, check=check,
                                         connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                                        progress=ui, on_plan=lambda plan: render_plan(plan, echo)))
+                                        progress=ui, on_plan=lambda plan: render_plan(plan, echo),
+                                        delete_extras=delete_extras, confirm=confirm))
         if as_json:
             click.echo(json.dumps(report.to_json(), indent=2))
-        else:
+        if report.refusal:
+            raise ConfigError(report.refusal)
+        if not as_json:
             for name, err in sorted(report.node_errors.items()):
                 click.echo(f"FAILED {name}: {err}")
+            for name, err in sorted(report.recovered.items()):
+                click.echo(f"{name}: recovered from: {err}")
             for name, diffs in sorted(report.verified.items()):
                 click.echo(f"{'identical' if not diffs else 'DIFFERS'} {name}"
                            + (f": {'; '.join(diffs[:5])}" if diffs else ""))

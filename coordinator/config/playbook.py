@@ -16,6 +16,7 @@ the field, and nowhere else; the training defaults match mlx-lm's except where n
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -112,10 +113,99 @@ def _non_empty(value: Any) -> Any:
     return value
 
 
+# Dirs that `coordinator sync` would mirror with deletion, so never a playbook's model/data/reference: the
+# filesystem root, system dirs, whole volumes, every home dir and the standard folders in one.
+SYSTEM_ROOTS = frozenset({
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/snap", "/nix",
+    "/Applications", "/Library", "/System", "/Users", "/Volumes", "/cores", "/private",
+    "/usr/bin", "/usr/lib", "/usr/local", "/usr/sbin", "/usr/share", "/usr/local/bin", "/usr/local/lib",
+    "/var/lib", "/var/log", "/var/tmp", "/var/home", "/opt/homebrew", "/private/etc", "/private/tmp",
+    "/private/var", "/System/Library", "/Users/Shared",
+})
+HOME_PARENTS = ("/home", "/Users", "/var/home")  # /home/NAME is a home dir
+HOME_FOLDERS = frozenset({"Applications", "Desktop", "Documents", "Downloads", "Library", "Movies", "Music",
+                          "Pictures", "Public", ".cache", ".config", ".local", ".ssh"})
+
+
+def check_synced_dir(value: str) -> str | None:
+    """Why `value` cannot be a synced dir (model, data, reference), or None. Pure. A relative path is relative to
+    the login's home on the node, as `~/...`; `$VARIABLES` are not expanded there."""
+    path = value.strip()
+    if re.fullmatch(r"\$\{?HOME\}?/*", path):
+        return f"{path} is the home dir"
+    if "$" in path:
+        return f"{path}: environment variables are not expanded on the nodes (write ~/... for the home dir)"
+    home = path.startswith("~") or not path.startswith("/")
+    if path.startswith("~"):
+        path = path.partition("/")[2]  # ~/x or ~user/x: x, relative to a home dir
+    norm = posixpath.normpath(path) if path else "."
+    if home:
+        if norm == ".":
+            return f"{value.strip()} is the home dir"
+        if norm == ".." or norm.startswith("../"):
+            return f"{value.strip()} is outside the home dir it is relative to"
+        if norm in HOME_FOLDERS:
+            return f"{value.strip()} is a standard folder of the home dir"
+        return None
+    norm = "/" + norm.lstrip("/")
+    if norm == "/":
+        return f"{value.strip()} is the filesystem root"
+    if norm in SYSTEM_ROOTS:
+        return f"{value.strip()} is a system dir"
+    parts = norm.strip("/").split("/")
+    if norm == "/root" or (len(parts) == 2 and "/" + parts[0] in HOME_PARENTS) or \
+            (len(parts) == 3 and "/" + "/".join(parts[:2]) in HOME_PARENTS):
+        return f"{value.strip()} is a home dir"
+    if (len(parts) == 3 and "/" + parts[0] in HOME_PARENTS and parts[2] in HOME_FOLDERS) or \
+            (len(parts) == 2 and parts[0] == "root" and parts[1] in HOME_FOLDERS):
+        return f"{value.strip()} is a standard folder of a home dir"
+    if len(parts) == 2 and parts[0] == "Volumes":
+        return f"{value.strip()} is a whole volume"
+    return None
+
+
+def _synced_dir(value: Any) -> Any:
+    if isinstance(value, str) and value.strip():
+        problem = check_synced_dir(value)
+        if problem and "$" in value:
+            raise ValueError(problem)
+        if problem:
+            raise ValueError(f"{problem}: `coordinator sync` mirrors this dir and deletes what its source lacks; use "
+                             "a dir of its own, such as /srv/models/NAME or ~/models/NAME")
+    return value
+
+
+def _dir_key(value: str) -> str:
+    """A synced dir as compared for overlap: `~/x` and `x` (relative to the home dir) alike, normalized."""
+    path = value.strip()
+    if path.startswith("~/") or path == "~":
+        return "~/" + posixpath.normpath(path[2:] or ".")
+    if not path.startswith("/"):
+        return "~/" + posixpath.normpath(path)
+    return posixpath.normpath(path)
+
+
+def find_overlap(dirs: Sequence[tuple[str, str]]) -> tuple[str, str, str] | None:
+    """(first label, second label, how) for two synced dirs that are the same dir or one inside the other
+    (each sync of one would delete the other's files as extras), or None. Pure; compares the paths as written."""
+    keys = [(label, _dir_key(d)) for label, d in dirs]
+    for i, (a, ka) in enumerate(keys):
+        for b, kb in keys[i + 1:]:
+            if ka == kb:
+                return a, b, "is the same dir as"
+            if kb.startswith(ka.rstrip("/") + "/"):
+                return b, a, "is inside"
+            if ka.startswith(kb.rstrip("/") + "/"):
+                return a, b, "is inside"
+    return None
+
+
 Int = Annotated[int, BeforeValidator(to_integer)]
 PositiveInt = Annotated[int, BeforeValidator(to_integer), Field(ge=1)]
 PositiveFloat = Annotated[float, BeforeValidator(to_number), Field(gt=0)]
 NonEmptyStr = Annotated[str, BeforeValidator(_non_empty)]
+SyncedDir = Annotated[str, BeforeValidator(_synced_dir), BeforeValidator(_non_empty)]  # model, data, reference
 
 
 class _Strict(BaseModel):
@@ -207,7 +297,7 @@ class DpoConfig(_Strict):
     `reference` (a model dir on every node) or, when null, the starting model itself."""
 
     beta: PositiveFloat = 0.1
-    reference: NonEmptyStr | None = None
+    reference: SyncedDir | None = None
     fine_tune_type: FineTuneType = "lora"  # which parameters DPO trains (as mlx-lm's adapter_config names it)
 
 
@@ -334,8 +424,8 @@ class Playbook(_Strict):
 
     name: Name
     kind: Kind = "train"
-    model: NonEmptyStr  # directory on every node
-    data: NonEmptyStr | None = Field(default=None, validate_default=True)  # directory on every node; train needs it
+    model: SyncedDir  # directory on every node
+    data: SyncedDir | None = Field(default=None, validate_default=True)  # directory on every node; train needs it
     backend: Backend = "ring"
     manifest: NonEmptyStr | None = None  # local sha256sum-format file of model/... and data/... digests
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -421,6 +511,14 @@ def parse_playbook(
     except ValidationError as exc:
         raise config_error_from_validation(exc, model=Playbook, path=path, line_for=locate,
                                            hidden_fields=LOADER_SET_FIELDS) from None
+    overlap = find_overlap(playbook.hashed_dirs())
+    if overlap is not None:
+        inner, outer, how = overlap
+        keys = {"model": ("model",), "data": ("data",), "reference": ("train", "dpo", "reference")}
+        where = dict(playbook.hashed_dirs())
+        raise ConfigError(f"{inner}: {where[inner]} {how} {outer} ({where[outer]}): each would be synced with "
+                          f"deletion of what the other holds; give them separate dirs", path=path,
+                          line=locate(keys[inner]))
     return playbook.model_copy(update={"path": path})
 
 

@@ -14,13 +14,17 @@ The I/O shell around `coordinator.planning.sync` (the pure plan). Steps:
    chain, every node writing and forwarding as bytes arrive;
 5. `plan` again on every target: each manifest must equal the source's.
 
-Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced); a
-relay error fails its node and, the chain being broken there, those after it. Exit 0 when every node ends
-identical, 1 otherwise (or when the plan has a problem such as disk space), 2 on a usage error."""
+Failure semantics: a node that cannot be reached is a failed node in the summary (the others are synced). A
+plan with doubtful deletions is refused unless confirmed (`report.refusal`, exit 2; nothing changed). Every relay
+holds a lifeline (its stdin) and dies with this process. A relay that aborts, or says nothing for STALL_TIMEOUT,
+breaks the chain there: the relays after it are stopped within seconds and, with it, get the stream over SSH.
+Exit 0 when every target verifies identical (errors it outlived are in `recovered`), 1 otherwise (or when the
+plan has a problem such as disk space), 2 on a usage error."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -36,7 +40,15 @@ from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.fleet.transport import Fleet, LocalTransport, RawProcess, Transport, python_argv
 from coordinator.models import Connection, Inventory, Node
-from coordinator.planning.sync import NodeState, ParseError, SyncPlan, compute_plan, parse_node_state, verify
+from coordinator.planning.sync import (
+    NodeState,
+    ParseError,
+    SyncPlan,
+    compute_plan,
+    describe_refusal,
+    parse_node_state,
+    verify,
+)
 
 SETUP_TIMEOUT = 60.0
 
@@ -48,6 +60,12 @@ PORT_TIMEOUT = 30.0
 
 
 RELAY_IDLE_TIMEOUT = 60.0  # a relay socket silent this long gives up (the node's process then exits by itself)
+
+
+STALL_TIMEOUT = 10.0  # a relay that says nothing (its heartbeat is every HEARTBEAT s) this long is stopped
+
+
+LIFELINE_MARGIN = 60.0  # a relay's own deadline is the coordinator's timeout plus this
 
 
 BROKEN_CHAIN_GRACE = 2.0  # seconds the relays get to finish once the source's stream has failed
@@ -63,6 +81,12 @@ class SyncError(CoordinatorError):
     """The sync could not start (no source, no agreement) or its source failed."""
 
 
+class SourceRefused(SyncError):
+    """The source cannot be the truth: a synced dir is missing there (a usage error: exit 2)."""
+
+    exit_code = 2
+
+
 @dataclass
 class SyncReport:
     plan: SyncPlan | None
@@ -74,10 +98,14 @@ class SyncReport:
     transfer_seconds: float = 0.0
     refused: dict[str, list[str]] = field(default_factory=dict)
     fallback: dict[str, str] = field(default_factory=dict)  # node -> why the relay chain failed it (then SSH)
+    refusal: str | None = None  # doubtful deletions the user did not confirm: nothing was changed
+    recovered: dict[str, str] = field(default_factory=dict)  # node -> an error its verified-identical end outlived
 
     @property
     def ok(self) -> bool:
-        if self.plan is None or self.node_errors or self.plan.problems:
+        """The verdict is the verification's: every target identical to the source. An error on the way that
+        the end outlived (a stray partial, a chain break healed by the fallback) is in `recovered`, not here."""
+        if self.plan is None or self.node_errors or self.plan.problems or self.refusal:
             return False
         return self.checked_only or all(not v for v in self.verified.values())
 
@@ -86,7 +114,8 @@ class SyncReport:
                 "errors": self.node_errors, "verified": {n: not v for n, v in self.verified.items()},
                 "differences": {n: v for n, v in self.verified.items() if v}, "sent_bytes": self.sent_bytes,
                 "elapsed_s": round(self.seconds, 3), "transfer_s": round(self.transfer_seconds, 3),
-                "refused": self.refused, "fallback": self.fallback}
+                "refused": self.refused, "fallback": self.fallback, "refusal": self.refusal,
+                "recovered": self.recovered}
 
 
 @dataclass(frozen=True)
@@ -103,11 +132,48 @@ def _relay_argv(side: _Side, *args: str) -> list[str]:
 
 
 async def _call(side: _Side, args: list[str], spec: dict[str, Any], timeout: float) -> str:
-    result = await side.transport.run(_relay_argv(side, *args), stdin=json.dumps(spec), timeout=timeout)
-    if not result.ok:
-        raise TransportError(side.node.name, f"worker.relay {args[0]} exited {result.exit_status}: "
-                             f"{(result.stdout + result.stderr).strip()[-400:]}")
-    return result.stdout
+    """Run `worker.relay ARGS` with `spec` on its stdin, which stays open: the relay's lifeline. The relay exits
+    when it closes (this coordinator killed, the SSH session dropped, or the timeout below), so no remote
+    planning keeps walking a node's disk for a coordinator that is gone. Raises TransportError."""
+    proc = await side.transport.open_binary(_relay_argv(side, *args))
+    try:
+        proc.stdin.write(_spec_line(spec, timeout))
+        out, err = await asyncio.wait_for(asyncio.gather(proc.stdout.read(), proc.stderr.read()), timeout=timeout)
+        status = await asyncio.wait_for(proc.wait(), timeout=timeout)
+    except TimeoutError as exc:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} timed out after {timeout:g}s",
+                             kind="timeout") from exc
+    except (asyncssh.Error, OSError) as exc:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} failed: {exc}") from exc
+    finally:
+        proc.kill()  # closes the channel: the relay's stdin ends, and it exits if it has not yet
+    text: str = out.decode(errors="replace")
+    if status != 0:
+        raise TransportError(side.node.name, f"worker.relay {args[0]} exited {status}: "
+                             f"{(text + err.decode(errors='replace')).strip()[-400:]}")
+    return text
+
+
+async def _lines(reader: Any) -> AsyncIterator[bytes]:
+    """The lines of a binary pipe as they arrive, however long (a relay's answer lists every file it received:
+    a readline() would hit asyncio's 64 KiB line limit)."""
+    line = bytearray()
+    while chunk := await reader.read(1 << 16):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            line += chunk[start:end + 1]
+            yield bytes(line)
+            line.clear()
+            start = end + 1
+        line += chunk[start:]
+    if line:
+        yield bytes(line)
+
+
+def _spec_line(spec: dict[str, Any], deadline: float) -> bytes:
+    """The relay's one line of stdin: `spec`, with the lifeline on (exit when stdin closes) and a deadline (the
+    relay exits by itself after it, should even the lifeline fail)."""
+    return json.dumps({**spec, "lifeline": True, "deadline": deadline + LIFELINE_MARGIN}).encode() + b"\n"
 
 
 async def _plan_state(side: _Side) -> NodeState:
@@ -124,28 +190,52 @@ class _Stream:
         self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.answer: dict[str, Any] | None = None
         self.stderr: list[str] = []
+        self.heard = time.monotonic()  # when it last said something (progress, or its heartbeat)
+        self.stalled = False
+        self.pid: int | None = None  # the relay's, on its node
         self.task = asyncio.create_task(self._run(argv, spec, progress))
 
     async def _run(self, argv: list[str], spec: dict[str, Any], progress: Callable[[int], None]) -> None:
         name = self.side.node.name
-        stream: AsyncIterator[tuple[str, str]] = self.side.transport.stream(
-            argv, stdin=json.dumps(spec), timeout=TRANSFER_TIMEOUT)
+        proc: RawProcess | None = None
         try:
-            async for kind, line in stream:
-                if kind == "stderr":
-                    if line.startswith("progress "):
-                        progress(int(line.split()[1]))
+            proc = await self.side.transport.open_binary(argv)
+            proc.stdin.write(_spec_line(spec, TRANSFER_TIMEOUT))  # stdin stays open: the relay's lifeline
+
+            async def errs(reader: Any) -> None:
+                async for line in _lines(reader):
+                    text = line.decode(errors="replace")
+                    if text.startswith("progress "):
+                        self.heard = time.monotonic()
+                        progress(int(text.split()[1]))
+                    elif text.startswith("alive"):
+                        self.heard = time.monotonic()
+                    elif text.startswith("pid "):
+                        self.pid = int(text.split()[1])
                     else:
-                        self.stderr.append(line.strip())
-                elif kind == "stdout" and line.strip():
+                        self.stderr.append(text.strip())
+
+            async def outs(reader: Any) -> None:
+                async for line in _lines(reader):
+                    if not line.strip():
+                        continue
                     doc = json.loads(line)
                     if "port" in doc and not self.port.done():
                         self.port.set_result(int(doc["port"]))
                     else:
                         self.answer = doc
-        except (TransportError, ValueError) as exc:
+
+            await asyncio.gather(errs(proc.stderr), outs(proc.stdout))
+        except (TransportError, asyncssh.Error, OSError, ValueError) as exc:
             self.answer = {"error": str(exc)}
         finally:
+            if self.stalled and self.pid is not None:
+                # A hung relay (a stopped process, a node stuck in I/O) reads no lifeline: kill it by pid, so its
+                # sockets close and its neighbours go on (a signal on the channel may reach only its shell).
+                with contextlib.suppress(CoordinatorError):
+                    await self.side.transport.run(["kill", "-KILL", str(self.pid)], timeout=SETUP_TIMEOUT)
+            if proc is not None:
+                proc.kill()  # the channel closes: a relay still running sees its lifeline end and exits
             if not self.port.done():
                 self.port.set_exception(TransportError(
                     name, f"relay ended before listening: {(self.answer or {}).get('error', '')} "
@@ -153,8 +243,15 @@ class _Stream:
                 if not self.listens:  # nobody awaits a sender's port
                     self.port.exception()
 
+    @property
+    def aborted(self) -> bool:
+        """It ended without finishing its stream (not just with some files in error): the chain broke here."""
+        return self.task.done() and (self.task.cancelled() or self.answer is None or "error" in self.answer)
+
     def error(self) -> str | None:
         doc = self.answer
+        if doc is None and self.stalled:
+            return f"stopped: silent for {STALL_TIMEOUT:g}s (hung?)"
         if doc is None and self.task.cancelled():
             return "stopped: the chain broke upstream"
         if doc is None:
@@ -169,10 +266,13 @@ class _Stream:
 async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | None, source_path: Path | None,
                    check: bool, connect_timeout: float = 5.0, accept_new_host_keys: bool = False,
                    progress: Progress | None = None, on_plan: Callable[[SyncPlan], None] | None = None,
-                   source_dirs: Mapping[str, str] | None = None) -> SyncReport:
+                   source_dirs: Mapping[str, str] | None = None, delete_extras: bool = False,
+                   confirm: Callable[[str], bool] | None = None) -> SyncReport:
     """Plan, copy and verify (see the module docstring). Per-node failures are in the report. `source_dirs`
     (label -> local dir) is a local source laid out otherwise than `source_path/<label>` (launch --fix: the
-    playbook's own paths on this machine)."""
+    playbook's own paths on this machine). A plan with doubtful deletions (coordinator/planning/sync.py) goes
+    ahead only with `delete_extras` or when `confirm(question)` says yes; otherwise `report.refusal` says why and
+    nothing is changed."""
     started = time.perf_counter()
     dirs = dict(pb.hashed_dirs())
     nodes = [n for n in inventory.nodes if source_node is None or n.name != source_node.name]
@@ -223,9 +323,9 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
             src_state = states.pop(src_side.node.name, None)
             if src_state is None:
                 raise SyncError(f"source: {report.node_errors.pop(src_side.node.name, 'no manifest')}")
-            if src_state.missing or not src_state.manifest:
-                raise SyncError(f"source {src_side.node.name} lacks "
-                                f"{', '.join(src_side.dirs[lb] for lb in src_state.missing) or 'any file'}")
+            if src_state.missing:
+                raise SourceRefused(f"source {src_side.node.name} lacks "
+                                    f"{', '.join(src_side.dirs[lb] for lb in src_state.missing)} (no such directory)")
             if src_state.errors:
                 raise SyncError(f"source {src_side.node.name}: {'; '.join(src_state.errors)}")
             source_name, manifest = src_side.node.name, src_state.manifest
@@ -238,7 +338,12 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
         report.plan = plan
         if on_plan is not None:
             on_plan(plan)
-        if check or plan.problems:
+        if plan.doubtful and not delete_extras:
+            refusal = describe_refusal(plan, src_side.dirs)
+            if check or plan.problems or confirm is None or \
+                    not confirm(describe_refusal(plan, src_side.dirs, question=True)):
+                report.refusal = refusal
+        if check or plan.problems or report.refusal:
             report.seconds = time.perf_counter() - started
             return report
 
@@ -275,6 +380,13 @@ async def run_sync(inventory: Inventory, pb: Playbook, *, source_node: Node | No
                 report.verified[side.node.name] = verify(manifest, ans)
             else:
                 report.node_errors.setdefault(side.node.name, str(ans))
+        # Errors the end outlived: a node that verified identical is synced whatever went wrong on the way, and
+        # so is a source whose every target did.
+        everyone = bool(report.verified) and all(not v for v in report.verified.values()) and \
+            set(report.verified) == {s.node.name for s in targets if s.node.name in states}
+        for name in list(report.node_errors):
+            if report.verified.get(name) == [] or (name == src_side.node.name and everyone):
+                report.recovered[name] = report.node_errors.pop(name)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -303,28 +415,57 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
     servers = [_Stream(s, _relay_argv(s, "serve", "--bind", s.node.data_ip),
                        {"token": token, "dirs": s.dirs, "need": need[s.node.name], "timeout": RELAY_IDLE_TIMEOUT},
                        meter(s.node.name)) for s in chain]
+    # The chain is the relays that listen (within PORT_TIMEOUT, or sooner stopped as silent by the watchdog);
+    # the others are left to the fallback.
+    early = asyncio.create_task(_watch_stalls(servers, None))
     try:
-        ports = await asyncio.wait_for(asyncio.gather(*(s.port for s in servers)), timeout=PORT_TIMEOUT)
-    except (TransportError, TimeoutError) as exc:
-        for server in servers:
-            server.task.cancel()
-        for side in chain:
-            report.node_errors.setdefault(side.node.name, f"relay did not start: {exc}")
+        await asyncio.wait([s.port for s in servers], timeout=PORT_TIMEOUT)
+    finally:
+        early.cancel()
+    for server in [s for s in servers if not s.port.done() or s.port.exception() is not None]:
+        server.task.cancel()
+        why = (f"silent for {STALL_TIMEOUT:g}s (hung?)" if server.stalled
+               else (server.port.exception() if server.port.done() else None) or
+               f"not listening after {PORT_TIMEOUT:g}s")
+        report.node_errors.setdefault(server.side.node.name, f"relay did not start: {why}")
+    servers = [s for s in servers if s.port.done() and s.port.exception() is None]
+    if not servers:
         return
-    hops = [[s.node.data_ip, port] for s, port in zip(chain, ports, strict=True)]
+    hops = [[s.side.node.data_ip, s.port.result()] for s in servers]
     sender = _Stream(src, _relay_argv(src, "send"),
                      {"token": token, "dirs": src.dirs, "files": [f.to_json() for f in plan.files], "chain": hops,
                       "timeout": RELAY_IDLE_TIMEOUT}, lambda _done: None, listens=False)
-    await sender.task
-    if sender.error():
-        # The chain broke (a hop unreachable or gone): relays downstream of the break would wait for data until
-        # their idle timeout. Give the others a moment to finish what they received, then stop them all.
-        _, pending = await asyncio.wait([s.task for s in servers], timeout=BROKEN_CHAIN_GRACE)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    else:
-        await asyncio.gather(*(s.task for s in servers))
+    # A relay that aborts breaks the chain there: the relays after it would wait for an upstream (or data) until
+    # their idle timeout, so they get BROKEN_CHAIN_GRACE to finish on their own, then are stopped (the fallback
+    # serves them). The ones before it go on: a relay whose next hop fails keeps receiving for itself.
+    stoppers: list[asyncio.Task[None]] = []
+
+    async def stop_after(group: list[_Stream]) -> None:
+        running = [s.task for s in group if not s.task.done()]
+        if running:
+            _, pending = await asyncio.wait(running, timeout=BROKEN_CHAIN_GRACE)
+            for task in pending:
+                task.cancel()
+
+    def on_end(i: int) -> Callable[[asyncio.Task[None]], None]:
+        def ended(_task: asyncio.Task[None]) -> None:
+            if servers[i].aborted:
+                stoppers.append(asyncio.create_task(stop_after(servers[i + 1:])))
+        return ended
+
+    for i, server in enumerate(servers):
+        server.task.add_done_callback(on_end(i))
+    watchdog = asyncio.create_task(_watch_stalls(servers, sender))
+    try:
+        await asyncio.wait([sender.task])  # (cancelled by the watchdog when it hangs)
+        # The source is done: every relay it reached has finished (each hop waits for the next to close), so the
+        # ones still running were cut off.
+        await stop_after(servers)
+        await asyncio.gather(*(s.task for s in servers), return_exceptions=True)
+        await asyncio.sleep(0)  # the done callbacks run
+        await asyncio.gather(*stoppers, return_exceptions=True)
+    finally:
+        watchdog.cancel()
     if sender.answer and isinstance(sender.answer.get("bytes"), int):
         report.sent_bytes = sender.answer["bytes"]
     problem = sender.error()
@@ -337,6 +478,19 @@ async def _transfer(plan: SyncPlan, src: _Side, chain: list[_Side], report: Sync
             report.node_errors[name] = problem
         if server.answer and server.answer.get("refused"):
             report.refused[name] = list(server.answer["refused"])
+
+
+async def _watch_stalls(servers: list[_Stream], sender: _Stream | None) -> None:
+    """Stop a relay that has said nothing (no progress, no heartbeat) for STALL_TIMEOUT: a hung process or node
+    would otherwise hold the whole chain until the sockets' idle timeout. Its neighbours then see its sockets
+    close and go on without it (the fallback serves it)."""
+    while True:
+        await asyncio.sleep(STALL_TIMEOUT / 4)
+        now = time.monotonic()
+        for stream in [*([sender] if sender is not None else []), *servers]:
+            if not stream.task.done() and now - stream.heard > STALL_TIMEOUT:
+                stream.stalled = True
+                stream.task.cancel()
 
 
 async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report: SyncReport,
@@ -367,37 +521,63 @@ async def _transfer_ssh(plan: SyncPlan, src: _Side, targets: list[_Side], report
         answers[name] = json.loads(out[-1]) if out else {"error": "no answer"}
 
     readers = [asyncio.create_task(read_err(src.node.name, source))]
+    started = [source]
     for t in targets:
-        proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        try:
+            proc = await t.transport.open_binary(_relay_argv(t, "serve", "--stdin"))
+        except TransportError as exc:
+            report.node_errors[t.node.name] = f"SSH fallback: {exc}"
+            answers[t.node.name] = {}
+            continue
+        started.append(proc)
         proc.stdin.write(json.dumps({"token": token, "dirs": t.dirs, "need": need[t.node.name],
                                      "timeout": RELAY_IDLE_TIMEOUT}).encode() + b"\n")
         sinks[t.node.name] = proc
         readers += [asyncio.create_task(read_err(t.node.name, proc)), asyncio.create_task(read_out(t.node.name, proc))]
+
+    def drop(name: str, why: str) -> None:
+        # That node's relay died or hung: it is stopped (so its readers end) and the others go on.
+        report.node_errors[name] = f"SSH fallback: {why}"
+        answers.setdefault(name, {})
+        sinks.pop(name).kill()
+
+    async def feed(proc: RawProcess, data: bytes) -> None:
+        proc.stdin.write(data)
+        await asyncio.wait_for(proc.stdin.drain(), timeout=RELAY_IDLE_TIMEOUT)
+
     try:
-        while chunk := await source.stdout.read(1 << 20):
+        while True:
+            try:
+                chunk = await asyncio.wait_for(source.stdout.read(1 << 20), timeout=RELAY_IDLE_TIMEOUT)
+            except TimeoutError:
+                answers[src.node.name] = {"error": f"sent nothing for {RELAY_IDLE_TIMEOUT:g}s"}
+                break
+            if not chunk:
+                break
             report.sent_bytes += len(chunk)
-
-            async def feed(proc: RawProcess, data: bytes = chunk) -> None:
-                proc.stdin.write(data)
-                await proc.stdin.drain()
-
             names = list(sinks)
-            fed = await asyncio.gather(*(feed(sinks[n]) for n in names), return_exceptions=True)
+            fed = await asyncio.gather(*(feed(sinks[n], chunk) for n in names), return_exceptions=True)
             for name, outcome in zip(names, fed, strict=True):
-                if isinstance(outcome, (OSError, asyncssh.Error)):  # that node's relay died: the others go on
-                    report.node_errors[name] = f"SSH fallback: {outcome}"
-                    del sinks[name]
+                if isinstance(outcome, TimeoutError):
+                    drop(name, f"took nothing for {RELAY_IDLE_TIMEOUT:g}s")
+                elif isinstance(outcome, (OSError, asyncssh.Error)):
+                    drop(name, str(outcome))
                 elif isinstance(outcome, BaseException):
                     raise outcome
         for proc in sinks.values():
             proc.stdin.write_eof()
-        await asyncio.gather(source.wait(), *(p.wait() for p in sinks.values()))
-        await asyncio.gather(*readers, return_exceptions=True)
+        # Each relay answers once its last file is renamed; bounded, so a hung one cannot hold the sync.
+        _, pending = await asyncio.wait([asyncio.ensure_future(source.wait()), *readers,
+                                         *(asyncio.ensure_future(p.wait()) for p in sinks.values())],
+                                        timeout=RELAY_IDLE_TIMEOUT)
+        for task in pending:
+            task.cancel()
     finally:
-        for proc in [source, *sinks.values()]:
+        for proc in started:
             proc.kill()
     for name in [src.node.name, *(t.node.name for t in targets)]:
         doc = answers.get(name, {"error": "no answer"})
         problem = doc.get("error") or "; ".join(doc.get("errors") or [])
         if problem:
-            report.node_errors[name] = (f"source: {problem}" if name == src.node.name else f"SSH fallback: {problem}")
+            report.node_errors.setdefault(name, f"source: {problem}" if name == src.node.name
+                                          else f"SSH fallback: {problem}")

@@ -13,6 +13,14 @@ file goes down the chain, so it starts at the SMALLEST kept offset among the nod
 node truncates its partial to that offset); after a killed sync every node of the chain holds about the same
 prefix, so a re-run sends about what was missing.
 
+Doubtful deletions: deleting is only as safe as the source is right. An unmounted disk or a typo'd source
+dir looks like an empty (or nearly empty) source, and mirroring it would wipe every target. So for each node
+and synced dir the plan measures what it would delete against what the node holds there; the deletion is
+DOUBTFUL when the source's dir is empty, or it would remove more than half (DOUBT_FRACTION) of the node's files
+there, or more than half of its bytes. A plan with a doubtful deletion is refused unless the user confirms
+(`--delete-extras`, or yes at a terminal prompt): `describe_refusal` says what would go. Leftover partials
+(our own temporary files) never count.
+
 Disk: each node needs, per filesystem, the bytes it will write (size minus the kept prefix) plus 5% headroom;
 a node short of it fails the whole sync before the first byte is sent.
 """
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HEADROOM = 0.05
+DOUBT_FRACTION = 0.5  # deleting more than this share of a node's files (or bytes) in a dir needs a confirmation
 
 
 class ParseError(ValueError):
@@ -90,6 +99,7 @@ class NodePlan:
     delete: tuple[str, ...]  # extras, and `<file>.partial` leftovers of no use
     write_bytes: int  # bytes this node will write
     disk_problem: str | None = None
+    delete_bytes: int = 0  # bytes those deletions free (extras and partials)
 
     @property
     def in_sync(self) -> bool:
@@ -98,7 +108,25 @@ class NodePlan:
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "copy": list(self.copy), "files": len(self.copy), "bytes": self.write_bytes,
                 "resumed_bytes": sum(self.kept.values()), "delete": list(self.delete),
-                "disk_problem": self.disk_problem}
+                "delete_files": len(self.delete), "delete_bytes": self.delete_bytes, "disk_problem": self.disk_problem}
+
+
+@dataclass(frozen=True)
+class DoubtfulDeletion:
+    """Deleting `files` files (`bytes`) of the `held_files` (`held_bytes`) a node holds in one synced dir, when the
+    source's copy of that dir holds `source_files`: too much to take on the source's word alone."""
+
+    node: str
+    label: str
+    files: int
+    bytes: int
+    held_files: int
+    held_bytes: int
+    source_files: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "dir": self.label, "files": self.files, "bytes": self.bytes,
+                "held_files": self.held_files, "held_bytes": self.held_bytes, "source_files": self.source_files}
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,7 @@ class SyncPlan:
     files: tuple[FileSend, ...]  # the stream, in order
     chain: tuple[str, ...]  # receiving nodes, in relay order
     problems: tuple[str, ...] = field(default=())
+    doubtful: tuple[DoubtfulDeletion, ...] = field(default=())  # deletions that need the user's confirmation
 
     @property
     def stream_bytes(self) -> int:
@@ -117,7 +146,8 @@ class SyncPlan:
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "files": len(self.manifest),
                 "bytes": sum(s for s, _ in self.manifest.values()), "stream_bytes": self.stream_bytes,
-                "chain": list(self.chain), "nodes": [n.to_json() for n in self.nodes], "problems": list(self.problems)}
+                "chain": list(self.chain), "nodes": [n.to_json() for n in self.nodes], "problems": list(self.problems),
+                "doubtful": [d.to_json() for d in self.doubtful]}
 
 
 def diff_state(source: Mapping[str, tuple[int, str]], target: NodeState) -> tuple[list[str], list[str]]:
@@ -169,9 +199,52 @@ def compute_plan(source: str, manifest: Mapping[str, tuple[int, str]], targets: 
             problem = (f"{t.node}: not enough free disk space: needs {_gb(need)} + 5% headroom, "
                        f"has {_gb(free)} free in {', '.join(sorted(set(p.split('/', 1)[0] for p in copy)))}")
             problems.append(problem)
-        plans.append(NodePlan(t.node, tuple(copy), kept, tuple(extras[t.node] + stale_partials), write, problem))
+        delete_bytes = (sum(t.manifest[p][0] for p in extras[t.node])
+                        + sum(t.partials[p[: -len(".partial")]][0] for p in stale_partials))
+        plans.append(NodePlan(t.node, tuple(copy), kept, tuple(extras[t.node] + stale_partials), write, problem,
+                              delete_bytes))
     chain = tuple(p.node for p in plans if p.copy)
-    return SyncPlan(source, dict(manifest), tuple(plans), tuple(files), chain, tuple(problems))
+    doubtful = tuple(d for t in targets for d in evaluate_deletions(manifest, t, extras[t.node]))
+    return SyncPlan(source, dict(manifest), tuple(plans), tuple(files), chain, tuple(problems), doubtful)
+
+
+def _label(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def evaluate_deletions(manifest: Mapping[str, tuple[int, str]], target: NodeState,
+                       extras: Sequence[str]) -> list[DoubtfulDeletion]:
+    """The doubtful deletions of `extras` (files of `target` the source lacks), per synced dir: the source's dir
+    is empty, or they are more than DOUBT_FRACTION of the node's files or bytes there (module docstring)."""
+    out: list[DoubtfulDeletion] = []
+    for label in sorted({_label(p) for p in extras}):
+        gone = [target.manifest[p][0] for p in extras if _label(p) == label]
+        held = [size for p, (size, _) in target.manifest.items() if _label(p) == label]
+        source_files = sum(1 for p in manifest if _label(p) == label)
+        if (source_files == 0 or len(gone) > DOUBT_FRACTION * len(held)
+                or sum(gone) > DOUBT_FRACTION * sum(held)):
+            out.append(DoubtfulDeletion(target.node, label, len(gone), sum(gone), len(held), sum(held),
+                                        source_files))
+    return out
+
+
+def describe_refusal(plan: SyncPlan, source_dirs: Mapping[str, str], *, question: bool = False) -> str:
+    """One line: why the plan's deletions are refused, naming the source node and dir and what would go (with
+    `question`: the same facts, asked as a yes/no question for a terminal prompt)."""
+    by_label: dict[str, list[DoubtfulDeletion]] = {}
+    for d in plan.doubtful:
+        by_label.setdefault(d.label, []).append(d)
+    parts = []
+    for label, ds in by_label.items():
+        where = f"{plan.source}:{source_dirs.get(label, label)}"
+        why = ("is empty" if ds[0].source_files == 0
+               else f"holds only {ds[0].source_files} file{'s' if ds[0].source_files != 1 else ''}")
+        lost = ", ".join(f"{d.files} of {d.held_files} files ({_gb(d.bytes)}) on {d.node}" for d in ds)
+        parts.append(f"source {where} {why}; syncing would delete {lost}")
+    if question:
+        return "; ".join(parts) + ". Delete them?"
+    return ("refusing to delete on doubtful evidence: " + "; ".join(parts)
+            + " (an unmounted disk or a wrong --from?); check the source, or pass --delete-extras to delete them")
 
 
 def verify(manifest: Mapping[str, tuple[int, str]], state: NodeState) -> list[str]:

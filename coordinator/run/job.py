@@ -540,6 +540,9 @@ async def _fix_sync(inv: Inventory, pb: Playbook, opts: JobOptions, names: Seque
         for name in targets.names():
             ui.message(f"--fix sync failed: {name}: {exc}")
         return
+    if report.refusal:  # doubtful deletions: --fix never confirms them for the user
+        ui.message(f"--fix sync refused: {report.refusal}")
+        return
     outcomes = compute_sync_outcomes(report.plan, report.node_errors, report.verified, targets.names())
     for name, (outcome, detail) in outcomes.items():
         ui.message(f"--fix sync {outcome}: {name}: {detail}")

@@ -409,8 +409,22 @@ class SyncNodeOut(_Out):
     files: int
     bytes: int
     resumed_bytes: int
-    delete: list[str]
+    delete: list[str]  # extras and useless partials, deleted before the copy
+    delete_files: int
+    delete_bytes: int
     disk_problem: str | None
+
+
+class SyncDoubtfulOut(_Out):
+    """A deletion refused without `--delete-extras` (docs/sync.md#doubtful-deletions)."""
+
+    node: str
+    dir: str  # the synced dir's label: model, data, reference
+    files: int  # files it would delete there
+    bytes: int
+    held_files: int  # files the node holds there
+    held_bytes: int
+    source_files: int  # files the source holds there
 
 
 class SyncPlanOut(_Out):
@@ -421,6 +435,7 @@ class SyncPlanOut(_Out):
     chain: list[str]
     nodes: list[SyncNodeOut]
     problems: list[str]
+    doubtful: list[SyncDoubtfulOut]
 
 
 class SyncOut(_Out):
@@ -437,6 +452,8 @@ class SyncOut(_Out):
     transfer_s: float
     refused: dict[str, list[str]]
     fallback: dict[str, str]
+    refusal: str | None  # the doubtful deletions were not confirmed: nothing changed (exit 2)
+    recovered: dict[str, str]  # node -> an error on the way that its verified-identical end outlived
 
 
 # --- setup ------------------------------------------------------------------------------------------------------

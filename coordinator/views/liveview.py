@@ -70,6 +70,15 @@ class NodeBars:
         if self.enabled:
             self.progress.stop()
 
+    def pause(self) -> None:
+        """Stop drawing (before a prompt); `resume` starts again."""
+        if self.enabled:
+            self.progress.stop()
+
+    def resume(self) -> None:
+        if self.enabled:
+            self.progress.start()
+
 
 def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
     eta = mon.eta_s(now)

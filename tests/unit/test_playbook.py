@@ -138,3 +138,49 @@ def test_unknown_check_lists_known_ids() -> None:
     with pytest.raises(ConfigError) as info:
         load_playbook(BAD / "pb-unknown-check.yaml")
     assert "known: ssh, os, rdma, thunderbolt, software, model, env, resources" in str(info.value)
+
+
+@pytest.mark.parametrize(("model", "data", "line", "says"), [
+    ("/", "/srv/data", 2, "model: / is the filesystem root"),
+    ("/usr", "/srv/data", 2, "model: /usr is a system dir"),
+    ("/srv/model", "/etc/", 3, "data: /etc/ is a system dir"),
+    ("/srv/model", "/home", 3, "data: /home is a system dir"),
+    ("~", "/srv/data", 2, "model: ~ is the home dir"),
+    ("$HOME", "/srv/data", 2, "model: $HOME is the home dir"),
+    ("${HOME}/m", "/srv/data", 2, "environment variables are not expanded"),
+    (".", "/srv/data", 2, "model: . is the home dir"),
+    ("/Users", "/srv/data", 2, "model: /Users is a system dir"),
+    ("/Users/ana", "/srv/data", 2, "model: /Users/ana is a home dir"),
+    ("/home/ana/", "/srv/data", 2, "model: /home/ana/ is a home dir"),
+    ("/Users/ana/Documents", "/srv/data", 2, "a standard folder of a home dir"),
+    ("~/Downloads", "/srv/data", 2, "a standard folder of the home dir"),
+    ("/var", "/srv/data", 2, "model: /var is a system dir"),
+    ("/System", "/srv/data", 2, "model: /System is a system dir"),
+    ("/Volumes/SSD", "/srv/data", 2, "a whole volume"),
+    ("/srv/x", "/srv/x/", 2, "model: /srv/x is the same dir as data (/srv/x/)"),
+    ("/srv/data/model", "/srv/data", 2, "model: /srv/data/model is inside data (/srv/data)"),
+    ("/srv/model", "/srv/model/data", 3, "data: /srv/model/data is inside model (/srv/model)"),
+    ("~/m", "m", 2, "model: ~/m is the same dir as data (m)"),
+])
+def test_synced_dirs_refuse_system_and_home_roots_and_overlap(tmp_path: Path, model: str, data: str, line: int,
+                                                              says: str) -> None:
+    path = tmp_path / "pb.yaml"
+    path.write_text(f"name: x\nmodel: '{model}'\ndata: '{data}'\n")
+    with pytest.raises(ConfigError) as err:
+        load_playbook(path)
+    assert err.value.line == line and says in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("model", "data"), [("/m", "/d"), ("~/models/q", "~/datasets/c"), ("models/q", "data"),
+                                             ("/home/ana/models/q", "/srv/data"), ("/srv/model", "/srv/model2")])
+def test_synced_dirs_of_their_own_are_accepted(tmp_path: Path, model: str, data: str) -> None:
+    path = tmp_path / "pb.yaml"
+    path.write_text(f"name: x\nmodel: '{model}'\ndata: '{data}'\n")
+    assert load_playbook(path).model == model
+
+
+def test_dpo_reference_must_not_overlap_the_model(tmp_path: Path) -> None:
+    path = tmp_path / "pb.yaml"
+    path.write_text("name: x\nmodel: /srv/m\ndata: /srv/d\ntrain:\n  method: dpo\n  dpo:\n    reference: /srv/m/ref\n")
+    with pytest.raises(ConfigError, match=r"pb.yaml:7: reference: /srv/m/ref is inside model"):
+        load_playbook(path)

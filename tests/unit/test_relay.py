@@ -48,16 +48,18 @@ def test_a_symlink_at_the_final_name_is_replaced_not_written_through(tmp_path: P
     outside.write_bytes(b"outside")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "f.bin").symlink_to(outside)
-    (tmp_path / "model" / "g.bin.partial").symlink_to(outside)  # a planted partial: O_NOFOLLOW refuses it
+    (tmp_path / "model" / "g.bin.partial").symlink_to(outside)  # a planted partial link
     server = Server(tmp_path, ["model/f.bin"])
     server.connect("t0k", [_entry("model/f.bin", b"new bytes")], b"new bytes")
     assert server.result()["files"] == ["model/f.bin"]
     assert not (tmp_path / "model" / "f.bin").is_symlink()
     assert (tmp_path / "model" / "f.bin").read_bytes() == b"new bytes" and outside.read_bytes() == b"outside"
     server = Server(tmp_path, ["model/g.bin"])
-    server.connect("t0k", [_entry("model/g.bin", b"evil")], b"evil", refused=True)
+    server.connect("t0k", [_entry("model/g.bin", b"new")], b"new")
     doc = server.result()
-    assert server.code == 1 and "error" in doc and outside.read_bytes() == b"outside"
+    # The planted partial link is removed, never written through: the file lands, the link's target is untouched.
+    assert server.code == 0 and doc["files"] == ["model/g.bin"] and outside.read_bytes() == b"outside"
+    assert (tmp_path / "model" / "g.bin").read_bytes() == b"new" and not (tmp_path / "model" / "g.bin.partial").exists()
 
 
 class Server:
@@ -193,3 +195,62 @@ def test_the_source_reads_through_symlinks_and_the_chain_delivers(tmp_path: Path
     assert json.loads(out.getvalue())["bytes"] == len(data)
     assert server.result()["files"] == ["model/w.bin"]
     assert (dst / "model" / "w.bin").read_bytes() == data
+
+
+def test_a_long_name_syncs_and_a_bad_file_does_not_stop_the_ones_after_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model" / "blocked").mkdir(parents=True)
+    (tmp_path / "model" / "blocked" / "f.bin.partial").mkdir()  # a dir at the partial's name...
+    (tmp_path / "model" / "blocked" / "f.bin.partial" / "x").write_bytes(b"x")  # ...not empty: f.bin cannot land
+    long = "n" * 250  # near NAME_MAX: `<name>.partial.sha256` would be 265 bytes
+    files = [("model/blocked/f.bin", b"first"), (f"model/{long}", b"long name"), ("model/z.bin", b"after")]
+    server = Server(tmp_path, [p for p, _ in files])
+    server.connect("t0k", [_entry(p, d) for p, d in files], b"".join(d for _, d in files))
+    doc = server.result()
+    assert doc["files"] == [f"model/{long}", "model/z.bin"]
+    assert len(doc["errors"]) == 1 and doc["errors"][0].startswith("model/blocked/f.bin: ")
+    assert (tmp_path / "model" / long).read_bytes() == b"long name"
+    assert (tmp_path / "model" / "z.bin").read_bytes() == b"after"
+
+
+def test_a_shortened_partial_is_planned_resumed_and_deleted_under_its_file(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tmp_path / "model"
+    model.mkdir()
+    long = "é" * 125  # 250 bytes of UTF-8
+    data = b"0123456789" * 100
+    partial = relay.partial_path(str(model / long))
+    assert len(os.path.basename(partial).encode()) + len(".sha256") <= relay.NAME_MAX
+    assert relay.partial_path(str(model / "short.bin")) == str(model / "short.bin.partial")
+    fd, _ = relay._open_partial(str(model / long), 0, hashlib.sha256(data).hexdigest())
+    os.write(fd, data[:400])
+    os.close(fd)
+    plan = relay.plan({"dirs": {"model": str(model)}, "cache": None})
+    assert plan["manifest"] == {} and plan["partials"] == {f"model/{long}": [400, hashlib.sha256(data).hexdigest()]}
+    server = Server(tmp_path, [f"model/{long}"])
+    server.connect("t0k", [_entry(f"model/{long}", data, start=400)], data[400:])
+    assert server.result()["files"] == [f"model/{long}"] and (model / long).read_bytes() == data
+    fd, _ = relay._open_partial(str(model / long), 0, "0" * 64)
+    os.close(fd)
+    done = relay.delete({"dirs": {"model": str(model)}, "paths": [f"model/{long}.partial"]})
+    assert done["errors"] == [] and sorted(p.name for p in model.iterdir()) == [long]
+
+
+def test_a_relay_exits_when_its_lifeline_closes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "model").mkdir()
+    # `serve` with nobody connecting would wait out its 30 s accept timeout; its stdin closing ends it at once.
+    proc = subprocess.Popen([sys.executable, "-m", "worker.relay", "serve", "--bind", "127.0.0.1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(relay.__file__).parents[1])
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps({"token": "t", "dirs": {"model": str(tmp_path / "model")}, "need": [],
+                                 "timeout": 30, "lifeline": True}).encode() + b"\n")
+    proc.stdin.flush()
+    assert "port" in json.loads(proc.stdout.readline())
+    proc.stdin.close()
+    assert proc.wait() == relay.LIFELINE_EXIT  # (not 1: "no upstream connected within 30s")

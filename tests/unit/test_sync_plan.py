@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from coordinator.planning.sync import NodeState, ParseError, compute_plan, parse_node_state, verify
+from coordinator.planning.sync import (
+    NodeState,
+    ParseError,
+    compute_plan,
+    describe_refusal,
+    parse_node_state,
+    verify,
+)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 SOURCE = {"model/w.bin": (1000, A), "model/config.json": (10, B), "data/train.jsonl": (50, C)}
@@ -82,3 +89,41 @@ def test_parse_node_state() -> None:
     for bad in ("", "not json", json.dumps({"error": "bad spec"}), json.dumps({"manifest": {}})):
         with pytest.raises(ParseError, match="h1"):
             parse_node_state("h1", bad)
+
+
+MODEL = {"model/w.bin": (1000, A), "model/config.json": (10, B), "model/tok.json": (10, C)}
+DATA = {"data/train.jsonl": (50, C)}
+
+
+@pytest.mark.parametrize(("source", "target", "doubtful"), [
+    (DATA, {**MODEL, **DATA}, [("model", 3, 1020)]),  # the source's model dir is empty
+    ({"model/config.json": (10, B), **DATA}, {**MODEL, **DATA}, [("model", 2, 1010)]),  # 2 of 3 files, 99% bytes
+    ({"model/w.bin": (1000, A), "model/new.json": (5, A), **DATA}, {**MODEL, **DATA}, [("model", 2, 20)]),  # files
+    ({"model/a.bin": (1, A), "model/b.bin": (1, B), "model/c.bin": (1, C), **DATA},
+     {"model/a.bin": (1, A), "model/b.bin": (1, B), "model/big": (10, C), **DATA}, [("model", 1, 10)]),  # bytes
+    ({**MODEL, "model/new.json": (5, A), **DATA}, {**MODEL, "model/old.json": (5, B), **DATA}, []),  # 1 of 4
+    (MODEL, {**MODEL, "data/train.jsonl": (50, C)}, [("data", 1, 50)]),  # the source's data dir is empty
+    (DATA, DATA, []),  # nothing to delete: an empty dir everywhere is no doubt
+])
+def test_doubtful_deletions_empty_source_or_most_of_a_node_files_or_bytes(
+        source: dict[str, tuple[int, str]], target: dict[str, tuple[int, str]],
+        doubtful: list[tuple[str, int, int]]) -> None:
+    plan = compute_plan("h1", source, [state("h2", target)])
+    assert [(d.label, d.files, d.bytes) for d in plan.doubtful] == doubtful
+    node = plan.nodes[0]
+    assert node.delete_bytes == sum(target[p][0] for p in node.delete)
+
+
+def test_partials_are_not_doubtful_and_count_in_the_deleted_bytes() -> None:
+    plan = compute_plan("h1", SOURCE, [state("h2", dict(SOURCE), partials={"model/x.bin": (700, A)})])
+    assert not plan.doubtful and plan.nodes[0].delete == ("model/x.bin.partial",)
+    assert plan.nodes[0].delete_bytes == 700
+
+
+def test_the_refusal_names_the_source_dir_and_what_would_go_per_node() -> None:
+    plan = compute_plan("h1", DATA, [state("h2", {**MODEL, **DATA}), state("h3", {**MODEL, **DATA})])
+    line = describe_refusal(plan, {"model": "/srv/model", "data": "/srv/data"})
+    assert "\n" not in line
+    assert "source h1:/srv/model is empty" in line
+    assert "3 of 3 files (1020 bytes) on h2, 3 of 3 files (1020 bytes) on h3" in line
+    assert "--delete-extras" in line
