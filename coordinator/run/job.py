@@ -213,14 +213,16 @@ async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
         return await calibrate_and_plan(ranks_fleet, inv, pb, facts, opts, ui)
 
 
-def per_gpu_ranks(inv: Inventory, fleet: Fleet, pb: Playbook, facts: Mapping[str, NodeFacts],
-                  ui: JobUI) -> tuple[Inventory, Fleet, dict[str, NodeFacts]]:
+def per_gpu_ranks(inv: Inventory, fleet: Fleet, pb: Playbook, facts: Mapping[str, NodeFacts], ui: JobUI, *,
+                  select: Callable[[Inventory], Inventory] | None = None) -> tuple[Inventory, Fleet, dict[str, NodeFacts]]:
     """The job's ranks once the facts are in: a node with several NVIDIA GPUs becomes one rank node per GPU
-    (`planning.gpuranks`), over the machine's one connection; facts get an entry per rank node. Unchanged
-    otherwise."""
+    (`planning.gpuranks`), over the machine's one connection; facts get an entry per rank node; `select` may
+    leave rank nodes out (quarantined GPUs). Unchanged otherwise."""
     ranks = build_rank_nodes(inv, pb.backend, facts)
     if ranks is inv:
         return inv, fleet, dict(facts)
+    if select is not None:
+        ranks = select(ranks)
     split = sorted({n.machine for n in ranks.nodes if n.machine is not None})
     ui.message("one rank per GPU: " + "; ".join(
         f"{m}: {', '.join(n.name for n in ranks.nodes if n.machine == m)}" for m in split))
@@ -555,7 +557,16 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
-        inv, fleet, facts = per_gpu_ranks(inv, fleet, pb, state.facts, ui)
+        gpus_left: list[LeftOut] = []
+
+        def usable_gpus(ranks: Inventory) -> Inventory:
+            # A GPU quarantined after its rank failed (`box/gpu1`) stays out of later launches, as a node would.
+            usable, left = usable_inventory(ranks, pb, store, ui, opts)
+            gpus_left.extend(left)
+            return usable
+
+        inv, fleet, facts = per_gpu_ranks(inv, fleet, pb, state.facts, ui, select=usable_gpus)
+        left_out = [*left_out, *gpus_left]
         state = FleetState(facts, state.report)
         check_chaos(chaos, len(inv.nodes))
         ui.message("calibrating (cached per node, model and sequence length)")

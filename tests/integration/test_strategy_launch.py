@@ -13,7 +13,7 @@ from tests.testbed import TestBed
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
-RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"
+RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes) or jaccl"
 
 
 def test_fsdp_is_refused_by_preflight_and_by_launch_before_any_rank_starts(testbed: TestBed, run_cli: RunCli,
