@@ -189,6 +189,7 @@ SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so th
 # After a rank's own error, wait up to this long for every other rank to report too (its own error, or an echo
 # once mlx.launch kills it): a job error is the same error on every rank, and ranks fail a moment apart.
 ERROR_GRACE_S = 5.0
+STARTUP_CRASH = "<every rank died before its first step>"  # the signature of `Monitor.classify`'s start-up crash
 JOB_ERROR = IncidentKind.JOB_ERROR
 # After mlx.launch exited, wait this long for the ranks' last events (their `finished`) before its exit, with ranks
 # unfinished and nothing else to explain it, is itself the failure.
@@ -793,8 +794,20 @@ class Monitor:
         """`classify_errors` over this attempt's observations: is the failure the job's?"""
         node_evidence = any(i.action == Action.QUARANTINE and i.kind in CULPRIT_KINDS and i.kind != IncidentKind.ERROR
                             and not self._secondary(i) for i in self.incidents)
-        return classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
-                               earlier=self.earlier_errors)
+        verdict = classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
+                                  earlier=self.earlier_errors)
+        if verdict is not None or self.own_errors or self.first_step_at or len(self.ranks) < 2:
+            return verdict
+        # Every rank died silently before any step: nothing ties it to a node (a peer of a node's fault would have
+        # written an echo on its way out); an abort in mlx's or NCCL's set-up does this on every rank, and a
+        # relaunch, or quarantining the whole fleet one node at a time, would only repeat it.
+        crashed = [i for i in self.incidents if i.kind == IncidentKind.CRASH and i.rank is not None]
+        if {i.rank for i in crashed} != set(self.ranks):
+            return None
+        return JobErrorVerdict(STARTUP_CRASH, "every rank's process died before its first step without reporting an "
+                               "error (an abort in mlx's or NCCL's set-up, or a signal to every rank): launcher.log "
+                               "holds the ranks' own output", tuple(sorted(self.ranks)),
+                               tuple(sorted({i.node for i in crashed})), "every rank died while starting")
 
     def _judge_job_error(self) -> list[Incident]:
         """When the failure is the job's: every incident that would quarantine a node, and every rank's own copy of
@@ -813,12 +826,17 @@ class Monitor:
                 new = replace(inc, action=Action.STOP, evidence={**inc.evidence, "job_error": True})
                 self.incidents[idx] = new
                 revised.append(new)
-        first = min(self.own_errors.values(), key=lambda e: e.at)
-        last = max(e.at for e in self.own_errors.values())
-        known = explain_error(first.message)
+        if self.own_errors:
+            first = min(self.own_errors.values(), key=lambda e: e.at)
+            message, traceback, first_at = first.message, first.traceback, first.at
+            last = max(e.at for e in self.own_errors.values())
+        else:  # every rank crashed at start (`classify`)
+            times = [i.t for i in self.incidents if i.kind == IncidentKind.CRASH]
+            message, traceback, first_at, last = verdict.message, "", min(times), max(times)
+        known = explain_error(message)
         evidence: dict[str, Any] = {
-            "message": first.message, "signature": verdict.signature, "reason": verdict.reason,
-            "ranks": list(verdict.ranks), "nodes": list(verdict.nodes), "traceback": first.traceback,
+            "message": message, "signature": verdict.signature, "reason": verdict.reason,
+            "ranks": list(verdict.ranks), "nodes": list(verdict.nodes), "traceback": traceback,
             "cause": known.cause if known else "the same failure on every node: the playbook, model or data",
             "remedy": known.remedy if known else ("fix what the message names (the traceback is in this incident "
                                                   "and runs/<id>/events.jsonl), then relaunch; no node is at fault"),
@@ -828,7 +846,7 @@ class Monitor:
         if verdict.earlier_nodes:
             evidence["earlier_nodes"] = list(verdict.earlier_nodes)
         self.job_error = Incident(kind=JOB_ERROR, node=",".join(verdict.nodes), rank=None, step=self.step(),
-                                  detected_after_s=last - first.at, evidence=evidence, action=Action.STOP, t=last)
+                                  detected_after_s=last - first_at, evidence=evidence, action=Action.STOP, t=last)
         self.incidents.append(self.job_error)
         return [*revised, self.job_error]
 

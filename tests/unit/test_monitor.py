@@ -604,3 +604,25 @@ def test_an_event_claiming_a_rank_as_a_float_is_that_rank_and_a_string_is_spoofe
     assert mon.observe(Observation("event", "a", 0.1, 0, {"rank": 0.0, "event": "started", "pid": 10})) == []
     spoofed = mon.observe(Observation("event", "b", 0.1, 1, {"rank": "1", "event": "started", "pid": 11}))
     assert [i.kind for i in spoofed] == [IncidentKind.SPOOFED]
+
+
+def test_every_rank_dying_silently_before_its_first_step_is_a_job_error() -> None:
+    """An abort in NCCL's set-up kills every rank without an error event: quarantining one node per relaunch would
+    only repeat it. Nobody is a culprit; once a step happened, or a peer wrote an echo, it is a node's fault."""
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.observe(Observation("proc", "b", 1.1, 1, {"alive": False, "pid": 11, "state": "gone"}))
+    ticks(mon, 1.2, 3.5, nodes=("a", "b"))
+    assert mon.settled(3.5)
+    judged = mon.resolve()
+    assert judged[-1] is mon.job_error and mon.culprits() == []
+    ev_ = mon.job_error.evidence
+    assert ev_["reason"] == "every rank died while starting" and ev_["ranks"] == [0, 1]
+    assert ev_["message"].startswith("every rank's process died before its first step")
+    # a rank that stepped, or a peer that only echoed: the crash is the node's
+    later = Monitor.create(PLAN, iters=5, now=0.0)
+    started(later)
+    later.observe(ev("b", 1, 0.5, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
+    later.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert later.classify() is None
