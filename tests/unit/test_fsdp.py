@@ -85,3 +85,41 @@ def test_an_fsdp_run_through_the_trainer_equals_dp(tiny: Path, tmp_path: Path) -
     assert w["fsdp"].keys() == w["dp"].keys()  # the checkpoint is dp's layout: resumable either way
     started = kinds(read_events(runs["fsdp"], 0), "started")[0]
     assert json.dumps(started).count("sharded_modules") == 1
+
+
+def test_the_sharded_step_applies_dps_mean_gradient() -> None:
+    """ShardedStep.apply on rank 1 of 2 (a stand-in group and all_sum: the peer contributes the same sums): a
+    sharded parameter's gradient arrives as fully_shard's `sum over ranks / N` and is scaled back by N, a replicated
+    one is all_summed; both then divided by the global weight. With SGD(lr=1) the update IS the applied gradient."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_unflatten
+
+    from worker.parallel.fsdp import ShardedStep
+    from worker.step import Local
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 4, bias=False)  # weight (4, 2): sharded over 2 ranks -> (2, 2)
+            self.norm = nn.RMSNorm(2)  # replicated
+
+    net = Net()
+    net.proj = nn.fully_shard(net.proj, group=_Group(2, 1))
+    before = flatten(net.parameters())
+    assert sorted(before) == ["norm.weight", "proj.module.weight"] and before["proj.module.weight"].shape == (2, 2)
+    opt = optim.SGD(learning_rate=1.0)
+    opt.init(net.trainable_parameters())
+    step = ShardedStep(net, opt, lambda *a: None, all_sum=lambda x: x * 2, world_size=2, compiled=False)
+    shard_grad = mx.full((2, 2), 3.0)  # = (g_rank0 + g_rank1) / 2 over the ranks' loss sums
+    norm_grad = mx.full((2,), 5.0)  # this rank's own gradient; the peer's is the same (all_sum doubles it)
+    grads = tree_unflatten([("proj.module.weight", shard_grad), ("norm.weight", norm_grad)])
+    local = Local(grads, mx.array(8.0), mx.array(4), mx.array(4), None, mx.array(0.0))
+    loss, norm = step.apply(local, total_weight=10)
+    after = flatten(net.parameters())
+    applied = {k: before[k] - after[k] for k in before}
+    assert mx.allclose(applied["proj.module.weight"], mx.full((2, 2), 3.0 * 2 / 10)).item()  # x N, / weight
+    assert mx.allclose(applied["norm.weight"], mx.full((2,), 5.0 * 2 / 10)).item()  # all_summed, / weight
+    assert loss.item() == pytest.approx(8.0 * 2 / 10)
+    # the whole gradient's norm: the shard's squares all_summed (x2 here) plus the replicated part's
+    assert norm.item() == pytest.approx((2 * 4 * 0.6**2 + 2 * 1.0**2) ** 0.5, rel=1e-5)
