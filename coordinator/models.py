@@ -18,6 +18,14 @@ and what the coordinator's own listeners bind unless told otherwise."""
 # The Prometheus endpoints bind loopback unless told otherwise (metrics.py; `--metrics-host` of launch/monitor).
 DEFAULT_METRICS_HOST = LOCAL_HOST
 
+# Defaults that verbs' options show in `--help`: here, so a verb's module can name them without importing the
+# module that uses them (and all it imports: `--help` answers in well under 0.5 s, tests/unit/test_cli_startup.py).
+DEFAULT_RUN_DIR = "runs"  # where run directories are written and looked for (`--run-dir`)
+DEFAULT_STATUS_PROBE_TIMEOUT = 60.0  # `status` / `monitor` / `dashboard` probe of each node, seconds
+DEFAULT_DASHBOARD_HOST = LOCAL_HOST
+DEFAULT_DASHBOARD_PORT = 8050
+DEFAULT_DASHBOARD_PROBE_INTERVAL = 10.0  # the dashboard's fleet page probes the nodes this often, seconds
+
 
 class Connection(StrEnum):
     SSH = "ssh"

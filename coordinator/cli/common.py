@@ -91,10 +91,11 @@ class Interrupted(CoordinatorError):
 
 
 def exit_for(summary: RunSummary, sup: Supervision, console: Console) -> None:
-    """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded."""
+    """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded (also when a signal came
+    after every rank had finished: the run was not stopped)."""
     from coordinator.run.supervision import exit_code_for
 
-    if sup.signum is not None:
+    if sup.signum is not None and summary.state != "succeeded":
         if sup.detach:
             console.print(f"detached on SIGHUP: run {summary.run_id} goes on; supervise it again with "
                           f"`coordinator attach {summary.run_id} --run-dir {Path(summary.run_dir).parent}`")

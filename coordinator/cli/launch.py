@@ -127,8 +127,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
                       + (f"; resumed from step {resumed['step']}" if resumed else "") + message_note(summary))
-        console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
-                      markup=False, highlight=False)
+        throughput = describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s, steps=summary.steps,
+                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s)
+        console.print(f"throughput: {throughput}", markup=False, highlight=False)
         print_incidents(console, summary)
 
     if with_dashboard:  # served on the launch's own event loop; it ends with the job (or, kept, at Ctrl-C)

@@ -4,17 +4,18 @@ coordinator/fleet/nettestrun.py; the judging: coordinator/fleet/nettest.py)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from coordinator.cli.common import run_async
-from coordinator.fleet.nettest import (
-    NettestReport,
-)
-from coordinator.fleet.nettestrun import run_nettest
-from coordinator.views.render import dumps, status_text
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from coordinator.fleet.nettest import NettestReport
+
+# The measurement and the tables are imported when the verb runs: `nettest --help` must not pay for them.
 
 
 def _gbps(bps: float) -> str:
@@ -23,6 +24,10 @@ def _gbps(bps: float) -> str:
 
 def render_nettest(report: NettestReport, console: Console, *, strict: bool = False) -> None:
     """A table of pairs, then the counts."""
+    from rich.table import Table
+
+    from coordinator.views.render import status_text
+
     table = Table(title=f"nettest: {len(report.pairs)} pair(s) in {report.seconds:.1f}s")
     for col, justify in (("pair", "left"), ("link", "left"), ("rtt ms", "right"), ("a→b Gb/s", "right"),
                          ("b→a Gb/s", "right"), ("status", "left"), ("summary", "left")):
@@ -70,7 +75,11 @@ def register(main: click.Group) -> None:
         """Measure latency and bandwidth between every pair of nodes' data-plane IPs, one pair at a time, and
         judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi); on a node with several NVIDIA GPUs, the
         NCCL all-reduce bus bandwidth between them."""
+        from rich.console import Console
+
         from coordinator.cli.common import load
+        from coordinator.fleet.nettestrun import run_nettest
+        from coordinator.views.render import dumps
 
         inv, _ = load(inventory, None, limit)
         console = Console(stderr=as_json)

@@ -117,8 +117,11 @@ class Probe:
 BOOTSTRAP = """\
 import marshal, os, sys
 source = sys.stdin.buffer.read()
-path = os.path.expanduser("~/.cache/mlx-coordinator/probe-%s-%s-%x.bin"
-                          % (sys.argv.pop(1), sys.implementation.cache_tag, sys.hexversion))
+base = os.environ.get("XDG_CACHE_HOME", "")
+if not os.path.isabs(base):
+    base = os.path.expanduser("~/.cache")
+path = os.path.join(base, "mlx-coordinator", "probe-%s-%s-%x.bin"
+                    % (sys.argv.pop(1), sys.implementation.cache_tag, sys.hexversion))
 try:
     with open(path, "rb") as f:
         code = marshal.loads(f.read())

@@ -9,7 +9,8 @@ How (docs/setup.md):
 2. Plan (pure, `plan_node`): create the venv when `python` is missing and is a venv path (`.../bin/python`);
    install `mlx[<backend>]==PIN mlx-lm==PIN` when the versions differ; ship the worker when it is missing.
 3. Download the wheels ONCE per platform on the coordinator (`pip download --only-binary :all: --platform ...
-   --python-version ...`), cached under ~/.cache/mlx-coordinator/wheelhouse/<platform>/<pins>/, push the missing
+   --python-version ...`), cached under $XDG_CACHE_HOME/mlx-coordinator/wheelhouse/<platform>/<pins>/ (~/.cache/...
+   without it), push the missing
    ones to each node over SFTP and install with `pip install --no-index --find-links`: nodes need no network.
 4. Inspect again: a node whose plan is still not empty is `failed` with what still differs.
 
@@ -34,6 +35,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import ParseError, version_tuple
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.ship import remote_worker_dir, ship_worker
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport
 from coordinator.models import Node
@@ -279,9 +281,8 @@ def plan_node(node: Node, state: NodeState, pins: Pins) -> NodePlan:
 
 
 def default_wheelhouse_root() -> Path:
-    """The coordinator's wheel cache ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "wheelhouse"
+    """The coordinator's wheel cache (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "wheelhouse"
 
 
 def wheelhouse_name(platform: Platform, pins: Pins) -> str:

@@ -444,6 +444,9 @@ async def _merge_lines(out: Any, err: Any, timeout: float, *, lines: bool = True
             task.cancel()
 
 
+merge_lines = _merge_lines  # for callers that pump a `RawProcess` (`open_binary`) line by line
+
+
 class LocalTransport:
     """Runs commands on this machine without SSH (`connection: local`)."""
 

@@ -21,22 +21,25 @@ cannot be read is a miss; one that cannot be written is reported through `progre
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import hashlib
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.ship import ship_worker, worker_bundle
-from coordinator.fleet.transport import Fleet, Transport, build_worker_argv
+from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
+from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 
@@ -145,10 +148,12 @@ class BenchSpec:
 
 
 def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
-                      worker_digest: str = "") -> str:
+                      worker_digest: str = "", *, together: Sequence[str] = ()) -> str:
     """Digest of everything that changes a node's curve, the worker code that takes the step included (a new
-    step is measured again, never predicted from the old one's curve). The time budget is left out on purpose: it
-    only decides how far a sweep got, not what its points mean (`--recalibrate` measures again)."""
+    step is measured again, never predicted from the old one's curve), and the nodes it was measured beside
+    (`together`: the others of its machine; a curve measured alone is not one measured under their load). The
+    time budget is left out on purpose: it only decides how far a sweep got, not what its points mean
+    (`--recalibrate` measures again)."""
     inputs = {
         "schema": CACHE_SCHEMA,
         "worker": worker_digest,
@@ -167,12 +172,14 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
         # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
         "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
     }
+    if together:  # only when set: the keys of nodes alone on their machine stay
+        inputs["together"] = sorted(together)
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
-                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET) -> list[str]:
+                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, *, lockstep: bool = False) -> list[str]:
     """The remote command, in the environment a rank of the training gets (`launchfiles.build_rank_script`): the job env
     overlaid with the node's inventory env, and the worker dir prepended to the PYTHONPATH that leaves (the node's
     own when neither sets one), through the same `pythonpath_prepend`."""
@@ -198,6 +205,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         "--one-time-budget", f"{one_time_budget:g}",
         "--max-batch", str(spec.max_batch),
         "--memory-fraction", f"{spec.memory_fraction:g}",
+        *(["--lockstep"] if lockstep else []),
     )
 
 
@@ -328,6 +336,15 @@ def describe_bench_time(obj: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def describe_reuse(cal: NodeCalibration) -> str:
+    """What a reused curve carries along: "" for a clean one; for one measured noisy, that fact and the flag that
+    measures it again (said on every reuse: a busy moment must not become the plan's truth silently)."""
+    if not cal.noisy:
+        return ""
+    return (f"; it was NOISY when measured (batch {', '.join(map(str, cal.noisy))}: the machine was busy), so the "
+            "split may be off: measure again on a quiet machine with --recalibrate")
+
+
 def build_cache_record(key: str, node: str, bench: Mapping[str, Any]) -> dict[str, Any]:
     return {"schema": CACHE_SCHEMA, "key": key, "node": node, "saved_at": time.time(), "bench": dict(bench)}
 
@@ -374,27 +391,92 @@ def _write_cache(cache_dir: Path, key: str, node: str, bench: Mapping[str, Any])
     os.replace(tmp, path)
 
 
+class GroupGate:
+    """The I/O half of one group's lockstep (`coordinator.planning.colocate.Barrier`): it holds each member's bench
+    stdin and writes `go` to the members the barrier releases; once every member is done it closes them all (the
+    lingering benches then end). Writes to a bench that is gone are ignored: its end is its `finish`."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        self.barrier = Barrier(members)
+        self.stdin: dict[str, Any] = {}
+
+    def attach(self, member: str, stdin: Any) -> None:
+        self.stdin[member] = stdin
+
+    def wait(self, member: str) -> None:
+        self._send(self.barrier.wait(member))
+
+    def finish(self, member: str) -> None:
+        if self.barrier.state[member] == MemberState.DONE:
+            return
+        self._send(self.barrier.finish(member))
+        if self.barrier.all_done:
+            for pipe in self.stdin.values():
+                with contextlib.suppress(OSError, RuntimeError):
+                    pipe.write_eof()
+
+    def _send(self, members: Sequence[str]) -> None:
+        for member in members:
+            pipe = self.stdin.get(member)
+            if pipe is not None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    pipe.write(b"go\n")
+
+
+async def _lockstep_lines(transport: Transport, node: Node, argv: Sequence[str], gate: GroupGate,
+                          timeout: float) -> AsyncIterator[tuple[str, str]]:
+    """`transport.stream` for a bench in a group: stdin stays open for the gate; its lockstep lines drive the
+    barrier, its result (or its end) finishes the member. Raises TransportError on timeout."""
+    proc = await transport.open_binary(argv)
+    gate.attach(node.name, proc.stdin)
+    try:
+        async for kind, line in merge_lines(proc.stdout, proc.stderr, timeout):
+            if kind == "stderr" and line.startswith(("bench lockstep ready", "bench lockstep timed")):
+                gate.wait(node.name)
+            elif kind == "stdout" and line.lstrip().startswith("{"):
+                gate.finish(node.name)
+            yield kind, line
+        gate.finish(node.name)
+        yield "exit", str(await asyncio.wait_for(proc.wait(), timeout=timeout))
+    except TimeoutError as exc:
+        raise TransportError(node.name, f"the bench timed out after {timeout:g}s", kind="timeout") from exc
+    finally:
+        gate.finish(node.name)
+        proc.kill()
+
+
 async def run_bench(
     transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float,
-    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None,
+    gate: GroupGate | None = None,
 ) -> dict[str, Any]:
-    """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`).
+    """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`). With a
+    `gate` the bench runs in lockstep with the other members of its group (`worker.bench --lockstep`).
 
     Raises TransportError (ship failed, timeout) or CalibrationError (no JSON, or a non-zero exit without an
     error JSON explaining it)."""
-    worker_dir = await ship_worker(transport, node)
-    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget)
+    try:
+        worker_dir = await ship_worker(transport, node)
+    except BaseException:
+        if gate is not None:
+            gate.finish(node.name)
+        raise
+    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget, lockstep=gate is not None)
     stdout: list[str] = []
     stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
     status = None
-    async for kind, line in transport.stream(argv, timeout=time_budget + one_time_budget + TIMEOUT_SLACK_S):
+    timeout = time_budget + one_time_budget + TIMEOUT_SLACK_S
+    lines = (transport.stream(argv, timeout=timeout) if gate is None
+             else _lockstep_lines(transport, node, argv, gate, timeout))
+    async for kind, line in lines:
         if kind == "stdout":
             stdout.append(line)
         elif kind == "stderr":
             text = line.rstrip("\r\n")
             stderr_tail.append(text)
-            # Only the bench's own progress lines: library warnings stay in the evidence tail.
-            if progress is not None and text.startswith("bench "):
+            # Only the bench's own progress lines (its lockstep waits are the gate's business): library warnings
+            # stay in the evidence tail.
+            if progress is not None and text.startswith("bench ") and not text.startswith("bench lockstep"):
                 progress(node.name, text)
         elif kind == "exit":
             status = line
@@ -422,6 +504,7 @@ async def calibrate(
     time_budget: float = 60.0,
     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
     progress: Progress | None = None,
+    groups: Sequence[BenchGroup] = (),
 ) -> dict[str, NodeCalibration | CoordinatorError]:
     """Calibrate every connected node of `fleet` in parallel (nodes that failed to connect keep their
     TransportError). Returns one entry per node, in fleet order: its `NodeCalibration` (`cached=True` when read
@@ -430,7 +513,11 @@ async def calibrate(
     `fingerprints[node]` is the hardware/software fingerprint the caller gathered (see `fingerprint_from_facts`);
     a node without one, or with an unknown one, is measured and not cached. `model_digest` identifies the model's
     weights. `time_budget` bounds each node's timed steps, `one_time_budget` its one-time costs (see the module
-    docstring). Raises ValueError only for a non-positive budget.
+    docstring). `groups` (`coordinator.planning.colocate.compute_bench_groups`) name the nodes that share a machine:
+    their benches run in lockstep, their curves are cached as measured together (the group is part of the key),
+    a group is measured again as a whole when any member's curve is missing, and interchangeable members (one
+    fingerprint, python and env) get one pooled curve (`pool_curves`). Raises ValueError only for a
+    non-positive budget.
     """
     for label, value in (("time_budget", time_budget), ("one_time_budget", one_time_budget)):
         if not (value > 0 and math.isfinite(value)):
@@ -440,20 +527,46 @@ async def calibrate(
         if progress is not None:
             progress(node, message)
 
-    async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
+    group_of = {name: g for g in groups if g.together for name in g.nodes}
+    keys: dict[str, str | None] = {}
+    cached: dict[str, NodeCalibration] = {}
+    for node in fleet.nodes:
         fingerprint = fingerprints.get(node.name)
-        key = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0])
-               if fingerprint is not None and fingerprint.known else None)
+        group = group_of.get(node.name)
+        together = tuple(n for n in group.nodes if n != node.name) if group is not None else ()
+        keys[node.name] = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0],
+                                             together=together)
+                           if fingerprint is not None and fingerprint.known else None)
+        key = keys[node.name]
         if key is not None and not recalibrate:
-            cached = _read_cache(cache_dir, node.name, key)
-            if cached is not None:
-                say(node.name, f"calibration cached ({key[:12]})")
-                return cached
+            hit = _read_cache(cache_dir, node.name, key)
+            if hit is not None:
+                cached[node.name] = hit
+    # A group's curves hold together or not at all: measured beside each other, one member's new curve next to
+    # another's old one would compare two different loads.
+    measure = {n.name for n in fleet.nodes if n.name not in cached
+               or (n.name in group_of and any(m not in cached for m in group_of[n.name].nodes))}
+    gates: dict[str, GroupGate] = {}
+    for group in {id(g): g for g in group_of.values()}.values():
+        members = [n for n in group.nodes if n in measure and n in fleet.connected]
+        if len(members) > 1:
+            gate = GroupGate(members)
+            gates.update(dict.fromkeys(members, gate))
+
+    async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
+        key = keys[node.name]
+        if node.name not in measure:
+            hit = cached[node.name]
+            say(node.name, f"calibration cached ({(key or '')[:12]})" + describe_reuse(hit))
+            return hit
+        gate = gates.get(node.name)
+        together = (f"; together with {', '.join(n for n in gate.barrier.state if n != node.name)} "
+                    f"(they share {group_of[node.name].machine}), in lockstep") if gate is not None else ""
         say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, {time_budget:g}s of timed steps; "
-                       f"one-time costs up to {one_time_budget:g}s)")
+                       f"one-time costs up to {one_time_budget:g}s{together})")
         try:
             obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
-                                  progress=progress)
+                                  progress=progress, gate=gate)
             calibration = calibration_from_bench(node.name, obj)
         except CoordinatorError as exc:
             say(node.name, f"calibration failed: {exc}")
@@ -469,6 +582,14 @@ async def calibrate(
         return calibration
 
     results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one))
+    for group in {id(g): g for g in group_of.values()}.values():
+        measured = [r for n in group.nodes if isinstance(r := results.get(n), NodeCalibration)]
+        kinds = {n.name: (fingerprints.get(n.name), n.python, n.env) for n in fleet.nodes if n.name in group.nodes}
+        for cal in pool_curves(measured, kinds):
+            if cal is not results[cal.node]:
+                results[cal.node] = cal
+                say(cal.node, "one curve for the interchangeable nodes of " + group.machine + " (the mean of their "
+                              "lockstep measurements: they run at one speed, the rest is who the scheduler favoured)")
     ordered: dict[str, NodeCalibration | CoordinatorError] = {}
     for node in fleet.nodes:
         if node.name in results:
@@ -476,4 +597,3 @@ async def calibrate(
         elif node.name in fleet.failed:
             ordered[node.name] = fleet.failed[node.name]
     return ordered
-

@@ -24,9 +24,11 @@ from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.assets import provision
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
@@ -69,15 +71,25 @@ from coordinator.run.supervision import (
     Supervision,
     acquire_nodes,
     acquire_run,
+    check_orphans,
     clear_stop_request,
 )
 from worker.runconfig import Layout
 
+# Relaunches after a start-up race (the ranks could not connect: a peer was not listening yet) that do not count
+# against faults.max_restarts: a race is nobody's fault, and it may take a second try to lose it.
+STARTUP_RETRIES = 2
+
+
+def restarts_spent(attempt: int, races: int) -> int:
+    """The relaunches after attempt number `attempt` (0-based) that count against faults.max_restarts, when `races`
+    of the attempts so far ended in a start-up race: up to STARTUP_RETRIES of those are free."""
+    return attempt - min(races, STARTUP_RETRIES)
+
 
 def default_cache_dir() -> Path:
-    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "calibration"
+    """Calibration cache on the coordinator's machine (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "calibration"
 
 
 
@@ -189,13 +201,20 @@ async def calibrate_and_plan(
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
-        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"),
+        # Nodes sharing a machine are measured together, as they will train (planning/colocate.py).
+        groups=compute_bench_groups(fleet.nodes, facts))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
     cals = {n: per_example_calibration(r, pb.train.rows_per_example)
             for n, r in results.items() if isinstance(r, NodeCalibration)}
-    cals = pool_identical_gpus(cals, inv.nodes, facts)  # identical GPUs of one machine: one curve, an even split
+    # Identical GPUs of one machine: one curve, an even split (calibrate's own pooling leaves them apart: each
+    # rank node's env names its own device).
+    pooled = pool_identical_gpus(cals, inv.nodes, facts)
+    for name in (n for n in pooled if pooled[n] is not cals[n]):
+        ui.message(f"{name}: one curve for the identical GPUs of its machine (the mean of their measurements)")
+    cals = pooled
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     ui.calibration(plan, cals)
@@ -557,6 +576,10 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
+        # Before anything runs on the nodes beside them (calibration included): ranks nobody supervises.
+        if (shared := await check_orphans(fleet, inv.nodes, run_id=run_id, run_root=opts.run_root,
+                                          allow_shared=opts.allow_shared)) is not None:
+            ui.message(f"warning: {shared}")
         gpus_left: list[LeftOut] = []
 
         def usable_gpus(ranks: Inventory) -> Inventory:
@@ -617,6 +640,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     drill, left_out = first.launch.drill, first.launch.left_out
     restart_from_scratch = first.launch.restart_from_scratch
     nodes = [n for n in inv.nodes if n.name in first.nodes]
+    races = 0  # attempts ended by a start-up race (Monitor.startup_race)
     while True:
         attempt = attempts[-1]
         number = attempt.number
@@ -625,10 +649,10 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
                  step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
         if recoveries and recoveries[-1].get("first_step_at") is None:
             recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
-        if mon.stopped:
-            message = sup.message()
-            break
         if mon.outcome() is RunState.SUCCEEDED:
+            break  # a stop that came when every rank had finished changes nothing (Monitor.outcome)
+        if mon.stopped and mon.job_error is None:
+            message = sup.message()
             break
         if mon.job_error is not None:
             # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
@@ -672,13 +696,23 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
             ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
         survivors = [n for n in survivors if n.name not in culprits]
+        race = mon.startup_race() if not culprits else None
+        if race is not None:
+            races += 1
+            log.warning("startup_race", node=race.node, rank=race.rank, message=race.evidence.get("message"))
+            ui.message(f"start-up race on {race.node} (rank {race.rank}): {race.evidence.get('message')}: no node "
+                       "is at fault, nobody quarantined")
         if sup.stop_reason() is not None:
             # Asked to stop while this attempt failed: no relaunch.
             mon.stopped = True
             message = sup.message()
             break
-        if number >= pb.faults.max_restarts:
+        if restarts_spent(number, races) >= pb.faults.max_restarts:
             message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+            if race is not None:
+                known = race.evidence.get("explanation") or {}
+                message += (f"; the last could not form the ring at start-up ({race.evidence.get('message')}): "
+                            f"{known.get('cause')}; remedy: {known.get('remedy')}")
             break
         if len(survivors) < max(1, pb.faults.min_nodes):
             message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
@@ -833,6 +867,10 @@ async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[
         else:
             await launch.teardown(monitor or launch.current_monitor)
     assert monitor is not None
+    if monitor.stopped and not sup.detach:
+        # The stop cut the following short: the record is what the nodes' files hold (every rank may have
+        # finished already; the steps the events and checkpoints prove), not what had reached us by then.
+        await launch.read_record(monitor, record=True)
     return monitor
 
 

@@ -148,6 +148,9 @@ class ObservationKind(StrEnum):
     TICK = "tick"
     LOST = "lost"
     LAUNCHER_EXIT = "launcher_exit"
+    # The newest complete checkpoint dir on the node (`data["step"]`, None: none), read from its disk when the
+    # coordinator reads a run's record (`worker.follow --once`): steps the run proved, events or not.
+    CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,7 @@ class Monitor:
     # signature -> nodes that earlier attempts of this run blamed for an own error with it ("follows the work")
     earlier_errors: dict[str, frozenset[str]] = field(default_factory=dict)
     job_error: Incident | None = None
+    checkpoint_dirs: dict[str, int] = field(default_factory=dict)  # node -> its newest complete checkpoint's step
 
     @classmethod
     def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
@@ -394,6 +398,11 @@ class Monitor:
             return self._proc(obs)
         if obs.kind == ObservationKind.LOST:
             return self._lost(obs)
+        if obs.kind == ObservationKind.CHECKPOINTS:
+            step = obs.data.get("step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0 and obs.node in self.nodes():
+                self.checkpoint_dirs[obs.node] = max(step, self.checkpoint_dirs.get(obs.node, 0))
+            return []
         if obs.kind == ObservationKind.LAUNCHER_EXIT:
             rc = obs.data.get("rc")
             return self.launcher_exited(rc if isinstance(rc, int) else None, obs.at)
@@ -456,26 +465,34 @@ class Monitor:
         elif isinstance(event, ErrorEvent):
             view.state = WorkerState.FAILED
             view.error = str(event.message)
+            if self.stopped and is_echo(view.error):
+                # Read after the run was stopped: the stop's own teardown (SIGTERM) or a peer lost to it.
+                return []
             # An error after another fault, or about a lost peer, is an echo (peers lose the ring when a rank
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
-            echo = self.first_fatal_at is not None or is_echo(view.error)
+            known = explain_error(view.error)
+            # An error that names a peer's absence (its connect refused when the ring was formed) blames no node:
+            # before the rank's first step it is a start-up race (`startup_race`: relaunched, nobody quarantined).
+            peer = known is not None and known.blame == "peer"
+            echo = self.first_fatal_at is not None or is_echo(view.error) or peer
             # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
             job = event.fault == "job"
             evidence: dict[str, Any] = {"message": view.error, "traceback": (event.traceback or "")[-2000:],
                                         "echo": echo}
             if job:
                 evidence["fault"] = "job"
-            elif not is_echo(view.error) and not event.fenced:
+            elif not is_echo(view.error) and not event.fenced and not peer:
                 # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
                 # with the same signature is the same failure, not an echo of the first).
                 sig = error_signature(view.error, {v.node for v in self.ranks.values()})
                 self.own_errors.setdefault(view.rank, RankError(view.rank, obs.node, sig, view.error, obs.at,
                                                                 evidence["traceback"]))
                 evidence["signature"] = sig
-            known = explain_error(view.error)
             if known is not None:
                 evidence["explanation"] = known.to_json()
+            if peer and view.rank not in self.first_step_at:
+                evidence["startup_race"] = True
             return self._add(Incident(kind=IncidentKind.ERROR, node=obs.node, rank=rank, step=view.step,
                                       detected_after_s=0.0, evidence=evidence,
                                       action=Action.STOP if echo or job else Action.QUARANTINE, t=obs.at))
@@ -844,7 +861,9 @@ class Monitor:
 
     def culprits(self) -> list[str]:
         """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order. Secondary
-        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first)."""
+        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first) and
+        no start-up race explains the failure (mlx.launch kills the other ranks once the one that could not
+        connect exits)."""
         primary: list[str] = []
         secondary: list[str] = []
         for inc in self.incidents:
@@ -852,7 +871,19 @@ class Monitor:
                 out = secondary if self._secondary(inc) else primary
                 if inc.node not in out:
                     out.append(inc.node)
-        return primary or secondary
+        if primary or self._race() is not None:
+            return primary
+        return secondary
+
+    def _race(self) -> Incident | None:
+        return next((i for i in self.incidents if i.evidence.get("startup_race")), None)
+
+    def startup_race(self) -> Incident | None:
+        """The error that ended this attempt when its ranks could not connect at start-up (a peer not listening
+        yet), when nothing names a culprit: the attempt is relaunched on the same nodes, nobody quarantined
+        (`job.supervise`, within STARTUP_RETRIES). None otherwise."""
+        race = self._race()
+        return race if race is not None and not self.culprits() and self.job_error is None else None
 
     def classify(self) -> JobErrorVerdict | None:
         """`classify_errors` over this attempt's observations: is the failure the job's?"""
@@ -949,7 +980,8 @@ class Monitor:
         # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
         # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
         heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
-        return (bool(blamed) or self.job_fault() is not None) and waited >= SETTLE_S and heard and self._errors_in(now)
+        explained = bool(blamed) or self.job_fault() is not None or self._race() is not None
+        return explained and waited >= SETTLE_S and heard and self._errors_in(now)
 
     def job_fault(self) -> Incident | None:
         """The first error that every rank hit because of the job itself (`fault: job`), not because of a node, or
@@ -969,24 +1001,45 @@ class Monitor:
         return all(v.state in (WorkerState.FAILED, WorkerState.FINISHED) for v in self.ranks.values())
 
     def outcome(self) -> RunState | None:
-        if self.stopped:
+        """How the attempt ended (None: not yet). A stop (`stopped`: a signal, `coordinator stop`) that came
+        when every rank had already finished, or after a job error was judged, changes nothing: the run
+        succeeded, or failed with that error. What happened is recorded, not the order of the news."""
+        fatal = any(i.action in FATAL_ACTIONS for i in self.incidents)
+        finished = all(v.state is WorkerState.FINISHED for v in self.ranks.values())
+        if self.stopped and self.job_error is None and not (finished and not fatal):
             return RunState.STOPPED
-        if any(i.action in FATAL_ACTIONS for i in self.incidents):
+        if fatal or any(v.state is WorkerState.FAILED for v in self.ranks.values()):
             return RunState.FAILED
-        if any(v.state is WorkerState.FAILED for v in self.ranks.values()):
-            return RunState.FAILED
-        if all(v.state is WorkerState.FINISHED for v in self.ranks.values()):
+        if finished:
             return RunState.SUCCEEDED
         return None
 
     def step(self) -> int:
+        """The step every rank has reached (the live view's): the slowest rank's."""
         return min((v.step for v in self.ranks.values()), default=0)
+
+    def proven_step(self) -> int:
+        """The run's record of its progress: the highest step that any rank's step event (or the step it
+        resumed from), any checkpoint event or any node's complete checkpoint dir proves. A synchronous step is
+        only reported once every rank joined its collective, so one rank's report speaks for the run; and a
+        stop that interrupted the reading of events never makes a run that trained look as if it had not."""
+        return max([v.step for v in self.ranks.values()]
+                   + [v.checkpoint_step for v in self.ranks.values() if v.checkpoint_step is not None]
+                   + list(self.checkpoint_dirs.values()), default=0)
 
     def run_tokens_per_s(self) -> float | None:
         """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
         median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
         does the last step alone."""
         return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+
+    def run_compute_tokens_per_s(self) -> float | None:
+        """The run's rate had no rank waited for the gradient all_sum: the median over steps (those every rank
+        reported) of the sum of the ranks' tokens / compute seconds (the step until it enters the collective).
+        What calibration predicts, which times each node's step alone; its gap to `run_tokens_per_s` is what the
+        collective (and the waiting for the slowest rank) cost."""
+        sums = [sum(rates.values()) for rates in self.step_rates.values() if len(rates) == len(self.ranks)]
+        return statistics.median(sums) if sums else None
 
     def last_tokens_per_s(self) -> float | None:
         """The whole run's tokens/s at its latest reported step."""

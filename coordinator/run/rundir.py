@@ -397,6 +397,24 @@ def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]
     return docs, bad
 
 
+def complete_lines(text: str) -> list[str]:
+    """The complete lines of a growing JSON-lines file's text: a last line without its newline is being written
+    (or was torn by a writer that died mid-line) and is left out, never read as a bad or a shorter record."""
+    lines = text.split("\n")
+    lines.pop()  # after the last newline: "" when the text ends with one, else the torn line
+    return lines
+
+
+def read_event_docs(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """events.jsonl's complete lines as JSON objects, and how many were not; a missing file is none. Safe on a
+    file still being appended to (`complete_lines`)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    return decode_event_lines(complete_lines(text))
+
+
 # --- summary.json read back ------------------------------------------------------------------------------------
 
 

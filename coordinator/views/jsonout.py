@@ -195,6 +195,9 @@ class RunSummaryOut(_SummaryOut):
     checkpoint: str | None
     tokens_per_s: float | None = Field(description=_RUN_RATE)
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
+    compute_tokens_per_s: float | None = Field(description=(
+        "real tokens/s without the gradient all_sum: the median over steps of the ranks' tokens per second of "
+        "compute (until each enters the collective); what calibration predicts"))
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None

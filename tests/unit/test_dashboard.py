@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.errors import ConfigError
 from coordinator.run.rundir import parse_meta, parse_summary
-from coordinator.views.dashboard.model import RunFold, run_view, step_time_stats
+from coordinator.views.dashboard.model import RunFold, run_row, run_view, step_time_stats
 from coordinator.views.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
 
 DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
@@ -256,6 +256,16 @@ def test_left_out_comes_from_the_summary_once_it_has_one_else_from_meta() -> Non
     ended = run_view(fold, meta=meta, summary=parse_summary({"format": 3, "run_id": "r", "state": "succeeded",
                                                               "left_out": [], "message": "done"}), iters=None, now=1.0)
     assert not ended["degraded"] and ended["left_out"] == [] and ended["message"] == "done"
+
+
+def test_an_ended_runs_step_is_its_summarys() -> None:
+    meta = parse_meta({"run_id": "r", "ranks": [{"rank": 0, "node": "a"}]})
+    fold = RunFold.from_meta("r", meta)
+    fold.feed([{"event": "step", "rank": 0, "node": "a", "t": 2.0, "step": 3}])
+    assert run_view(fold, meta=meta, summary=None, iters=None, now=3.0)["step"] == 3
+    stopped = parse_summary({"format": 3, "run_id": "r", "state": "stopped", "steps": 174})
+    assert run_view(fold, meta=meta, summary=stopped, iters=None, now=3.0)["step"] == 174
+    assert run_row(fold, summary=stopped, meta=meta, iters=None, now=3.0)["step"] == 174
 
 
 def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:

@@ -685,3 +685,115 @@ def test_a_ranks_rate_is_the_median_of_its_last_steps() -> None:
     for step in range(5, 5 + RATE_STEPS):
         mon.observe(ev("a", 0, step, event="step", step=step, tok_s=100.0))
     assert rank_rate(mon.ranks[0]) == 100.0  # only the last RATE_STEPS count
+
+
+# --- the record: a stop racing the end, the steps a run proves -----------------------------------------------
+
+
+def finished_both(mon: Monitor, at: float) -> None:
+    mon.observe(ev("a", 0, at, event="finished", step=2))
+    mon.observe(ev("b", 1, at, event="finished", step=2))
+
+
+def test_a_stop_that_came_when_every_rank_had_finished_is_no_stop() -> None:
+    mon = Monitor.create(PLAN, iters=2, now=0.0)
+    started(mon)
+    mon.stopped = True  # the request was seen first; the ranks' `finished` lines are read after it
+    assert mon.outcome() is RunState.STOPPED
+    mon.observe(ev("a", 0, 2.0, event="finished", step=2))
+    assert mon.outcome() is RunState.STOPPED  # one rank still running: the stop stopped it
+    mon.observe(ev("b", 1, 2.0, event="finished", step=2))
+    assert mon.outcome() is RunState.SUCCEEDED
+
+
+def test_a_stop_after_a_job_error_keeps_the_job_error() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="error", message="UnicodeDecodeError: byte 0xe9 in position 3"))
+    mon.observe(ev("b", 1, 1.1, event="error", message="UnicodeDecodeError: byte 0xe9 in position 3"))
+    mon.resolve()
+    assert mon.job_error is not None
+    mon.stopped = True
+    assert mon.outcome() is RunState.FAILED
+
+
+def test_after_a_stop_the_teardowns_echoes_are_no_incidents_but_an_own_error_is() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.stopped = True
+    assert mon.observe(ev("a", 0, 1.0, event="error", message="terminated by SIGTERM")) == []
+    [inc] = mon.observe(ev("b", 1, 1.0, event="error", message="OSError: disk full"))
+    assert inc.kind == "error" and mon.outcome() is RunState.STOPPED
+
+
+def test_the_proven_step_is_the_highest_any_event_or_complete_checkpoint_shows() -> None:
+    mon = Monitor.create(PLAN, iters=500, now=0.0)
+    assert mon.proven_step() == 0
+    mon.observe(ev("a", 0, 0.1, event="started", pid=10, resumed_from=100))
+    mon.observe(ev("b", 1, 0.1, event="started", pid=11, resumed_from=100))
+    assert mon.proven_step() == 100  # the checkpoint it resumed from
+    for step in (101, 102):
+        mon.observe(ev("a", 0, step - 100.0, event="step", step=step, loss=2.0))
+    mon.observe(ev("b", 1, 1.0, event="step", step=101, loss=2.0))
+    assert (mon.step(), mon.proven_step()) == (101, 102)  # rank 1's step 102 is not read yet
+    mon.observe(Observation("checkpoints", "b", 2.0, data={"step": 174}))
+    mon.observe(Observation("checkpoints", "a", 2.0, data={"step": None}))  # no checkpoint there
+    mon.observe(Observation("checkpoints", "x", 2.0, data={"step": 900}))  # not a node of this run
+    mon.observe(Observation("checkpoints", "b", 2.0, data={"step": True}))  # not a step
+    assert mon.proven_step() == 174 and mon.checkpoint_dirs == {"b": 174}
+
+
+# --- start-up races -------------------------------------------------------------------------------------------
+
+REFUSED = "RuntimeError: [ring] Couldn't connect (error: 111)"
+
+
+def test_a_ring_connect_refused_before_the_first_step_is_a_start_up_race_not_a_culprit() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    [inc] = mon.observe(ev("b", 1, 15.0, event="error", message=REFUSED, phase="load"))
+    assert (inc.kind, inc.node, inc.action) == ("error", "b", "stop")
+    assert inc.evidence["startup_race"] and inc.evidence["explanation"]["code"] == "ring_connect"
+    assert mon.own_errors == {}  # never compared as the job's either
+    # mlx.launch then kills rank 0, which dies before its error event: collateral, not a culprit.
+    mon.observe(ev("a", 0, 15.2, event="started", pid=10))
+    mon.observe(Observation("proc", "a", 15.5, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert mon.culprits() == [] and mon.startup_race() == inc
+    assert mon.outcome() is RunState.FAILED
+    mon.observe(Observation("tick", "a", 16.0))
+    mon.observe(Observation("tick", "b", 16.0))
+    assert not mon.settled(16.5) and mon.settled(17.1)
+    assert mon.resolve() and mon.job_error is None and mon.culprits() == []
+
+
+def test_every_rank_refused_at_start_up_is_a_race_not_a_job_error() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    mon.observe(ev("a", 0, 15.0, event="error", message=REFUSED))
+    mon.observe(ev("b", 1, 15.1, event="error", message=REFUSED.replace("111", "113")))
+    assert mon.resolve() == [] and mon.job_error is None and mon.startup_race() is not None
+
+
+def test_a_crash_before_the_refusal_is_the_culprit_and_no_race() -> None:
+    # The peer that was not listening died first (its import crashed): that node is the culprit.
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    mon.observe(ev("a", 0, 1.0, event="started", pid=10))
+    mon.observe(Observation("proc", "a", 2.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.observe(ev("b", 1, 15.0, event="error", message=REFUSED))
+    assert mon.culprits() == ["a"] and mon.startup_race() is None
+
+
+def test_a_connect_error_after_the_first_step_blames_no_node_and_is_no_race() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="step", step=1, loss=2.0))
+    mon.observe(ev("b", 1, 1.0, event="step", step=1, loss=2.0))
+    [inc] = mon.observe(ev("b", 1, 2.0, event="error", message=REFUSED))
+    assert inc.action == "stop" and "startup_race" not in inc.evidence and mon.startup_race() is None
+
+
+def test_start_up_races_are_relaunched_beside_the_restart_budget_up_to_a_few() -> None:
+    from coordinator.run.job import STARTUP_RETRIES, restarts_spent
+
+    assert STARTUP_RETRIES == 2
+    # max_restarts 0 (give up once spent >= 0): the first two races are still retried, the third ends the run.
+    assert [restarts_spent(n, n + 1) >= 0 for n in range(3)] == [False, False, True]
+    assert restarts_spent(2, 0) == 2 and restarts_spent(3, 1) == 2

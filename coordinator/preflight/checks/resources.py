@@ -9,19 +9,19 @@ from coordinator.facts.model import NodeFacts
 from coordinator.facts.probe import shell_path
 from coordinator.models import CheckResult, Node, Status
 from coordinator.planning.estimate import (
-    GiB,
     checkpoint_bytes,
     estimate_training_memory,
     model_shape,
     usable_memory,
 )
 from coordinator.preflight.checks.context import CheckContext, fact_error_result
+from coordinator.units import format_bytes, format_count
 
 WATCHDOG_PARAMS = 4_000_000_000
 
 
 def _gb(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
+    return format_bytes(n)
 
 
 def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
@@ -62,7 +62,7 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
                          "breakdown": {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
                                        "activations": est.activations, "reference": est.reference},
                          "batch_per_rank": per_rank})
-        need = f"~{_gb(est.total)} needed ({shape.params / 1e9:.2f}B params, {t.method}, batch {per_rank}/rank, " \
+        need = f"~{_gb(est.total)} needed ({format_count(shape.params)} params, {t.method}, batch {per_rank}/rank, " \
                f"seq {t.max_seq_length}) of {_gb(usable)} usable" + (f" {where}" if gpu is not None else "")
         if est.total > usable:
             fails.append(need)

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
 
+from coordinator import models
 from coordinator.errors import ConfigError
 from coordinator.run.monitor import FaultPolicy
 from coordinator.run.rundir import (
@@ -46,8 +47,8 @@ from coordinator.run.rundir import (
 )
 from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold, empty_delta, run_row, run_view
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8050
+DEFAULT_HOST = models.DEFAULT_DASHBOARD_HOST
+DEFAULT_PORT = models.DEFAULT_DASHBOARD_PORT
 TICK_S = 0.25  # how often active runs' events.jsonl are looked at: an event shows within TICK_S + a push
 LIST_EVERY_S = 2.0  # how often the run root is listed for new runs
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
