@@ -49,6 +49,16 @@ class Node:
     labels: tuple[tuple[str, str], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     source: str | None = None  # "file:line" the node was defined at, for messages
+    gpus: int | None = None  # the inventory's `gpus:`: use at most this many of its NVIDIA GPUs (None: all)
+    # A rank node (coordinator.planning.gpuranks): one GPU of the inventory node `machine`, named `<machine>/gpu<i>`,
+    # with CUDA_VISIBLE_DEVICES in its env. None for an inventory node (one rank on the whole machine).
+    machine: str | None = None
+    gpu: int | None = None  # that GPU's nvidia-smi index
+
+    @property
+    def machine_name(self) -> str:
+        """The inventory node this node runs on: itself, or a rank node's machine (ssh_config, hostfile `ssh`)."""
+        return self.machine or self.name
 
     @property
     def ssh_target(self) -> str:

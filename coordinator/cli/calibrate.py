@@ -48,7 +48,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         console.print(table)
         return
     plan, cals, choice = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
-    result = calibration_to_json(plan, cals, choice)
+    result = calibration_to_json(plan, cals, choice)  # one row per rank node: a node with several GPUs has one per GPU
     if as_json:
         click.echo(dumps(result))
         return
@@ -56,12 +56,12 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     # Two units: the bench times padded rows (every position), training reports real tokens (padding excluded).
     for col in ("node", "best padded pos/s", "at batch", "planned batch", "share", "predicted real tok/s", "cached"):
         table.add_column(col)
-    for node in inv.nodes:
-        if node.name not in plan.batch or node.name not in cals or plan.mode == "pipeline":
-            continue  # left out by the strategy, or a pipeline's stage: the plan below says which blocks it holds
-        cal = cals[node.name]
-        table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
-                      f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
+    for name in plan.batch:  # rank nodes: a node with several GPUs has one per GPU
+        if name not in cals or plan.mode == "pipeline":
+            continue  # a pipeline's stage: the plan below says which blocks it holds
+        cal = cals[name]
+        table.add_row(name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[name]),
+                      f"{100 * plan.split[name]:.1f}%", f"{plan.node_tokens_per_s(name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
     if plan.mode != "pipeline":
         console.print(table)

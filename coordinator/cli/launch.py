@@ -105,7 +105,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
                               "training jobs (kind: train)", path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
-    chaos = [parse_chaos(spec, world_size=len(inv.nodes), iters=pb.train.iters) for spec in chaos_specs]
+    # With nccl (or auto) a node may run one rank per GPU: the world is known once its facts are in (job.check_chaos).
+    world = None if pb.backend in ("nccl", "auto") else len(inv.nodes)
+    chaos = [parse_chaos(spec, world_size=world, iters=pb.train.iters) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     verdicts: dict[str, str] = {}  # each node's preflight, for the dashboard's fleet page

@@ -7,8 +7,8 @@ was not measured.
 
 Two entry points:
 - `compute_strategy`: by memory alone (preflight's lint and resources check, launch's refusal): dp when a replica
-  fits every node, else a pipeline the worker runs, else dp on the nodes whose replica fits, else a pipeline the
-  worker does not run yet or fsdp (both refused before launch), else a refusal.
+  fits every node, else a pipeline (not over nccl), else dp on the nodes whose replica fits, else fsdp (refused
+  before launch on a backend without sum_scatter), else a refusal.
 - `compute_strategy_choice`: after calibration, every candidate weighed by predicted tokens/s, one line each.
 
 Per rank, from `estimate.estimate_training_memory` (the same estimate the resources check uses):
@@ -18,18 +18,17 @@ Per rank, from `estimate.estimate_training_memory` (the same estimate the resour
   transformer block, or the embedding when that is larger: `fully_shard` gathers a wrapped module's parameters for
   its forward), plus the activations (not sharded: each rank runs its own batch) and the reference, whole.
 
-The worker does not run fsdp. fsdp also needs a backend with `sum_scatter` (the reduce-scatter of the gradients
-in `fully_shard`'s backward): mlx 0.32.4's ring raises `[ring] sum_scatter not supported`, mpi `[mpi] sum_scatter
-not yet implemented` (both strings are in libmlx.so). The jaccl library's headers implement `sum_scatter` for its
-mesh and ring groups, but mlx's jaccl adapter is not in the installed sources (and not built into the Linux wheel),
-so whether mlx wires it is unknown: jaccl counts as unsupported here. nccl has a native reduce-scatter, but no
-send/recv: no pipeline over nccl.
+The worker runs all three (`worker.parallel.dp`, `worker.parallel.pipeline`, `worker.parallel.fsdp`). fsdp needs a
+backend with `sum_scatter` (the reduce-scatter of the gradients in `fully_shard`'s backward): mlx 0.32.4's ring
+raises `[ring] sum_scatter not supported`, mpi `[mpi] sum_scatter not yet implemented` (both strings are in
+libmlx.so). nccl has a native reduce-scatter (run on 2x H100); jaccl has had one since mlx 0.32.1 (mlx PR#3901; not
+run here). nccl has no send/recv: no pipeline over nccl, so on nccl `auto` chooses between dp and fsdp by memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -50,12 +49,10 @@ from coordinator.planning.plan import NodeCalibration, Plan, PlanError, compute_
 
 Strategy = Literal["dp", "pipeline", "fsdp"]
 
-SUM_SCATTER_BACKENDS = frozenset({"nccl"})
+# nccl: run on 2x H100 (docs/benchmarks.md). jaccl, jaccl-ring: sum_scatter since mlx 0.32.1 (mlx PR#3901), not run here.
+SUM_SCATTER_BACKENDS = frozenset({"nccl", "jaccl", "jaccl-ring"})
 # Backends without point-to-point send/recv: "Send has no CUDA implementation" (mlx 0.32.4's nccl).
 NO_SEND_RECV_BACKENDS = frozenset({"nccl"})
-# Whether the worker runs a pipeline layout (worker/parallel/): until it does, a plan that resolves to a pipeline
-# is refused before launch, never run as dp.
-PIPELINE_IN_WORKER = False
 MLX_VERSION = "0.32.4"
 
 
@@ -137,9 +134,8 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
                      budgets: Mapping[str, NodeBudget], *, backend: str = "ring") -> StrategyDecision:
     """The strategy for a fleet of `budgets` (node -> usable memory, ring order), by memory alone (preflight: no
     calibration yet). `requested` auto picks, in this order: dp when a replica fits every node; a pipeline over
-    the nodes when one fits and the worker runs it (not on a backend without send/recv); dp on the nodes whose
-    replica fits (some, or one solo; `nodes` names them); a pipeline the worker does not run yet (so that the
-    refusal says so); fsdp when a shard fits every node (LoRA and DoRA never: their frozen weights are not what
+    the nodes when one fits (not on a backend without send/recv); dp on the nodes whose replica fits (some, or
+    one solo; `nodes` names them); fsdp when a shard fits every node (LoRA and DoRA never: their frozen weights are not what
     fsdp saves). dp, pipeline or fsdp forced must fit every node. StrategyError (with every node's numbers)
     otherwise. After calibration, `compute_strategy_choice` weighs the plans by speed."""
     if not budgets:
@@ -167,12 +163,12 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
         chosen: Strategy | None
         if dp_fits:
             chosen = "dp"
-        elif pipeline is not None and PIPELINE_IN_WORKER:
+        elif pipeline is not None:
             chosen = "pipeline"
         elif alone:
             chosen, used = "dp", alone
         else:
-            chosen = "pipeline" if pipeline is not None else "fsdp" if fsdp_fits and full else None
+            chosen = "fsdp" if fsdp_fits and full else None
     elif requested == "pipeline":
         chosen = "pipeline" if pipeline is not None else None
     elif requested == "dp":
@@ -189,13 +185,12 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
     return StrategyDecision(requested, chosen, world, needs, pipeline if chosen == "pipeline" else None, used)
 
 
-def fsdp_refusal(backend: str) -> str:
-    """Why an fsdp run cannot start on `backend` (the resolved one) in this version: the backend's missing
-    `sum_scatter`, or, where it has one, the worker that implements dp only."""
+def fsdp_refusal(backend: str) -> str | None:
+    """Why an fsdp run cannot start on `backend` (the resolved one): the backend's missing `sum_scatter`; None where
+    it has one (the worker runs fsdp: worker.parallel.fsdp)."""
     if backend not in SUM_SCATTER_BACKENDS:
-        return (f"[{backend}] sum_scatter not supported (mlx {MLX_VERSION}): fsdp needs nccl (CUDA nodes)")
-    return (f"fsdp training needs a backend with sum_scatter; not implemented for {backend} in this version "
-            "(the worker runs dp only)")
+        return (f"[{backend}] sum_scatter not supported (mlx {MLX_VERSION}): fsdp needs nccl (CUDA nodes) or jaccl")
+    return None
 
 
 def node_budget(facts: NodeFacts) -> NodeBudget | None:
@@ -398,8 +393,7 @@ def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
 
 
 def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode], *,
-                            backend: str, split: str | Mapping[str, float] = "calibrated",
-                            pipeline_runs: bool = True) -> StrategyChoice:
+                            backend: str, split: str | Mapping[str, float] = "calibrated") -> StrategyChoice:
     """Weigh the plans that can train `train` on `nodes` (ring order) and pick one.
 
     Candidates: dp on every node; dp on the nodes whose replica fits (when that is some but not all, >= 2); the
@@ -407,8 +401,7 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
     leaving out the slowest per block one at a time. `auto` takes the fitting candidate with the best predicted
     tokens/s (where none is measured: dp on every node, a pipeline over every node, dp on some, a smaller
     pipeline, solo, in that order); `dp` is dp on every node, `pipeline` the pipeline over every node. Raises
-    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit.
-    `pipeline_runs` False (the worker runs dp only): pipelines are weighed and shown, never chosen."""
+    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit."""
     if not nodes:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     fills = [n.calibration.fill for n in nodes if n.calibration is not None]
@@ -439,9 +432,6 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
                 for out in _slowest_first(nodes)[:-2]:
                     left = [n for n in left if n.node != out.node]
                     pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None))
-    if not pipeline_runs:
-        pipelines = [replace(c, fits=False, note=f"{c.note} (the worker runs dp only in this version)")
-                     for c in pipelines]
     # Of the smaller pipelines only the best is worth a line.
     smaller = [c for c in pipelines if c.kind is CandidateKind.PIPELINE_SOME]
     if smaller:

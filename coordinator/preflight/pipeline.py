@@ -25,7 +25,6 @@ from coordinator.planning.estimate import model_shape
 from coordinator.planning.hostfile import has_cuda, resolve_backend
 from coordinator.planning.strategy import (
     NO_SEND_RECV_BACKENDS,
-    PIPELINE_IN_WORKER,
     NodeBudget,
     StrategyError,
     compute_strategy,
@@ -127,35 +126,42 @@ def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudg
     return known if len(known) == len(budgets) else {}
 
 
+def resolve_strategy(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str:
+    """`dp` or `fsdp`: how the ranks of a run that is not a pipeline share the work: forced, or auto's choice by
+    memory for this fleet (its rank nodes: one per GPU, `planning.gpuranks`). A pipeline is weighed and laid out
+    after calibration (`run.job.calibrate_and_plan`); auto stays dp when it cannot choose (LoRA, unknown size or
+    memory, nothing fits: the resources check's failure)."""
+    t = playbook.train
+    if t.strategy in ("dp", "fsdp"):
+        return t.strategy
+    if t.strategy == "pipeline" or t.fine_tune_type != "full":
+        return "dp"
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
+    if shape is None or not budgets:
+        return "dp"
+    backend = resolve_backend(playbook.backend, facts, inventory.nodes)
+    try:
+        return "fsdp" if compute_strategy("auto", shape, t, budgets, backend=backend).strategy == "fsdp" else "dp"
+    except StrategyError:
+        return "dp"
+
+
 def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
-    """Why the run must not start with its `train.strategy` (None: it can). Launch checks this even under
-    `--skip-preflight`: a run that resolves to fsdp (which the worker does not run), or to a pipeline on a backend
-    without send/recv (or while the worker runs dp only), must be refused, not run as dp. auto with nothing
-    fitting is the resources check's failure (which --skip-preflight overrides)."""
+    """Why the run must not start with its `train.strategy` (None: it may). Launch checks this even under
+    `--skip-preflight`: a pipeline on a backend without send/recv, or a run that resolves to fsdp on a backend
+    without sum_scatter, must be refused, never run as dp. auto with nothing fitting is the resources check's
+    failure (which --skip-preflight overrides)."""
     t = playbook.train
     if t.strategy == "dp":
         return None
     backend = resolve_backend(playbook.backend, facts, inventory.nodes)
-    if t.strategy == "pipeline" and backend in NO_SEND_RECV_BACKENDS:
-        return f"train.strategy pipeline: {pipeline_refusal(backend)}"
-    if t.strategy == "pipeline" and not PIPELINE_IN_WORKER:
-        return "train.strategy pipeline: the worker runs dp only in this version"
     if t.strategy == "pipeline":
+        return f"train.strategy pipeline: {pipeline_refusal(backend)}" if backend in NO_SEND_RECV_BACKENDS else None
+    if resolve_strategy(inventory, playbook, facts) != "fsdp":
         return None
-    shape = model_shape(model_config(facts), None)
-    budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
-    if t.strategy == "auto":
-        if shape is None or not budgets:
-            return None
-        try:
-            decision = compute_strategy("auto", shape, t, budgets, backend=backend)
-        except StrategyError:
-            return None
-        if decision.strategy == "dp" or (decision.strategy == "pipeline" and PIPELINE_IN_WORKER):
-            return None
-        if decision.strategy == "pipeline":
-            return "train.strategy auto resolves to a pipeline: the worker runs dp only in this version"
-    return f"train.strategy {t.strategy} resolves to fsdp: {fsdp_refusal(backend)}"
+    refusal = fsdp_refusal(backend)
+    return None if refusal is None else f"train.strategy {t.strategy} resolves to fsdp: {refusal}"
 
 
 def evaluate(inventory: Inventory, playbook: Playbook | None, fleet: FleetFacts) -> PreflightReport:

@@ -30,6 +30,7 @@ from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_ho
 from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.estimate import ModelShape, model_shape
+from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
 from coordinator.planning.pipeline import LayerTiming, timing_from_curve
 from coordinator.planning.plan import (
@@ -43,7 +44,6 @@ from coordinator.planning.plan import (
 from coordinator.planning.shards import MapRow
 from coordinator.planning.strategy import (
     NO_SEND_RECV_BACKENDS,
-    PIPELINE_IN_WORKER,
     FleetNode,
     NodeBudget,
     StrategyChoice,
@@ -71,6 +71,7 @@ from coordinator.preflight.pipeline import (
     fleet_budgets,
     model_config,
     probe_connected,
+    resolve_strategy,
     strategy_refusal,
 )
 from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
@@ -101,6 +102,7 @@ from coordinator.run.supervision import (
     check_orphans,
     clear_stop_request,
 )
+from worker.runconfig import Layout
 
 # Relaunches after a start-up race (the ranks could not connect: a peer was not listening yet) that do not count
 # against faults.max_restarts: a race is nobody's fault, and it may take a second try to lose it.
@@ -242,14 +244,13 @@ async def calibrate_and_plan(
     micro = -(-t.batch_size // t.pipeline_micro_batches)  # examples per micro-batch
     timings: dict[str, LayerTiming] = {n: timing_from_curve(c, shape.layers, micro, t.max_seq_length)
                                        for n, c in cals.items()}
-    if PIPELINE_IN_WORKER and len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
+    if len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
             and backend not in NO_SEND_RECV_BACKENDS:
         # A pipeline is weighed with a node that cannot run the whole model: every node is timed per block, the
         # same way (a curve's share per block folds the head and optimizer in: it would not compare).
         timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
     fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
-    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,
-                                     pipeline_runs=PIPELINE_IN_WORKER)
+    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split)
     for line in [f"strategy {t.strategy}: {choice.chosen.label}", *format_table(choice.table()),
                  *choice.reasons()]:
         ui.message(line)
@@ -259,10 +260,10 @@ async def calibrate_and_plan(
     elif chosen.strategy == "dp":  # a fixed split, or nothing measured: the plan as written, over its nodes
         plan = fixed_plan(list(chosen.nodes), t.batch_size, pb.split if pb.split != "calibrated" else "equal",
                           seq_len=t.max_seq_length)
-    elif chosen.pipeline is not None and PIPELINE_IN_WORKER:
+    elif chosen.pipeline is not None:
         plan = chosen.pipeline.as_plan()
     else:
-        raise LaunchError(f"strategy {t.strategy} chose {chosen.label}: the worker runs dp only in this version")
+        raise LaunchError(f"strategy {t.strategy} chose {chosen.label}, which has neither a dp nor a pipeline plan")
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
     return plan, cals, choice
 
@@ -293,9 +294,11 @@ def strategy_inputs(inv: Inventory, pb: Playbook,
         return None
     shape = model_shape(model_config(facts), None)
     budgets = fleet_budgets(inv, FleetFacts({}, dict(facts), {}))
-    if shape is None or not budgets:
+    backend = resolve_backend(pb.backend, facts, inv.nodes)
+    if shape is None or not budgets or backend in NO_SEND_RECV_BACKENDS:
+        # No pipeline without send/recv (nccl): auto is dp or fsdp there, by memory (preflight.resolve_strategy).
         return None
-    return shape, budgets, resolve_backend(pb.backend, facts, inv.nodes)
+    return shape, budgets, backend
 
 
 async def _calibrate_dp(
@@ -322,6 +325,12 @@ async def _calibrate_dp(
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
     cals = {n: per_example_calibration(r, pb.train.rows_per_example)
             for n, r in results.items() if isinstance(r, NodeCalibration)}
+    # Identical GPUs of one machine: one curve, an even split (calibrate's own pooling leaves them apart: each
+    # rank node's env names its own device).
+    pooled = pool_identical_gpus(cals, inv.nodes, facts)
+    for name in (n for n in pooled if pooled[n] is not cals[n]):
+        ui.message(f"{name}: one curve for the identical GPUs of its machine (the mean of their measurements)")
+    cals = pooled
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     if not quiet:
@@ -335,7 +344,31 @@ async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         facts = await facts_for_calibration(fleet, pb, ui)
-        return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
+        inv, ranks_fleet, facts = per_gpu_ranks(inv, fleet, pb, facts, ui)
+        return await calibrate_and_plan(ranks_fleet, inv, pb, facts, opts, ui)
+
+
+def per_gpu_ranks(inv: Inventory, fleet: Fleet, pb: Playbook, facts: Mapping[str, NodeFacts], ui: JobUI, *,
+                  select: Callable[[Inventory], Inventory] | None = None) -> tuple[Inventory, Fleet, dict[str, NodeFacts]]:
+    """The job's ranks once the facts are in: a node with several NVIDIA GPUs becomes one rank node per GPU
+    (`planning.gpuranks`), over the machine's one connection; facts get an entry per rank node; `select` may
+    leave rank nodes out (quarantined GPUs). Unchanged otherwise."""
+    ranks = build_rank_nodes(inv, pb.backend, facts)
+    if ranks is inv:
+        return inv, fleet, dict(facts)
+    if select is not None:
+        ranks = select(ranks)
+    split = sorted({n.machine for n in ranks.nodes if n.machine is not None})
+    ui.message("one rank per GPU: " + "; ".join(
+        f"{m}: {', '.join(n.name for n in ranks.nodes if n.machine == m)}" for m in split))
+    return ranks, fleet.for_ranks(ranks.nodes), rank_facts(facts, ranks.nodes)
+
+
+def check_chaos(chaos: Sequence[Chaos], world_size: int) -> None:
+    """--chaos names ranks; with one rank per GPU the world is known only once the facts are in."""
+    for c in chaos:
+        if c.rank >= world_size:
+            raise ConfigError(f"--chaos: rank {c.rank} is not a rank of this job (0..{world_size - 1})")
 
 
 async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[str, NodeFacts]:
@@ -557,7 +590,8 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
     ui.preflight(state.report)
     if not state.report.ok() and not opts.skip_preflight:
         raise PreflightFailed(state.report, left)
-    refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
+    ranks = build_rank_nodes(inv, pb.backend, state.facts)  # the strategy is planned over the ranks (GPUs)
+    refusal = strategy_refusal(ranks, pb, rank_facts(state.facts, ranks.nodes))  # never run an fsdp plan as dp
     if refusal is not None:
         raise LaunchError(refusal)
     return state
@@ -694,6 +728,18 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
         if (shared := await check_orphans(fleet, inv.nodes, run_id=run_id, run_root=opts.run_root,
                                           allow_shared=opts.allow_shared)) is not None:
             ui.message(f"warning: {shared}")
+        gpus_left: list[LeftOut] = []
+
+        def usable_gpus(ranks: Inventory) -> Inventory:
+            # A GPU quarantined after its rank failed (`box/gpu1`) stays out of later launches, as a node would.
+            usable, left = usable_inventory(ranks, pb, store, ui, opts)
+            gpus_left.extend(left)
+            return usable
+
+        inv, fleet, facts = per_gpu_ranks(inv, fleet, pb, state.facts, ui, select=usable_gpus)
+        left_out = [*left_out, *gpus_left]
+        state = FleetState(facts, state.report)
+        check_chaos(chaos, len(inv.nodes))
         ui.message("calibrating (cached per node, model and sequence length)")
         plan, cals, choice = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
         nodes = [n for n in inv.nodes if n.name in plan.batch]  # the strategy may train on some nodes, or one
@@ -931,7 +977,8 @@ async def _run_attempt(
     launch.left_out = list(left_out)
     launch.drill = drill
     launch.should_stop = sup.stop_reason
-    launch.layout = build_layout(strategy.chosen.pipeline if strategy is not None else None)
+    launch.layout = (build_layout(strategy.chosen.pipeline) if strategy is not None and strategy.chosen.pipeline
+                     is not None else Layout(kind=resolve_strategy(sub, pb, facts)))
     # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
     split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),
@@ -944,7 +991,8 @@ async def _run_attempt(
     async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
         await launch.prepare()
-        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
+        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks, "
+                   f"{launch.layout.kind})")
         launch.start_launcher(local_hostfile)
 
     monitor = await watch(launch, sup, start)

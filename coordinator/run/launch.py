@@ -250,7 +250,7 @@ class Launch:
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
-        self.layout: Layout | None = None  # the strategy's (launchfiles.build_layout); None: dp
+        self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json

@@ -130,7 +130,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
                FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
         chaos=tuple(chaos),
-        layout=layout or Layout(),
+        layout=layout or Layout(),  # dp, a pipeline's stages (build_layout) or fsdp (preflight.pipeline.resolve_strategy)
     )
 
 
@@ -169,10 +169,13 @@ def build_ssh_config(nodes: Sequence[Node], *, connect_timeout: float = 5.0) -> 
     """An ssh_config making the plain `ssh` that mlx.launch runs use the inventory's credentials and the same
     host-key policy as the control plane (strict: never prompt, never accept a changed key)."""
     out = ["# written by mlx-coordinator for mlx.launch", ""]
+    seen: set[str] = set()
     for node in nodes:
-        if node.connection is Connection.LOCAL:
+        # Rank nodes of one machine (one per GPU) share its entry: the hostfile's `ssh` is the machine's name.
+        if node.connection is Connection.LOCAL or node.machine_name in seen:
             continue
-        out.append(f"Host {node.name}")
+        seen.add(node.machine_name)
+        out.append(f"Host {node.machine_name}")
         out.append(f"  HostName {node.host}")
         if node.user:
             out.append(f"  User {node.user}")

@@ -410,6 +410,19 @@ class PairOut(_Out):
     error: str | None
 
 
+class GpuBusOut(_Out):
+    """NCCL all-reduce between the GPUs of one node (nettest.GpuBusResult); bandwidths in bytes/second."""
+
+    node: str
+    devices: list[str]
+    status: Verdict
+    summary: str
+    busbw_bytes_per_s: float | None
+    algbw_bytes_per_s: float | None
+    bytes: int | None
+    error: str | None
+
+
 class NettestOut(_Out):
     """`nettest --json` (nettest.NettestReport)."""
 
@@ -417,6 +430,7 @@ class NettestOut(_Out):
     summary: dict[str, int]
     duration_s: float
     pairs: list[PairOut]
+    gpus: list[GpuBusOut]
     node_errors: dict[str, str]
 
 

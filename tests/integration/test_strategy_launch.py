@@ -1,5 +1,5 @@
 """`train.strategy` through the real CLI on network-namespace hosts: a run that resolves to fsdp is refused by
-preflight and, under `--skip-preflight`, by launch, before any rank starts (the worker runs dp only)."""
+preflight and, under `--skip-preflight`, by launch, before any rank starts (ring has no sum_scatter)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from worker.tinymodel import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
-RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"
+RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes) or jaccl"
 
 
 def test_fsdp_is_refused_by_preflight_and_by_launch_before_any_rank_starts(testbed: TestBed, run_cli: RunCli,

@@ -17,7 +17,7 @@ from coordinator.models import Connection, Node
 from coordinator.run.chaos import KINDS, Chaos
 from coordinator.run.launch import spawn_launcher
 from coordinator.run.launchfiles import RankPlan, build_launcher_argv, build_rank_script, build_run_config, build_ssh_config
-from worker.runconfig import parse_run_config
+from worker.runconfig import Layout, parse_run_config
 
 PLAYBOOKS = sorted((Path(__file__).resolve().parents[2] / "playbooks").glob("*.yaml"))
 
@@ -139,8 +139,10 @@ def test_run_config_of_every_playbook_is_what_the_worker_parses(path: Path) -> N
     nodes = [Node(name="mac", host="10.0.0.1"), Node(name="lin", host="127.0.0.1", connection=Connection.LOCAL)]
     ranks = [RankPlan(0, nodes[0], 3), RankPlan(1, nodes[0], 2), RankPlan(2, nodes[1], 1)]
     chaos = [Chaos(kind=k, rank=i % 3, step=i + 1, factor=2.0) for i, k in enumerate(KINDS)]
-    for resume, scratch, drills in ((False, False, []), (True, True, chaos)):
-        config = build_run_config(pb, ranks, "r-1", resume=resume, chaos=drills, restart_from_scratch=scratch)
+    for resume, scratch, drills, layout in ((False, False, [], None), (True, True, chaos, Layout(kind="fsdp"))):
+        config = build_run_config(pb, ranks, "r-1", resume=resume, chaos=drills, restart_from_scratch=scratch,
+                                  layout=layout)
+        assert config.layout == (layout or Layout())
         written = replace(config, run_dir=Path("~/mlx-work/runs/r-1/mac")).to_json()
         parsed = parse_run_config(json.loads(json.dumps(written)))
         expanded = replace(config, model=os.path.expanduser(config.model), data=os.path.expanduser(config.data),

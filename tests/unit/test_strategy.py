@@ -24,12 +24,12 @@ from coordinator.planning.strategy import (
     per_rank_need,
 )
 from coordinator.preflight.lint import lint_playbook
-from coordinator.preflight.pipeline import FleetFacts, fleet_budgets, strategy_refusal
+from coordinator.preflight.pipeline import FleetFacts, fleet_budgets, resolve_strategy, strategy_refusal
 from tests.factsutil import MODEL_CONFIG
 
 SHAPE = ModelShape(params=1_000_000_000, hidden=2048, layers=16, vocab=32000, intermediate=8192, heads=16)
 FULL = TrainConfig(method="full", batch_size=4, max_seq_length=512)
-RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"
+RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes) or jaccl"
 
 
 def test_fsdp_need_is_the_sharded_state_plus_one_gathered_unit_plus_the_activations() -> None:
@@ -122,12 +122,14 @@ def test_the_refusal_names_every_nodes_numbers() -> None:
 
 @pytest.mark.parametrize(("backend", "reason"), [
     ("ring", RING_REASON),
-    ("jaccl", "[jaccl] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes)"),
-    ("jaccl-ring", "[jaccl-ring] sum_scatter not supported"),
-    ("nccl", "fsdp training needs a backend with sum_scatter; not implemented for nccl in this version"),
+    ("mpi", "[mpi] sum_scatter not supported"),
+    ("jaccl", None),  # sum_scatter since mlx 0.32.1
+    ("jaccl-ring", None),
+    ("nccl", None),  # the worker runs fsdp there (worker.parallel.fsdp)
 ])
-def test_fsdp_refusal_by_backend(backend: str, reason: str) -> None:
-    assert reason in fsdp_refusal(backend)
+def test_fsdp_refusal_by_backend(backend: str, reason: str | None) -> None:
+    refusal = fsdp_refusal(backend)
+    assert refusal is None if reason is None else reason in (refusal or "")
 
 
 # ------------------------------------------------------------------------------------------------- playbook
@@ -201,17 +203,15 @@ def strategy_lint(budget_of: str | int | None, backend: str = "ring", **train: A
 def test_lint_fsdp_on_ring_fails_with_the_sum_scatter_reason() -> None:
     [forced] = strategy_lint("dp", method="full", strategy="fsdp")
     assert forced.status is Status.FAIL and forced.summary.endswith(RING_REASON)
-    [chosen] = strategy_lint("fsdp", method="full", backend="nccl")  # auto chose fsdp: dp and pipeline do not fit
-    assert chosen.status is Status.FAIL and "fsdp (chosen by auto)" in chosen.summary
-    assert chosen.summary.endswith("not implemented for nccl in this version (the worker runs dp only)")
     [unknown] = strategy_lint(None, method="full", strategy="fsdp")  # no memory known: still refused
     assert unknown.status is Status.FAIL and unknown.summary == RING_REASON
 
 
-def test_lint_fsdp_on_nccl_fails_as_not_implemented() -> None:
+def test_lint_fsdp_on_nccl_passes_and_says_it_shards() -> None:
     [r] = strategy_lint("fsdp", backend="nccl", method="full")
-    assert r.status is Status.FAIL
-    assert "fsdp training needs a backend with sum_scatter; not implemented for nccl in this version" in r.summary
+    assert r.status is Status.PASS and r.summary.startswith("fsdp (chosen by auto)")
+    [unknown] = strategy_lint(None, backend="nccl", method="full", strategy="fsdp")  # nothing known: not planned
+    assert unknown.status is Status.SKIP
 
 
 def test_lint_dp_and_auto() -> None:
@@ -224,9 +224,8 @@ def test_lint_dp_and_auto() -> None:
     assert short.status is Status.FAIL and "train.strategy dp: dp does not fit" in short.summary
     [neither] = strategy_lint(GiB // 4, method="full")
     assert neither.status is Status.FAIL and "neither dp, a pipeline nor fsdp fits" in neither.summary
-    [pipe] = strategy_lint("fsdp", method="full")  # auto: no replica fits, a pipeline does; the worker runs dp only
-    assert pipe.status is Status.FAIL and pipe.summary.startswith("pipeline (chosen by auto): a ")
-    assert pipe.summary.endswith("the worker runs dp only in this version")
+    [pipe] = strategy_lint("fsdp", method="full")  # auto: no replica fits, a pipeline does (ring): said, it runs
+    assert pipe.status is Status.PASS and pipe.summary.startswith("pipeline (chosen by auto): a ")
     [nccl] = strategy_lint(None, method="full", strategy="pipeline", backend="nccl")
     assert nccl.status is Status.FAIL and "[nccl] has no send/recv" in nccl.summary
     [skip] = strategy_lint(None, method="full", strategy="dp")
@@ -276,23 +275,22 @@ def test_launch_refuses_a_run_that_resolves_to_fsdp() -> None:
     assert forced == f"train.strategy fsdp resolves to fsdp: {RING_REASON}"
     pb_auto = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "auto",
                               "train": {"method": "full", "strategy": "fsdp"}}, path="p.yaml")
-    assert strategy_refusal(INV, pb_auto, roomy) == ("train.strategy fsdp resolves to fsdp: fsdp training needs a "
-                                                     "backend with sum_scatter; not implemented for nccl in this "
-                                                     "version (the worker runs dp only)")
+    assert strategy_refusal(INV, pb_auto, roomy) is None  # nccl: the worker runs fsdp
+    assert resolve_strategy(INV, pb_auto, roomy) == "fsdp"
+    assert resolve_strategy(INV, playbook(method="full"), roomy) == "dp"
     # auto on GPUs too small for a replica but large enough for a shard: refused, not run as dp.
     assert CFG_SHAPE is not None
     dp, fsdp = per_rank_need(CFG_SHAPE, playbook(method="full").train, world_size=2, budget=NodeBudget(GiB))
     mib = (fsdp // 1024**2 + 1) * 10 // 9 + 1  # usable = 0.9 x the GPU's memory
     assert int(mib * 1024**2 * 0.9) < dp
     small = {n.name: gpu_node(n.name, mib) for n in NODES}
-    # Over ring, a pipeline fits where a replica does not: refused while the worker runs dp only.
-    assert strategy_refusal(INV, playbook(method="full"), small) == ("train.strategy auto resolves to a pipeline: "
-                                                                     "the worker runs dp only in this version")
+    # Over ring, a pipeline fits where a replica does not: the worker runs it (weighed after calibration).
+    assert strategy_refusal(INV, playbook(method="full"), small) is None
+    assert resolve_strategy(INV, playbook(method="full"), small) == "dp"  # not fsdp: the layout is the pipeline's
     nccl = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "nccl",
                            "train": {"method": "full"}}, path="p.yaml")
-    assert strategy_refusal(INV, nccl, small) == ("train.strategy auto resolves to fsdp: fsdp training needs a backend "
-                                                  "with sum_scatter; not implemented for nccl in this version (the "
-                                                  "worker runs dp only)")
+    assert strategy_refusal(INV, nccl, small) is None  # nccl: no pipeline, a shard fits: fsdp, which the worker runs
+    assert resolve_strategy(INV, nccl, small) == "fsdp"
     forced_nccl = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "nccl",
                                   "train": {"method": "full", "strategy": "pipeline"}}, path="p.yaml")
     assert strategy_refusal(INV, forced_nccl, roomy) == ("train.strategy pipeline: [nccl] has no send/recv (mlx "

@@ -17,7 +17,6 @@ from coordinator.models import majority as majority  # re-exported: the checks u
 from coordinator.planning.estimate import model_shape
 from coordinator.planning.pipeline import StagePlan
 from coordinator.planning.strategy import (
-    PIPELINE_IN_WORKER,
     StrategyDecision,
     StrategyError,
     compute_strategy,
@@ -160,7 +159,7 @@ class CheckContext:
         resources check then judges a node by its stage's need, not a replica's (until the worker runs
         pipelines, such a plan is refused by the lint `strategy`: a replica's need is the truth)."""
         decision = self.strategy_decision
-        if not PIPELINE_IN_WORKER or decision is None or decision.pipeline is None:
+        if decision is None or decision.pipeline is None:
             return {}
         return {s.node: s for s in decision.pipeline.stages}
 

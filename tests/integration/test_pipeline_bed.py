@@ -1,12 +1,7 @@
 """The capped test bed end to end (issue 24): three hosts whose sshd sits in unequal cgroup v1 memory caps, one
 also held to half a core. A full fine-tune whose dp replica exceeds every cap is refused as dp with the numbers,
 and trains with `strategy: auto` as a pipeline over the three; its loss curve matches one uncapped process on the
-same data and seed.
-
-PENDING (not collected: its name does not match test_*.py): it needs the worker's pipeline strategy (branch
-i24-worker, not on main when this was written). Passed in 57 s on i24-plan 1dd34d8 with i24-worker c093d5a merged
-and `coordinator.planning.strategy.PIPELINE_IN_WORKER = True`. Once the worker's pipeline is on main: set that
-constant to True and rename this file to test_pipeline_bed.py."""
+same data and seed."""
 
 from __future__ import annotations
 
