@@ -901,12 +901,12 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {"strategy": "dp"},
                  (F, ("~102.6 GiB needed (50.00B params", "of 96.0 GiB usable"), ("grad_checkpoint: true",)),
                  id="lora-50b-does-not-fit"),
-    # auto trains dp on the nodes whose replica fits (the Studio): this one sits the run out, said as a warning.
+    # auto: a pipeline over the fleet holds what this node's replica cannot: judged by its stage's need.
     pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
-                 (W, ("~102.6 GiB needed (50.00B params", "left out of the run by train.strategy auto"),
-                  ("to train on this node too",)),
-                 id="lora-50b-left-out-by-auto"),
-    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}), {"method": "full"},
+                 (P, ("of 96.0 GiB usable; as pipeline stage of blocks 0-",), ()),
+                 id="lora-50b-a-pipeline-stage-by-auto"),
+    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}),
+                 {"method": "full", "strategy": "dp"},
                  (F, ("~64.9 GiB needed (8.00B params, full", "of 36.0 GiB usable", "GPU watchdog"),
                   ("use LoRA", "on an Ultra")), id="full-8b-on-48gb"),
     # keep_checkpoints 1: two 40 GB full checkpoints (the kept one + the one being written) fit the 89 GB free.

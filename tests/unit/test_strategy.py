@@ -298,10 +298,14 @@ def test_launch_refuses_a_run_that_resolves_to_fsdp() -> None:
                                                          "backend ring (or jaccl)")
 
 
-def test_auto_trains_dp_on_the_nodes_that_hold_a_replica_before_a_plan_the_worker_cannot_run() -> None:
+def test_auto_by_memory_prefers_a_pipeline_over_every_node_else_dp_on_the_nodes_that_hold_a_replica() -> None:
     solo = per_rank_need(SHAPE, FULL, world_size=1, budget=NodeBudget(GiB))[0]
     budgets = {"ultra": NodeBudget(solo), "max": NodeBudget(solo // 3)}
-    decision = compute_strategy("auto", SHAPE, FULL, budgets)
+    # Over ring a pipeline uses both nodes (calibration then weighs it against the Ultra solo by speed).
+    piped = compute_strategy("auto", SHAPE, FULL, budgets)
+    assert (piped.strategy, piped.nodes) == ("pipeline", ("ultra", "max"))
+    # nccl has no send/recv: no pipeline; the node that holds a replica trains dp alone.
+    decision = compute_strategy("auto", SHAPE, FULL, budgets, backend="nccl")
     assert (decision.strategy, decision.nodes) == ("dp", ("ultra",))
     assert [n.node for n in decision.left_out] == ["max"]
     assert decision.describe().startswith("dp (chosen by auto) on ultra: the other nodes cannot hold a replica: max (")
@@ -310,6 +314,6 @@ def test_auto_trains_dp_on_the_nodes_that_hold_a_replica_before_a_plan_the_worke
         compute_strategy("dp", SHAPE, FULL, budgets)
     # The lint says who sits the run out, as a warning.
     results = lint_playbook(playbook(method="full", batch_size=4, max_seq_length=512), MODEL_CONFIG,
-                            budgets={"a": NodeBudget(10**12), "b": NodeBudget(GiB // 8)}, backend="ring")
+                            budgets={"a": NodeBudget(10**12), "b": NodeBudget(GiB // 8)}, backend="nccl")
     [finding] = [r for r in results if r.id == "strategy"]
     assert finding.status is Status.WARN and "on a: the other nodes cannot hold a replica: b (" in finding.summary
