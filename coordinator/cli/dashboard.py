@@ -25,7 +25,7 @@ from coordinator.models import (
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(DEFAULT_RUN_DIR),
               show_default=True, help="Where runs/<run-id>/ are.")
 @click.option("--host", default=DEFAULT_DASHBOARD_HOST, show_default=True,
-              help="Address to bind (any but loopback needs the printed token for every page).")
+              help="Address to bind (every request needs the printed token, on loopback too).")
 @click.option("--port", default=DEFAULT_DASHBOARD_PORT, show_default=True, type=click.IntRange(0, 65535),
               help="Port (0: any free port).")
 @click.option("--probe-interval", default=DEFAULT_DASHBOARD_PROBE_INTERVAL, show_default=True, type=click.FloatRange(1, 3600),

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import click
 
 from coordinator.cli.common import run_async
-from coordinator.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -39,7 +38,17 @@ def render_nettest(report: NettestReport, console: Console, *, strict: bool = Fa
         table.add_row(f"{p.a.node} ↔ {p.b.node}\n{p.a.ip} ↔ {p.b.ip}", link,
                       f"{m.rtt_ms:.3f}" if m else "-", _gbps(m.up_bps) if m else "-",
                       _gbps(m.down_bps) if m else "-", status_text(p.status), p.summary)
-    console.print(table)
+    if report.pairs:
+        console.print(table)
+    if report.gpus:
+        gpus = Table(title="GPUs of a node: NCCL all-reduce")
+        for col, justify in (("node", "left"), ("GPUs", "right"), ("bus GB/s", "right"), ("status", "left"),
+                             ("summary", "left")):
+            gpus.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for g in report.gpus:
+            gpus.add_row(g.node, str(len(g.devices)), f"{g.busbw_bps / 1e9:.1f}" if g.busbw_bps else "-",
+                         status_text(g.status), g.summary)
+        console.print(gpus)
     counts = report.counts()
     verdict = "[green]ok[/green]" if report.ok(strict=strict) else "[red]FAILED[/red]"
     console.print(f"{verdict}: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail")
@@ -64,7 +73,8 @@ def register(main: click.Group) -> None:
     def nettest(inventory: str, limit: str | None, seconds: float, pings: int, as_json: bool, strict: bool,
                 accept_new_host_keys: bool, connect_timeout: float) -> None:
         """Measure latency and bandwidth between every pair of nodes' data-plane IPs, one pair at a time, and
-        judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi)."""
+        judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi); on a node with several NVIDIA GPUs, the
+        NCCL all-reduce bus bandwidth between them."""
         from rich.console import Console
 
         from coordinator.cli.common import load
@@ -72,8 +82,6 @@ def register(main: click.Group) -> None:
         from coordinator.views.render import dumps
 
         inv, _ = load(inventory, None, limit)
-        if len(inv.nodes) < 2:
-            raise ConfigError(f"nettest needs at least two nodes, got {len(inv.nodes)}")
         console = Console(stderr=as_json)
 
         def progress(a: str, b: str) -> None:

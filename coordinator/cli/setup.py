@@ -75,7 +75,7 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
 
     report = run_async(run_setup(inv.nodes, pins, check=check, root=wheelhouse, find_links=find_links,
                                  connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                                 on_download=downloading))
+                                 on_download=downloading, on_note=lambda note: console.print(note, markup=False)))
     if as_json:
         click.echo(dumps(report.to_json()))
     else:

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 def load_status_inventory(inventory: str, limit: str | None) -> Inventory:
     from coordinator.config.inventory import load_inventory
+    from coordinator.models import parse_limit
 
     inv = load_inventory(inventory)
-    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
-    return inv.limit(names)
+    return inv.limit(parse_limit(limit))
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")

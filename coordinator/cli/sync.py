@@ -79,6 +79,7 @@ def register(main: click.Group) -> None:
         relay only the differing files once down a chain of nodes (pipelined, resumable), delete extras, then
         verify every node's manifest equals the source's."""
         from coordinator.cli.common import load, run_async
+        from coordinator.models import parse_limit
 
         if from_node and source_path:
             raise ConfigError("give --from NODE or --source PATH, not both")
@@ -96,7 +97,7 @@ def register(main: click.Group) -> None:
                 raise ConfigError(f"--source {source_path} lacks {', '.join(missing)}/ (one subdir per synced dir)")
         from coordinator.fleet.syncrun import run_sync
 
-        targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
+        targets = inv.limit(parse_limit(limit))
         echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
         ui = _bars(enabled=not as_json and not check)
 

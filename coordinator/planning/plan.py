@@ -57,6 +57,7 @@ class SplitMode(StrEnum):
     CALIBRATED = "calibrated"
     EQUAL = "equal"
     EXPLICIT = "explicit"
+    PIPELINE = "pipeline"  # every stage computes every row (planning.pipeline): no split of the batch
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,11 @@ def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> lis
         given = ", ".join(f"{n}={split[n]}" for n in names)
         raise PlanError(f"split fractions must sum to 1, got {total:.6g} ({given})")
     return fractions
+
+
+def predicted_step_s(cal: NodeCalibration, batch: int, seq_len: int) -> float:
+    """The step time the node's curve predicts for `batch` rows of `seq_len` tokens (the model above)."""
+    return _NodeModel(cal, seq_len).step_s(batch)
 
 
 def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:

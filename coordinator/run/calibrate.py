@@ -40,7 +40,9 @@ from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
 from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
-from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
+from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
+from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 
 CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
@@ -133,6 +135,11 @@ class BenchSpec:
     train_embeddings: bool = False
     clear_cache: bool = False
     world_size: int = 1  # the run's ranks: one takes the step as one compiled graph, several in two
+    # Pipeline stages: > 0 times `blocks` transformer blocks alone (plus the embedding and the head) at
+    # `micro_batch` rows (`worker.bench --blocks K --micro-batch MB`), so a node that cannot hold the whole model
+    # is measured too. 0: the whole model's curve.
+    blocks: int = 0
+    micro_batch: int = 1
     # The job env every rank gets (`Playbook.job_env()`), sorted: the bench runs in training's environment.
     env: tuple[tuple[str, str], ...] = ()
 
@@ -171,6 +178,7 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
                  *([True] if spec.clear_cache else [])],  # only when set: the keys of cached curves stay
         # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
         "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
+        **({"blocks": [spec.blocks, spec.micro_batch]} if spec.blocks else {}),  # only when set: old keys stay
     }
     if together:  # only when set: the keys of nodes alone on their machine stay
         inputs["together"] = sorted(together)
@@ -205,6 +213,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         "--one-time-budget", f"{one_time_budget:g}",
         "--max-batch", str(spec.max_batch),
         "--memory-fraction", f"{spec.memory_fraction:g}",
+        *(["--blocks", str(spec.blocks), "--micro-batch", str(spec.micro_batch)] if spec.blocks else []),
         *(["--lockstep"] if lockstep else []),
     )
 
@@ -288,6 +297,26 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
         raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
 
 
+def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
+    """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
+    `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
+    "peak_memory": bytes, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage, optional). Raises
+    CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
+    if "error" in obj:
+        raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
+    if not isinstance(obj.get("blocks"), int) or obj["blocks"] < 1:
+        raise CalibrationError(node, f"the bench timed no blocks (blocks {obj.get('blocks')!r}): its worker has no "
+                               "per-block mode (worker.bench --blocks)")
+    block_s, embed_s, head_s, micro = (_number(node, obj, k) for k in ("block_s", "embed_s", "head_s", "micro_batch"))
+    assert block_s is not None and embed_s is not None and head_s is not None and micro is not None
+    fused = _number(node, obj, "block_fused_s", optional=True)
+    try:
+        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused)
+    except PlanError as exc:
+        raise CalibrationError(node, f"bench result is not a usable timing: {exc}") from exc
+
+
 def build_plan_nodes(
     plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
 ) -> tuple[PlanNode, ...]:
@@ -305,12 +334,15 @@ def build_plan_nodes(
 
 
 def calibration_to_json(
-    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
+    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration],
+    strategy: StrategyChoice | None = None,
 ) -> dict[str, Any]:
-    """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}}` (docs/json.md); PlanError as
-    `build_plan_nodes`."""
-    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split),
-            "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"}}
+    """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}, "units"}` plus, where the strategy was
+    weighed, `"strategy"` (docs/json.md); PlanError as `build_plan_nodes`."""
+    rows = build_plan_nodes(plan, calibrations) if plan.mode != SplitMode.PIPELINE else ()  # stages: `strategy`
+    return {"nodes": [n.to_json() for n in rows], "split": dict(plan.split),
+            "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"},
+            **({"strategy": strategy.to_json()} if strategy is not None else {})}
 
 
 def describe_bench_time(obj: Mapping[str, Any]) -> str:
@@ -504,6 +536,7 @@ async def calibrate(
     time_budget: float = 60.0,
     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
     progress: Progress | None = None,
+    names: Sequence[str] | None = None,
     groups: Sequence[BenchGroup] = (),
 ) -> dict[str, NodeCalibration | CoordinatorError]:
     """Calibrate every connected node of `fleet` in parallel (nodes that failed to connect keep their
@@ -516,8 +549,9 @@ async def calibrate(
     docstring). `groups` (`coordinator.planning.colocate.compute_bench_groups`) name the nodes that share a machine:
     their benches run in lockstep, their curves are cached as measured together (the group is part of the key),
     a group is measured again as a whole when any member's curve is missing, and interchangeable members (one
-    fingerprint, python and env) get one pooled curve (`pool_curves`). Raises ValueError only for a
-    non-positive budget.
+    fingerprint, python and env) get one pooled curve (`pool_curves`). `names`: only these nodes (a pipeline's
+    nodes that cannot hold the model are timed per block instead, `calibrate_layers`). Raises ValueError only for
+    a non-positive budget.
     """
     for label, value in (("time_budget", time_budget), ("one_time_budget", one_time_budget)):
         if not (value > 0 and math.isfinite(value)):
@@ -530,7 +564,8 @@ async def calibrate(
     group_of = {name: g for g in groups if g.together for name in g.nodes}
     keys: dict[str, str | None] = {}
     cached: dict[str, NodeCalibration] = {}
-    for node in fleet.nodes:
+    asked = [n for n in fleet.nodes if names is None or n.name in names]
+    for node in asked:
         fingerprint = fingerprints.get(node.name)
         group = group_of.get(node.name)
         together = tuple(n for n in group.nodes if n != node.name) if group is not None else ()
@@ -544,7 +579,7 @@ async def calibrate(
                 cached[node.name] = hit
     # A group's curves hold together or not at all: measured beside each other, one member's new curve next to
     # another's old one would compare two different loads.
-    measure = {n.name for n in fleet.nodes if n.name not in cached
+    measure = {n.name for n in asked if n.name not in cached
                or (n.name in group_of and any(m not in cached for m in group_of[n.name].nodes))}
     gates: dict[str, GroupGate] = {}
     for group in {id(g): g for g in group_of.values()}.values():
@@ -581,7 +616,7 @@ async def calibrate(
                 say(node.name, f"could not cache the calibration in {cache_dir}: {exc}")
         return calibration
 
-    results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one))
+    results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one, names=names))
     for group in {id(g): g for g in group_of.values()}.values():
         measured = [r for n in group.nodes if isinstance(r := results.get(n), NodeCalibration)]
         kinds = {n.name: (fingerprints.get(n.name), n.python, n.env) for n in fleet.nodes if n.name in group.nodes}
@@ -592,8 +627,84 @@ async def calibrate(
                               "lockstep measurements: they run at one speed, the rest is who the scheduler favoured)")
     ordered: dict[str, NodeCalibration | CoordinatorError] = {}
     for node in fleet.nodes:
+        if names is not None and node.name not in names:
+            continue
         if node.name in results:
             ordered[node.name] = results[node.name]
         elif node.name in fleet.failed:
             ordered[node.name] = fleet.failed[node.name]
     return ordered
+
+
+
+async def calibrate_layers(
+    fleet: Fleet,
+    spec: BenchSpec,
+    names: Sequence[str],
+    *,
+    fingerprints: Mapping[str, NodeFingerprint],
+    model_digest: str,
+    recalibrate: bool,
+    cache_dir: Path,
+    time_budget: float = 60.0,
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
+    progress: Progress | None = None,
+) -> dict[str, LayerTiming | CoordinatorError]:
+    """Time `spec.blocks` blocks alone on each of `names` (`worker.bench --blocks`), cached like `calibrate`
+    (its key holds the block count and micro-batch). One node's failure is its value, as in `calibrate`."""
+    if spec.blocks < 1:
+        raise ValueError(f"calibrate_layers needs spec.blocks >= 1, got {spec.blocks}")
+
+    async def one(node: Node, transport: Transport) -> LayerTiming | CoordinatorError:
+        fingerprint = fingerprints.get(node.name)
+        key = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0])
+               if fingerprint is not None and fingerprint.known else None)
+        if key is not None and not recalibrate:
+            cached = _read_layer_cache(cache_dir, node.name, key)
+            if cached is not None:
+                if progress is not None:
+                    progress(node.name, f"per-block timing cached ({key[:12]})")
+                return cached
+        try:
+            obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
+                                  progress=progress)
+            timing = layer_timing_from_bench(node.name, obj)
+        except CoordinatorError as exc:
+            return exc
+        if key is not None:
+            try:
+                _write_cache(cache_dir, key, node.name, obj)
+            except OSError as exc:
+                if progress is not None:
+                    progress(node.name, f"could not cache the timing in {cache_dir}: {exc}")
+        return timing
+
+    results = await fleet.map(one, names=names)
+    return {n.name: (results[n.name] if n.name in results else fleet.failed.get(n.name)
+                     or CalibrationError(n.name, "not connected"))
+            for n in fleet.nodes if n.name in names}
+
+
+def parse_layer_cache_record(node: str, key: str, text: str) -> LayerTiming | None:
+    """A cached per-block timing, or None (a miss) as `parse_cache_record`."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("schema") != CACHE_SCHEMA or record.get("key") != key:
+        return None
+    bench = record.get("bench")
+    if not isinstance(bench, dict):
+        return None
+    try:
+        return layer_timing_from_bench(node, bench)
+    except CalibrationError:
+        return None
+
+
+def _read_layer_cache(cache_dir: Path, node: str, key: str) -> LayerTiming | None:
+    try:
+        text = _cache_path(cache_dir, key).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return parse_layer_cache_record(node, key, text)

@@ -22,6 +22,7 @@ from coordinator.config.playbook import Playbook, load_playbook
 from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import Inventory
+from coordinator.planning.gpuranks import rank_node_from_name
 from coordinator.run.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.run.launch import Launch, RunSummary, ViewFn, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan
@@ -95,10 +96,13 @@ def _inventory(meta: RunMeta, inventory: str | None) -> Inventory:
     if not path:
         raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
     inv = load_inventory(path)
-    missing = [n for n in meta.nodes if n not in inv.names()]
+    # A node with several GPUs ran as its rank nodes (`machine/gpu<i>`, coordinator.planning.gpuranks).
+    by_name = {n.name: n for n in inv.nodes}
+    nodes = [by_name.get(name) or rank_node_from_name(inv, name) for name in meta.nodes]
+    missing = [name for name, node in zip(meta.nodes, nodes, strict=True) if node is None]
     if missing:
         raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
-    return inv.limit(list(meta.nodes))
+    return Inventory(tuple(n for n in nodes if n is not None), inv.path)
 
 
 async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | None = None,

@@ -74,6 +74,7 @@ from coordinator.run.rundir import (
     RunMeta,
     SummaryBase,
 )
+from worker.runconfig import Layout
 
 TICK_S = 0.5
 
@@ -249,6 +250,7 @@ class Launch:
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
+        self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
@@ -291,7 +293,7 @@ class Launch:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
-                                  restart_from_scratch=self.restart_from_scratch)
+                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:
@@ -523,8 +525,10 @@ class Launch:
 
     def new_monitor(self) -> Monitor:
         plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
-                              max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors)
+                              max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,
+                              replica_groups=tuple((r.rank,) for r in self.ranks) if pipeline else None)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""

@@ -629,12 +629,16 @@ class PlanRecord:
     backend: str
     attempt: int
     nodes: tuple[PlanNode, ...] = ()
+    # The strategy weighed (planning.strategy.StrategyChoice.to_json: the chosen plan's table and every
+    # candidate's line); None where nothing was weighed (dp or fsdp forced, sizes unknown).
+    strategy: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
-                "attempt": self.attempt, "units": dict(RATE_UNITS)}
+                "attempt": self.attempt, "units": dict(RATE_UNITS),
+                **({"strategy": dict(self.strategy)} if self.strategy is not None else {})}
 
 
 # The unit of each rate in plan.json and `calibrate --json`: a node's rate (and the plan's prediction) is real

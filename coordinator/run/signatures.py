@@ -84,6 +84,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], Explanation], ...] = tuple((re.compil
                  "Thunderbolt RDMA interface is down, unconfigured, or the cable is not where the hostfile says",
                  "run `coordinator preflight` (checks rdma and thunderbolt), `rdma_ctl status` on the Mac, reseat "
                  "the cable", "either")),
+    (r"ncclInvalidUsage|invalid usage|\[nccl\]|NCCL error",
+     Explanation("nccl_setup", "NCCL could not set up the ranks' communicator: most often two ranks on one GPU "
+                 "(each rank needs its own device), a GPU another process holds, or NCCL_* settings that do not "
+                 "fit the machine",
+                 "leave CUDA_VISIBLE_DEVICES to the coordinator (one rank per GPU; inventory `gpus:` to use fewer), "
+                 "check `nvidia-smi` for other processes on the GPUs, and read NCCL's own message in launcher.log "
+                 "(set NCCL_DEBUG=INFO in the playbook's env for more)", "job")),
     (r"UnicodeDecodeError",
      Explanation("data_not_utf8", "a data file has bytes that are not UTF-8",
                  "fix or remove the line (`coordinator preflight` names file:line), then relaunch", "job")),

@@ -898,10 +898,15 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.but(worker={"params": 42_000_000_000}), {},
                  (W, ("~87.7 GiB needed", "96.0 GiB usable (little headroom)"), ("grad_checkpoint",)),
                  id="lora-42b-little-headroom"),
-    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {"strategy": "dp"},
                  (F, ("~102.6 GiB needed (50.00B params", "of 96.0 GiB usable"), ("grad_checkpoint: true",)),
                  id="lora-50b-does-not-fit"),
-    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}), {"method": "full"},
+    # auto: a pipeline over the fleet holds what this node's replica cannot: judged by its stage's need.
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+                 (P, ("of 96.0 GiB usable; as pipeline stage of blocks 0-",), ()),
+                 id="lora-50b-a-pipeline-stage-by-auto"),
+    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}),
+                 {"method": "full", "strategy": "dp"},
                  (F, ("~64.9 GiB needed (8.00B params, full", "of 36.0 GiB usable", "GPU watchdog"),
                   ("use LoRA", "on an Ultra")), id="full-8b-on-48gb"),
     # keep_checkpoints 1: two 40 GB full checkpoints (the kept one + the one being written) fit the 89 GB free.
@@ -985,7 +990,8 @@ def test_resources_on_an_nvidia_node_budget_the_gpus_memory_not_host_ram() -> No
     ])
     # The same node without nvidia-smi trains on the CPU, in host RAM: it does not fit.
     cpu = gpu.with_section("nvidia_smi", None)
-    run_case((cpu, mac), playbook(backend="ring"), [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
+    run_case((cpu, mac), playbook(backend="ring", train={"strategy": "dp"}),
+             [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
     busy = gpu.edited("nvidia_smi", "81559, 0, 0,", "81559, 60000, 100,")
     run_case((busy, mac), playbook(backend="ring"), [
         ("gpu1", "resources", W, ("58.6 GiB of GPU 0's 79.6 GiB already in use by other processes",), ("nvidia-smi",)),
@@ -1216,6 +1222,17 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
                            playbook())
     assert results[("mbp", "software")].remedy.endswith(", or by hand: '/opt/py;id' -m pip install mlx==0.32.1 "
                                                         "mlx-lm==0.31.0")
+
+
+def test_resources_judges_a_pipeline_stage_not_a_replica() -> None:
+    # A node that cannot hold a replica passes when the strategy gives it a stage.
+    members = (MBP_M.but(worker={"params": 50_000_000_000}), STUDIO_M.but(worker={"params": 50_000_000_000}))
+    _, results = preflight(members, playbook(train={"method": "lora"}))
+    r = results[("mbp", "resources")]
+    assert r.status is Status.PASS and "of 96.0 GiB usable; as pipeline stage of blocks 0-" in r.summary
+    assert r.evidence["pipeline_stage"]["need"] <= r.evidence["pipeline_stage"]["budget"]
+    _, results = preflight(members, playbook(train={"method": "lora", "strategy": "dp"}))
+    assert results[("mbp", "resources")].status is F  # dp forced: a replica it is
 
 
 def test_thunderbolt_on_the_loopback_is_not_applicable() -> None:

@@ -86,9 +86,13 @@ class DataParallel(Strategy):
             self.packing = decide_packing(cfg.packing, self.model, self.train_set, max_seq_length=cfg.max_seq_length,
                                           global_batch=cfg.global_batch, seed=cfg.seed)
             self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
+        self.prepare_model()
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def prepare_model(self) -> None:
+        """The model once set up, before the optimizer sees it (fsdp shards it here; dp keeps it whole)."""
 
     def check_start(self) -> None:
         """All ranks must start from the same trainable state (same files, same seed): compare cheap
