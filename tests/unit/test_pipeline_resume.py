@@ -27,13 +27,15 @@ from tests.unit.test_train_distributed import (
     require_finished,
     write_config,
 )
-from worker.checkpoint import WEIGHTS
+from worker.checkpoint import MANIFEST, WEIGHTS, verify_checkpoint
+from worker.checkpoint import build_manifest as build_file_manifest
 from worker.comm import scalar
 from worker.export import ExportError, build_export
 from worker.parallel.base import load_arrays
 from worker.parallel.pipeline.layout import StageRange, to_local
 from worker.parallel.pipeline.stage import Chunk, load_stage
 from worker.runconfig import LoraSpec
+from worker.tensorfile import sha256_file
 from worker.tinymodel import build_tiny_model
 
 LAYERS = 6
@@ -83,7 +85,34 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     require_finished(out["resplit"], [0, 1, 2], log)
     shutil.rmtree(out["lost"] / "checkpoints" / "stage-1")  # the node of stage 1 is gone, with its shards
     pipeline_run(out["lost"], base, (1, 3, 2), "b", iters=3, resume=True)
+    out["tampered"] = root / "tampered"
+    shutil.copytree(root / "same-step2", out["tampered"] / "checkpoints", symlinks=True)
+    tamper(out["tampered"] / "checkpoints" / "stage-1" / "step-000002")
+    pipeline_run(out["tampered"], base, (2, 4), "b", iters=3, resume=True)
     return out
+
+
+def tamper(shard: Path) -> None:
+    """Change one weight of a shard and write its manifest.sha256 again: every file verifies, but the weights are
+    no longer those the whole checkpoint's manifest recorded (what a corrupting copy tool or a hand edit does)."""
+    arrays = load_arrays(shard / WEIGHTS)
+    name = sorted(arrays)[0]
+    arrays[name] = arrays[name] + 1.0
+    mx.save_safetensors(str(shard / WEIGHTS), arrays, metadata={"format": "mlx"})
+    files = sorted(p.name for p in shard.iterdir() if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
+    (shard / MANIFEST).write_text(build_file_manifest({f: sha256_file(shard / f) for f in files}))
+    assert verify_checkpoint(shard)
+
+
+def test_a_shard_changed_after_it_was_written_is_refused_on_restore_and_export(runs: dict[str, Path],
+                                                                               tmp_path: Path) -> None:
+    for rank in range(2):  # rank 1 refuses; rank 0 (whose own shard is intact) cannot go on without it
+        assert not [s for s in kinds(read_events(runs["tampered"], rank), "step") if s["step"] == 3]
+    messages = [e["message"] for r in range(2) for e in kinds(read_events(runs["tampered"], r), "error")]
+    assert any("stage-1/step-000002: its weights digest" in m and "differs from the checkpoint manifest's" in m
+               for m in messages), messages
+    with pytest.raises(ExportError, match="weights differ from the digest in the checkpoint's manifest"):
+        build_export([runs["tampered"] / "checkpoints"], runs["model"], tmp_path / "x")
 
 
 def merged(run_dir: Path, step: int, n: int) -> dict[str, mx.array]:
