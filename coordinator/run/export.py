@@ -19,7 +19,7 @@ import os
 import shutil
 import tarfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from coordinator.config.inventory import load_inventory
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.fleet.ship import ship_worker
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport, python_argv
+from coordinator.models import Node
 from coordinator.run.rundir import read_meta
 
 EXPORT_TIMEOUT_S = 3600.0  # a full fine-tune's weights are large
@@ -141,32 +142,40 @@ async def export_run(run_dir: Path, *, out: Path | None = None, inventory: str |
     nodes = [by_name[name] for name in meta.nodes if name in meta.remote_run_dirs]
     if not nodes:
         raise ConfigError(f"{run_dir}: the run records no node run dirs (was it launched?)")
-    dirs = meta.remote_run_dirs
-    assembler, others = nodes[0], nodes[1:]
+    async with Fleet(nodes, connect_timeout=connect_timeout) as fleet:
+        return await export_on(fleet, nodes, meta.remote_run_dirs, meta.run_id, target)
+
+
+async def export_on(fleet: Fleet, nodes: Sequence[Node], dirs: Mapping[str, str], run_id: str,
+                    target: Path) -> ExportResult:
+    """The export over an open fleet: `nodes` (the first assembles) with their run dirs `dirs`, into `target`
+    (which must not exist)."""
+    if target.exists():
+        raise ConfigError(f"{target} exists: an export never writes over another (pass --out NEW_DIR)")
+    assembler, others = nodes[0], list(nodes[1:])
     token = uuid.uuid4().hex[:8]
     gather_root = f"{dirs[assembler.name]}/export-gather-{token}"
     staged = f"{dirs[assembler.name]}/export-out-{token}"
-    async with Fleet(nodes, connect_timeout=connect_timeout) as fleet:
-        asm = fleet.transports[assembler.name]
-        try:
-            await asyncio.gather(*(relay_tar(fleet.transports[n.name],
+    asm = fleet.transports[assembler.name]
+    try:
+        await asyncio.gather(*(relay_tar(fleet.transports[n.name],
                                          ["sh", "-c", _TAR_SHARDS, "sh", f"{dirs[n.name]}/checkpoints"],
                                          asm, ["sh", "-c", _UNTAR, "sh", f"{gather_root}/{n.name}"])
-                                   for n in others))
-            worker_dir = await ship_worker(asm, assembler)
-            roots = [f"{dirs[assembler.name]}/checkpoints", *(f"{gather_root}/{n.name}" for n in others)]
-            argv = ["env", f"PYTHONPATH={worker_dir}",
-                    *python_argv(assembler.python, "-m", "worker.export", *(a for r in roots
-                                                                            for a in ("--checkpoints", r)),
-                                 "--out", f"{staged}/export")]
-            result = await asm.run(argv, timeout=EXPORT_TIMEOUT_S)
-            if not result.ok:
-                raise ExportFailed(f"{assembler.name}: {result.stderr.strip()[-600:]}")
-            doc = parse_export_output(assembler.name, result.stdout)
-            await _download_dir(asm, staged, "export", target)
-        finally:
-            await asm.run(["rm", "-rf", gather_root, staged], timeout=600.0)
+                               for n in others))
+        worker_dir = await ship_worker(asm, assembler)
+        roots = [f"{dirs[assembler.name]}/checkpoints", *(f"{gather_root}/{n.name}" for n in others)]
+        argv = ["env", f"PYTHONPATH={worker_dir}",
+                *python_argv(assembler.python, "-m", "worker.export", *(a for r in roots
+                                                                        for a in ("--checkpoints", r)),
+                             "--out", f"{staged}/export")]
+        result = await asm.run(argv, timeout=EXPORT_TIMEOUT_S)
+        if not result.ok:
+            raise ExportFailed(f"{assembler.name}: {result.stderr.strip()[-600:]}")
+        doc = parse_export_output(assembler.name, result.stdout)
+        await _download_dir(asm, staged, "export", target)
+    finally:
+        await asm.run(["rm", "-rf", gather_root, staged], timeout=600.0)
     gathered = tuple(n.name for n in others)
-    return ExportResult(meta.run_id, str(target), assembler.name, str(doc.get("kind", "")), int(doc["step"]),
+    return ExportResult(run_id, str(target), assembler.name, str(doc.get("kind", "")), int(doc["step"]),
                         str(doc.get("method", "")), tuple(sorted(p.name for p in target.iterdir())),
                         gathered if doc.get("kind") == "pipeline" else ())
