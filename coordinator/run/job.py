@@ -915,7 +915,25 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
         summary.state = RunState.RUNNING
         return summary
     write_summary(run_dir, summary)
+    if summary.state is RunState.SUCCEEDED and final.launch.layout.kind == "pipeline":
+        await _export_at_end(fleet, final.launch, run_dir, ui)
     return summary
+
+
+async def _export_at_end(fleet: Fleet, launch: Launch, run_dir: Path, ui: JobUI) -> None:
+    """A pipeline's model lives in pieces on several nodes: put it together in `<run dir>/export` (what
+    `coordinator export` writes). A failure is said, never the run's: the shards stay, the verb can retry."""
+    from coordinator.run.export import export_on
+
+    by_name = {n.name: n for n in fleet.nodes}
+    nodes = [by_name[n] for n in launch.nodes if n in by_name and n in launch.remote_run_dirs]
+    try:
+        result = await export_on(fleet, nodes, launch.remote_run_dirs, launch.run_id, (run_dir / "export").resolve())
+    except (CoordinatorError, OSError) as exc:
+        ui.message(f"could not export the trained model at the end of the run ({exc}); the checkpoint shards are "
+                   f"kept: `coordinator export {launch.run_id}` tries again")
+        return
+    ui.message(result.describe())
 
 
 def _clear_blame(mon: Monitor, node: str) -> None:

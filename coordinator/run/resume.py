@@ -10,6 +10,13 @@ to resume from while invalid checkpoints exist. Refusing changes nothing on the 
 repair a checkpoint; `--restart-from-scratch` sets the invalid ones aside (`step-N.invalid-<code>`, never
 deleted) and starts at step 0. The ranks check the same thing again (`worker.train.ResumeRefused`) in case a
 checkpoint changed in between.
+
+A pipeline run's checkpoints are stage shards (`checkpoints/stage-*/step-N/`, `worker.parallel.pipeline.shards`),
+and a step counts only when every stage of its manifest has a valid shard. They may be spread over the nodes (each
+stage wrote its own), so the coordinator decides over the union (`decide_pipeline_resume`, the worker's rule) and
+first copies every shard of the chosen checkpoint to every node that lacks it (`copy_shards`, as
+`checkpoints/stage-<i>-from-<node>/`): then each rank, of the same split or another one, finds the layers of
+its range on its own node. Invalid shards are left for the ranks to set aside (each its own).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from coordinator.models import Node
 from coordinator.run.logs import current_redactor
 
 SCAN_TIMEOUT_S = 600.0  # verifying re-hashes the newest checkpoints: a full fine-tune's are large
+_SHARD_SCAN = "import sys; from worker.parallel.pipeline.shards import main; sys.exit(main(sys.argv[1:]))"
 
 
 class ResumeRefused(CoordinatorError):
@@ -73,9 +81,12 @@ class ResumeDecision:
     checkpoint: CheckpointVerdict | None
     set_aside: tuple[CheckpointVerdict, ...]
     from_scratch: bool = False  # --restart-from-scratch was needed (invalid checkpoints, nothing valid)
+    gathered: tuple[str, ...] = ()  # pipeline: the stage shards copied between nodes first ("src:path -> dest")
 
     def describe(self) -> str:
         aside = f"; {len(self.set_aside)} invalid checkpoint(s) set aside" if self.set_aside else ""
+        if self.gathered:
+            aside += f"; {len(self.gathered)} stage shard(s) copied between nodes"
         if self.checkpoint is not None:
             return f"resumed from step {self.step} (checkpoint {self.checkpoint.node}:{self.checkpoint.path}){aside}"
         if self.from_scratch:
@@ -126,6 +137,114 @@ def decide_resume(scans: Mapping[str, NodeScan], *, restart_from_scratch: bool, 
           "and train from step 0")
 
 
+# --- pipeline runs: stage shards, complete only together -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardVerdict:
+    """One stage shard on one node (`python -m worker.parallel.pipeline.shards scan`): its step, its stage in
+    the checkpoint's manifest, and the manifest's id (shards with equal ids make one checkpoint)."""
+
+    node: str
+    step: int
+    index: int
+    path: str
+    valid: bool
+    reason: str = ""
+    stages: int | None = None
+    first_layer: int | None = None
+    last_layer: int | None = None
+    manifest_id: str | None = None
+
+
+ShardScan = tuple[ShardVerdict, ...] | ScanFailed
+
+
+@dataclass(frozen=True)
+class ShardCopy:
+    """Copy `source`'s shard dir `path` to `dest` (as `<dest run dir>/checkpoints/<dir_name>/step-N`)."""
+
+    source: str
+    path: str
+    dest: str
+    dir_name: str
+
+
+@dataclass(frozen=True)
+class PipelineResume:
+    """Where a resumed pipeline starts (`step` None: step 0) and the shards to copy first, so that every node
+    holds every stage shard of that checkpoint (a rank of a new split may need any layer)."""
+
+    step: int | None
+    shards: tuple[ShardVerdict, ...]
+    copies: tuple[ShardCopy, ...]
+    from_scratch: bool = False
+
+
+def parse_shard_scan(node: str, stdout: str) -> ShardScan:
+    """The last stdout line of `worker.parallel.pipeline.shards scan`; anything else is a ScanFailed."""
+    lines = stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+        items = doc["shards"] if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            raise ValueError("no shards list")
+
+        def opt(v: Any) -> int | None:
+            return None if v is None else int(v)
+
+        return tuple(ShardVerdict(node, int(c["step"]), int(c["index"]), str(c["path"]), bool(c["valid"]),
+                                  str(c.get("reason") or ""), opt(c.get("stages")), opt(c.get("first_layer")),
+                                  opt(c.get("last_layer")), c.get("manifest_id") or None) for c in items)
+    except (ValueError, KeyError, TypeError) as exc:
+        return ScanFailed(node, f"unreadable shard scan output ({exc}): {stdout.strip()[-300:]!r}")
+
+
+def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scratch: bool,
+                           run_id: str = "") -> PipelineResume:
+    """The newest checkpoint whose stages all have a valid shard on SOME node (the worker's rule,
+    `worker.parallel.pipeline.shards.evaluate_steps`, over the union of the nodes), and the copies that put every
+    one of its shards on every node. None found while shards exist (or a node could not be listed): ResumeRefused
+    naming, per step, the stages (and layers) without a valid copy, unless `restart_from_scratch`."""
+    found = [v for scan in scans.values() if not isinstance(scan, ScanFailed) for v in scan]
+    failed = [scan for scan in scans.values() if isinstance(scan, ScanFailed)]
+    groups: dict[tuple[int, str], list[ShardVerdict]] = {}
+    for v in found:
+        if v.valid and v.manifest_id and v.stages:
+            groups.setdefault((v.step, v.manifest_id), []).append(v)
+    complete = [(key, members) for key, members in groups.items()
+                if {m.index for m in members} == set(range(members[0].stages or 0))]
+    if complete:
+        (step, _), members = max(complete, key=lambda km: km[0][0])
+        first: dict[int, ShardVerdict] = {}
+        for m in members:
+            first.setdefault(m.index, m)
+        copies = []
+        for node in scans:
+            held = {m.index for m in members if m.node == node}
+            copies += [ShardCopy(first[i].node, first[i].path, node, f"stage-{i}-from-{first[i].node}")
+                       for i in sorted(first) if i not in held]
+        return PipelineResume(step, tuple(first[i] for i in sorted(first)), tuple(copies))
+    if not found and not failed:
+        return PipelineResume(None, (), ())
+    if restart_from_scratch:
+        return PipelineResume(None, (), (), from_scratch=True)
+    lines = []
+    for step in sorted({v.step for v in found}, reverse=True):
+        here = [v for v in found if v.step == step]
+        stages = max((v.stages or 0 for v in here), default=0)
+        have = {v.index for v in here if v.valid}
+        missing = [i for i in range(stages) if i not in have] if stages else []
+        bad = "; ".join(f"{v.node}:{v.path}: {v.reason}" for v in here if not v.valid)
+        what = (f"no valid shard of stage(s) {missing} on any node" if missing or not stages else
+                "its valid shards belong to different checkpoints (their manifests differ)")
+        lines.append(f"  step {step}: {what}" + (f" ({bad})" if bad else ""))
+    lines += [f"  {f.node}: could not list shards: {f.reason}" for f in failed]
+    raise ResumeRefused(f"--resume {run_id}: no complete pipeline checkpoint (a valid shard of every stage) on the "
+                        "nodes, refusing to start over from step 0:\n" + "\n".join(lines)
+                        + "\nbring back the node holding them, or pass --restart-from-scratch to train from step 0")
+
+
 async def scan_checkpoints(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str]) -> dict[str, NodeScan]:
     """Every node's checkpoints under `<run dir>/checkpoints`, newest first down to its newest valid one."""
     async def one(node: Node) -> NodeScan:
@@ -137,6 +256,42 @@ async def scan_checkpoints(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mappin
 
     results = await asyncio.gather(*(one(n) for n in nodes))
     return {n.name: r for n, r in zip(nodes, results, strict=True)}
+
+
+async def scan_shards(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str]) -> dict[str, ShardScan]:
+    """Every node's pipeline stage shards under `<run dir>/checkpoints/stage-*` (none for a dp run)."""
+    async def one(node: Node) -> ShardScan:
+        transport = fleet.transports[node.name]
+        try:
+            worker_dir = await ship_worker(transport, node)
+            # -c, not -m: the package imports the module first, and runpy would warn about running it again.
+            argv = ["env", f"PYTHONPATH={worker_dir}", *python_argv(
+                node.python, "-c", _SHARD_SCAN, "scan", f"{run_dirs[node.name]}/checkpoints")]
+            result = await transport.run(argv, timeout=SCAN_TIMEOUT_S)
+        except TransportError as exc:
+            return ScanFailed(node.name, str(exc))
+        if not result.ok:
+            return ScanFailed(node.name, f"shard scan failed: {result.stderr.strip()[-400:]}")
+        return parse_shard_scan(node.name, result.stdout)
+
+    results = await asyncio.gather(*(one(n) for n in nodes))
+    return {n.name: r for n, r in zip(nodes, results, strict=True)}
+
+
+async def copy_shards(fleet: Fleet, run_dirs: Mapping[str, str], copies: Sequence[ShardCopy]) -> None:
+    """Carry out the copies (tar streamed node to node through this machine, unpacked beside and then renamed
+    into place: a copy cut short leaves no half shard). A failure raises ResumeRefused naming it."""
+    from coordinator.run.export import UNTAR_INTO, relay_tar
+
+    async def one(c: ShardCopy) -> None:
+        parent, name = c.path.rstrip("/").rsplit("/", 1)
+        await relay_tar(fleet.transports[c.source], ["tar", "-C", parent, "-cf", "-", name],
+                        fleet.transports[c.dest],
+                        ["sh", "-c", UNTAR_INTO, "sh", f"{run_dirs[c.dest]}/checkpoints/{c.dir_name}", name])
+
+    results = await asyncio.gather(*(one(c) for c in copies), return_exceptions=True)
+    if errors := [str(r) for r in results if isinstance(r, BaseException)]:
+        raise ResumeRefused("could not copy the stage shards a resume needs: " + "; ".join(errors))
 
 
 async def set_aside(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str],
@@ -175,6 +330,14 @@ async def check_resume(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[st
     """Scan, decide (ResumeRefused propagates, with nothing changed on the nodes), set the invalid checkpoints
     aside, and record each one in the run's events.jsonl as a `checkpoint_invalid` line (the ranks, which would
     have reported them, no longer see them)."""
+    shard_scans = await scan_shards(fleet, nodes, run_dirs)
+    if any(not isinstance(s, ScanFailed) and s for s in shard_scans.values()):  # a pipeline run's
+        pipeline = decide_pipeline_resume(shard_scans, restart_from_scratch=restart_from_scratch, run_id=run_id)
+        await copy_shards(fleet, run_dirs, pipeline.copies)
+        head = pipeline.shards[0] if pipeline.shards else None
+        return ResumeDecision(pipeline.step, None if head is None else CheckpointVerdict(
+            head.node, head.step, head.path, True), (), from_scratch=pipeline.from_scratch,
+            gathered=tuple(f"{c.source}:{c.path} -> {c.dest}" for c in pipeline.copies))
     scans = await scan_checkpoints(fleet, nodes, run_dirs)
     decision = decide_resume(scans, restart_from_scratch=restart_from_scratch, run_id=run_id)
     if decision.set_aside:

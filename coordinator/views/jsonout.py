@@ -603,6 +603,19 @@ class VerbOutput:
     models: tuple[type[BaseModel], ...]  # one of these describes the output
 
 
+class ExportOut(_Out):
+    """`export RUN_ID --json` (coordinator.run.export.ExportResult)."""
+
+    run_id: str
+    out: str = Field(description="the local dir written: a model dir (full) or an adapter dir (LoRA)")
+    node: str = Field(description="the node that assembled it (the run's first node)")
+    kind: Literal["pipeline", "dp"]
+    step: int = Field(description="the step of the newest complete checkpoint")
+    method: str = Field(description="fine_tune_type: full, lora or dora")
+    files: list[str]
+    gathered_from: list[str] = Field(description="the nodes whose stage shards were copied to the assembler")
+
+
 VERBS: dict[str, VerbOutput] = {
     "facts": VerbOutput("coordinator facts -i INV --json", (FactsOut,)),
     "preflight": VerbOutput("coordinator preflight -i INV -p PB --json", (PreflightOut,)),
@@ -616,6 +629,7 @@ VERBS: dict[str, VerbOutput] = {
     "sync": VerbOutput("coordinator sync -i INV -p PB --json", (SyncOut,)),
     "setup": VerbOutput("coordinator setup -i INV --json", (SetupOut,)),
     "setup --network": VerbOutput("coordinator setup -i INV --network --json", (NetSetupOut,)),
+    "export": VerbOutput("coordinator export RUN_ID --json", (ExportOut,)),
 }
 
 _FACTS = TypeAdapter(NodeFacts)

@@ -81,6 +81,9 @@ def test_capped_bed_trains_a_pipeline_that_matches_one_process(testbed: TestBed,
     assert plan["strategy"]["strategy"] == "pipeline", plan["strategy"]["reasons"]
     assert [r["node"] for r in plan["strategy"]["rows"]] == list(caps)
     piped = _losses(runs, summary["run_id"])
+    # The end of the run gathered the stages' shards into an mlx_lm model dir (coordinator.run.export).
+    export = runs / summary["run_id"] / "export"
+    assert {"model.safetensors", "config.json"} <= {p.name for p in export.iterdir()}, proc.stderr[-3000:]
     # The reference: one uncapped process, the same data, seed and batch.
     one = testbed.write_inventory(tmp_path / "one.yaml", [solo])
     ref = run_cli("launch", "-i", str(one), str(_playbook(tmp_path / "ref.yaml", "dp")), "--json", "--run-dir",

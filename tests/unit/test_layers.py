@@ -140,7 +140,7 @@ def test_the_check_sees_an_io_import() -> None:
 # The worker runs on the nodes, alone: it never imports the coordinator. Inside it, bottom to top: the flat modules
 # (data, step, checkpoint, comm, ...), then the strategies (worker.parallel: one per layout), then the programs that
 # drive them (the trainer and the bench). A strategy may use any flat module, never the trainer.
-WORKER_PROGRAMS = ("worker.train", "worker.bench")
+WORKER_PROGRAMS = ("worker.train", "worker.bench", "worker.export")
 
 
 def worker_layer_of(module: str) -> int | None:

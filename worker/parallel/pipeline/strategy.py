@@ -15,8 +15,10 @@ step event.
 
 Checkpoints: every stage writes its own shard, `<run_dir>/checkpoints/stage-<rank>/step-NNNNNN/` (the
 `worker.checkpoint` layout), with its trainable parameters and optimizer state under the MODEL's layer numbers
-(`model.layers.<global>.`), and its stage in state.json. Resume: each stage restores its own shard at the newest
-step every stage holds a valid shard of; resuming onto another split is refused (not yet implemented)."""
+(`model.layers.<global>.`), and in state.json its stage and the manifest of the whole checkpoint (every stage's
+layers and digests). Resume: at the newest step whose checkpoint is complete (a valid shard of every stage of its
+manifest, `worker.parallel.pipeline.shards`), each rank reads its layers from whichever shards hold them: the same split,
+or another one (the shards re-cut by layer)."""
 
 from __future__ import annotations
 
@@ -28,14 +30,24 @@ from typing import Any, ClassVar, cast
 import mlx.core as mx
 from mlx.utils import tree_map, tree_map_with_path
 
-from worker.checkpoint import checkpoints_dir, list_checkpoints, scan_checkpoints, set_aside_invalid, step_dir_name
+from worker.chaos import arrays_sha256
+from worker.checkpoint import (
+    OPTIMIZER,
+    STATE,
+    WEIGHTS,
+    checkpoints_dir,
+    list_checkpoints,
+    read_json,
+    scan_checkpoints,
+    set_aside_invalid,
+)
 from worker.comm import scalar
 from worker.data import build_batch, load_datasets
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.modelsetup import count_parameters, make_optimizer
 from worker.objectives import Micro, SftObjective
-from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
+from worker.parallel.base import ResumeState, Strategy, load_arrays, mismatch
 from worker.parallel.pipeline.layout import StageRange, to_global, to_local
 from worker.parallel.pipeline.schedule import (
     BACKWARD,
@@ -45,6 +57,15 @@ from worker.parallel.pipeline.schedule import (
     SEND_ACT,
     SEND_GRAD,
     build_schedule,
+)
+from worker.parallel.pipeline.shards import (
+    MANIFEST_KEY,
+    StepVerdict,
+    build_manifest,
+    evaluate_steps,
+    plan_recut,
+    read_shard_names,
+    scan_shards,
 )
 from worker.parallel.pipeline.stage import Chunk, Stage, chunks_of, load_stage
 from worker.step import PACK_MIN_SAVING, Local, StepResult, WeightMismatch, flatten, packing_saving, padded_width
@@ -117,9 +138,17 @@ class Pipeline(Strategy):
                 "digest_peers": list(self.digest_peers())}
 
     def state_fields(self) -> dict[str, Any]:
+        """The stage, and the manifest of the whole checkpoint (`worker.parallel.pipeline.shards`): every stage's layers
+        and digests, gathered from all stages (a collective: every stage writes its shard at the same step)."""
         w = self.where
+        weights, opt_state = self.checkpoint_arrays()
+        mine = bytes.fromhex(arrays_sha256(weights)) + bytes.fromhex(arrays_sha256(opt_state))
+        rows = self.comm.gather_ints([w.first, w.last, *mine])
+        manifest = build_manifest(0, 0, self.stage.total_layers,
+                                  [(r[0], r[1], bytes(r[2:34]).hex(), bytes(r[34:66]).hex()) for r in rows])
         return {"stage": {"index": w.index, "stages": w.stages, "first_layer": w.first, "last_layer": w.last,
-                          "model_layers": self.stage.total_layers}}
+                          "model_layers": self.stage.total_layers},
+                MANIFEST_KEY: manifest.to_json()}
 
     # -- steps ----------------------------------------------------------------------------------------------------
 
@@ -262,6 +291,8 @@ class Pipeline(Strategy):
                 {k: v for k, v in opt_state.items() if isinstance(v, mx.array)})
 
     def restore(self) -> ResumeState | None:
+        """The newest step whose checkpoint is complete (`worker.parallel.pipeline.shards`) for every rank, each rank
+        cutting its own layers out of whichever shards hold them: the same split, or another one."""
         cfg = self.config
         root = self.checkpoint_root
         if not cfg.resume:
@@ -270,12 +301,13 @@ class Pipeline(Strategy):
                 raise TrainingError(f"stages {existing} already have checkpoints ({root} here): set resume, or "
                                     "use a new run id")
             return None
-        verdicts = scan_checkpoints(root)
-        invalid = [v for v in verdicts if not v.valid]
+        invalid = [v for v in scan_checkpoints(root) if not v.valid]
         for v in invalid:
             self.on_invalid(v.step, v.path, v.reason)
-        valid = [v.step for v in verdicts if v.valid][:RESUME_CANDIDATES]
-        gathered = self.comm.gather_ints([len(invalid), *valid, *[-1] * (RESUME_CANDIDATES - len(valid))])
+        steps = evaluate_steps(scan_shards(checkpoints_dir(cfg.run_dir)))
+        complete = [v.step for v in steps if v.complete][:RESUME_CANDIDATES]
+        gathered = self.comm.gather_ints([len(invalid) + len(steps), *complete,
+                                          *[-1] * (RESUME_CANDIDATES - len(complete))])
         common = set.intersection(*({s for s in row[1:] if s >= 0} for row in gathered))
         if invalid:
             moved = [str(set_aside_invalid(root, v.step, v.code)) for v in invalid]
@@ -284,35 +316,70 @@ class Pipeline(Strategy):
         if not common:
             some = any(row[0] or any(s >= 0 for s in row[1:]) for row in gathered)
             if some and not cfg.restart_from_scratch:
+                why = "; ".join(f"step {v.step}: {v.missing}" for v in steps if not v.complete)[:1500]
                 raise ResumeRefused(
-                    "no step has a valid shard on every pipeline stage (valid steps per stage: "
-                    + "; ".join(f"stage {r}: {[s for s in row[1:] if s >= 0]}" for r, row in enumerate(gathered))
+                    "no step has a complete checkpoint (a valid shard of every stage) on every rank (complete "
+                    "steps per rank: " + "; ".join(f"rank {r}: {[s for s in row[1:] if s >= 0]}"
+                                                   for r, row in enumerate(gathered))
+                    + (f"; here: {why}" if why else "")
                     + "): refusing to start from step 0 over them (restart_from_scratch starts over)")
             self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but the stages hold no common valid checkpoint: starting at "
-                                  "step 0" + (" (restart_from_scratch)" if some else ""))
+                          message="resume requested but the stages hold no common complete checkpoint: starting "
+                                  "at step 0" + (" (restart_from_scratch)" if some else ""))
             return None
-        best = max(common)
-        path = root / step_dir_name(best)
-        weights, opt_state, state = read_checkpoint(path)
-        if state.get("stage") != self.state_fields()["stage"]:
-            raise TrainingError(f"{path} holds stage {state.get('stage')}, this run's stage is "
-                                f"{self.state_fields()['stage']}: resuming onto another split is not supported yet")
+        verdict = next(v for v in steps if v.step == max(common))
+        return self._restore_from(verdict)
+
+    def _restore_from(self, verdict: StepVerdict) -> ResumeState:
+        """Load this rank's layers of a complete checkpoint, each source shard checked against the digest its
+        manifest records (a shard altered after it was written is refused, naming it)."""
+        cfg, w = self.config, self.where
+        manifest = verdict.manifest
+        assert manifest is not None
+        if manifest.model_layers != self.stage.total_layers:
+            raise ResumeRefused(f"the step-{verdict.step} checkpoint is of a model with {manifest.model_layers} "
+                                f"layers, this one has {self.stage.total_layers}")
+        sources = [(s.entry, *read_shard_names(s.path)) for s in verdict.shards]
         w_tmpl, o_tmpl = self.checkpoint_arrays()
+        what = f"resuming stage {w.index} (layers [{w.first}, {w.last})) from step {verdict.step}"
+        w_plan = plan_recut(w_tmpl, is_first=w.is_first, is_last=w.is_last, stages=len(manifest.stages),
+                            sources=[(e, names) for e, names, _ in sources], what=what)
+        o_plan = plan_recut(o_tmpl, is_first=w.is_first, is_last=w.is_last, stages=len(manifest.stages),
+                            sources=[(e, names) for e, _, names in sources], what=what)
+        weights: dict[str, mx.array] = {}
+        opt_state: dict[str, mx.array] = {}
+        for i in sorted(set(w_plan.values()) | set(o_plan.values())):
+            shard = verdict.shards[i]
+            w_all, o_all = load_arrays(shard.path / WEIGHTS), load_arrays(shard.path / OPTIMIZER)
+            for label, arrays, want in (("weights", w_all, shard.entry.weights_sha256),
+                                        ("optimizer state", o_all, shard.entry.optimizer_sha256)):
+                if (got := arrays_sha256(arrays)) != want:
+                    raise ResumeRefused(f"{shard.path}: its {label} digest {got[:12]}... differs from the "
+                                        f"checkpoint manifest's {want[:12]}...: the shard changed after it was "
+                                        "written")
+            weights.update({n: w_all[n] for n, j in w_plan.items() if j == i})
+            opt_state.update({n: o_all[n] for n, j in o_plan.items() if j == i})
         if problem := mismatch(weights, w_tmpl, "weights") or mismatch(opt_state, o_tmpl, "optimizer state"):
-            raise TrainingError(f"{path} does not fit this stage: {problem}")
-        first = self.where.first
+            raise TrainingError(f"{what}: the checkpoint does not fit this stage: {problem}")
+        first = w.first
         local_w, local_o = to_local(weights, first), to_local(opt_state, first)
         self.model.load_weights(list(local_w.items()), strict=False)
         self.optimizer.state = tree_map_with_path(lambda p, _: local_o[p], self.optimizer.state)
         self.optimizer.learning_rate = cfg.learning_rate  # the config's wins, as in dp
         mx.eval(self.model.parameters(), self.optimizer.state)
+        mine = verdict.shards[min(w.index, len(verdict.shards) - 1)].path
+        state = read_json(mine / STATE)
         if state.get("config_digest") != cfg.digest():
             self.log.emit(EventKind.WARNING, code="config_changed",
                           message="the checkpoint was written under other training settings (config digest "
                                   "differs); continuing with the current ones")
-        return ResumeState(step=int(state["step"]), data_position=int(state["data_position"]), checkpoint=path,
-                           state=state)
+        if [(e.first, e.last) for e in manifest.stages] != [(s.first_layer, s.last_layer)
+                                                            for s in cfg.layout.stages]:
+            self.log.emit(EventKind.WARNING, code="resplit",
+                          message=f"resumed onto another split: the step-{verdict.step} checkpoint's stages hold "
+                                  f"{[[e.first, e.last] for e in manifest.stages]}, this run's stage {w.index} "
+                                  f"holds [{w.first}, {w.last})")
+        return ResumeState(step=verdict.step, data_position=manifest.data_position, checkpoint=mine, state=state)
 
 
 _DTYPE_CODES = [mx.float32, mx.bfloat16, mx.float16]
