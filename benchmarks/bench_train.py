@@ -59,8 +59,8 @@ tool that fails is recorded in its cell (`error`, with the tail of its output) a
 code is 1 if any run failed, 2 for bad arguments. Temp files (models, data, runs) are removed at the end unless
 --keep DIR. Needs no root: the node is `connection: local`.
 
---ci: the CI-sized form (tiny, every shape and method on one rank, one 2-rank cell (variable, lora), 8 iters,
-1 round, warm-up 2, calibration budget 2 s):
+--ci: the CI-sized form (tiny; long rows with both methods, short and variable rows with LoRA, and one 2-rank cell
+(variable, LoRA); 8 iters, 1 round, warm-up 2, calibration budget 2 s):
 tests/unit/test_bench_train.py runs it and checks the JSON contract. On the NVIDIA GPU machine the device tool
 lends, see benchmarks/device_train.sh for the exact commands (wheels, install, S and M).
 """
@@ -342,12 +342,13 @@ def round_order(rnd: int, ranks: int = 1) -> tuple[str, ...]:
 
 def plan_cells(sizes: Sequence[str], shapes: Sequence[str], methods: Sequence[str], ranks: Sequence[int],
                ci: bool = False) -> list[tuple[str, str, str, int]]:
-    """(size, shape, method, ranks) of every cell, in run order. `--ci` keeps one 2-rank cell (the first size's
-    last shape, first method) so that the CI-sized form stays short."""
+    """(size, shape, method, ranks) of every cell, in run order. `ci` keeps the CI-sized form short: every method
+    on the first shape, the first method on the others, and one 2-rank cell (the last shape, first method)."""
     cells = [(size, shape, method, n) for size in sizes for n in ranks for shape in shapes for method in methods]
     if ci:
-        two = [c for c in cells if c[3] > 1]
-        cells = [c for c in cells if c[3] == 1] + [c for c in two if c[1] == shapes[-1] and c[2] == methods[0]][:1]
+        one = [c for c in cells if c[3] == 1 and (c[1] == shapes[0] or c[2] == methods[0])]
+        two = [c for c in cells if c[3] > 1 and c[1] == shapes[-1] and c[2] == methods[0]]
+        cells = one + two[:1]
     return cells
 
 
@@ -648,8 +649,8 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.add_argument("--keep", type=Path, help="keep models, data and runs in this directory (created)")
     p.add_argument("--ranks", default="1", help="comma-separated rank counts: 1 (ours vs mlx-lm) and/or 2 (ours "
                    "on two local ranks over ring: the prediction vs the run)")
-    p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, every shape and method, one 2-rank "
-                   "cell, 8 iters")
+    p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, 4 one-rank cells and a 2-rank one, "
+                   "8 iters")
     args = p.parse_args(argv)
     if args.ci:
         args.sizes, args.shapes, args.methods, args.ranks = "tiny", ",".join(SHAPES), "lora,full", "1,2"
