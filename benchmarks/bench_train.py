@@ -430,7 +430,7 @@ def write_inventory(root: Path, ranks: int = 1) -> Path:
 
 
 def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSize, method: str, iters: int,
-                   calibration_budget: float, clear_cache: bool = False) -> Path:
+                   calibration_budget: float, clear_cache: bool = False, memory_headroom: str | None = None) -> Path:
     path = root / f"playbook-{cell}.yaml"
     path.write_text(
         f"name: bench-{cell}\n"
@@ -452,6 +452,8 @@ def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSi
         f"  steps_per_eval: {iters}\n"
         "  val_batches: 1\n"
         + ("  clear_cache: true\n" if clear_cache else "")
+        + (f"  memory_headroom: {'null' if memory_headroom == 'none' else memory_headroom}\n"
+           if memory_headroom is not None else "")
         + "calibration:\n"
         f"  time_budget: {calibration_budget}\n"
         f"  max_batch: {size.batch}\n",
@@ -625,6 +627,7 @@ class Options:
     extra: dict[str, Any] = field(default_factory=dict)
     clear_cache: bool = False
     ranks: list[int] = field(default_factory=lambda: [1])
+    memory_headroom: str | None = None
     ci: bool = False
 
 
@@ -642,6 +645,8 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.add_argument("--recalibrate", action="store_true", help="calibrate again for every run of ours")
     p.add_argument("--clear-cache", action="store_true",
                    help="ours with train.clear_cache (mx.clear_cache() after every step, as mlx-lm's trainer does)")
+    p.add_argument("--memory-headroom", default=None,
+                   help="ours with this train.memory_headroom (a number, or none: unbounded); default: the playbook's")
     p.add_argument("--skip-preflight", action="store_true",
                    help="pass --skip-preflight to `coordinator launch` (preflight still runs and is shown; a "
                         "finding on an unfamiliar machine then does not stop the measurement)")
@@ -667,7 +672,7 @@ def parse_args(argv: Sequence[str]) -> Options:
                    pick(args.methods, METHODS, "methods"), args.iters, args.rounds, args.warmup, args.dtype,
                    args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep,
                    clear_cache=args.clear_cache, ranks=[int(r) for r in pick(args.ranks, ["1", "2"], "ranks")],
-                   ci=args.ci)
+                   ci=args.ci, memory_headroom=args.memory_headroom)
     if opts.iters < 2 or opts.rounds < 1 or opts.warmup < 0 or opts.calibration_budget <= 0:
         p.error("--iters >= 2, --rounds >= 1, --warmup >= 0 and --calibration-budget > 0 are required")
     if opts.warmup >= opts.iters:
@@ -718,7 +723,8 @@ def run(opts: Options) -> int:
         settings = (f"iters {opts.iters}, rounds {opts.rounds} (ABBA), warm-up {opts.warmup} steps, "
                     f"dtype {opts.dtype}, adam lr 1e-5, all layers, calibration budget {opts.calibration_budget} s"
                     f"{' (recalibrated every run)' if opts.recalibrate else ''}"
-                    f"{'; ours with train.clear_cache' if opts.clear_cache else ''}")
+                    f"{'; ours with train.clear_cache' if opts.clear_cache else ''}"
+                    f"{'' if opts.memory_headroom is None else '; ours with memory_headroom ' + opts.memory_headroom}")
         results: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": opts.command,
             "commit": git_commit(), "machine": machine, "versions": versions, "settings_text": settings,
@@ -747,7 +753,8 @@ def run(opts: Options) -> int:
             tag = f"{name}-{shape}-{method}" + (f"-{ranks}r" if ranks > 1 else "")
             cells.append({"size": name, "shape": shape, "method": method, "ranks": ranks, "runs": [],
                           "playbook": str(write_playbook(root, tag, model, data, size, method, opts.iters,
-                                                         opts.calibration_budget, opts.clear_cache)),
+                                                         opts.calibration_budget, opts.clear_cache,
+                                                         opts.memory_headroom)),
                           "mlx_lm_argv": mlx_lm_argv(model, data, size, method, opts.iters, root / f"adapters-{tag}"),
                           "tag": tag})
         results["cells"] = cells

@@ -6,6 +6,7 @@
 #   bash benchmarks/device_train.sh stage-a           # THERE, device call 1 (carry benchmarks/out/whl-a)
 #   bash benchmarks/device_train.sh run SIZES [ARGS]  # THERE, device call 2.. (carry benchmarks/out/whl-b)
 #   bash benchmarks/device_train.sh phases [ARGS]     # THERE, instead of `run`: bench_train_phases.py's memory matrix
+#   bash benchmarks/device_train.sh headroom [ARGS]   # THERE: the same per train.memory_headroom (none, 0.05, 0.1, 0.25)
 #
 # What the device machine is and what that implies (/work/.library/device/README.md and KINDS.md, 2026-11):
 # - x86_64, one H100 (nvidia-h100-x1) or H200; nothing can be fetched there: every missing Python package travels
@@ -178,6 +179,26 @@ run_phases() {
     done
 }
 
+run_headroom() {
+    # bench_train_phases.py per step, ours under each train.memory_headroom (none = unbounded, ours before issue 25)
+    # and mlx-lm as shipped, LoRA and full, S long rows: each step's peak and time with and without the bound.
+    install
+    local out="${OUT:-$REPO/benchmarks/out}"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO"
+    set -o pipefail
+    for method in lora full; do
+        echo "### $method, mlx-lm"
+        python3 benchmarks/bench_train_phases.py --size S --method "$method" --tools mlx_lm \
+            --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/headroom.log" | tail -20
+        for headroom in none 0.05 0.1 0.25; do
+            echo "### $method, ours, memory_headroom $headroom"
+            python3 benchmarks/bench_train_phases.py --size S --method "$method" --tools ours \
+                --memory-headroom "$headroom" --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/headroom.log" | tail -20
+        done
+    done
+}
+
 cd "$REPO"
 case "${1:-}" in
     wheelhouse) wheelhouse ;;
@@ -186,5 +207,6 @@ case "${1:-}" in
     install) install ;;
     run) shift; run_bench "$@" ;;
     phases) shift; run_phases "$@" ;;
-    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS]" ;;
+    headroom) shift; run_headroom "$@" ;;
+    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS] | headroom [ARGS]" ;;
 esac
