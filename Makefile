@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 setup:
 	@scripts/setup.sh
 
-# `make demo DASHBOARD=1` serves the web dashboard beside the run (the URL is printed).
+# `make demo DASHBOARD=1` serves the web dashboard beside the run (the URL is printed) and keeps it up after the
+# run ends, until Ctrl-C.
 demo: setup
-	$(BIN)/coordinator launch $(if $(DASHBOARD),--dashboard)
+	$(BIN)/coordinator launch $(if $(DASHBOARD),--dashboard --keep-dashboard)
 
 test: setup lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -53,7 +53,8 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         click.echo(dumps(result))
         return
     table = Table(title=f"calibration: {pb.model} at seq {pb.train.max_seq_length}, global batch {plan.global_batch}")
-    for col in ("node", "best tok/s", "at batch", "planned batch", "share", "predicted tok/s", "cached"):
+    # Two units: the bench times padded rows (every position), training reports real tokens (padding excluded).
+    for col in ("node", "best padded pos/s", "at batch", "planned batch", "share", "predicted real tok/s", "cached"):
         table.add_column(col)
     for node in inv.nodes:
         cal = cals[node.name]
@@ -61,7 +62,8 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
                       f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
     console.print(table)
-    console.print(f"split: [bold]{format_split(plan)}[/bold]")
+    console.print(f"split: [bold]{format_split(plan)}[/bold]; predicted {plan.predicted_tokens_per_s:,.0f} real "
+                  "tokens/s for the run (padded positions/s: what the bench timed, padding included)")
 
 
 def register(main: click.Group) -> None:

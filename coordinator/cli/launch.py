@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from coordinator.config.playbook import Playbook
     from coordinator.models import Inventory
     from coordinator.run.job import JobOptions
+    from coordinator.run.launch import RunSummary
     from coordinator.run.supervision import Supervision
     from coordinator.views.liveview import RichUI
 
@@ -66,12 +67,14 @@ if TYPE_CHECKING:
 @click.option("--dashboard-host", default=DEFAULT_METRICS_HOST, show_default=True,
               help="Address the dashboard binds (any but loopback needs the printed token).")
 @click.option("--dashboard-port", default=8050, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--keep-dashboard", is_flag=True,
+              help="With --dashboard: keep serving the page after the run ends, until Ctrl-C (make demo DASHBOARD=1).")
 @handle_errors
 def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_preflight: bool, recalibrate: bool,
            resume: str | None, restart_from_scratch: bool, limit: str | None, accept_new_host_keys: bool,
            connect_timeout: float, metrics_port: int | None, metrics_host: str, chaos_specs: tuple[str, ...],
            allow_degraded: bool, allow_shared: bool, detach_on_hangup: bool, with_dashboard: bool,
-           dashboard_host: str, dashboard_port: int, fix: bool, fix_source: str | None) -> None:
+           dashboard_host: str, dashboard_port: int, keep_dashboard: bool, fix: bool, fix_source: str | None) -> None:
     """Run PLAYBOOK (default playbooks/smoke.yaml) on the inventory: preflight, calibrate, split, write the
     hostfile, start mlx.launch, monitor every rank, tear down. Exits 0 only when training finished.
     A `kind: map` playbook runs each node's shard independently instead (coordinator/run/mapjob.py)."""
@@ -86,6 +89,8 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     from coordinator.views.liveview import RichUI, make_console
     from coordinator.views.render import dumps
 
+    if keep_dashboard and not with_dashboard:
+        raise ConfigError("--keep-dashboard keeps the page of --dashboard up after the run: add --dashboard")
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None
     console = make_console(stderr=as_json)
@@ -109,20 +114,12 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
 
         job_ui = PreflightRecorder(job_ui, verdicts)
     job = run_job(inv, pb, opts, job_ui, chaos=chaos, supervision=sup)
-    if with_dashboard:  # served on the launch's own event loop; it ends with the job
-        from coordinator.views.dashboard.fleet import beside
+    said: list[RunSummary] = []  # the summary, once shown
 
-        job = beside(job, inv, run_dir, host=dashboard_host, port=dashboard_port, preflight=verdicts,
-                     announce=lambda url: ui.message(f"dashboard: {url}"), connect_timeout=connect_timeout,
-                     accept_new_host_keys=accept_new_host_keys)
-    try:
-        summary = with_live_view(job, ui, console, sup)
-    finally:
-        if server is not None:
-            server.close()
-    if as_json:
-        click.echo(dumps(summary.to_json()))
-    else:
+    def show(summary: RunSummary) -> None:
+        if said or as_json:
+            return
+        said.append(summary)
         style = "green" if summary.state == "succeeded" else "red"
         resumed = summary.resumed_from
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
@@ -131,6 +128,34 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
                       markup=False, highlight=False)
         print_incidents(console, summary)
+
+    if with_dashboard:  # served on the launch's own event loop; it ends with the job (or, kept, at Ctrl-C)
+        from coordinator.views.dashboard.fleet import beside, linger_until_interrupted
+
+        urls: list[str] = []
+
+        def announce(url: str) -> None:
+            urls.append(url)
+            ui.message(f"dashboard: {url}")
+
+        async def linger(summary: RunSummary) -> None:
+            ui.close()  # the live view's last frame before the result lines
+            show(summary)
+            await linger_until_interrupted(sup, say=lambda text: console.print(text, style="bold", markup=False,
+                                                                               highlight=False),
+                                           url=urls[-1] if urls else "")
+
+        job = beside(job, inv, run_dir, host=dashboard_host, port=dashboard_port, preflight=verdicts,
+                     announce=announce, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
+                     linger=linger if keep_dashboard else None)
+    try:
+        summary = with_live_view(job, ui, console, sup)
+    finally:
+        if server is not None:
+            server.close()
+    if as_json:
+        click.echo(dumps(summary.to_json()))
+    show(summary)
     exit_for(summary, sup, console)
 
 

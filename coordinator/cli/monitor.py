@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console, RenderableType
+from rich.console import RenderableType
 from rich.live import Live
 
 from coordinator.cli.common import run_async
@@ -43,7 +43,9 @@ def monitor(inventory: str, limit: str | None, run_dir: Path, interval: float, o
             metrics_host: str, accept_new_host_keys: bool, connect_timeout: float, probe_timeout: float) -> None:
     """Watch the fleet and the active run live (Ctrl-C stops); optionally export Prometheus metrics."""
     inv = load_status_inventory(inventory, limit)
-    console = Console()
+    from coordinator.views.liveview import make_console  # lazy: the rich live view is not needed for --help
+
+    console = make_console(wide_tables=True)
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     if server is not None:
         console.print(f"serving metrics on {server.url}", style="dim")

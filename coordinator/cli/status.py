@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from coordinator.cli.common import run_async
 from coordinator.config.inventory import load_inventory
@@ -43,7 +42,9 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
     if as_json:
         click.echo(dumps(report.to_json()))
         return
-    console = Console()
+    from coordinator.views.liveview import make_console  # lazy: the rich live view is not needed for --help
+
+    console = make_console(wide_tables=True)
     console.print(render_status_table(report.nodes))
     for run in report.runs:
         if run.active:

@@ -163,7 +163,7 @@ def describe_prediction(actual: float | None, predicted: float | None) -> str:
     """The run's tokens/s next to the prediction, in words; a gap over PREDICTION_TOLERANCE is said loudly."""
     if actual is None:
         return "no step finished: no tokens/s"
-    text = f"{actual:,.0f} tok/s (median of the run's steps)"
+    text = f"{actual:,.0f} real tokens/s (median of the run's steps)"
     gap = prediction_gap(actual, predicted)
     if gap is None or predicted is None:
         return text + ", no prediction (uncalibrated split)"

@@ -38,7 +38,7 @@ from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv
 from coordinator.models import Node
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
-from coordinator.run.rundir import CurveRecord, PlanNode
+from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 
 CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
@@ -304,7 +304,8 @@ def calibration_to_json(
 ) -> dict[str, Any]:
     """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}}` (docs/json.md); PlanError as
     `build_plan_nodes`."""
-    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split)}
+    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split),
+            "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"}}
 
 
 def describe_bench_time(obj: Mapping[str, Any]) -> str:

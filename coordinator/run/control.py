@@ -54,6 +54,7 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playb
     launch.left_out = [dict(x) for x in meta.left_out]
     launch.drill = meta.drill
     launch.restart_from_scratch = meta.restart_from_scratch
+    launch.predicted_tokens_per_s = meta.predicted_tokens_per_s
     return launch
 
 

@@ -58,6 +58,7 @@ from coordinator.run.monitor import (
     PlannedRank,
     RunState,
 )
+from coordinator.run.replay import judge_monitor
 from coordinator.run.rundir import (
     EVENTS,
     HOSTFILE,
@@ -248,6 +249,7 @@ class Launch:
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
+        self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
         self.earlier_errors: dict[str, frozenset[str]] = {}  # from earlier attempts (Monitor.earlier_errors)
         # Polled every tick: a reason (a signal, `coordinator stop`) ends the attempt as `stopped`.
         self.should_stop: Callable[[], str | None] | None = None
@@ -334,6 +336,7 @@ class Launch:
             # The copy must stay YAML that `status` and the dashboard can read: a bare `***` is an alias there.
             write_private(self.run_dir / PLAYBOOK, text.replace(REDACTED, "REDACTED"))
         write_private(self.run_dir / PLAN, json.dumps(plan.to_json(), indent=2) + "\n")
+        self.predicted_tokens_per_s = plan.predicted_tokens_per_s or None
         hostfile = self.run_dir / HOSTFILE
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
         ssh_config = self.run_dir / SSH_CONFIG
@@ -368,7 +371,9 @@ class Launch:
             remote_run_dirs=dict(self.remote_run_dirs), remote_tmp_dir=self.remote_tmp,
             launcher_pid=self.launcher.pid if self.launcher else None,
             coordinator_pid=os.getpid(), split={r.node.name: r.batch_size for r in self.ranks},
-            left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch)
+            left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch,
+            faults=self.policy, iters=self.pb.train.iters, predicted_tokens_per_s=self.predicted_tokens_per_s,
+            max_tokens_per_row=self.max_tokens_per_row())
         write_private(self.run_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
@@ -447,11 +452,15 @@ class Launch:
         with self.events_file.open("a", encoding="utf-8") as sink:
             sink.write(json.dumps(record) + "\n")
 
+    def max_tokens_per_row(self) -> int:
+        """The most tokens one row of a rank's batch can add to a step event's `tokens` (Monitor.create)."""
+        train = self.pb.train
+        return train.max_seq_length * train.grad_accumulation * train.rows_per_example
+
     def new_monitor(self) -> Monitor:
         plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
-                              max_tokens_per_row=self.pb.train.max_seq_length * self.pb.train.grad_accumulation
-                              * self.pb.train.rows_per_example, earlier_errors=self.earlier_errors)
+                              max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
@@ -475,7 +484,10 @@ class Launch:
                         return mon
                 if obs is not None:
                     if obs.kind == ObservationKind.EVENT:
-                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
+                        # The attempt is the coordinator's word (last: never the rank's), so readers never infer
+                        # it from the order of the nodes' interleaved lines.
+                        record = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data,
+                                                           "attempt": self.attempt})
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
                     for incident in mon.observe(obs):
@@ -625,10 +637,15 @@ def _which(name: str) -> str | None:
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
               predicted_tokens_per_s: float | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
+    # Each rank's rate and verdict as every view shows them (coordinator.run.replay): the run has ended.
+    judged = judge_monitor(mon, now=None, predicted=predicted_tokens_per_s)
     nodes = []
     for view in sorted(mon.ranks.values(), key=lambda v: v.rank):
+        mine = judged.of(view.rank, view.node)
         nodes.append({"node": view.node, "rank": view.rank, "batch_size": view.batch_size, "state": str(view.state),
-                      "step": view.step, "loss": view.loss, "tokens_per_s": view.tokens_per_s,
+                      "step": view.step, "loss": view.loss,
+                      "tokens_per_s": round(mine.tokens_per_s, 1) if mine and mine.tokens_per_s else None,
+                      "verdict": str(mine.verdict) if mine else None,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)

@@ -50,13 +50,15 @@ from coordinator.planning.plan import NodeCalibration, Plan
 from coordinator.planning.shards import MapRow
 from coordinator.run.job import JobUI
 from coordinator.run.monitor import Monitor
+from coordinator.run.replay import judge_monitor
 
 # --- status records (pure values) ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RankStatus:
-    """One rank of a run as last reported. `last_heartbeat_age_s` is seconds since its newest event."""
+    """One rank of a run as last reported. `last_heartbeat_age_s` is seconds since its newest event;
+    `tokens_per_s` and `verdict` are the run's one judgement of the rank (coordinator.run.replay: real tokens/s)."""
 
     rank: int
     node: str
@@ -65,11 +67,12 @@ class RankStatus:
     tokens_per_s: float | None = None
     loss: float | None = None
     last_heartbeat_age_s: float | None = None
+    verdict: str = "pending"  # coordinator.run.monitor.Verdict
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "node": self.node, "state": self.state, "step": self.step,
                 "tokens_per_s": _round(self.tokens_per_s, 1), "loss": _round(self.loss, 5),
-                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1)}
+                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1), "verdict": self.verdict}
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class RunStatus:
     incident_counts: Mapping[str, int] = field(default_factory=dict)
     incidents: tuple[IncidentNote, ...] = ()  # the newest few
     left_out: tuple[tuple[str, str], ...] = ()  # (node, reason): inventory nodes the run started without
+    tokens_per_s: float | None = None  # the run's rate (real tokens/s: Monitor.run_tokens_per_s)
+    predicted_tokens_per_s: float | None = None  # calibration's, for the plan the attempt runs
 
     @property
     def step(self) -> int:
@@ -114,7 +119,9 @@ class RunStatus:
         return {"run_id": self.run_id, "active": self.active, "state": self.state, "step": self.step,
                 "iters": self.iters, "nodes": list(self.nodes), "ranks": [r.to_json() for r in self.ranks],
                 "incident_counts": dict(self.incident_counts), "incidents": [i.to_json() for i in self.incidents],
-                "degraded": bool(self.left_out), "left_out": [{"node": n, "reason": r} for n, r in self.left_out]}
+                "degraded": bool(self.left_out), "left_out": [{"node": n, "reason": r} for n, r in self.left_out],
+                "tokens_per_s": _round(self.tokens_per_s, 1),
+                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1)}
 
 
 @dataclass(frozen=True)
@@ -128,11 +135,14 @@ class NodeRun:
     step: int | None
     tokens_per_s: float | None
     last_heartbeat_age_s: float | None
+    verdict: str | None = None  # the rank's (RankStatus.verdict)
+    predicted_tokens_per_s: float | None = None  # the run's prediction (RunStatus), finished runs' included
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "active": self.active, "state": self.state, "rank": self.rank,
                 "step": self.step, "tokens_per_s": _round(self.tokens_per_s, 1),
-                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1)}
+                "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1), "verdict": self.verdict,
+                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1)}
 
 
 @dataclass(frozen=True)
@@ -179,20 +189,24 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def run_status_from_monitor(run_id: str, mon: Monitor, now: float, *, recent: int = 5) -> RunStatus:
+def run_status_from_monitor(run_id: str, mon: Monitor, now: float, *, recent: int = 5,
+                            predicted: float | None = None) -> RunStatus:
     """The launch loop's live `Monitor` as a `RunStatus`. `now` is on the monitor's clock (monotonic), as
     `JobUI.progress(monitor, now)` receives it."""
-    ranks = tuple(
-        RankStatus(rank=v.rank, node=v.node, state=str(v.state), step=v.step, tokens_per_s=v.tokens_per_s,
-                   loss=v.loss, last_heartbeat_age_s=None if v.last_event_at is None else max(0.0, now - v.last_event_at))
-        for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
     outcome = mon.outcome()
+    judged = judge_monitor(mon, now=now if outcome is None else None, predicted=predicted)
+    ranks = tuple(
+        RankStatus(rank=j.rank, node=j.node, state=j.state, step=j.step, tokens_per_s=j.tokens_per_s,
+                   loss=j.loss, last_heartbeat_age_s=None if j.last_t is None else max(0.0, now - j.last_t),
+                   verdict=str(j.verdict))
+        for j in judged.ranks)
     counts = Counter(str(i.kind) for i in mon.incidents)
     notes = tuple(IncidentNote(str(i.kind), i.node, i.rank, i.step, str(i.action), str(i.evidence)[:200])
                   for i in mon.incidents[-recent:])
     return RunStatus(run_id=run_id, active=outcome is None, state=str(outcome or "running"), ranks=ranks,
                      iters=mon.iters, nodes=tuple(dict.fromkeys(v.node for v in mon.ranks.values())),
-                     incident_counts=dict(counts), incidents=notes)
+                     incident_counts=dict(counts), incidents=notes, tokens_per_s=judged.tokens_per_s,
+                     predicted_tokens_per_s=judged.predicted_tokens_per_s)
 
 
 # --- the Prometheus side (pure: records in, metric families out) -----------------------------------------------
@@ -227,7 +241,9 @@ def build_metric_families(nodes: Sequence[NodeStatus], runs: Sequence[RunStatus]
     run_iters = gauge("mlxc_run_iters", "The run's planned steps.", ["run_id"])
     rank_labels = ["run_id", "rank", "node"]
     rank_step = gauge("mlxc_rank_step", "The rank's last reported step.", rank_labels)
-    rank_tok = gauge("mlxc_rank_tokens_per_second", "The rank's last reported training throughput.", rank_labels)
+    rank_tok = gauge("mlxc_rank_tokens_per_second",
+                     "The rank's rate: the median real tokens/s of its last steps (coordinator.run.replay).",
+                     rank_labels)
     rank_loss = gauge("mlxc_rank_loss", "The rank's last reported training loss.", rank_labels)
     rank_beat = gauge("mlxc_rank_last_heartbeat_age_seconds", "Seconds since the rank's newest event.", rank_labels)
     incidents = CounterMetricFamily("mlxc_run_incidents", "Incidents detected in the run, by kind.",
@@ -305,9 +321,9 @@ class MetricsServer:
         """Replace (or, with replace=False, add to) the runs shown."""
         self._collector.set_runs(runs, replace=replace)
 
-    def update_run(self, monitor: Monitor, *, run_id: str, now: float) -> None:
+    def update_run(self, monitor: Monitor, *, run_id: str, now: float, predicted: float | None = None) -> None:
         """Show the launch loop's live monitor as run `run_id` (other runs shown stay)."""
-        self.update_runs([run_status_from_monitor(run_id, monitor, now)], replace=False)
+        self.update_runs([run_status_from_monitor(run_id, monitor, now, predicted=predicted)], replace=False)
 
     def close(self) -> None:
         """Stop serving and release the port. Idempotent."""
@@ -334,6 +350,7 @@ class MetricsUI:
         self.inner = inner
         self.server = server
         self.run_id = run_id
+        self.predicted: float | None = None  # the plan's (`calibration`)
 
     def message(self, text: str) -> None:
         if self.run_id is None and text.startswith("run ") and ":" in text:
@@ -344,10 +361,11 @@ class MetricsUI:
         self.inner.preflight(report)
 
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        self.predicted = plan.predicted_tokens_per_s or None
         self.inner.calibration(plan, calibrations)
 
     def progress(self, monitor: Monitor, now: float) -> None:
-        self.server.update_run(monitor, run_id=self.run_id or "current", now=now)
+        self.server.update_run(monitor, run_id=self.run_id or "current", now=now, predicted=self.predicted)
         self.inner.progress(monitor, now)
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:

@@ -17,7 +17,7 @@ the same error as a culprit of an earlier attempt on another node (it followed t
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -135,6 +135,7 @@ class RankView:
     trainable: str | None = None  # its `started` event's words: share of parameters, layers, what is frozen
     packing: str | None = None  # ... and whether its batches are packed, and why
     steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
+    recent_tok_s: list[float] = field(default_factory=list)  # its last RATE_STEPS steps' tok_s (`rank_rate`)
 
 
 class ObservationKind(StrEnum):
@@ -178,6 +179,68 @@ class FaultPolicy:
     # stall_min_s) is stalled: alive and heartbeating, but its collective never completes.
     stall_factor: float = 10.0
     stall_min_s: float = 60.0
+
+
+class Verdict(StrEnum):
+    """A rank in one word, the same in every view (live view, piped lines, status, report, dashboard, --json):
+    `rank_verdict` applies the monitor's own rules with the run's own thresholds."""
+
+    PENDING = "pending"  # not started yet (loading)
+    OK = "ok"
+    SLOW = "slow"  # the straggler test holds: under faults.straggler_fraction of the fleet for its window of steps
+    STALLED = "stalled"  # inside a step that ends no step for the stall window (faults.stall_factor / stall_min_s)
+    HUNG = "hung"  # silent past heartbeat_timeout on a live channel, or stopped (SIGSTOP)
+    DEAD = "dead"  # ended without finishing: crashed, failed with an error, its node unreachable
+
+
+# A rank's rate (`rank_rate`): the median of its last steps' tok_s, so one slow or compiling step does not stand
+# for the rank, and neither does the last step alone. The window of RecentSteps (the stall window's).
+RATE_STEPS = RecentSteps.KEPT
+RATE_UNIT = "real tokens/s"  # every rate a view shows of a run: tokens of the data, padding excluded
+_DEAD_KINDS = frozenset({"crash", "error", "unreachable"})
+
+
+def stall_window(view: RankView, policy: FaultPolicy) -> float | None:
+    """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
+    first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
+    vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
+    window = view.steps.window(policy.stall_factor, policy.stall_min_s)
+    return None if window is None else max(window, policy.heartbeat_timeout + 1.0)
+
+
+def rank_rate(view: RankView) -> float | None:
+    """The rank's rate in real tokens/s (RATE_UNIT): the median tok_s of its last RATE_STEPS steps; None before a
+    step. What every view shows as the rank's tokens/s."""
+    return statistics.median(view.recent_tok_s) if view.recent_tok_s else None
+
+
+def rank_verdict(view: RankView, policy: FaultPolicy, incident_kinds: Collection[str], *,
+                 now: float | None) -> Verdict:
+    """The rank's `Verdict` by the monitor's rules. `incident_kinds`: the kinds of this attempt's incidents that
+    name the rank (the monitor's word wins: a hang it found stays `hung`); `now`: the time on the clock of the
+    view's times while the run is live, None once it has ended (no silence can grow then). The time checks are
+    `Monitor.check`'s (heartbeat timeout, stall window); `slow` is the straggler test's state at the rank's latest
+    step (`RankView.slow_steps`, `FaultPolicy.straggler_window`)."""
+    kinds = {str(k) for k in incident_kinds}
+    if IncidentKind.HANG in kinds:
+        return Verdict.HUNG
+    if IncidentKind.STALL in kinds:
+        return Verdict.STALLED
+    if kinds & _DEAD_KINDS or view.state is WorkerState.FAILED:
+        return Verdict.DEAD
+    if view.state is WorkerState.PENDING:
+        return Verdict.PENDING
+    if now is not None and view.state is WorkerState.RUNNING:
+        last = view.last_event_at if view.last_event_at is not None else view.started_at
+        if last is not None and now - last > policy.heartbeat_timeout:
+            return Verdict.HUNG
+        window = stall_window(view, policy)
+        since = view.last_progress_at if view.last_progress_at is not None else view.started_at
+        if view.phase == "step" and window is not None and since is not None and now - since > window:
+            return Verdict.STALLED
+    if view.slow_steps >= policy.straggler_window:
+        return Verdict.SLOW
+    return Verdict.OK
 
 
 # Incident kinds that name a culprit node (quarantined); other stop incidents only end the attempt.
@@ -444,6 +507,8 @@ class Monitor:
         view.step = max(view.step, step)
         view.loss = event.loss
         view.tokens_per_s = event.tok_s
+        if event.tok_s is not None and event.tok_s > 0:
+            view.recent_tok_s = [*view.recent_tok_s[-(RATE_STEPS - 1):], event.tok_s]
         view.peak_memory = event.peak_memory
         view.grad_norm = event.grad_norm
         view.compute_tokens_per_s = event.compute_tok_s
@@ -711,8 +776,7 @@ class Monitor:
         """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
         first step compiles and may wait for slow peers to load). Never within the heartbeat timeout: a node that
         vanished stalls its peers too, and must first be found by its silence (the culprit), not as a stall."""
-        window = view.steps.window(self.policy.stall_factor, self.policy.stall_min_s)
-        return None if window is None else max(window, self.heartbeat_timeout + 1.0)
+        return stall_window(view, self.policy)
 
     def _stalls(self, now: float) -> list[Incident]:
         """Ranks alive and heartbeating inside a step that never ends: what a data-plane link that went down

@@ -11,15 +11,16 @@ exit 2), never misread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
 from coordinator.planning.hostfile import Hostfile
-from coordinator.run.monitor import Incident
+from coordinator.run.monitor import FaultPolicy, Incident
 from worker.events import AnyEvent, AnyMapEvent, EventError, coerce_float, coerce_int, parse_event, parse_map_event
 
 # --- layout ----------------------------------------------------------------------------------------------------
@@ -114,6 +115,14 @@ class RunMeta:
     left_out: tuple[Mapping[str, str], ...] = ()  # {node, reason}
     drill: bool = False
     restart_from_scratch: bool = False
+    # The run's own yardsticks, so that every view judges it as its monitor did (`coordinator.run.replay`): its
+    # thresholds (the playbook's `faults:` and `heartbeat_timeout`), its steps, calibration's prediction (real
+    # tokens/s), and the most tokens one row of a batch can add to a step (the monitor's plausibility bound).
+    # None in an older meta.json: readers use the defaults.
+    faults: FaultPolicy | None = None
+    iters: int | None = None
+    predicted_tokens_per_s: float | None = None
+    max_tokens_per_row: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory,
@@ -121,7 +130,35 @@ class RunMeta:
                 "remote_run_dirs": dict(self.remote_run_dirs), "remote_tmp_dir": self.remote_tmp_dir,
                 "launcher_pid": self.launcher_pid, "coordinator_pid": self.coordinator_pid,
                 "split": dict(self.split), "left_out": [dict(x) for x in self.left_out], "drill": self.drill,
-                "restart_from_scratch": self.restart_from_scratch}
+                "restart_from_scratch": self.restart_from_scratch,
+                "faults": dataclasses.asdict(self.faults) if self.faults is not None else None,
+                "iters": self.iters, "predicted_tokens_per_s": self.predicted_tokens_per_s,
+                "max_tokens_per_row": self.max_tokens_per_row}
+
+
+def parse_faults(value: Any) -> FaultPolicy | None:
+    """meta.json's `faults` -> the run's `FaultPolicy`; None when absent. A key missing or mistyped keeps the
+    default (a reader can always judge), a key it does not know is ignored."""
+    if not isinstance(value, Mapping):
+        return None
+    known = {f.name: f.type for f in dataclasses.fields(FaultPolicy)}
+    args: dict[str, Any] = {}
+    for key, kind in known.items():
+        raw = value.get(key)
+        number = coerce_int(raw) if kind == "int" else coerce_float(raw)
+        if number is not None and number >= 0:
+            args[key] = number
+    return FaultPolicy(**args)
+
+
+def policy_from_playbook(doc: Any) -> FaultPolicy | None:
+    """An older run's thresholds (its meta.json has no `faults`), from its decoded playbook: `faults:` and
+    `heartbeat_timeout`, each key missing or mistyped at its default; None when `doc` is no mapping."""
+    if not isinstance(doc, Mapping):
+        return None
+    faults = doc.get("faults")
+    return parse_faults({**(faults if isinstance(faults, Mapping) else {}),
+                         "heartbeat_timeout": doc.get("heartbeat_timeout")})
 
 
 def _opt_int(value: Any) -> int | None:
@@ -155,7 +192,10 @@ def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str 
         remote_tmp_dir=doc["remote_tmp_dir"] if isinstance(doc.get("remote_tmp_dir"), str) else None,
         launcher_pid=_opt_int(doc.get("launcher_pid")), coordinator_pid=_opt_int(doc.get("coordinator_pid")),
         split={str(k): v for k, v in split.items() if _opt_int(v) is not None} if isinstance(split, Mapping) else {},
-        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")))
+        left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")),
+        faults=parse_faults(doc.get("faults")), iters=coerce_int(doc.get("iters")),
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")) or None,
+        max_tokens_per_row=coerce_int(doc.get("max_tokens_per_row")))
 
 
 def read_meta(run_dir: Path) -> RunMeta:
@@ -248,11 +288,11 @@ _ENVELOPE = ("node", "rank", "event", "t", "run_id")
 @dataclass(frozen=True)
 class EventLine:
     """One line of the coordinator's events.jsonl, read back. The coordinator writes four kinds of line there
-    (coordinator.run.launch, mapjob, resume): a rank's event as it arrived, with the rank's node added
-    (`{"node", "rank", **event}`); an `incident` (`{"event": "incident", "attempt", **Incident.to_json()}`, a map
-    run's without `attempt`); its own records (`supervisor` with `node: "coordinator"`, `attempt` and `t`;
-    `checkpoint_invalid`; a map run's `reassigned`). Every field is None where absent or mistyped, under the events'
-    number rule (worker.events).
+    (coordinator.run.launch, mapjob, resume): a rank's event as it arrived, with the rank's node and the attempt
+    added (`{"node", "rank", **event, "attempt"}`; an older coordinator's file has no `attempt` there); an
+    `incident` (`{"event": "incident", "attempt", **Incident.to_json()}`, a map run's without `attempt`); its own
+    records (`supervisor` with `node: "coordinator"`, `attempt` and `t`; `checkpoint_invalid`; a map run's
+    `reassigned`). Every field is None where absent or mistyped, under the events' number rule (worker.events).
 
     `event` is the line read as a worker's event (`worker.events.parse_event`, or `parse_map_event` for a map
     run's file): an `EventError` for the coordinator's own records. `incident` is set on `incident` lines only.
@@ -263,7 +303,7 @@ class EventLine:
     t: float | None  # a rank's event: the worker's unix time; an incident: the coordinator's monotonic clock
     node: str | None
     rank: int | None
-    attempt: int | None  # on the coordinator's records (incident, supervisor); a rank's event has none
+    attempt: int | None  # the coordinator's word: on its records and its copy of a rank's event (older files: none)
     event: AnyEvent | AnyMapEvent | EventError
     incident: IncidentRecord | None = None
     payload: Mapping[str, Any] = field(default_factory=dict)
@@ -278,6 +318,63 @@ def parse_event_line(doc: Mapping[str, Any], *, map_run: bool = False) -> EventL
                      event=parse_map_event(doc) if map_run else parse_event(doc),
                      incident=parse_incident_record(doc) if kind == "incident" else None,
                      payload={str(k): v for k, v in doc.items() if k not in _ENVELOPE})
+
+
+class AttemptCounter:
+    """Names the attempt (0-based) of each events.jsonl line fed to it in file order, from the coordinator's own
+    records, never from the order of the ranks' lines (events.jsonl interleaves the nodes' followers: one rank's
+    `started, step 1` can land before another rank's `started`).
+
+    A line that carries `attempt` (the coordinator writes it on its copy of every rank event, on incidents and on
+    its supervisor records) is in that attempt. `launch --resume RUN_ID` appends a new session to the same file and
+    numbers its attempts from 0 again: a rank `started` again (another process: another `t`) under an attempt
+    number it already started under begins a new session (every attempt starts each of its ranks exactly once),
+    whose attempts follow the earlier ones (`base`: the first attempt of the newest session). The same `started`
+    copied again (its `t` unchanged) is `coordinator attach` reading the ranks' files again from their start:
+    no new attempt; `rereads` counts those re-reads (a reader that folds the lines starts over at each).
+
+    A rank event of an older file, which has no `attempt`, is in the attempt of its rank's latest `started` so far
+    (rank 0 is in every attempt); `attempts`, summary.json's count when the run was not resumed, caps those. Never
+    fails."""
+
+    def __init__(self, attempts: int | None = None) -> None:
+        self.last = None if attempts is None else max(0, attempts - 1)
+        self.base = 0
+        self.top = -1  # the highest attempt named so far
+        self.started: dict[int, dict[int, float | None]] = {}  # newest session: attempt -> rank -> its start's t
+        self.reread: dict[int, set[int]] = {}  # attempt -> ranks whose `started` the latest re-read copied again
+        self.rereads = 0
+        self.starts: dict[int, int] = {}  # an older file's: rank -> its `started` lines so far
+
+    def attempt_of(self, line: EventLine) -> int:
+        rank = line.rank if line.rank is not None else 0
+        if line.attempt is not None and line.attempt >= 0:
+            if line.kind == "started":
+                seen = self.started.setdefault(line.attempt, {})
+                if rank in seen and seen[rank] == line.t:  # the same event again: a re-read (attach)
+                    again = self.reread.setdefault(line.attempt, set())
+                    if not again or rank in again:
+                        again.clear()
+                        self.rereads += 1
+                    again.add(rank)
+                elif rank in seen:  # another process under the same number: a resumed session
+                    self.base, self.started, self.reread = self.top + 1, {line.attempt: {rank: line.t}}, {}
+                else:
+                    seen[rank] = line.t
+            attempt = self.base + line.attempt
+        else:
+            if line.kind == "started":
+                self.starts[rank] = self.starts.get(rank, 0) + 1
+            attempt = max(0, self.starts.get(rank, 0) - 1)
+            attempt = attempt if self.last is None else min(attempt, self.last)
+        self.top = max(self.top, attempt)
+        return attempt
+
+
+def assign_attempts(lines: Sequence[EventLine], attempts: int | None = None) -> list[int]:
+    """The attempt of each line (`AttemptCounter`)."""
+    counter = AttemptCounter(attempts)
+    return [counter.attempt_of(line) for line in lines]
 
 
 def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]:
@@ -313,7 +410,8 @@ class SummaryNode:
     state: str | None = None
     step: int | None = None
     loss: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the rank's rate (coordinator.run.replay; an older summary: its last step's)
+    verdict: str | None = None  # coordinator.run.monitor.Verdict (an older summary has none)
     calibrated_tokens_per_s: float | None = None
     peak_memory: int | None = None
     checkpoint: str | None = None
@@ -387,7 +485,9 @@ class SummaryFile:
     message: str | None = None
     checkpoint: str | None = None
     tokens_per_s: float | None = None
-    attempts: int | None = None
+    predicted_tokens_per_s: float | None = None
+    attempts: int | None = None  # of its session: a resumed run's count starts again at its resume
+    resumed: bool = False  # `launch --resume`: events.jsonl holds the earlier sessions' lines too
     nodes: tuple[SummaryNode, ...] = ()
     split: Mapping[str, float] | None = None  # None: absent or not an object (readers fall back to plan.json's)
     incidents: tuple[IncidentRecord, ...] | None = None  # None: absent or not a list
@@ -418,7 +518,7 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
     nodes = tuple(SummaryNode(
         name=text(n, "node") or text(n, "name"), rank=coerce_int(n.get("rank")), batch_size=coerce_int(n.get("batch_size")),
         state=text(n, "state"), step=coerce_int(n.get("step")), loss=coerce_float(n.get("loss")),
-        tokens_per_s=coerce_float(n.get("tokens_per_s")),
+        tokens_per_s=coerce_float(n.get("tokens_per_s")), verdict=text(n, "verdict"),
         calibrated_tokens_per_s=coerce_float(n.get("calibrated_tokens_per_s")),
         peak_memory=coerce_int(n.get("peak_memory_bytes", n.get("peak_memory"))), checkpoint=text(n, "checkpoint"),
         rows=coerce_int(n.get("rows")), rows_done=coerce_int(n.get("rows_done")), ranges=_ranges(n.get("ranges")),
@@ -434,7 +534,9 @@ def parse_summary(doc: Mapping[str, Any], *, name: str = SUMMARY) -> SummaryFile
         format=version, run_id=text(doc, "run_id"), kind=text(doc, "kind") or "train", state=text(doc, "state"),
         steps=coerce_int(doc.get("steps")), iters=coerce_int(doc.get("iters")), message=text(doc, "message"),
         checkpoint=text(doc, "checkpoint"), tokens_per_s=coerce_float(doc.get("tokens_per_s")),
-        attempts=coerce_int(doc.get("attempts")), nodes=nodes, split=split,
+        predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")),
+        attempts=coerce_int(doc.get("attempts")), resumed=isinstance(doc.get("resumed_from"), Mapping),
+        nodes=nodes, split=split,
         incidents=tuple(parse_incident_record(i) for i in rows("incidents"))
         if isinstance(doc.get("incidents"), list) else None,
         quarantined=tuple(str(q) for q in quarantined) if isinstance(quarantined, list) else (),
@@ -514,7 +616,13 @@ class PlanRecord:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
-                "attempt": self.attempt}
+                "attempt": self.attempt, "units": dict(RATE_UNITS)}
+
+
+# The unit of each rate in plan.json and `calibrate --json`: a node's rate (and the plan's prediction) is real
+# tokens/s, what training reports; the bench's curve counts every position of its rows, padding included.
+RATE_UNITS = {"tokens_per_s": "real tokens/s", "predicted_tokens_per_s": "real tokens/s",
+              "curve.tokens_per_s": "padded positions/s"}
 
 
 # --- plan.json read back -----------------------------------------------------------------------------------------

@@ -25,6 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from coordinator.facts.model import NodeFacts
 
 Verdict = Literal["pass", "warn", "fail", "error", "skip"]
+# A rank's verdict (coordinator.run.monitor.Verdict): the monitor's rules with the run's own thresholds.
+RankVerdict = Literal["pending", "ok", "slow", "stalled", "hung", "dead"]
+_RANK_RATE = ("the rank's rate: the median real tokens/s (padding excluded) of its last 20 steps, the same in "
+              "every view (coordinator.run.replay)")
+_RANK_VERDICT = "the rank's verdict: the monitor's rules with the run's own thresholds (playbook `faults:`)"
+_PREDICTED = "calibration's prediction for the plan the run runs, in real tokens/s"
+_RUN_RATE = "the run's rate: the median over its steps of all ranks' real tokens / step wall time"
 
 
 class _Out(BaseModel):
@@ -68,13 +75,14 @@ class PreflightOut(_Out):
 
 class CurveOut(_Out):
     batch: int
-    tokens_per_s: float
+    tokens_per_s: float = Field(description="measured by the bench: padded positions/s (every position of each "
+                                            "row, padding included)")
     peak_memory_bytes: int
 
 
 class CalibratedNodeOut(_Out):
     node: str
-    tokens_per_s: float  # predicted at its planned batch
+    tokens_per_s: float = Field(description="predicted at its planned batch, in real tokens/s (padding excluded)")
     batch_size: int
     share: float
     curve: list[CurveOut]
@@ -85,6 +93,8 @@ class CalibrateOut(_Out):
 
     nodes: list[CalibratedNodeOut]
     split: dict[str, float]
+    units: dict[str, str] = Field(description="the unit of each rate: a node's `tokens_per_s` is real tokens/s, "
+                                              "its curve's is padded positions/s")
 
 
 class MapCalibratedNodeOut(_Out):
@@ -168,8 +178,9 @@ class RankSummaryOut(_Out):
     state: str
     step: int
     loss: float | None
-    tokens_per_s: float | None
-    calibrated_tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description=_RANK_RATE)
+    verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
+    calibrated_tokens_per_s: float | None = Field(description="calibration's rate for its batch, real tokens/s")
     peak_memory_bytes: int | None
     checkpoint: str | None
     run_dir: str | None
@@ -182,8 +193,8 @@ class RunSummaryOut(_SummaryOut):
     steps: int
     iters: int | None
     checkpoint: str | None
-    tokens_per_s: float | None
-    predicted_tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description=_RUN_RATE)
+    predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None
@@ -242,8 +253,10 @@ class NodeRunOut(_Out):
     state: str
     rank: int | None
     step: int | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description=_RANK_RATE)
     last_heartbeat_age_s: float | None
+    verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
+    predicted_tokens_per_s: float | None = Field(description="the run's: " + _PREDICTED)
 
 
 class QuarantineFlagOut(_Out):
@@ -274,9 +287,10 @@ class RankStatusOut(_Out):
     node: str
     state: str
     step: int
-    tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description=_RANK_RATE)
     loss: float | None
     last_heartbeat_age_s: float | None
+    verdict: RankVerdict = Field(description=_RANK_VERDICT)
 
 
 class IncidentNoteOut(_Out):
@@ -300,6 +314,8 @@ class RunStatusOut(_Out):
     incidents: list[IncidentNoteOut]
     degraded: bool
     left_out: list[LeftOutOut]
+    tokens_per_s: float | None = Field(description=_RUN_RATE)
+    predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
 
 
 class StatusOut(_Out):
@@ -597,7 +613,10 @@ def render_docs() -> str:
         "- a duration in seconds ends in `_s` (`duration_s`, `age_s`, `detected_after_s`), in milliseconds in `_ms`;",
         "- a rate ends in `_per_s`, its unit before it (`tokens_per_s`, `a_to_b_bytes_per_s`, `speed_gbit_per_s`);",
         "- a size names its unit (`peak_memory_bytes`, `sent_bytes`, `free_bytes`);",
-        "- a point in time is Unix seconds (`t`, `expires`); a verdict is `pass|warn|fail|error|skip`.",
+        "- a point in time is Unix seconds (`t`, `expires`); a check's verdict is `pass|warn|fail|error|skip`, a",
+        "  rank's `pending|ok|slow|stalled|hung|dead` (the monitor's rules with the run's own thresholds);",
+        "- a rank's or a run's `tokens_per_s` counts real tokens (padding excluded), the same value in every view;",
+        "  calibration's curve counts padded positions (plan.json and `calibrate --json` say so in `units`).",
         "",
         "`facts --json` prints the parsed fact records as they are (`coordinator/facts/model.py`), whose fields keep",
         "the unit the node reports (`speed_gbps`, `speed_mbps`). `hostfile` prints mlx.launch's own format.",

@@ -5,6 +5,7 @@ stands still, and always a last line with the true final step and state when the
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -15,7 +16,8 @@ from rich.table import Table
 from coordinator.models import PreflightReport
 from coordinator.planning.plan import PREDICTION_TOLERANCE, NodeCalibration, Plan, format_split, prediction_gap
 from coordinator.planning.shards import MapRow
-from coordinator.run.monitor import Monitor
+from coordinator.run.monitor import RATE_UNIT, Monitor, Verdict
+from coordinator.run.replay import judge_monitor
 from coordinator.views.render import render_preflight
 
 PLAIN_EVERY_S = 5.0
@@ -23,12 +25,19 @@ PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for
 PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
 
 
-def make_console(*, stderr: bool = False) -> Console:
+PIPED_TABLE_WIDTH = 400  # piped tables are drawn this wide at most, so no cell is cut to fit 80 columns
+
+
+def make_console(*, stderr: bool = False, wide_tables: bool = False) -> Console:
     """The console the verbs print to. Piped (not a terminal), lines are never wrapped at rich's default 80
-    columns: a log line must stay one line for grep and for whoever reads the CI log."""
+    columns: a log line must stay one line for grep and for whoever reads the CI log. With `wide_tables` (status,
+    monitor), a piped table is drawn at its natural width (up to PIPED_TABLE_WIDTH) rather than squeezed into 80
+    columns with its cells cut (`Debi…`); an explicit COLUMNS still wins."""
     console = Console(stderr=stderr)
     if not console.is_terminal:
         console.soft_wrap = True
+        if wide_tables and not os.environ.get("COLUMNS"):
+            console.width = PIPED_TABLE_WIDTH
     return console
 
 
@@ -80,24 +89,37 @@ class NodeBars:
             self.progress.start()
 
 
-def build_table(mon: Monitor, now: float, left_out: Sequence[str] = ()) -> Table:
+_VERDICT_STYLE = {Verdict.OK: "green", Verdict.PENDING: "dim", Verdict.SLOW: "yellow"}
+
+
+def build_table(mon: Monitor, now: float, left_out: Sequence[str] = (), predicted: float | None = None) -> Table:
+    """The live table. Each rank's rate and verdict are the run's one judgement (coordinator.run.replay), the
+    same numbers and words as status, the report, the dashboard and summary.json."""
     eta = mon.eta_s(now)
+    judged = judge_monitor(mon, now=now if mon.outcome() is None else None, predicted=predicted)
     title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    if judged.tokens_per_s is not None:
+        title += f"   {judged.tokens_per_s:,.0f} {RATE_UNIT}" + (
+            f" (predicted {judged.predicted_tokens_per_s:,.0f})" if judged.predicted_tokens_per_s else "")
     if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
         title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
     table = Table(title=title, title_justify="left")
-    for col in ("rank", "node", "state", "step", "loss", "tok/s (calibrated)", "peak mem", "heartbeat"):
+    for col in ("rank", "node", "state", "verdict", "step", "loss", f"{RATE_UNIT} (calibrated)", "peak mem",
+                "heartbeat"):
         table.add_column(col, justify="right" if col in ("rank", "step", "loss", "peak mem") else "left")
     for v in sorted(mon.ranks.values(), key=lambda r: r.rank):
-        rate = "-" if v.tokens_per_s is None else f"{v.tokens_per_s:,.0f}"
+        mine = judged.of(v.rank, v.node)
+        tok_s = mine.tokens_per_s if mine is not None else None
+        rate = "-" if tok_s is None else f"{tok_s:,.0f}"
         if v.calibrated_tokens_per_s:
-            gap = prediction_gap(v.tokens_per_s, v.calibrated_tokens_per_s)
+            gap = prediction_gap(tok_s, v.calibrated_tokens_per_s)
             off = f", [yellow]{100 * gap:+.0f}%[/yellow]" if gap is not None and abs(gap) > PREDICTION_TOLERANCE else ""
             rate += f" ({v.calibrated_tokens_per_s:,.0f}{off})"
+        verdict = mine.verdict if mine is not None else Verdict.PENDING
         mem = "-" if v.peak_memory is None else f"{v.peak_memory / 1024**3:.2f} GiB"
         beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
-        table.add_row(str(v.rank), v.node, str(v.state), str(v.step), "-" if v.loss is None else f"{v.loss:.4f}",
-                      rate, mem, beat)
+        table.add_row(str(v.rank), v.node, str(v.state), f"[{_VERDICT_STYLE.get(verdict, 'red')}]{verdict}[/]",
+                      str(v.step), "-" if v.loss is None else f"{v.loss:.4f}", rate, mem, beat)
     for inc in mon.incidents[-5:]:
         table.caption = (table.caption or "") + f"\n[red]{inc.kind}[/red] on {inc.node} rank {inc.rank}: {inc.evidence}"
     return table
@@ -131,6 +153,7 @@ class RichUI:
         self._monitor: Monitor | None = None  # the latest one shown (a relaunch brings a new one)
         self._said_start = False
         self.left_out: list[str] = []  # inventory nodes the run started without (`degraded`)
+        self.predicted: float | None = None  # the plan's prediction (`calibration`), real tokens/s
 
     def message(self, text: str) -> None:
         if self.live is None:
@@ -149,10 +172,11 @@ class RichUI:
                                f"{counts['skip']} skip")
 
     def calibration(self, plan: Plan, calibrations: Mapping[str, NodeCalibration]) -> None:
+        self.predicted = plan.predicted_tokens_per_s or None
         cached = sum(1 for c in calibrations.values() if c.cached)
         self.console.print(f"split ({plan.mode}): [bold]{format_split(plan)}[/bold]  batch "
                            + ", ".join(f"{n}={b}" for n, b in plan.batch.items())
-                           + (f"  predicted {plan.predicted_tokens_per_s:,.0f} tok/s" if calibrations else "")
+                           + (f"  predicted {plan.predicted_tokens_per_s:,.0f} {RATE_UNIT}" if calibrations else "")
                            + (f"  ({cached} cached)" if cached else ""))
 
     def progress(self, mon: Monitor, now: float) -> None:
@@ -167,11 +191,11 @@ class RichUI:
                                markup=False, highlight=False)
         if self.console.is_terminal:
             if self.live is None:
-                self.live = Live(build_table(mon, now, self.left_out), console=self.console, refresh_per_second=4,
+                self.live = Live(build_table(mon, now, self.left_out, self.predicted), console=self.console, refresh_per_second=4,
                                  transient=False)
                 self.live.start()
             else:
-                self.live.update(build_table(mon, now, self.left_out))
+                self.live.update(build_table(mon, now, self.left_out, self.predicted))
             return
         step = mon.step()
         advanced = step != self._plain_step
@@ -183,8 +207,8 @@ class RichUI:
 
     def _print_plain(self, mon: Monitor, now: float, final: bool = False) -> None:
         self._last_plain, self._plain_step = now, mon.step()
-        self.console.print(plain_progress_line(mon, now, final=final, left_out=self.left_out), markup=False,
-                           highlight=False)
+        self.console.print(plain_progress_line(mon, now, final=final, left_out=self.left_out, predicted=self.predicted),
+                           markup=False, highlight=False)
 
     def map_progress(self, rows: Sequence[MapRow], now: float) -> None:
         if self.console.is_terminal:
@@ -207,27 +231,37 @@ class RichUI:
         now = time.monotonic()
         if self.live is not None:
             if mon is not None:
-                self.live.update(build_table(mon, now, self.left_out))
+                self.live.update(build_table(mon, now, self.left_out, self.predicted))
             self.live.stop()
             self.live = None
         elif mon is not None and not self.console.is_terminal:
             self._print_plain(mon, now, final=True)
 
 
-def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_out: Sequence[str] = ()) -> str:
-    """`step 10/30  loss 5.4456  3,214 tok/s  ETA 0:14  [local-a 10, local-b 10]`; the final line says the run's
-    outcome instead of an ETA; a degraded run ends with `DEGRADED (n2 left out)`. Plain text (no markup): it goes
-    to logs."""
-    loss = next((v.loss for v in sorted(mon.ranks.values(), key=lambda r: r.rank) if v.loss is not None), None)
-    rate = mon.last_tokens_per_s()
-    parts = [f"step {mon.step()}/{mon.iters}", "loss -" if loss is None else f"loss {loss:.4f}",
-             "- tok/s" if rate is None else f"{rate:,.0f} tok/s"]
+def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_out: Sequence[str] = (),
+                        predicted: float | None = None) -> str:
+    """`step 10/30  loss 5.4456  3,214 real tokens/s  ETA 0:14  [local-a 10 ok, local-b 10 ok]`; the final line
+    says the run's outcome instead of an ETA; a degraded run ends with `DEGRADED (n2 left out)`. Plain text (no
+    markup): it goes to logs.
+
+    `step N` is the step every rank has reached; the loss is the global loss (the same on every rank) of the
+    newest step any rank reported, and names that step when it is another (`loss@5 5.4500`): one step's loss is
+    never shown as another's. The rate is the run's (`Monitor.run_tokens_per_s`), each rank's word its verdict,
+    as every view shows them (coordinator.run.replay)."""
+    step = mon.step()
+    newest = max((v for v in mon.ranks.values() if v.loss is not None), key=lambda v: (v.step, -v.rank), default=None)
+    if newest is None or newest.loss is None:
+        loss = "loss -"
+    else:
+        loss = f"loss {newest.loss:.4f}" if newest.step == step else f"loss@{newest.step} {newest.loss:.4f}"
+    judged = judge_monitor(mon, now=None if final else now, predicted=predicted)
+    rate = judged.tokens_per_s
+    parts = [f"step {step}/{mon.iters}", loss, f"- {RATE_UNIT}" if rate is None else f"{rate:,.0f} {RATE_UNIT}"]
     if final:
         parts.append(str(mon.outcome() or ("stopped" if mon.stopped else "ended")))
     else:
         parts.append(f"ETA {_fmt_s(mon.eta_s(now))}")
-    ranks = ", ".join(f"{v.node} {v.step}" + ("" if v.state in ("running", "finished") else f" {v.state}")
-                      for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
+    ranks = ", ".join(f"{j.node} {j.step} {j.verdict}" for j in judged.ranks)
     parts.append(f"[{ranks}]")
     if left_out:
         parts.append(f"DEGRADED ({', '.join(left_out)} left out)")

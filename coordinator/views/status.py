@@ -20,8 +20,11 @@ from coordinator.facts.build import node_load
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, Node
 from coordinator.run.metrics import IncidentNote, NodeRun, NodeStatus, RankStatus, RunStatus
+from coordinator.run.monitor import FaultPolicy
 from coordinator.run.quarantine import Entry
+from coordinator.run.replay import RunReplay, prediction_of
 from coordinator.run.rundir import (
+    EventLine,
     RunMeta,
     decode_event_lines,
     parse_event_line,
@@ -121,7 +124,8 @@ def node_run(runs: Sequence[RunStatus], node: str) -> NodeRun | None:
     return NodeRun(run_id=chosen.run_id, active=chosen.active, state=chosen.state,
                    rank=rank.rank if rank else None, step=rank.step if rank else None,
                    tokens_per_s=rank.tokens_per_s if rank else None,
-                   last_heartbeat_age_s=rank.last_heartbeat_age_s if rank else None)
+                   last_heartbeat_age_s=rank.last_heartbeat_age_s if rank else None,
+                   verdict=rank.verdict if rank else None, predicted_tokens_per_s=chosen.predicted_tokens_per_s)
 
 
 def build_rows(nodes: Sequence[Node], facts: Mapping[str, NodeFacts], errors: Mapping[str, str],
@@ -152,10 +156,41 @@ class RunEvents:
     incident_counts: Counter[str] = field(default_factory=Counter)
     incidents: list[IncidentNote] = field(default_factory=list)
     bad_lines: int = 0
+    # The run replayed through the monitor's rules for meta.json's attempt (coordinator.run.replay): every rank's
+    # rate and verdict. Given meta.json up front (`for_meta`), the replay is fed as lines come; otherwise the lines
+    # are kept until `replay(meta)` makes it.
+    meta: RunMeta | None = None
+    lines: list[tuple[Mapping[str, Any], EventLine]] = field(default_factory=list)
+    _replay: RunReplay | None = None
+
+    @classmethod
+    def for_meta(cls, meta: RunMeta, *, fallback: FaultPolicy | None = None) -> RunEvents:
+        """`fallback`: an older run's thresholds, from its playbook (`rundir.policy_from_playbook`)."""
+        return cls(meta=meta, _replay=RunReplay(meta, fallback=fallback))
+
+    def replay(self, meta: RunMeta) -> RunReplay:
+        """The replay for `meta` (made from the kept lines when none was made yet). A reader whose meta.json names
+        another attempt or other ranks (a relaunch) reads the run again into a fresh `RunEvents`."""
+        if self._replay is None:
+            self._replay = RunReplay(meta)
+            for record, line in self.lines:
+                self._replay.feed_line(record, line)
+            self.lines.clear()
+        return self._replay
+
+    def judges(self, meta: RunMeta) -> bool:
+        """Whether this fold's replay is of `meta`'s attempt, ranks and thresholds."""
+        done = self._replay
+        return done is None or (done.meta.attempt, done.meta.ranks, done.meta.faults) == (
+            meta.attempt, meta.ranks, meta.faults)
 
     def feed(self, record: Mapping[str, Any]) -> None:
         """One decoded events.jsonl line, read under the run directory's contract (`rundir.parse_event_line`)."""
         line = parse_event_line(record)
+        if self._replay is not None:
+            self._replay.feed_line(record, line)
+        else:
+            self.lines.append((record, line))
         if line.incident is not None:
             inc = line.incident
             name = inc.kind or "unknown"
@@ -200,23 +235,31 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
     reader can use (coordinator.run.rundir.parse_meta)."""
     if not isinstance(meta, RunMeta):
         meta = parse_meta(meta, default_run_id=run_id)
+    done = parse_summary(summary) if summary is not None else None
+    # Rates and verdicts: the monitor's rules on the run's own thresholds (the same in every view).
+    judged = events.replay(meta).judge(now if done is None else None)
     planned = [(r.rank, r.node) for r in meta.ranks]
     ranks = []
     for rank, node in sorted(planned):
         seen = events.ranks.get((rank, node))
+        mine = judged.of(rank, node)
         if seen is None:
-            ranks.append(RankStatus(rank=rank, node=node, state="pending"))
+            ranks.append(RankStatus(rank=rank, node=node, state="pending",
+                                    verdict=str(mine.verdict) if mine else "pending"))
             continue
         age = None if seen.last_t is None else max(0.0, now - seen.last_t)
         ranks.append(RankStatus(rank=rank, node=node, state=seen.state, step=seen.step,
-                                tokens_per_s=seen.tokens_per_s, loss=seen.loss, last_heartbeat_age_s=age))
+                                tokens_per_s=mine.tokens_per_s if mine else None, loss=seen.loss,
+                                last_heartbeat_age_s=age, verdict=str(mine.verdict) if mine else "pending"))
     nodes = meta.nodes
-    done = parse_summary(summary) if summary is not None else None
     state = (done.state or "unknown") if done is not None else "running"
     return RunStatus(run_id=run_id, active=summary is None, state=state, ranks=tuple(ranks), iters=iters, nodes=nodes,
                      incident_counts=dict(events.incident_counts), incidents=tuple(events.incidents),
                      left_out=done.left_out if done is not None and done.left_out is not None
-                     else tuple((x["node"], x["reason"]) for x in meta.left_out))
+                     else tuple((x["node"], x["reason"]) for x in meta.left_out),
+                     tokens_per_s=judged.tokens_per_s,
+                     predicted_tokens_per_s=prediction_of(meta.predicted_tokens_per_s,
+                                                          done.predicted_tokens_per_s if done is not None else None))
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.

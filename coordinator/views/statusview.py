@@ -47,7 +47,9 @@ def _run_cell(run: NodeRun | None) -> str:
     if run.rank is not None:
         cell += f" rank {run.rank} step {run.step}"
     if run.tokens_per_s is not None:
-        cell += f" {run.tokens_per_s:,.0f} tok/s"
+        cell += f" {run.tokens_per_s:,.0f} real tok/s"
+    if run.verdict is not None and run.rank is not None:
+        cell += f" {run.verdict}"
     if run.active and run.last_heartbeat_age_s is not None:
         cell += f" beat {run.last_heartbeat_age_s:.0f}s ago"
     return cell
@@ -61,11 +63,14 @@ def render_run_table(run: RunStatus) -> Table:
     """An active run's per-rank progress and its newest incidents."""
     of = f"/{run.iters}" if run.iters else ""
     degraded = f"  [yellow]DEGRADED: {', '.join(n for n, _ in run.left_out)} left out[/yellow]" if run.left_out else ""
-    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}{degraded}", title_justify="left")
-    for col in ("rank", "node", "state", "step", "loss", "tok/s", "heartbeat"):
+    rate = "" if run.tokens_per_s is None else f", {run.tokens_per_s:,.0f} real tok/s" + (
+        f" (predicted {run.predicted_tokens_per_s:,.0f})" if run.predicted_tokens_per_s else "")
+    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}{rate}{degraded}", title_justify="left")
+    for col in ("rank", "node", "state", "verdict", "step", "loss", "real tok/s", "heartbeat"):
         table.add_column(col)
     for r in run.ranks:
-        table.add_row(str(r.rank), r.node, r.state, str(r.step), "-" if r.loss is None else f"{r.loss:.4f}",
+        table.add_row(str(r.rank), r.node, r.state, r.verdict if r.verdict in ("ok", "pending") else f"[red]{r.verdict}[/red]",
+                      str(r.step), "-" if r.loss is None else f"{r.loss:.4f}",
                       "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
                       "-" if r.last_heartbeat_age_s is None else f"{r.last_heartbeat_age_s:.1f}s ago")
     if run.incidents:

@@ -21,6 +21,7 @@ from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import Fleet
 from coordinator.models import Inventory
 from coordinator.run.metrics import MetricsServer, RunStatus
+from coordinator.run.monitor import FaultPolicy
 from coordinator.run.quarantine import Entry, QuarantineStore, inventory_key, matching_entry
 from coordinator.run.rundir import (
     EVENTS,
@@ -28,6 +29,7 @@ from coordinator.run.rundir import (
     PLAYBOOK,
     SUMMARY,
     parse_meta,
+    policy_from_playbook,
     read_json_object,
 )
 from coordinator.views.status import (
@@ -57,13 +59,14 @@ def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
     return data[: end + 1].decode("utf-8", errors="replace").splitlines(), offset + end + 1
 
 
-def _playbook_iters(run_dir: Path) -> int | None:
+def _playbook(run_dir: Path) -> tuple[int | None, FaultPolicy | None]:
+    """The run's copy of its playbook: (train.iters, its thresholds for a meta.json that predates them)."""
     try:
         doc = yaml.safe_load((run_dir / PLAYBOOK).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
-        return None
+        return None, None
     train = doc.get("train") if isinstance(doc, dict) else None
-    return coerce_int(train.get("iters")) if isinstance(train, dict) else None
+    return coerce_int(train.get("iters")) if isinstance(train, dict) else None, policy_from_playbook(doc)
 
 
 @dataclass
@@ -109,8 +112,10 @@ class RunWatcher:
             if meta is None:
                 continue
             tracked = self._tracked.get(run_dir.name)
-            if tracked is None:
-                tracked = self._tracked[run_dir.name] = _Tracked(RunEvents(), iters=_playbook_iters(run_dir))
+            if tracked is None or not tracked.events.judges(meta):  # new, or relaunched: read it (again) for meta
+                iters, policy = _playbook(run_dir)
+                tracked = self._tracked[run_dir.name] = _Tracked(RunEvents.for_meta(meta, fallback=policy),
+                                                                 iters=iters)
             lines, tracked.offset = read_new_lines(run_dir / EVENTS, tracked.offset)
             tracked.events.feed_lines(lines)
             runs.append(build_run_status(meta.run_id, meta, summary, tracked.events, now, iters=tracked.iters))

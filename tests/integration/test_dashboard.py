@@ -93,12 +93,35 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
            "XDG_STATE_HOME": str(tmp / "state")}
     port = free_port()
     proc = cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs), "--dashboard", "--dashboard-port",
-               str(port), "--chaos", PACE, env=env, out=tmp / "launch.json", err=tmp / "launch.log")
+               str(port), "--keep-dashboard", "--chaos", PACE, env=env, out=tmp / "launch.json",
+               err=tmp / "launch.log")
     try:
         url = wait_url(tmp / "launch.log", proc, tmp / "launch.log")
         yield LiveRun(tmp, inv, runs, port, url.split("token=", 1)[1], proc, env)
     finally:
         stop(proc, timeout=60)
+
+
+def finish(live_run: LiveRun) -> int | None:
+    """The run ends and, with --keep-dashboard, its page stays up (said on screen) until Ctrl-C; then the launch
+    exits with the run's code. Returns that code."""
+    if live_run.proc.poll() is not None:
+        return live_run.proc.returncode
+    log = live_run.tmp / "launch.log"
+    deadline = time.monotonic() + 600
+    while "the dashboard stays up at http://127.0.0.1:" not in log.read_text(errors="replace"):
+        assert live_run.proc.poll() is None, tail(log)
+        assert time.monotonic() < deadline, f"the run did not end within 600 s\n{tail(log)}"
+        time.sleep(0.5)
+    [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
+    assert (run_dir / "summary.json").exists()
+    time.sleep(3)  # well after the run: the page is still served
+    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}")
+    assert status == 200 and doc["state"] == "succeeded" and not doc["active"], doc
+    assert live_run.proc.poll() is None
+    rc = stop(live_run.proc, signal.SIGINT, timeout=60)
+    assert "dashboard stopped" in log.read_text(errors="replace"), tail(log)
+    return rc
 
 
 def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> None:
@@ -137,7 +160,7 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
         assert browser.js("return document.querySelector('#live').innerText") == "live"
         verdicts = browser.js("return [...document.querySelectorAll('#ranks tr[data-rank] td:nth-child(3)')]"
                               ".map(c => c.innerText)")
-        assert all(v in ("ok", "slow", "straggler", "finished") for v in verdicts), verdicts
+        assert all(v in ("ok", "slow") for v in verdicts), verdicts  # the monitor's words (pacing may be slow)
         if os.environ.get("DASHBOARD_SCREENSHOT"):  # for the docs: a longer curve, past an eval or two
             browser.wait_for("return window.dash.run.val_loss.length >= 3", what="three evals")
         shot = live_run.tmp / "dashboard.png"
@@ -145,14 +168,13 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         if os.environ.get("DASHBOARD_SCREENSHOT"):
             shutil.copyfile(shot, REPO / os.environ["DASHBOARD_SCREENSHOT"])
-    rc = live_run.proc.wait(timeout=600)
+    rc = finish(live_run)
     summary = json.loads((live_run.tmp / "launch.json").read_text())
     assert rc == 0 and summary["state"] == "succeeded", tail(log)
 
 
 def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
-    if live_run.proc.poll() is None:  # run alone: let the run end first
-        live_run.proc.wait(timeout=600)
+    assert finish(live_run) == 0  # run alone: let the run end first
     [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
     port = free_port()
     out, err = live_run.tmp / "dash.out", live_run.tmp / "dash.log"
@@ -167,7 +189,14 @@ def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
         assert doc["state"] == "succeeded" and not doc["active"] and doc["step"] == ITERS and doc["iters"] == ITERS
         assert [p[0] for p in doc["loss"]] == list(range(1, ITERS + 1))
         assert [p[0] for p in doc["val_loss"]] == list(range(10, ITERS + 1, 10))
-        assert {r["node"]: r["verdict"] for r in doc["ranks"]} == {"local-a": "finished", "local-b": "finished"}
+        assert {r["node"]: r["state"] for r in doc["ranks"]} == {"local-a": "finished", "local-b": "finished"}
+        # One truth: the run JSON's per-rank rates and verdicts and its prediction are the summary's.
+        summary = json.loads((live_run.tmp / "launch.json").read_text())
+        assert {r["node"]: (r["tokens_per_s"], r["verdict"]) for r in doc["ranks"]} == {
+            n["node"]: (n["tokens_per_s"], n["verdict"]) for n in summary["nodes"]}
+        assert all(r["verdict"] in ("ok", "slow") and r["tokens_per_s"] for r in doc["ranks"]), doc["ranks"]
+        assert doc["predicted_tokens_per_s"] == pytest.approx(summary["predicted_tokens_per_s"], abs=0.06)
+        assert doc["tokens_per_s"] == pytest.approx(summary["tokens_per_s"], abs=0.06)
         assert all(r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
                    for r in doc["ranks"])
         assert doc["checkpoints"] and doc["checkpoints"][-1]["step"] == ITERS

@@ -1,4 +1,5 @@
-"""`coordinator report` on a real run, opened in headless Chromium: the page must render, plots and all.
+"""`coordinator report` on a real run, opened in headless Chromium: the page must render, plots and all; and every
+view of that run (report, `status --json`, the dashboard, summary.json) agrees on its ranks' rates and verdicts.
 
 The run is the embedded default (`coordinator launch`: the smoke playbook on the two local ranks), launched in a
 temporary directory so its run dir, node workdirs and quarantine state stay out of the repo. Chromium comes from
@@ -11,12 +12,16 @@ import json
 import shutil
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image  # a dependency of matplotlib, which `coordinator report` needs anyway
 
+from coordinator.views.dashboard.server import open_run
+from coordinator.views.jsonout import validate_output
+from coordinator.views.report import build_report, read_run_files
 from tests.integration.conftest import RunCli, _run_cli
 from tests.testbed import REPO
 
@@ -104,3 +109,35 @@ def test_report_of_an_unknown_run_exits_2(real_run: tuple[Path, str], run_cli: R
     proc = run_cli("report", "no-such-run", "--run-dir", str(root))
     assert proc.returncode == 2
     assert "no run 'no-such-run'" in proc.stderr and run_id in proc.stderr
+
+
+def test_every_view_of_the_real_run_agrees(real_run: tuple[Path, str], run_cli: RunCli) -> None:
+    """One truth: the report, `status --json`, the dashboard's run JSON and summary.json give the same per-rank
+    rates and verdicts and the same prediction for this run; and the report counts one attempt, one checkpoint row
+    per checkpointed step (no phantom attempt from the nodes' interleaved lines)."""
+    root, run_id = real_run
+    summary = json.loads((root / run_id / "summary.json").read_text())
+    truth = {n["node"]: (n["tokens_per_s"], n["verdict"]) for n in summary["nodes"]}
+    assert all(rate and verdict in ("ok", "slow") for rate, verdict in truth.values()), truth
+    predicted = round(summary["predicted_tokens_per_s"], 1)
+
+    report = build_report(read_run_files(root, run_id))
+    assert {n.name: (round(n.tokens_per_s or 0, 1), n.verdict) for n in report.nodes} == truth
+    assert round(report.predicted_tokens_per_s or 0, 1) == predicted
+    assert len(report.attempts) == 1 and summary["attempts"] == 1
+    assert len({c.step for c in report.checkpoints}) == len(report.checkpoints) <= summary["steps"]
+
+    proc = run_cli("status", "-i", str(REPO / "inventory" / "local.yaml"), "--run-dir", str(root), "--json",
+                   cwd=root.parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    status = json.loads(proc.stdout)
+    validate_output("status", status)
+    assert {n["node"]: (n["run"]["tokens_per_s"], n["run"]["verdict"]) for n in status["nodes"]} == truth
+    assert all(n["run"]["predicted_tokens_per_s"] == pytest.approx(predicted, abs=0.06) for n in status["nodes"])
+
+    tracked = open_run(root / run_id)
+    assert tracked is not None
+    tracked.poll()
+    page = tracked.view(time.time(), full=True)
+    assert {r["node"]: (r["tokens_per_s"], r["verdict"]) for r in page["ranks"]} == truth
+    assert page["predicted_tokens_per_s"] == pytest.approx(predicted, abs=0.06)

@@ -52,8 +52,12 @@ def seed(tmp: Path) -> tuple[Path, dict[str, str]]:
                                                "step": 3}], summary={"state": "succeeded"})
     time.sleep(0.05)  # distinct meta.json mtimes: the newest run wins
     write_run(runs, "live-run", [(0, "mac"), (1, "lin")], [
-        {"t": now - 5, "node": "mac", "rank": 0, "event": "started"},
-        {"t": now - 5, "node": "lin", "rank": 1, "event": "started"},
+        # Resumed at step 5: a rank's first step past its peers' + 2 would be implausible to the monitor's rules,
+        # which status replays (coordinator.run.replay).
+        {"t": now - 5, "node": "mac", "rank": 0, "event": "started", "resumed_from": 5},
+        {"t": now - 5, "node": "lin", "rank": 1, "event": "started", "resumed_from": 5},
+        {"t": now - 3, "node": "mac", "rank": 0, "event": "step", "step": 6, "loss": 2.5, "tok_s": 1234.5},
+        {"t": now - 3, "node": "lin", "rank": 1, "event": "step", "step": 6, "loss": 2.6, "tok_s": 1000.0},
         {"t": now - 2, "node": "mac", "rank": 0, "event": "step", "step": 7, "loss": 2.5, "tok_s": 1234.5},
         {"t": now - 2, "node": "lin", "rank": 1, "event": "step", "step": 7, "loss": 2.6, "tok_s": 1000.0},
         {"t": now - 1, "node": "lin", "rank": 1, "event": "heartbeat", "step": 7},
@@ -88,7 +92,7 @@ def test_status_json_rows_for_mac_linux_and_a_dead_host(bed: TestBed, run_cli: R
     assert mac["power"] and mac["disk"]["free_bytes"] > 0
     assert mac["load"] is None  # the recorded sysctl has no vm.loadavg: unknown, not 0
     assert mac["run"]["run_id"] == "live-run" and mac["run"]["active"] and mac["run"]["rank"] == 0
-    assert mac["run"]["step"] == 7 and mac["run"]["tokens_per_s"] == 1234.5
+    assert mac["run"]["step"] == 7 and mac["run"]["tokens_per_s"] == 1234.5 and mac["run"]["verdict"] == "ok"
     assert 1 <= mac["run"]["last_heartbeat_age_s"] < 60
     assert mac["quarantine"] == {"quarantined": False, "reason": None}
 
@@ -111,9 +115,13 @@ def test_status_json_rows_for_mac_linux_and_a_dead_host(bed: TestBed, run_cli: R
 def test_status_table_and_invalid_inventory(bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
     inv = bed.write_inventory(tmp_path / "inv.yaml", [bed.host(n) for n in ("lin", "down")])
     runs, env = seed(tmp_path)
-    cp = run_cli("status", "-i", str(inv), "--run-dir", str(runs), "--connect-timeout", CONNECT_TIMEOUT, env=env)
+    # Piped, with no COLUMNS (a CI log, `| less`): full cells, never squeezed into 80 columns (`Debi…`).
+    cp = run_cli("status", "-i", str(inv), "--run-dir", str(runs), "--connect-timeout", CONNECT_TIMEOUT,
+                 env={**env, "COLUMNS": ""})
     assert cp.returncode == 0, cp.stdout + cp.stderr
     assert "lin" in cp.stdout and "down" in cp.stdout and "live-run" in cp.stdout and "hang at step 3" in cp.stdout
+    assert "…" not in cp.stdout, cp.stdout
+    assert "live-run rank 1 step 7" in cp.stdout and "(hang at step 3)" in cp.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes: [{name: x}]\n")
     cp = run_cli("status", "-i", str(bad), "--json")
@@ -124,8 +132,9 @@ def test_monitor_once_renders_one_frame(bed: TestBed, run_cli: RunCli, tmp_path:
     inv = bed.write_inventory(tmp_path / "inv.yaml", [bed.host(n) for n in ("mac", "lin", "down")])
     runs, env = seed(tmp_path)
     cp = run_cli("monitor", "-i", str(inv), "--run-dir", str(runs), "--once", "--connect-timeout", CONNECT_TIMEOUT,
-                 env=env, timeout=120)
+                 env={**env, "COLUMNS": ""}, timeout=120)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     out = cp.stdout
+    assert "…" not in out, out  # piped without COLUMNS: full cells
     for text in ("mac", "lin", "down", "Apple M5 Max", "run live-run (running): step 7", "straggler"):
         assert text in out, (text, out)

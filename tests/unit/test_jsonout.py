@@ -38,7 +38,7 @@ def test_a_training_summary_validates_and_a_renamed_key_fails() -> None:
                          recoveries=[{"attempt": 1, "culprits": ["lin"], "failed_step": 3, "nodes": ["mac"],
                                       "resumed_from": 2, "first_step_after_s": 4.5}],
                          nodes=[{"node": "mac", "rank": 0, "batch_size": 3, "state": "finished", "step": 3,
-                                 "loss": 2.0, "tokens_per_s": 70.0, "calibrated_tokens_per_s": None,
+                                 "loss": 2.0, "tokens_per_s": 70.0, "verdict": "ok", "calibrated_tokens_per_s": None,
                                  "peak_memory_bytes": 1024, "checkpoint": None, "run_dir": "/w/mac"}])
     doc = json.loads(json.dumps(summary.to_json()))
     assert isinstance(validate_output("launch", doc), RunSummaryOut)

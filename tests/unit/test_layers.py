@@ -24,7 +24,7 @@ LAYERS = ("coordinator.errors coordinator.models", "coordinator.config", "coordi
 PURE_LAYERS = ("coordinator.errors", "coordinator.models", "coordinator.config", "coordinator.facts",
                "coordinator.planning", "coordinator.preflight.checks", "coordinator.preflight.lint",
                "coordinator.preflight.fix", "coordinator.run.monitor", "coordinator.run.signatures",
-               "coordinator.run.launchfiles")
+               "coordinator.run.launchfiles", "coordinator.run.replay")
 IO_LIBRARIES = ("asyncssh", "subprocess", "asyncio")
 
 PURE = ("coordinator.preflight.checks", "coordinator.preflight.lint", "coordinator.preflight.fix",
@@ -32,7 +32,8 @@ PURE = ("coordinator.preflight.checks", "coordinator.preflight.lint", "coordinat
         "coordinator.facts.model", "coordinator.facts.probe", "coordinator.facts.topology",
         "coordinator.config.inventory", "coordinator.config.playbook", "coordinator.planning.plan",
         "coordinator.planning.estimate", "coordinator.planning.strategy", "coordinator.planning.shards",
-        "coordinator.planning.hostfile", "coordinator.run.monitor", "coordinator.run.launchfiles", "coordinator.models")
+        "coordinator.planning.hostfile", "coordinator.run.monitor", "coordinator.run.launchfiles", "coordinator.models",
+        "coordinator.run.replay")
 
 # I/O libraries, and our modules that do I/O (the transport, the launcher, the fan-out, the CLI shell).
 FORBIDDEN = ("asyncssh", "subprocess", "asyncio", "rich", "click", "structlog", "coordinator.fleet",

@@ -3,8 +3,10 @@ run's tokens/s next to calibration's prediction. Scripted monitors, a console wr
 
 from __future__ import annotations
 
+import contextlib
 import io
 
+import pytest
 from rich.console import Console
 
 from coordinator.planning.plan import describe_prediction, prediction_gap
@@ -50,8 +52,8 @@ def test_piped_fast_run_prints_a_tenth_of_its_steps_and_a_true_last_line() -> No
     ui.close()
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines[:-1]] == [f"{s}/30" for s in (1, 4, 7, 10, 13, 16, 19, 22, 25, 28)]
-    assert lines[-1].startswith("step 30/30  loss 4.7000  3,200 tok/s  succeeded")
-    assert lines[-1].endswith("[a 30, b 30]")  # plain text: the brackets are not eaten as markup
+    assert lines[-1].startswith("step 30/30  loss 4.7000  3,200 real tokens/s  succeeded")
+    assert lines[-1].endswith("[a 30 ok, b 30 ok]")  # plain text: the brackets are not eaten as markup
 
 
 def test_piped_slow_run_prints_every_few_seconds_and_while_it_stands_still() -> None:
@@ -77,7 +79,20 @@ def test_last_line_says_a_failure() -> None:
 
 def test_plain_line_before_any_step() -> None:
     mon = started(30)
-    assert plain_progress_line(mon, 1.0) == "step 0/30  loss -  - tok/s  ETA -  [a 0, b 0]"
+    assert plain_progress_line(mon, 1.0) == "step 0/30  loss -  - real tokens/s  ETA -  [a 0 ok, b 0 ok]"
+
+
+def test_plain_line_never_shows_one_steps_loss_as_anothers() -> None:
+    """The steps line names the step every rank reached; a loss from a later step says which step it is."""
+    mon = started(30)
+    for step in range(1, 6):  # rank a runs ahead to step 5 (its events arrived first), rank b is at step 1
+        mon.observe(ev("a", 0, float(step), event="step", step=step, loss=6.0 - step / 10, tok_s=800.0))
+    mon.observe(ev("b", 1, 5.5, event="step", step=1, loss=5.9, tok_s=800.0))
+    line = plain_progress_line(mon, 6.0)
+    assert line.startswith("step 1/30  loss@5 5.5000  ") and line.endswith("[a 5 ok, b 1 ok]")
+    for step in range(2, 6):
+        mon.observe(ev("b", 1, 6.0 + step, event="step", step=step, loss=6.0 - step / 10, tok_s=800.0))
+    assert plain_progress_line(mon, 12.0).startswith("step 5/30  loss 5.5000  ")
 
 
 def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
@@ -93,8 +108,30 @@ def test_run_rate_is_the_median_of_its_steps_not_the_last() -> None:
 def test_prediction_is_said_plainly_when_far_off() -> None:
     assert prediction_gap(3214, 11039) is not None
     far = describe_prediction(3214, 11039)
-    assert "3,214 tok/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 15% SLOWER" in far
+    assert "3,214 real tokens/s" in far and "11,039 predicted" in far and "-71%" in far and "MORE THAN 15% SLOWER" in far
     near = describe_prediction(10000, 11039)  # -9%: within 15%
     assert "-9%" in near and "MORE THAN" not in near
     assert "no prediction" in describe_prediction(1000, None)
     assert describe_prediction(None, 5000) == "no step finished: no tokens/s"
+
+
+def test_piped_tables_of_status_keep_full_cells(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status | cat`: a table is drawn at its natural width, not squeezed into 80 columns (`Debi…`, `memo…`)."""
+    from coordinator.run.metrics import NodeStatus
+    from coordinator.views.liveview import make_console
+    from coordinator.views.statusview import render_status_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    row = NodeStatus(node="studio-m3-ultra", host="10.0.0.7", reachable=True, os="Debian GNU/Linux 12 (bookworm)",
+                     chip="Apple M3 Ultra", memory_total_bytes=512 * 1024**3, memory_used_bytes=100 * 1024**3,
+                     memory_pressure="normal", load=(1.5, 1.0, 0.5), cpu_count=32, power="never sleeps, on AC",
+                     disk_free_bytes=2 * 1024**4)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        console = make_console(wide_tables=True)
+        assert not console.is_terminal
+        console.print(render_status_table([row]))
+    text = out.getvalue()
+    assert "…" not in text
+    for cell in ("Debian GNU/Linux 12 (bookworm)", "100.0G/512.0G normal", "never sleeps, on AC", "studio-m3-ultra"):
+        assert cell in text, text

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from coordinator.run.monitor import (
     FINISH_GRACE_S,
+    RATE_STEPS,
     Action,
     AfterLauncherExit,
     FaultPolicy,
@@ -15,9 +18,13 @@ from coordinator.run.monitor import (
     ObservationKind,
     PlannedRank,
     RankError,
+    RankView,
     RunState,
+    Verdict,
     WorkerState,
     classify_errors,
+    rank_rate,
+    rank_verdict,
 )
 from coordinator.run.signatures import error_signature
 
@@ -557,3 +564,55 @@ def test_an_event_claiming_a_rank_as_a_float_is_that_rank_and_a_string_is_spoofe
     assert mon.observe(Observation("event", "a", 0.1, 0, {"rank": 0.0, "event": "started", "pid": 10})) == []
     spoofed = mon.observe(Observation("event", "b", 0.1, 1, {"rank": "1", "event": "started", "pid": 11}))
     assert [i.kind for i in spoofed] == [IncidentKind.SPOOFED]
+
+
+# --- verdicts and rates: the one judgement every view shows ---------------------------------------------------------
+
+
+def verdict_case(**view: object) -> RankView:
+    rank = RankView(rank=0, node="a", batch_size=2, state=WorkerState.RUNNING, phase="step", last_event_at=100.0,
+                    last_progress_at=100.0, started_at=50.0)
+    for key, value in view.items():
+        setattr(rank, key, value)
+    for seconds in (0.5, 0.5, 0.6):
+        rank.steps.add(seconds)
+    return rank
+
+
+@pytest.mark.parametrize(("view", "kinds", "now", "verdict"), [
+    ({}, (), 105.0, Verdict.OK),
+    ({}, (), 110.5, Verdict.HUNG),  # silent past heartbeat_timeout 10: what `check` calls a hang
+    ({"last_event_at": 170.0}, (), 171.0, Verdict.STALLED),  # heartbeating in a step past the 60 s stall window
+    ({"last_event_at": 170.0, "phase": "load"}, (), 171.0, Verdict.OK),
+    ({"slow_steps": 5}, (), 101.0, Verdict.SLOW),  # the straggler test held for its window of steps
+    ({"slow_steps": 4}, ("straggler",), 101.0, Verdict.OK),  # ... and no longer holds
+    ({"state": WorkerState.PENDING, "last_event_at": None}, (), 101.0, Verdict.PENDING),
+    ({"state": WorkerState.FAILED}, (), 101.0, Verdict.DEAD),
+    ({}, ("crash",), 101.0, Verdict.DEAD),
+    ({"state": WorkerState.FAILED}, ("hang",), 101.0, Verdict.HUNG),  # the monitor's word wins
+    ({}, ("stall",), 101.0, Verdict.STALLED),
+    ({"state": WorkerState.FINISHED}, (), 1e9, Verdict.OK),
+    ({}, (), None, Verdict.OK),  # an ended run: no silence grows after its end
+])
+def test_rank_verdicts_are_the_monitors_rules(view: dict[str, object], kinds: tuple[str, ...], now: float | None,
+                                              verdict: Verdict) -> None:
+    policy = FaultPolicy(heartbeat_timeout=10.0, straggler_window=5, stall_factor=10.0, stall_min_s=60.0)
+    assert rank_verdict(verdict_case(**view), policy, kinds, now=now) is verdict
+
+
+def test_the_run_thresholds_decide_the_verdict() -> None:
+    """The run's own `faults:`: a playbook with a 30 s heartbeat timeout is not hung after 20 s."""
+    assert rank_verdict(verdict_case(), FaultPolicy(heartbeat_timeout=30.0), (), now=120.0) is Verdict.OK
+    assert rank_verdict(verdict_case(), FaultPolicy(heartbeat_timeout=10.0), (), now=120.0) is Verdict.HUNG
+
+
+def test_a_ranks_rate_is_the_median_of_its_last_steps() -> None:
+    mon = Monitor.create(PLAN, iters=100, now=0.0)
+    started(mon)
+    assert rank_rate(mon.ranks[0]) is None
+    for step, tok_s in enumerate([50.0, 300.0, 310.0, 290.0], start=1):  # the first step compiles
+        mon.observe(ev("a", 0, step, event="step", step=step, tok_s=tok_s))
+    assert rank_rate(mon.ranks[0]) == 295.0 and mon.ranks[0].tokens_per_s == 290.0
+    for step in range(5, 5 + RATE_STEPS):
+        mon.observe(ev("a", 0, step, event="step", step=step, tok_s=100.0))
+    assert rank_rate(mon.ranks[0]) == 100.0  # only the last RATE_STEPS count

@@ -464,6 +464,8 @@ def test_calibration_to_json_shape() -> None:
                        {"batch": 2, "tokens_per_s": 750.0, "peak_memory_bytes": 20}]},
         ],
         "split": plan.split,
+        # Two units, named: the plan's rates are real tokens/s, the bench's curve padded positions/s.
+        "units": {"tokens_per_s": "real tokens/s", "curve.tokens_per_s": "padded positions/s"},
     }
     assert list(out["nodes"][0]) == ["node", "tokens_per_s", "batch_size", "share", "curve"]
     json.dumps(out)  # serialisable

@@ -310,7 +310,7 @@ def test_the_live_view_prints_the_block_and_keeps_saying_degraded() -> None:
     ui.progress(mon, 10.0)  # not a terminal: the plain progress line
     text = console.export_text()
     assert "  n2: quarantined: hang [rank 1]\n" in text  # printed as written, not read as markup
-    assert "step 0/4  loss -  - tok/s  ETA -  [a 0 pending]  DEGRADED (n2 left out)\n" in text
+    assert "step 0/4  loss -  - real tokens/s  ETA -  [a 0 pending]  DEGRADED (n2 left out)\n" in text
     table = Console(record=True, width=200)
     table.print(build_table(mon, 10.0, ["n2"]))
     assert "DEGRADED: n2 left out" in table.export_text()

@@ -128,7 +128,9 @@ def test_report_of_a_successful_run() -> None:
     assert [(c.step, c.consistent, sorted(c.sha256)) for c in r.checkpoints] == [
         (1, True, ["local-a", "local-b"]), (2, True, ["local-a", "local-b"])]
     a = r.nodes[0]
-    assert (a.name, a.share, a.calibrated_tokens_per_s, a.mean_tokens_per_s) == ("local-a", 0.625, 6739.5, 287.55)
+    # Its rate: the median of its steps' tok_s by the monitor's rule (this old summary wrote its last step's).
+    assert (a.name, a.share, a.calibrated_tokens_per_s, a.tokens_per_s, a.verdict) == (
+        "local-a", 0.625, 6739.5, 287.55, "ok")
     # Incidents are placed at the wall time of their step (their own `t` is a monotonic clock).
     assert [(i.kind, i.node, i.step, i.t_wall) for i in r.incidents] == [
         ("straggler", "local-b", 2, T0 + 3), ("straggler", "local-a", 2, T0 + 3)]
@@ -179,7 +181,7 @@ def test_without_summary_nodes_come_from_the_last_attempt() -> None:
     r = build_report(files(ok_events(), summary=None))
     assert r.state.startswith("unknown") and r.steps == 2
     assert [(n.name, n.rank, n.batch_size, n.step, n.tokens_per_s) for n in r.nodes] == [
-        ("local-a", 0, 5, 2, 300.0), ("local-b", 1, 3, 2, 180.0)]
+        ("local-a", 0, 5, 2, 287.55), ("local-b", 1, 3, 2, 170.2)]
 
 
 def test_relaunch_after_a_crash() -> None:
@@ -247,3 +249,81 @@ def test_cli_writes_the_report_and_exits_2_on_a_bad_run_id(tmp_path: Path) -> No
     bad = runner.invoke(main, ["report", "smoke-nope", "--run-dir", str(tmp_path)])
     assert bad.exit_code == 2
     assert "no run 'smoke-nope'" in bad.output and RUN in bad.output  # names the runs that do exist
+
+
+DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
+
+
+def demo_events() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (DEMO / "events.jsonl").read_text().splitlines()]
+
+
+def interleaved(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The demo's lines as two followers can interleave them: local-a's `started` lands after local-b's
+    `started, step 1, checkpoint 1` (events.jsonl is in arrival order across nodes)."""
+    late = next(i for i, e in enumerate(events) if e.get("event") == "started" and e["node"] == "local-a")
+    moved = events.pop(late)
+    after = next(i for i, e in enumerate(events) if e.get("event") == "checkpoint" and e["node"] == "local-b")
+    events.insert(after + 1, moved)
+    return events
+
+
+@pytest.mark.parametrize("with_summary", [True, False])
+def test_interleaved_followers_make_no_phantom_attempt(with_summary: bool) -> None:
+    """A clean run whose nodes' lines interleave is one attempt: no `attempt 2`, one checkpoint row per step."""
+    doc = json.loads((DEMO / "summary.json").read_text())
+    run = RunFiles(DEMO.name, doc if with_summary else None, json.loads((DEMO / "plan.json").read_text()),
+                   tuple(interleaved(demo_events())))
+    r = build_report(run)
+    assert len(r.attempts) == 1
+    assert len(r.checkpoints) == 30 and [c.step for c in r.checkpoints] == list(range(1, 31))
+    assert all(c.consistent and sorted(c.sha256) == ["local-a", "local-b"] for c in r.checkpoints)
+    assert [(s.node, s.attempt, len(s.points)) for s in r.series] == [("local-a", 0, 30), ("local-b", 0, 30)]
+    page = render_html(r, [])
+    assert "attempt 2" not in page and "31 checkpoint" not in page
+
+
+def test_the_coordinators_attempt_on_each_line_wins_over_the_order() -> None:
+    """Lines that carry the coordinator's `attempt` are in that attempt, whatever the order of `started`s."""
+    lines = [{**e, "attempt": a} for e, a in (
+        (started("a", 0, 0), 0), (step("a", 0, 1, 1), 0), (started("b", 1, 0.5), 0), (step("b", 1, 1, 1), 0),
+        (started("a", 0, 5, resumed_from="step-000001"), 1), (step("a", 0, 2, 6), 1), (started("b", 1, 5), 1))]
+    assert assign_attempts([parse_event_line(e) for e in lines]) == [0, 0, 0, 0, 1, 1, 1]
+    # An older file (no `attempt` on rank lines): each rank's own starts, capped at summary.json's count.
+    bare = [{k: v for k, v in e.items() if k != "attempt"} for e in lines]
+    assert assign_attempts([parse_event_line(e) for e in bare]) == [0, 0, 0, 0, 1, 1, 1]
+    assert assign_attempts([parse_event_line(e) for e in bare], attempts=1) == [0] * 7
+
+
+def test_a_resumed_run_keeps_its_sessions_apart() -> None:
+    """`launch --resume` appends a session whose attempts are numbered from 0 again: a rank started twice under one
+    attempt number begins it. The report shows both sessions' attempts; the replay judges the newest session."""
+    first = [started("local-a", 0, 0), started("local-b", 1, 0), step("local-a", 0, 1, 1, tok_s=100.0),
+             step("local-b", 1, 1, 1, tok_s=100.0), ckpt("local-a", 0, 1, 1.1), ckpt("local-b", 1, 1, 1.1),
+             step("local-a", 0, 2, 2, tok_s=100.0), step("local-b", 1, 2, 2, tok_s=100.0)]
+    again = [started("local-b", 1, 50, resumed_from="step-000001"), step("local-b", 1, 2, 51, tok_s=300.0),
+             started("local-a", 0, 50.5, resumed_from="step-000001"), step("local-a", 0, 2, 51, tok_s=300.0),
+             ckpt("local-a", 0, 2, 51.1), ckpt("local-b", 1, 2, 51.1)]
+    lines = [{**e, "attempt": 0} for e in first + again]
+    summary = {**SUMMARY, "attempts": 1, "resumed_from": {"step": 1, "checkpoint": "step-000001", "node": "local-a",
+                                                          "from_scratch": False, "set_aside": []}}
+    r = build_report(files(lines, summary))
+    assert [(s.node, s.attempt, [p.step for p in s.points]) for s in r.series] == [
+        ("local-a", 0, [1, 2]), ("local-b", 0, [1, 2]), ("local-a", 1, [2]), ("local-b", 1, [2])]
+    assert [(a.number, a.resumed_from) for a in r.attempts] == [(0, None), (1, "step-000001")]
+    assert [(c.attempt, c.step) for c in r.checkpoints] == [(0, 1), (1, 2)]
+    assert [(n.name, n.tokens_per_s) for n in r.nodes] == [("local-a", 300.0), ("local-b", 300.0)]  # the newest
+
+
+def test_an_attach_rereading_the_ranks_files_is_no_new_attempt() -> None:
+    """`coordinator attach` copies each rank's lines again from their start (the same `started`, the same `t`):
+    still one attempt, each step once."""
+    run = [started("local-a", 0, 0), started("local-b", 1, 0.2), step("local-a", 0, 1, 1), step("local-b", 1, 1, 1),
+           step("local-a", 0, 2, 2), step("local-b", 1, 2, 2)]
+    detach = {"event": "supervisor", "what": "detached", "node": "coordinator", "t": T0 + 2.5}
+    reread = [*run, step("local-a", 0, 3, 3), step("local-b", 1, 3, 3)]
+    lines = [{**e, "attempt": 0} for e in [*run, detach, *reread]]
+    r = build_report(files(lines, {**SUMMARY, "steps": 3}))
+    assert len(r.attempts) == 1
+    assert [(s.node, s.attempt, [p.step for p in s.points]) for s in r.series] == [
+        ("local-a", 0, [1, 2, 3]), ("local-b", 0, [1, 2, 3])]

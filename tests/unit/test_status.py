@@ -360,3 +360,40 @@ def test_status_shows_only_this_inventorys_quarantine_and_notes_a_bad_file(tmp_p
     store.path.write_text('{"version": 2, "entries": "lin"}')
     found, note = load_quarantine(store, inv)
     assert found == {} and note is not None and note.startswith(f"{store.path}: quarantine state has the wrong shape")
+
+
+def test_a_relaunch_is_judged_by_its_new_meta(tmp_path: Path) -> None:
+    """meta.json rewritten by a relaunch (attempt 1, the survivor): status judges that attempt's lines alone."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps(META))
+    lines = [{"t": NOW - 9, "node": "mac", "rank": 0, "event": "started", "attempt": 0},
+             {"t": NOW - 9, "node": "lin", "rank": 1, "event": "started", "attempt": 0},
+             {"t": NOW - 8, "node": "mac", "rank": 0, "event": "step", "step": 1, "tok_s": 100.0, "attempt": 0},
+             {"event": "incident", "attempt": 0, "kind": "crash", "node": "lin", "rank": 1, "step": 1, "t": 3.0}]
+    (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    watcher = RunWatcher(tmp_path)
+    [first] = watcher.scan(now=NOW)
+    assert [(r.node, r.verdict, r.tokens_per_s) for r in first.ranks] == [("mac", "ok", 100.0), ("lin", "dead", None)]
+    (run / "meta.json").write_text(json.dumps({**META, "attempt": 1, "nodes": ["mac"],
+                                               "ranks": [{"rank": 0, "node": "mac"}]}))
+    with (run / "events.jsonl").open("a") as fh:
+        for x in ({"t": NOW - 4, "node": "mac", "rank": 0, "event": "started", "attempt": 1, "resumed_from": 1},
+                  {"t": NOW - 3, "node": "mac", "rank": 0, "event": "step", "step": 2, "tok_s": 400.0, "attempt": 1}):
+            fh.write(json.dumps(x) + "\n")
+    [again] = watcher.scan(now=NOW)
+    assert [(r.node, r.verdict, r.tokens_per_s) for r in again.ranks] == [("mac", "ok", 400.0)]
+
+
+@pytest.mark.parametrize(("playbook", "verdict"), [("heartbeat_timeout: 30\n", "ok"), (None, "hung")])
+def test_an_older_runs_thresholds_come_from_its_playbook(tmp_path: Path, playbook: str | None, verdict: str) -> None:
+    """A meta.json without `faults` (an older coordinator's): the run's playbook copy says how long a silence is."""
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps(META))
+    if playbook is not None:
+        (run / "playbook.yaml").write_text(playbook)
+    (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {"t": NOW - 20, "node": n, "rank": r, "event": "started"} for r, n in ((0, "mac"), (1, "lin")))))
+    [status] = RunWatcher(tmp_path).scan(now=NOW)
+    assert [r.verdict for r in status.ranks] == [verdict, verdict]

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from coordinator.planning.shards import MapRow
     from coordinator.run.job import JobUI
     from coordinator.run.monitor import Monitor
+    from coordinator.run.supervision import Supervision
 
 
 DEFAULT_PROBE_INTERVAL = 10.0
@@ -147,8 +148,9 @@ class PreflightRecorder:
 
 async def beside(job: Coroutine[Any, Any, T], inv: Inventory, run_root: Path, *, host: str, port: int,
                  announce: Callable[[str], None], preflight: dict[str, str], connect_timeout: float,
-                 accept_new_host_keys: bool) -> T:
-    """Run `job` (a launch) with the dashboard served on the same loop; the dashboard ends with the job."""
+                 accept_new_host_keys: bool, linger: Callable[[T], Awaitable[None]] | None = None) -> T:
+    """Run `job` (a launch) with the dashboard served on the same loop; the dashboard ends with the job, or, with
+    `linger`, once `linger(result)` returns (`linger_until_interrupted`: at Ctrl-C)."""
     done, up = asyncio.Event(), asyncio.Event()
 
     def started(url: str) -> None:
@@ -166,10 +168,29 @@ async def beside(job: Coroutine[Any, Any, T], inv: Inventory, run_root: Path, *,
         job.close()
         served.result()
     try:
-        return await job
+        result = await job
+        if linger is not None:
+            await linger(result)
+        return result
     finally:
         done.set()
         await asyncio.gather(served, return_exceptions=True)
+
+
+async def linger_until_interrupted(sup: Supervision, *, say: Callable[[str], None], url: str) -> None:
+    """After the run: keep the dashboard up until Ctrl-C (or SIGTERM/SIGHUP), saying so. The signal ends the
+    lingering, not the run (which has ended): it is cleared from `sup`, so the exit code stays the run's."""
+    say(f"the run has ended; the dashboard stays up at {url} until Ctrl-C")
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        if sup.signum is None:  # cancelled by something other than our signal handler: not ours to swallow
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        sup.signum, sup.detach = None, False
+        say("dashboard stopped")
 
 
 def warn_public(host: str) -> str | None:

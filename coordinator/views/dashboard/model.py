@@ -1,12 +1,14 @@
 """The dashboard's pure core: a run's files (events.jsonl records, meta.json, summary.json) folded into what the
-run page shows, and each rank's verdict.
+run page shows.
 
 The same sources as `coordinator status`/`monitor` (one truth, no second state store), read through the same
 contracts: meta.json and summary.json as `coordinator.run.rundir`'s typed records, each events.jsonl line as its
-`rundir.EventLine` (the rank's event under `worker.events.parse_event`, an incident as an `IncidentRecord`). The fold is fed the
-records of events.jsonl in file order, in as many batches as the tail delivers, and each batch returns the
-*delta* (new loss points, new incidents, ...) that the server pushes to browsers. A finished run is replayed by
-feeding its whole file once.
+`rundir.EventLine` (the rank's event under `worker.events.parse_event`, an incident as an `IncidentRecord`). Each
+rank's rate and verdict and the run's prediction are not the dashboard's own: the fold feeds every line to the
+run's `coordinator.run.replay.RunReplay` (the monitor's rules, the run's own thresholds from meta.json), as status,
+the report and summary.json do. The fold is fed the records of events.jsonl in file order, in as many batches as
+the tail delivers, and each batch returns the *delta* (new loss points, new incidents, ...) that the server pushes
+to browsers. A finished run is replayed by feeding its whole file once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.run.monitor import RATE_UNIT, FaultPolicy, Verdict
+from coordinator.run.replay import RunJudgement, RunReplay, prediction_of
 from coordinator.run.rundir import RunMeta, SummaryFile, parse_event_line
 from worker.events import (
     CheckpointEvent,
@@ -30,12 +34,8 @@ from worker.events import (
 )
 
 RECENT_STEP_TIMES = 50  # a rank's step-time min/median/max are over its last steps
-DEFAULT_HEARTBEAT_TIMEOUT = 10.0  # the playbook's default (coordinator/config/playbook.py)
-SLOW_FRACTION = 0.5  # a rank under this share of its calibrated tokens/s is slow (the monitor's straggler_fraction)
-# The monitor's stall rule (FaultPolicy.stall_factor / stall_min_s): a rank inside a step that ends no step for
-# this many median step times, and at least this long, is stalled.
-STALL_FACTOR = 10.0
-STALL_MIN_S = 60.0
+# An older run's meta.json has no thresholds: the playbook's default (the server reads the run's playbook).
+DEFAULT_HEARTBEAT_TIMEOUT = FaultPolicy().heartbeat_timeout
 
 
 @dataclass
@@ -79,14 +79,27 @@ class RunFold:
     _val_steps: set[int] = field(default_factory=set)
     _ckpt_steps: set[int] = field(default_factory=set)
     _started: set[int] = field(default_factory=set)
+    replay: RunReplay | None = None  # meta.json's attempt through the monitor's rules (rates, verdicts)
+    fallback: FaultPolicy | None = None  # an older run's thresholds (its meta.json has none), from its playbook
 
     @classmethod
-    def from_meta(cls, run_id: str, meta: RunMeta | None) -> RunFold:
+    def from_meta(cls, run_id: str, meta: RunMeta | None, *, fallback: FaultPolicy | None = None) -> RunFold:
         """A fold that knows the planned ranks (and their calibrated predictions) before any event."""
-        fold = cls(run_id)
+        fold = cls(run_id, replay=RunReplay(meta, fallback=fallback) if meta is not None else None, fallback=fallback)
         for r in meta.ranks if meta is not None else ():
             fold.ranks[r.rank] = RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
         return fold
+
+    def rejudge(self, meta: RunMeta, records: Iterable[Mapping[str, Any]]) -> None:
+        """A relaunch rewrote meta.json (another attempt, other ranks): the ranks are judged by its attempt from now
+        on, the run's lines so far (`records`, from the start of events.jsonl) replayed for it, and the rank rows
+        are its ranks (a node left out of the relaunch has no row). The curves stay."""
+        self.replay = RunReplay(meta, fallback=self.fallback)
+        self.replay.feed(records)
+        kept = {r.rank: self.ranks.get(r.rank) for r in meta.ranks}
+        self.ranks = {r.rank: view if view is not None and view.node == r.node
+                      else RankLive(r.rank, r.node, r.batch_size, r.calibrated_tokens_per_s)
+                      for r in meta.ranks for view in (kept[r.rank],)}
 
     def feed(self, records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         delta = empty_delta()
@@ -96,6 +109,8 @@ class RunFold:
 
     def _feed_one(self, record: Mapping[str, Any], delta: dict[str, Any]) -> None:
         line = parse_event_line(record)
+        if self.replay is not None:
+            self.replay.feed_line(record, line)
         t = line.t  # any record's time, the coordinator's own included
         if t is not None and self.first_t is None:
             self.first_t = t
@@ -182,49 +197,23 @@ def step_time_stats(times: Iterable[float]) -> dict[str, float] | None:
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
 
 
-def rank_verdict(rank: RankLive, incidents: Iterable[Mapping[str, Any]], *, now: float, active: bool,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> str:
-    """What the monitor would say about the rank, in a word: finished, failed, pending, `<incident kind>` (the
-    monitor named it: hang, crash, straggler, ...), dead (silent past the heartbeat timeout), stalled (in a step
-    that ends no step for the monitor's stall window), slow (under half its calibrated tokens/s) or ok.
-
-    The same thresholds as coordinator/run/monitor.py, applied to the files, so a finished run's replay and a run
-    whose coordinator died say the same thing the live monitor said."""
-    mine = [i for i in incidents if i.get("rank") == rank.rank and i.get("node") == rank.node]
-    if rank.state == "finished":
-        return "finished"
-    if mine:
-        return str(mine[-1].get("kind"))
-    if rank.state == "failed":
-        return "failed"
-    if not active:
-        return rank.state  # a replay: ages since the run ended mean nothing
-    if rank.last_t is None:
-        return "pending"
-    if now - rank.last_t > heartbeat_timeout:
-        return "dead"
-    stats = step_time_stats(rank.step_times)
-    if rank.phase == "step" and stats is not None and rank.last_step_t is not None:
-        window = max(STALL_FACTOR * stats["median"], STALL_MIN_S, heartbeat_timeout + 1.0)
-        if now - rank.last_step_t > window:
-            return "stalled"
-    if (rank.tokens_per_s is not None and rank.calibrated_tokens_per_s
-            and rank.tokens_per_s < SLOW_FRACTION * rank.calibrated_tokens_per_s):
-        return "slow"
-    return "ok"
+def judge(fold: RunFold, *, now: float, active: bool) -> RunJudgement | None:
+    """The run's one judgement (coordinator.run.replay): `now` counts while it is active; None without meta.json."""
+    return fold.replay.judge(now if active else None) if fold.replay is not None else None
 
 
-def rank_row(rank: RankLive, incidents: Iterable[Mapping[str, Any]], *, now: float, active: bool,
-             heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> dict[str, Any]:
-    """One rank's row on the run page (ages are recomputed in the browser from `last_t` between pushes)."""
+def rank_row(rank: RankLive, judged: RunJudgement | None, *, now: float) -> dict[str, Any]:
+    """One rank's row on the run page (ages are recomputed in the browser from `last_t` between pushes). Its
+    rate (`tokens_per_s`, real tokens/s) and `verdict` are the run's judgement, the same as every view's."""
+    mine = judged.of(rank.rank, rank.node) if judged is not None else None
     return {"rank": rank.rank, "node": rank.node, "state": rank.state, "phase": rank.phase, "step": rank.step,
-            "loss": _r(rank.loss, 5), "tokens_per_s": _r(rank.tokens_per_s, 1),
+            "loss": _r(rank.loss, 5), "tokens_per_s": _r(mine.tokens_per_s, 1) if mine is not None else None,
             "calibrated_tokens_per_s": _r(rank.calibrated_tokens_per_s, 1), "batch_size": rank.batch_size,
             "last_t": rank.last_t, "last_step_t": rank.last_step_t,
             "heartbeat_age_s": None if rank.last_t is None else _r(max(0.0, now - rank.last_t), 1),
             "step_age_s": None if rank.last_step_t is None else _r(max(0.0, now - rank.last_step_t), 1),
             "step_time_s": step_time_stats(rank.step_times),
-            "verdict": rank_verdict(rank, incidents, now=now, active=active, heartbeat_timeout=heartbeat_timeout)}
+            "verdict": str(mine.verdict) if mine is not None else str(Verdict.PENDING)}
 
 
 def split_shares(fold: RunFold) -> dict[str, float]:
@@ -263,17 +252,20 @@ def run_view(fold: RunFold, *, meta: RunMeta | None, summary: SummaryFile | None
     iters = iters or fold.iters or (summary.iters if summary is not None else None)
     state = (summary.state or "unknown") if summary is not None else "running"
     left_out = _left_out(meta, summary)
-    tok = sum(r.tokens_per_s or 0.0 for r in fold.ranks.values() if r.state == "running") if active else (
+    judged = judge(fold, now=now, active=active)
+    tok = judged.tokens_per_s if judged is not None and judged.tokens_per_s is not None else (
         summary.tokens_per_s if summary is not None else None)
-    predicted = sum(r.calibrated_tokens_per_s or 0.0 for r in fold.ranks.values()) or None
+    predicted = prediction_of(meta.predicted_tokens_per_s if meta is not None else None,
+                              summary.predicted_tokens_per_s if summary is not None else None)
+    if meta is not None and meta.faults is not None:
+        heartbeat_timeout = meta.faults.heartbeat_timeout  # the run's own, over the playbook's copy
     doc: dict[str, Any] = {
         "run_id": fold.run_id, "active": active, "state": state, "step": fold.step, "iters": iters,
-        "tokens_per_s": _r(tok, 1), "predicted_tokens_per_s": _r(predicted, 1),
+        "tokens_per_s": _r(tok, 1), "predicted_tokens_per_s": _r(predicted, 1), "rate_unit": RATE_UNIT,
         "eta_s": _r(eta_s(fold, iters, now), 1) if active else None, "now": now,
         "degraded": bool(left_out), "left_out": left_out, "split": split_shares(fold),
         "incident_count": len(fold.incidents), "heartbeat_timeout": heartbeat_timeout,
-        "ranks": [rank_row(r, fold.incidents, now=now, active=active, heartbeat_timeout=heartbeat_timeout)
-                  for _, r in sorted(fold.ranks.items())],
+        "ranks": [rank_row(r, judged, now=now) for _, r in sorted(fold.ranks.items())],
     }
     if full:
         doc.update({"loss": [[s, _r(v, 5)] for s, v in fold.loss], "val_loss": [[s, _r(v, 5)] for s, v in fold.val_loss],
@@ -291,5 +283,5 @@ def run_row(fold: RunFold, *, summary: SummaryFile | None, meta: RunMeta | None,
         "nodes": sorted({r.node for r in fold.ranks.values()}), "started_t": fold.first_t}
 
 
-__all__ = ["RankLive", "RunFold", "empty_delta", "eta_s", "rank_row", "rank_verdict", "run_row", "run_view",
-           "split_shares", "step_time_stats"]
+__all__ = ["RankLive", "RunFold", "empty_delta", "eta_s", "judge", "rank_row", "run_row", "run_view", "split_shares",
+           "step_time_stats"]

@@ -33,6 +33,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import yaml
 
 from coordinator.errors import ConfigError
+from coordinator.run.monitor import FaultPolicy
 from coordinator.run.rundir import (
     EVENTS,
     META,
@@ -111,10 +112,37 @@ class TrackedRun:
     summary: SummaryFile | None = None
     offset: int = 0
     size_seen: int = -1
+    meta_mtime: float | None = None
+
+    def _follow_meta(self) -> None:
+        """A relaunch rewrites meta.json: judge the ranks by its attempt (RunFold.rejudge)."""
+        try:
+            mtime = (self.path / META).stat().st_mtime
+        except OSError:
+            return
+        if self.meta_mtime is None or mtime == self.meta_mtime:
+            self.meta_mtime = mtime
+            return
+        self.meta_mtime = mtime
+        try:
+            fresh = load_meta(self.path)
+        except ConfigError:
+            return
+        if fresh is None or (self.meta is not None and (fresh.attempt, fresh.ranks) == (self.meta.attempt,
+                                                                                        self.meta.ranks)):
+            return
+        self.meta = fresh
+        try:
+            with (self.path / EVENTS).open("rb") as fh:
+                data = fh.read(self.offset)
+        except OSError:
+            data = b""
+        self.fold.rejudge(fresh, decode_event_lines(data.decode("utf-8", errors="replace").splitlines())[0])
 
     def poll(self) -> dict[str, Any] | None:
         """Read what was appended since the last poll; the delta, or None when nothing changed. A line being
         written is left for the next poll; an unparseable line is counted and skipped."""
+        self._follow_meta()
         changed = False
         if self.summary is None:
             self.summary = _read_summary(self.path)
@@ -128,7 +156,7 @@ class TrackedRun:
             return None
         self.size_seen = size
         if size < self.offset:  # rewritten (never done by the coordinator): read again from the start
-            self.offset, self.fold = 0, RunFold.from_meta(self.fold.run_id, self.meta)
+            self.offset, self.fold = 0, RunFold.from_meta(self.fold.run_id, self.meta, fallback=self.fold.fallback)
         records: list[dict[str, Any]] = []
         if size > self.offset:
             with events.open("rb") as fh:
@@ -163,7 +191,9 @@ def open_run(path: Path) -> TrackedRun | None:
     if meta is None:
         return None
     iters, timeout = _playbook_train(path, meta)
-    return TrackedRun(path, RunFold.from_meta(meta.run_id, meta), meta, iters, timeout)
+    # An older meta.json has no thresholds: its playbook's heartbeat_timeout judges its silence.
+    fold = RunFold.from_meta(meta.run_id, meta, fallback=FaultPolicy(heartbeat_timeout=timeout))
+    return TrackedRun(path, fold, meta, iters, timeout)
 
 
 FleetFn = Callable[[], Mapping[str, Any]]

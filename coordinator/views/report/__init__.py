@@ -15,8 +15,9 @@ each gap becomes a line of text in the report (`Report.problems` or a "nothing r
 exception. Only a RUN_ID that names no run directory at all is an error (`ReportError`, exit 2).
 """
 
+from coordinator.run.rundir import assign_attempts
 from coordinator.views.report.files import ReportError, RunFiles, parse_events, read_run_files
-from coordinator.views.report.model import Report, assign_attempts, build_report
+from coordinator.views.report.model import Report, build_report
 from coordinator.views.report.page import build_page, render_html
 from coordinator.views.report.plots import Plot, render_plots
 

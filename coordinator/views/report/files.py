@@ -1,5 +1,5 @@
-"""`coordinator report`, reading: a run directory's files (summary.json, plan.json, events.jsonl) as their decoded
-JSON values, each gap a line of `RunFiles.problems`. The only file I/O of a training run's report (the map report
+"""`coordinator report`, reading: a run directory's files (summary.json, plan.json, meta.json, events.jsonl) as
+their decoded JSON values, each gap a line of `RunFiles.problems`. The only file I/O of a training run's report (the map report
 reads map.json and manifest.json itself: coordinator/views/report_map.py). The values are read through the run
 directory's contract (coordinator.run.rundir) by `model.build_report`."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.errors import ConfigError
-from coordinator.run.rundir import EVENTS, PLAN, SUMMARY, decode_event_lines, read_json_object_or_problem
+from coordinator.run.rundir import EVENTS, META, PLAN, SUMMARY, decode_event_lines, read_json_object_or_problem
 
 
 class ReportError(ConfigError):
@@ -26,6 +26,7 @@ class RunFiles:
     plan: dict[str, Any] | None
     events: tuple[dict[str, Any], ...]
     problems: tuple[str, ...] = ()  # files or lines that could not be read, for the report to show
+    meta: dict[str, Any] | None = None  # meta.json: the ranks and thresholds the run is judged by
 
 
 def _read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -58,6 +59,7 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
     problems: list[str] = []
     summary = _read_json_object(run_dir / SUMMARY, problems)
     plan = _read_json_object(run_dir / PLAN, problems)
+    meta = _read_json_object(run_dir / META, problems) if (run_dir / META).exists() else None
     events: list[dict[str, Any]] = []
     events_path = run_dir / EVENTS
     if events_path.is_file():
@@ -70,4 +72,4 @@ def read_run_files(run_root: Path, run_id: str) -> RunFiles:
             problems.append(f"events.jsonl: {bad} line(s) are not JSON objects and were skipped")
     else:
         problems.append("events.jsonl is missing")
-    return RunFiles(run_id, summary, plan, tuple(events), tuple(problems))
+    return RunFiles(run_id, summary, plan, tuple(events), tuple(problems), meta)

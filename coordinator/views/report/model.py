@@ -2,25 +2,39 @@
 never raises on odd content (it becomes `Report.problems`). Every value is read through the run directory's
 contract: `rundir.parse_summary`, `parse_plan`, and `parse_event_line` for each line of events.jsonl.
 
-Attempts: events.jsonl is appended to by every attempt of a run. Incidents carry their attempt; other events
-do not, so an attempt is taken to begin at a `started` event that follows any later-stage event (step, eval,
-checkpoint, finished, error, incident) of the attempt before it. Incident `t` is the coordinator's monotonic
-clock, so incidents are placed on the timeline by their attempt and step, at the wall time of that step.
+Attempts: events.jsonl is appended to by every attempt of a run. Each line's attempt is the coordinator's own
+record (`rundir.assign_attempts`: the `attempt` it writes on every line, summary.json's count of attempts), never
+a guess from the order of the nodes' interleaved lines. Incident `t` is the coordinator's monotonic clock, so
+incidents are placed on the timeline by their attempt and step, at the wall time of that step.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.run.rundir import EventLine, RecoveryRecord, parse_event_line, parse_plan, parse_summary
+from coordinator.errors import ConfigError
+from coordinator.run.monitor import RATE_STEPS
+from coordinator.run.replay import RunJudgement, RunReplay, prediction_of
+from coordinator.run.rundir import (
+    AttemptCounter,
+    EventLine,
+    MetaRank,
+    PlanFile,
+    RecoveryRecord,
+    RunMeta,
+    SummaryFile,
+    assign_attempts,
+    parse_event_line,
+    parse_meta,
+    parse_plan,
+    parse_summary,
+)
 from coordinator.views.report.files import RunFiles
 from worker.events import CheckpointEvent, ErrorEvent, EvalEvent, StartedEvent, StepEvent
-
-# Events after which a `started` event means a new attempt (heartbeats precede `started` during model load).
-_LATE_EVENTS = frozenset({"step", "eval", "checkpoint", "finished", "error", "incident", "digest"})
 
 
 @dataclass(frozen=True)
@@ -65,8 +79,8 @@ class NodeRow:
     state: str
     step: int | None
     loss: float | None
-    tokens_per_s: float | None
-    mean_tokens_per_s: float | None  # over every step this node reported (all attempts)
+    tokens_per_s: float | None  # its rate, real tokens/s: the run's one judgement (coordinator.run.replay)
+    verdict: str | None  # coordinator.run.monitor.Verdict, the same word as every view's
     calibrated_tokens_per_s: float | None
     share: float | None
     peak_memory: int | None
@@ -120,8 +134,8 @@ class Report:
     steps: int | None
     iters: int | None
     message: str
-    tokens_per_s: float | None
-    predicted_tokens_per_s: float | None
+    tokens_per_s: float | None  # the run's rate, real tokens/s (Monitor.run_tokens_per_s)
+    predicted_tokens_per_s: float | None  # calibration's, real tokens/s
     checkpoint: str | None
     mode: str | None
     backend: str | None
@@ -143,24 +157,6 @@ class Report:
     @property
     def has_steps(self) -> bool:
         return any(s.points for s in self.series)
-
-
-def assign_attempts(lines: Sequence[EventLine]) -> list[int]:
-    """The attempt (0-based) each line belongs to; see the module docstring for the rule."""
-    out: list[int] = []
-    attempt = 0
-    late = False
-    for line in lines:
-        kind, explicit = line.kind, line.attempt
-        if kind == "incident" and explicit is not None:
-            attempt = max(attempt, explicit)
-        elif kind == "started" and late:
-            attempt += 1
-            late = False
-        if kind in _LATE_EVENTS:
-            late = True
-        out.append(explicit if kind == "incident" and explicit is not None else attempt)
-    return out
 
 
 def _evidence_text(value: Any, limit: int = 400) -> str:
@@ -185,6 +181,40 @@ def _wall_time_of(step: int | None, attempt: int, series: Sequence[Series], node
     return fallback
 
 
+def _series_rate(s: Series) -> float | None:
+    """A rank's rate by the one rule (`monitor.rank_rate`: the median of its last RATE_STEPS steps' tok_s), for
+    a rank no replay covers (an earlier attempt's)."""
+    rates = [p.tok_s for p in s.points if p.tok_s is not None and p.tok_s > 0][-RATE_STEPS:]
+    return statistics.median(rates) if rates else None
+
+
+def _judge(files: RunFiles, summary: SummaryFile, plan: PlanFile, series: Sequence[Series], last: int,
+           lines: Sequence[EventLine]) -> RunJudgement:
+    """The final attempt replayed (coordinator.run.replay) as the run ended (no silence counts after it). Without
+    meta.json (a run dir copied without it), its ranks come from summary.json's rows, else from the last
+    attempt's series."""
+    try:
+        meta = parse_meta(files.meta, default_run_id=files.run_id) if files.meta is not None else None
+    except ConfigError:
+        meta = None
+    if meta is None:
+        if summary.nodes:
+            ranks = tuple(MetaRank(n.rank, n.name, n.batch_size, n.calibrated_tokens_per_s)
+                          for n in summary.nodes if n.rank is not None and n.name is not None)
+        else:
+            ranks = tuple(MetaRank(s.rank, s.node, plan.batch.get(s.node)) for s in series
+                          if s.attempt == last and s.rank is not None)
+        sessions = AttemptCounter(None if summary.resumed else summary.attempts)
+        for line in lines:
+            sessions.attempt_of(line)
+        meta = RunMeta(run_id=files.run_id, attempt=last - sessions.base, ranks=ranks)  # meta.json's: the session's
+    replay = RunReplay(meta, predicted=prediction_of(summary.predicted_tokens_per_s, plan.predicted_tokens_per_s))
+    replay.counter = AttemptCounter(None if summary.resumed else summary.attempts)
+    for doc, line in zip(files.events, lines, strict=True):
+        replay.feed_line(doc, line)
+    return replay.judge(None)
+
+
 def build_report(files: RunFiles) -> Report:
     """Interpret a run directory's files. Pure; never raises on odd content (it becomes `problems`)."""
     summary = parse_summary(files.summary or {})
@@ -192,10 +222,12 @@ def build_report(files: RunFiles) -> Report:
     problems = list(files.problems)
     # Each line read under the run directory's contract: the coordinator's keys, the rank's event, an incident.
     events = [parse_event_line(doc) for doc in files.events]
-    attempts_of = assign_attempts(events)
+    # summary.json counts the attempts of its own session: of the whole file only when the run was not resumed.
+    cap = None if summary.resumed else summary.attempts
+    attempts_of = assign_attempts(events, cap)
 
     # steps, evals, checkpoints, attempts --------------------------------------------------------------------
-    points: dict[tuple[int, str], list[Point]] = {}
+    points: dict[tuple[int, str], dict[int, Point]] = {}
     ranks: dict[tuple[int, str], int | None] = {}
     evals: dict[tuple[int, int], EvalPoint] = {}
     ckpts: dict[tuple[int, int], CheckpointRow] = {}
@@ -225,7 +257,8 @@ def build_report(files: RunFiles) -> Report:
             key = (attempt, node)
             attempt_nodes.setdefault(attempt, {})[node] = None
             ranks[key] = event.rank
-            points.setdefault(key, []).append(Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s))
+            # Keyed by step: `coordinator attach` copies the ranks' lines again from their start.
+            points.setdefault(key, {})[event.step] = Point(event.step, t, event.loss, event.tok_s, event.compute_tok_s)
         elif isinstance(event, EvalEvent) and event.step is not None:
             if event.val_loss is not None:
                 evals.setdefault((attempt, event.step), EvalPoint(attempt, event.step, event.val_loss, t))
@@ -239,7 +272,7 @@ def build_report(files: RunFiles) -> Report:
             errors.append({"node": node, "rank": event.rank, "attempt": attempt,
                            "message": _evidence_text(event.extra.get("error") or event.message or event.traceback
                                                      or line.payload)})
-    series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts, key=lambda p: p.step)))
+    series = [Series(node, ranks.get((a, node)), a, tuple(sorted(pts.values(), key=lambda p: p.step)))
               for (a, node), pts in sorted(points.items())]
 
     # incidents: summary.json has them all (every attempt) without the attempt; events.jsonl has the attempt.
@@ -254,7 +287,7 @@ def build_report(files: RunFiles) -> Report:
             action=inc.action or "?", detected_after_s=inc.detected_after_s, evidence=_evidence_text(inc.evidence),
             t_wall=_wall_time_of(inc.step, attempt, series, inc_node, attempt_start.get(attempt))))
 
-    n_attempts = max([*attempts_of, 0]) + 1 if events else (summary.attempts or 1)
+    n_attempts = max(attempts_of) + 1 if attempts_of else (summary.attempts or 1)
     attempts = []
     for a in range(n_attempts):
         steps_a = [p.step for s in series if s.attempt == a for p in s.points]
@@ -264,24 +297,33 @@ def build_report(files: RunFiles) -> Report:
     # nodes: summary.json's rows (final attempt), else the last attempt's nodes from the events ------------------
     split = dict(summary.split if summary.split is not None else plan.split or {})
     plan_rates = plan.node_tokens_per_s
+    last = n_attempts - 1
+    # Each rank's rate and verdict: the final attempt replayed through the monitor's rules (coordinator.run.replay),
+    # as status, the dashboard and summary.json give them.
+    judged = _judge(files, summary, plan, series, last, events)
 
-    def mean_tok(node: str) -> float | None:
-        vals = [p.tok_s for s in series if s.node == node for p in s.points if p.tok_s is not None]
-        return sum(vals) / len(vals) if vals else None
+    def rate(name: str, rank: int | None, written: float | None) -> float | None:
+        mine = judged.of(rank, name) if rank is not None else None
+        return mine.tokens_per_s if mine is not None and mine.tokens_per_s is not None else written
+
+    def verdict(name: str, rank: int | None, written: str | None) -> str | None:
+        mine = judged.of(rank, name) if rank is not None else None
+        return written or (str(mine.verdict) if mine is not None else None)
 
     nodes: list[NodeRow] = []
     if summary.nodes:
         for n in summary.nodes:
             name = n.name or "?"
-            nodes.append(NodeRow(name, n.rank, n.batch_size, n.state or "?", n.step, n.loss, n.tokens_per_s,
-                                 mean_tok(name), n.calibrated_tokens_per_s or plan_rates.get(name), split.get(name),
+            nodes.append(NodeRow(name, n.rank, n.batch_size, n.state or "?", n.step, n.loss,
+                                 rate(name, n.rank, n.tokens_per_s), verdict(name, n.rank, n.verdict),
+                                 n.calibrated_tokens_per_s or plan_rates.get(name), split.get(name),
                                  n.peak_memory, n.checkpoint))
     else:
-        last = n_attempts - 1
         for s in sorted((s for s in series if s.attempt == last), key=lambda s: (s.rank is None, s.rank or 0)):
             final = s.points[-1]
             batch = plan.batch.get(s.node)
-            nodes.append(NodeRow(s.node, s.rank, batch, "unknown", final.step, final.loss, final.tok_s, mean_tok(s.node),
+            nodes.append(NodeRow(s.node, s.rank, batch, "unknown", final.step, final.loss,
+                                 rate(s.node, s.rank, _series_rate(s)), verdict(s.node, s.rank, None),
                                  plan_rates.get(s.node), split.get(s.node), None, None))
 
     # Nodes that took part only in earlier attempts (a culprit left out of the relaunch) keep a row.
@@ -293,7 +335,7 @@ def build_report(files: RunFiles) -> Report:
             final = s.points[-1]
             why = "quarantined" if s.node in quarantined else "left out"
             nodes.append(NodeRow(s.node, s.rank, None, f"{why} after attempt {s.attempt + 1}", final.step, final.loss,
-                                 final.tok_s, mean_tok(s.node), plan_rates.get(s.node), None, None, None))
+                                 _series_rate(s), None, plan_rates.get(s.node), None, None, None))
 
     state = summary.state or ("unknown: no summary.json (the coordinator did not finish, or it is still "
                                        "running)" if files.summary is None else "unknown")
@@ -303,8 +345,9 @@ def build_report(files: RunFiles) -> Report:
     recoveries = list(summary.recoveries)
     return Report(
         run_id=summary.run_id or files.run_id, state=state, steps=steps, iters=iters,
-        message=summary.message or "", tokens_per_s=summary.tokens_per_s,
-        predicted_tokens_per_s=plan.predicted_tokens_per_s, checkpoint=summary.checkpoint,
+        message=summary.message or "",
+        tokens_per_s=summary.tokens_per_s if summary.tokens_per_s is not None else judged.tokens_per_s,
+        predicted_tokens_per_s=judged.predicted_tokens_per_s, checkpoint=summary.checkpoint,
         mode=plan.mode, backend=plan.backend, global_batch=plan.global_batch,
         quarantined=quarantined, recoveries=recoveries, nodes=nodes, split=split, series=series,
         evals=sorted(evals.values(), key=lambda e: (e.attempt, e.step)), incidents=incidents,

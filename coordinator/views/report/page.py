@@ -93,7 +93,8 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
         out.append(f'<p class="note">{esc(r.message)}</p>')
     steps = "–" if r.steps is None else (f"{r.steps}" + (f" / {r.iters}" if r.iters else ""))
     cards = [("steps", steps), ("attempts", str(len(r.attempts))), ("incidents", str(len(r.incidents))),
-             ("tok/s (final)", fmt(r.tokens_per_s)), ("tok/s predicted", fmt(r.predicted_tokens_per_s)),
+             ("real tokens/s (median step)", fmt(r.tokens_per_s)),
+             ("real tokens/s predicted", fmt(r.predicted_tokens_per_s)),
              ("wall time", "–" if duration is None else f"{duration:,.1f} s"),
              ("nodes", str(len(r.nodes))), ("global batch", fmt(r.global_batch, "d"))]
     out.append('<div class="cards">' + "".join(f"<div class=\"card\"><b>{esc(v)}</b><span>{esc(k)}</span></div>"
@@ -119,20 +120,24 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
     if r.nodes:
         rows = []
         for n in r.nodes:
-            ratio = (n.mean_tokens_per_s / n.calibrated_tokens_per_s
-                     if n.mean_tokens_per_s and n.calibrated_tokens_per_s else None)
+            ratio = (n.tokens_per_s / n.calibrated_tokens_per_s
+                     if n.tokens_per_s and n.calibrated_tokens_per_s else None)
             share = ("–" if n.share is None else
                      f'<div class="bar"><div style="width:{max(0.0, min(1.0, n.share)) * 100:.1f}%"></div></div>'
                      f"{n.share * 100:.1f}%")
             state = f'<span class="{"bad" if n.state == "failed" else ""}">{esc(n.state)}</span>'
+            verdict = f'<span class="{"" if n.verdict in ("ok", None) else "bad"}">{esc(n.verdict or "–")}</span>'
             rows.append([f'<span class="nw">{esc(n.name)}</span>',
-                         fmt(n.rank, "d"), fmt(n.batch_size, "d"), share, state, fmt(n.step, "d"),
-                         fmt(n.loss, ".4f"), fmt(n.tokens_per_s), fmt(n.mean_tokens_per_s),
+                         fmt(n.rank, "d"), fmt(n.batch_size, "d"), share, state, verdict, fmt(n.step, "d"),
+                         fmt(n.loss, ".4f"), fmt(n.tokens_per_s),
                          fmt(n.calibrated_tokens_per_s), "–" if ratio is None else f"{ratio * 100:.0f}%",
                          esc(_mem(n.peak_memory))])
-        out.append(table(["node", "rank", "batch", "share of global batch", "state", "step", "loss",
-                           "tok/s (last)", "tok/s (mean)", "calibrated tok/s", "measured / calibrated",
-                           "peak memory"], rows, numeric=(1, 2, 5, 6, 7, 8, 9, 10, 11)))
+        out.append(table(["node", "rank", "batch", "share of global batch", "state", "verdict", "step", "loss",
+                           "real tokens/s", "calibrated real tokens/s", "measured / calibrated",
+                           "peak memory"], rows, numeric=(1, 2, 6, 7, 8, 9, 10, 11)))
+        out.append('<p class="sub">A node\'s real tokens/s: the median of its last 20 steps (padding excluded); its '
+                   "verdict: the monitor's rules with the run's own thresholds. Status, the dashboard and "
+                   "summary.json show the same values.</p>")
     else:
         out.append("<p>No node reported anything (no summary.json rows and no step events).</p>")
     extra = [f"split mode <b>{esc(r.mode)}</b>" if r.mode else "", f"backend <b>{esc(r.backend)}</b>" if r.backend else ""]

@@ -102,11 +102,11 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
             xs, ys = _xy(s.points, "tok_s")
             if xs:
                 ax.plot(xs, ys, styles[s.attempt % len(styles)],
-                        color=node_color[s.node], linewidth=1.5, label=f"tok/s, {s.label(len(report.attempts))}")
+                        color=node_color[s.node], linewidth=1.5, label=f"real tokens/s, {s.label(len(report.attempts))}")
             xs, ys = _xy(s.points, "compute_tok_s")
             if xs:
                 ax.plot(xs, ys, ":", color=node_color[s.node],
-                        linewidth=1.2, label=f"compute tok/s, {s.label(len(report.attempts))}")
+                        linewidth=1.2, label=f"compute real tokens/s, {s.label(len(report.attempts))}")
         for row in report.nodes:
             if row.calibrated_tokens_per_s is not None and row.name in node_color:
                 ax.axhline(row.calibrated_tokens_per_s, color=node_color[row.name], linestyle=(0, (6, 3)),
@@ -115,11 +115,12 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
                             (1.0, row.calibrated_tokens_per_s), xycoords=("axes fraction", "data"), ha="right",
                             va="bottom", fontsize=8, color=node_color[row.name])
         ax.set_ylim(bottom=0)
-        style_axes(ax, "Throughput", "step", "tokens / s")
+        style_axes(ax, "Throughput", "step", "real tokens / s")
         ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
-        plots.append(Plot("throughput", "Tokens per second per node against its calibrated rate",
-                          "Measured tokens/s per step (solid; compute-only dotted when reported) and the rate "
-                          "calibration measured for that node (thin dashed line).", png(fig)))
+        plots.append(Plot("throughput", "Real tokens per second per node against its calibrated rate",
+                          "Measured real tokens/s (padding excluded) per step (solid; compute-only dotted when "
+                          "reported) and the rate calibration predicted for that node's batch (thin dashed line).",
+                          png(fig)))
 
         # Timeline: steps over wall time, attempts shaded, checkpoints ticked, incidents marked.
         t0 = report.start_t or 0.0
@@ -154,7 +155,7 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
                           "at the step they carry)" + ("; vertical lines start each attempt." if multi else "."),
                           png(fig)))
 
-    rated = [r for r in report.nodes if r.calibrated_tokens_per_s is not None or r.mean_tokens_per_s is not None]
+    rated = [r for r in report.nodes if r.calibrated_tokens_per_s is not None or r.tokens_per_s is not None]
     if rated:
         fig = Figure(figsize=(10, 0.8 + 0.7 * len(rated)), layout="constrained")
         ax = fig.add_subplot()
@@ -162,13 +163,13 @@ def render_plots(report: Report, *, dpi: int = 100) -> list[Plot]:
         h = 0.38
         ax.barh([y - h / 2 for y in ys], [r.calibrated_tokens_per_s or 0 for r in rated], height=h,
                 color="#bbbbbb", label="calibrated")
-        ax.barh([y + h / 2 for y in ys], [r.mean_tokens_per_s or 0 for r in rated], height=h,
-                color=[node_color.get(r.name, palette_color(i)) for i, r in enumerate(rated)], label="measured (mean)")
+        ax.barh([y + h / 2 for y in ys], [r.tokens_per_s or 0 for r in rated], height=h,
+                color=[node_color.get(r.name, palette_color(i)) for i, r in enumerate(rated)], label="measured")
         ax.set_yticks(ys, [f"{r.name} (rank {r.rank})" if r.rank is not None else r.name for r in rated])
         ax.invert_yaxis()
-        style_axes(ax, "Calibrated vs measured tok/s", "tokens / s", "")
+        style_axes(ax, "Calibrated vs measured real tokens/s", "real tokens / s", "")
         ax.legend(fontsize=8, loc="lower right")
         plots.append(Plot("rates", "Calibrated against measured throughput per node",
-                          "Grey: the rate calibration predicted for the node's batch; colour: the mean tokens/s it "
-                          "reported over the run.", png(fig)))
+                          "Grey: the rate calibration predicted for the node's batch; colour: its rate, the median "
+                          "real tokens/s of its last 20 steps (the same in every view).", png(fig)))
     return plots

@@ -33,7 +33,8 @@ function renderFleet(doc) {
     const mem = m.total_bytes == null ? "-" : `${gib(m.used_bytes)}/${gib(m.total_bytes)}`;
     const pressure = m.pressure ? ` <span class="${m.pressure === "normal" ? "ok" : "bad"}">${esc(m.pressure)}</span>` : "";
     const load = n.load ? `${n.load[0].toFixed(2)}${n.cpu_count ? "/" + n.cpu_count : ""}` : "-";
-    const run = n.run ? `<a href="/run/${encodeURIComponent(n.run.run_id)}" data-nav>${esc(n.run.run_id)}</a> ${n.run.active ? "rank " + esc(n.run.rank) + " step " + esc(n.run.step) : "(" + esc(n.run.state) + ")"}` : "-";
+    const run = n.run ? `<a href="/run/${encodeURIComponent(n.run.run_id)}" data-nav>${esc(n.run.run_id)}</a> ${n.run.active ? "rank " + esc(n.run.rank) + " step " + esc(n.run.step) : "(" + esc(n.run.state) + ")"}` +
+      (n.run.active && n.run.verdict ? ` <span class="${cls(n.run.verdict)}">${esc(n.run.verdict)}</span>` : "") : "-";
     const pf = n.preflight ? `<span class="${n.preflight === "pass" ? "ok" : n.preflight === "warn" ? "warn" : "bad"}">${esc(n.preflight)}</span>` : "-";
     const q_ = n.quarantine && n.quarantine.quarantined ? `<span class="bad">yes</span> ${esc(n.quarantine.reason)}` : "no";
     if (!n.reachable) {
@@ -58,7 +59,7 @@ function renderRuns(doc) {
     `<td>${num(r.tokens_per_s)} <span class="dim">(predicted ${num(r.predicted_tokens_per_s)})</span></td>` +
     `<td class="${r.incident_count ? "bad" : ""}">${r.incident_count}</td><td class="${r.degraded ? "warn" : ""}">${r.degraded ? "DEGRADED" : "no"}</td>` +
     `<td>${r.active ? dur(r.eta_s) : "-"}</td><td>${esc(r.nodes.join(", "))}</td></tr>`).join("");
-  $("#main").innerHTML = `<h2>runs</h2><table id="runs-table"><tr><th>run</th><th>state</th><th>steps</th><th>tokens/s</th>` +
+  $("#main").innerHTML = `<h2>runs</h2><table id="runs-table"><tr><th>run</th><th>state</th><th>steps</th><th>real tokens/s</th>` +
     `<th>incidents</th><th>degraded</th><th>ETA</th><th>nodes</th></tr>${rows}</table>`;
 }
 
@@ -105,8 +106,9 @@ function rankRows(r, nowLocal) {
     const beat = k.last_t == null ? null : Math.max(0, now - k.last_t);
     const stepAge = k.last_step_t == null ? null : Math.max(0, now - k.last_step_t);
     const st = k.step_time_s;
-    // the server's verdict is as of its last push; silence past the timeout shows even when nothing is pushed
-    const verdict = r.active && beat != null && beat > r.heartbeat_timeout && ["ok", "slow"].includes(k.verdict) ? "dead" : k.verdict;
+    // the server's verdict (the monitor's rules) is as of its last push; silence past the run's heartbeat timeout
+    // is the monitor's `hung` even when nothing is pushed
+    const verdict = r.active && beat != null && beat > r.heartbeat_timeout && ["ok", "slow"].includes(k.verdict) ? "hung" : k.verdict;
     const slow = k.tokens_per_s != null && k.calibrated_tokens_per_s ? k.tokens_per_s / k.calibrated_tokens_per_s : null;
     return `<tr data-rank="${k.rank}"><td>${k.rank}</td><td>${esc(k.node)}</td><td class="${cls(verdict)}">${esc(verdict)}</td>` +
       `<td>${esc(k.phase)}</td><td>${k.step}</td><td>${r.active ? dur(beat) + " ago" : "-"}</td><td>${r.active && stepAge != null ? dur(stepAge) + " ago" : "-"}</td>` +
@@ -122,7 +124,7 @@ function renderRunHead(r) {
   head.innerHTML =
     `<div class="card">state<b id="run-state" class="${r.state === "running" || r.state === "succeeded" ? "ok" : "bad"}">${esc(r.state)}</b></div>` +
     `<div class="card">step<b id="run-step">${r.step}${r.iters ? "/" + r.iters : ""}</b></div>` +
-    `<div class="card">tokens/s<b>${num(r.tokens_per_s)} <span class="dim">predicted ${num(r.predicted_tokens_per_s)}</span></b></div>` +
+    `<div class="card">real tokens/s<b>${num(r.tokens_per_s)} <span class="dim">predicted ${num(r.predicted_tokens_per_s)}</span></b></div>` +
     `<div class="card">ETA<b>${r.active ? dur(r.eta_s) : "-"}</b></div>` +
     `<div class="card">incidents<b class="${r.incident_count ? "bad" : ""}">${r.incident_count}</b></div>` +
     (r.degraded ? `<div class="card warn">DEGRADED<b>${esc(r.left_out.map((x) => x.node).join(", "))} left out</b></div>` : "") +
@@ -134,7 +136,7 @@ function renderRunHead(r) {
 function renderRunTables(r) {
   const t = $("#ranks");
   if (t) t.innerHTML = `<tr><th>rank</th><th>node</th><th>verdict</th><th>phase</th><th>step</th><th>last heartbeat</th><th>last step</th>` +
-    `<th>tokens/s / calibrated</th><th>step time min/median/max (s)</th><th>split</th><th>loss</th></tr>${rankRows(r, Date.now() / 1000)}`;
+    `<th>real tokens/s / calibrated</th><th>step time min/median/max (s)</th><th>split</th><th>loss</th></tr>${rankRows(r, Date.now() / 1000)}`;
   const inc = $("#incidents");
   if (inc) inc.innerHTML = r.incidents.length ? r.incidents.map((i) => `<li><span class="bad">${esc(i.kind)}</span> on ${esc(i.node)} rank ${esc(i.rank)} step ${esc(i.step)} (${esc(i.action)}): ${esc(i.summary)}</li>`).join("") +
     r.recoveries.map((x) => `<li class="ok">relaunched: ranks started again at step ${x.step}</li>`).join("") : "<li class='dim'>none</li>";
