@@ -43,6 +43,12 @@
 #   2. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   3. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods lora
 #   4. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods full
+# Issue 25 (memory parity, variable-length rows), after call 1, one call each:
+#   carry ["benchmarks/out/whl-b"]  command: METHODS=lora bash benchmarks/device_train.sh headroom --iters 8
+#   carry ["benchmarks/out/whl-b"]  command: METHODS=full bash benchmarks/device_train.sh headroom --iters 8
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods full --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   (then M the same way with --iters 20, one method per call; `--memory-headroom none` gives ours unbounded)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
@@ -181,13 +187,14 @@ run_phases() {
 
 run_headroom() {
     # bench_train_phases.py per step, ours under each train.memory_headroom (none = unbounded, ours before issue 25)
-    # and mlx-lm as shipped, LoRA and full, S long rows: each step's peak and time with and without the bound.
+    # and mlx-lm as shipped, LoRA and full (METHODS="lora" for one), S long rows: each step's peak and time with
+    # and without the bound.
     install
     local out="${OUT:-$REPO/benchmarks/out}"
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO"
     set -o pipefail
-    for method in lora full; do
+    for method in ${METHODS:-lora full}; do
         echo "### $method, mlx-lm"
         python3 benchmarks/bench_train_phases.py --size S --method "$method" --tools mlx_lm \
             --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/headroom.log" | tail -20
