@@ -78,14 +78,14 @@ class StepMemory:
     working_set: int = 0
     limit: int = 0
     _measuring: bool = False
-    _default_limit: int = 0
+    _previous_limit: int = 0  # MLX's limit before the first measuring step: `release` puts it back
 
     def begin(self, size: int) -> None:
         if self.headroom is None or size <= self.measured_size:
             return
         # A larger shape than any measured: this step runs with nothing in flight; its peak is its working set.
-        if not self._default_limit:
-            self._default_limit = mx.get_memory_limit()
+        if not self._previous_limit:
+            self._previous_limit = mx.get_memory_limit()
         self._measuring = True
         self.measured_size = size
         _reset_peak()
@@ -95,13 +95,14 @@ class StepMemory:
         if self._measuring:
             self._measuring = False
             self.working_set = max(self.working_set, int(mx.get_peak_memory()))
-            self.limit = min(compute_limit(self.working_set, self.headroom or 0.0), self._default_limit)
+            self.limit = compute_limit(self.working_set, self.headroom or 0.0)
             mx.set_memory_limit(self.limit)
         if self.clear_cache:
             mx.clear_cache()
 
     def release(self) -> None:
-        """Give MLX its own limit back (after training, or when the step raised while measuring)."""
+        """Give MLX the limit it had before the first measuring step back (after training, or when the step raised
+        while measuring)."""
         self._measuring = False
-        if self._default_limit:
-            mx.set_memory_limit(self._default_limit)
+        if self._previous_limit:
+            mx.set_memory_limit(self._previous_limit)

@@ -614,3 +614,14 @@ def test_step_memory_bounds_steps_by_the_working_set_measured_per_larger_shape(t
             assert mx.get_memory_limit() == default_limit
     for a, b in zip(losses[None], losses[0.25], strict=True):
         assert math.isclose(a, b, rel_tol=1e-5)
+    # A step that fails while it measures gives MLX its limit back (else every later eval would wait on each op).
+    memory = StepMemory(0.1)
+    failing = TrainStep(model, opt, token_loss_sum, all_sum=lambda x: x, world_size=1, memory=memory)
+
+    def boom(local: Any) -> Any:
+        assert mx.get_memory_limit() == 1  # measuring: nothing in flight
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.run(lambda: [large], after_local=boom)
+    assert mx.get_memory_limit() == default_limit
