@@ -37,7 +37,7 @@ import asyncio, sys
 from pathlib import Path
 from coordinator.views.dashboard.server import DashboardServer, DashboardState
 async def main():
-    async with DashboardServer(DashboardState(Path(sys.argv[1])), port=0) as s:
+    async with DashboardServer(DashboardState(Path(sys.argv[1])), port=0, token="bench") as s:
         print(s.port, flush=True)
         await asyncio.Event().wait()
 asyncio.run(main())
@@ -68,7 +68,7 @@ class Browser:
 
     async def read(self, port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /api/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        writer.write(b"GET /api/stream?token=bench HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await writer.drain()
         while True:
             line = await reader.readline()

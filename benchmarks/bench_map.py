@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import yaml  # noqa: E402
 from cgroups import HostCgroups, remove_stale  # noqa: E402
+from cliout import by_node, cli_json  # noqa: E402
 
 SMOKE = ROOT / "playbooks" / "data" / "smoke"
 
@@ -69,7 +70,7 @@ def run(inv: Path, pb: Path, tmp: Path) -> dict[str, Any]:
                            "--run-dir", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1800, check=False)
     try:
-        summary: dict[str, Any] = json.loads(proc.stdout)
+        summary: dict[str, Any] = cli_json("launch", proc.stdout)
     except ValueError:
         raise SystemExit(f"no summary (rc {proc.returncode}):\n{proc.stderr[-3000:]}") from None
     if summary.get("state") != "succeeded":
@@ -129,7 +130,7 @@ def render(results: dict[str, list[dict[str, Any]]], command: str, args: argpars
     for split, runs in results.items():
         spreads, spans = [], []
         for i, s in enumerate(runs, 1):
-            nodes = {n["name"]: n for n in s["nodes"]}
+            nodes = by_node(s["nodes"])
             f, h = nodes["full"], nodes["half"]
             span = max(f["finished_after_s"], h["finished_after_s"])
             spread = (span - min(f["finished_after_s"], h["finished_after_s"])) / span

@@ -60,6 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cliout import by_node, cli_json  # noqa: E402 - after the path fix
 from benchmarks.machine import machine_info as shared_machine_info  # noqa: E402 - after the path fix
 from tests.testbed import VENV_PYTHON, Host, TestBed, requirements_problems  # noqa: E402 - after the path fix
 
@@ -233,10 +234,11 @@ class Tool:
     def verify(self, rc: int, stdout: str, stderr: str, names: Sequence[str], tag: str) -> None:
         if self.name == "coordinator":
             try:
-                report = json.loads(stdout)
-            except ValueError:
-                raise SystemExit(f"{tag}: coordinator exited {rc} without JSON: {stderr[-2000:]}") from None
-            nodes = {n["name"]: {c["id"]: c["status"] for c in n["checks"]} for n in report.get("nodes", [])}
+                report = cli_json("preflight", stdout)
+            except ValueError as exc:
+                raise SystemExit(f"{tag}: coordinator exited {rc} without a readable JSON report ({exc}): "
+                                 f"{stderr[-2000:]}") from None
+            nodes = {n: {c["id"]: c["status"] for c in row["checks"]} for n, row in by_node(report["nodes"]).items()}
             bad = [n for n in names if nodes.get(n, {}).get("ssh") != "pass" or nodes[n].get("model") in (None, "error")]
             if rc not in (0, 1) or bad or len(nodes) != len(names):
                 raise SystemExit(f"{tag}: coordinator exited {rc}; nodes not fully probed: {bad[:10]} {stderr[-2000:]}")

@@ -60,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cliout import by_node, cli_json  # noqa: E402 - after the path fix
 from benchmarks.machine import machine_info as shared_machine_info  # noqa: E402 - after the path fix
 
 PROFILES_DIR = ROOT / "tests" / "fixtures" / "profiles"
@@ -323,10 +324,10 @@ def verify(stdout: str, names: Sequence[str]) -> tuple[int, str]:
     counting it would time a preflight that skipped most of the work)."""
     text = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("py-spy> "))  # py-spy talks on stdout
     try:
-        report = json.loads(text)
-    except ValueError:
-        raise SystemExit("the coordinator printed no JSON report") from None
-    checks = {n["name"]: n["checks"] for n in report.get("nodes", [])}
+        report = cli_json("preflight", text)
+    except ValueError as exc:
+        raise SystemExit(f"the coordinator printed no readable JSON report: {exc}") from None
+    checks = {n: row["checks"] for n, row in by_node(report["nodes"]).items()}
 
     def why_not(name: str) -> str | None:
         if name not in checks:

@@ -92,6 +92,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import yaml  # noqa: E402
 from cgroups import HostCgroups, remove_stale  # noqa: E402
+from cliout import by_node, cli_json  # noqa: E402
 from machine import cpu_model, dist_version  # noqa: E402
 
 RUN_TIMEOUT = 900.0
@@ -375,19 +376,19 @@ class Bench:
             log(f"transient `{TRANSIENT}` in calibrate: again")
         if rc != 0:
             raise RuntimeError(f"calibrate exited {rc}: {err}")
-        cal = json.loads(out)
+        cal = cli_json("calibrate", out)
         cal["wall_s"] = round(wall, 1)
         cal["round"] = round_
         self.calibrations.append(cal)
         if round_ == 1:
             self.calibration = cal
         log(f"calibration round {round_}: "
-            + "; ".join(f"{n['name']} batch {n['batch_size']}, curve "
+            + "; ".join(f"{n['node']} batch {n['batch_size']}, curve "
                         + ", ".join(f"{p['batch']}: {p['tokens_per_s']:.0f}" for p in n["curve"]) for n in cal["nodes"])
             + f" ({wall:.0f}s)")
 
     def node_cal(self, name: str) -> dict[str, Any]:
-        return next(n for n in self.calibration["nodes"] if n["name"] == name)
+        return by_node(self.calibration["nodes"])[name]
 
     def best_point(self, name: str) -> dict[str, Any]:
         curve = self.node_cal(name)["curve"]
@@ -451,7 +452,7 @@ class Bench:
             log(f"clearing quarantine after {key} round {run.round}: {quarantine.read_text()[:300]}")
             quarantine.unlink()
         try:
-            summary = json.loads(out[out.index("{"):])  # --json prints summary.json (indented) last
+            summary = cli_json("launch", out[out.index("{"):])  # --json prints summary.json (indented) last
             run.run_id = summary["run_id"]
         except (ValueError, KeyError):
             err = (self.tmp / f"run{seq:03d}.err").read_text(errors="replace")[-2000:]
@@ -535,7 +536,7 @@ class Bench:
                 log(f"{name}: sshd {host.pid} in {self.placement[name]}")
             bed.write_inventory(self.inv, hosts)
             self.calibrate(1)
-            plan = {n["name"]: int(n["batch_size"]) for n in self.calibration["nodes"]}
+            plan = {n: int(row["batch_size"]) for n, row in by_node(self.calibration["nodes"]).items()}
             equal = {h: b for h, b in zip(plan, _equal(args.global_batch, len(plan)), strict=True)}
             iters = self.iters_for(plan) if not args.iters else args.iters
             iters_equal = self.iters_for(equal) if not args.iters else args.iters
@@ -587,6 +588,19 @@ def _what(cmd: str) -> str:
             return name
     argv0 = cmd.split(" ", 1)[0]
     return "ssh" if argv0.endswith("ssh") else os.path.basename(argv0) or "?"
+
+
+def calibration_rows(calibrations: list[dict[str, Any]]) -> list[str]:
+    """The report's calibration table rows, one per round and host, from `calibrate --json` documents (read through
+    its schema: `cli_json`) with the bench's `round` and `wall_s` added."""
+    rows = []
+    for c in calibrations:
+        for n in c.get("nodes", []):
+            curve = ", ".join(f"{p['batch']}: {p['tokens_per_s']:.0f}" for p in n["curve"])
+            best = max(n["curve"], key=lambda p: p["tokens_per_s"])
+            rows.append(f"| {c['round']} | {n['node']} | {curve} | {best['tokens_per_s']:.0f} at {best['batch']} | "
+                        f"{n['batch_size']} | {100 * n['share']:.1f}% | {c.get('wall_s', '?')} |")
+    return rows
 
 
 def _equal(total: int, n: int) -> list[int]:
@@ -643,12 +657,8 @@ def report(bench: Bench, args: argparse.Namespace, command: str) -> tuple[str, d
     add("")
     add("| round | host | curve (batch: tokens/s) | best | planned batch | share | s |")
     add("|---|---|---|---|---|---|---|")
-    for c in bench.calibrations:
-        for n in c.get("nodes", []):
-            curve = ", ".join(f"{p['batch']}: {p['tokens_per_s']:.0f}" for p in n["curve"])
-            best = max(n["curve"], key=lambda p: p["tokens_per_s"])
-            add(f"| {c['round']} | {n['name']} | {curve} | {best['tokens_per_s']:.0f} at {best['batch']} | "
-                f"{n['batch_size']} | {100 * n['share']:.1f}% | {c.get('wall_s', '?')} |")
+    for row in calibration_rows(bench.calibrations):
+        add(row)
     add("")
 
     def kind_runs(kind: str, host: str | None = None, batch: int | None = None) -> list[Run]:

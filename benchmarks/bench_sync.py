@@ -40,10 +40,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cliout import cli_json  # noqa: E402
 from tests.testbed import Host, TestBed  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -115,12 +117,19 @@ def in_source(bed: TestBed, src: Host, argv: list[str]) -> list[str]:
     return [*bed._ns_prefix(src), *argv]  # the bed's own prefix, as bed.exec uses it
 
 
-def run_sync(inv: Path, pb: Path) -> tuple[float, dict[str, object]]:
+def sync_row(wall: float, link_s: float, doc: dict[str, Any]) -> tuple[str, str, str]:
+    """The report's row for one cold sync, from `sync --json` (read through its schema: `cli_json`)."""
+    return ("coordinator sync (relay chain)", f"{wall:.2f}",
+            f"{wall / link_s:.2f}x one copy; sent {int(doc['sent_bytes']) / 1e6:.1f} MB once; "
+            f"transfer {doc['transfer_s']} s")
+
+
+def run_sync(inv: Path, pb: Path) -> tuple[float, dict[str, Any]]:
     wall, cp = timed([sys.executable, "-m", "coordinator", "sync", "-i", str(inv), "-p", str(pb), "--from", "src",
                       "--json"], env={**os.environ, "PYTHONPATH": str(ROOT)})
     if cp.returncode != 0:
         raise SystemExit(f"sync exited {cp.returncode}: {cp.stderr[-2000:]} {cp.stdout[-2000:]}")
-    return wall, json.loads(cp.stdout)
+    return wall, cli_json("sync", cp.stdout)
 
 
 def main() -> None:
@@ -153,9 +162,7 @@ def main() -> None:
             clear(targets)
             wall, doc = run_sync(inv, pb)
             check_identical("sync", src_tree, targets)
-            rows.append(("coordinator sync (relay chain)", f"{wall:.2f}",
-                         f"{wall / link_s:.2f}x one copy; sent {int(doc['sent_bytes']) / 1e6:.1f} MB once; "  # type: ignore[call-overload]
-                         f"transfer {doc['transfer_seconds']} s"))
+            rows.append(sync_row(wall, link_s, doc))
         if "warm" in tools:
             if "sync" not in tools:
                 clear(targets)
@@ -194,7 +201,7 @@ def main() -> None:
                 missing = max(missing, size - have)
             wall, doc = run_sync(inv, pb)
             check_identical("resume", src_tree, targets)
-            sent = int(doc["sent_bytes"])  # type: ignore[call-overload]
+            sent = int(doc["sent_bytes"])
             rows.append(("coordinator sync, killed at ~40% of the last shard, then re-run", f"{wall:.2f}",
                          f"re-run sent {sent / 1e6:.2f} MB of {size / 1e6:.1f}; the least advanced target missed "
                          f"{missing / 1e6:.2f} MB; excess {(sent - missing) / MIB:+.2f} MiB (goal <= +1 MiB chunk)"))

@@ -8,6 +8,7 @@ optionally cap its CPU time, as if it were a separate, slower machine.
         cg.stats("h2")  # cpu.stat (nr_throttled, throttled_time ns) and cpuacct.usage (ns)
 
 Per host and run, three cgroups named `mlxc-bench-<tag>-<host>` are made under /sys/fs/cgroup/{cpuset,cpu,cpuacct}
+(and a fourth under /sys/fs/cgroup/memory with a `memory.limit_in_bytes` cap, when asked)
 (cpuacct only where it is its own hierarchy, as on this machine; it just counts CPU time). `cpuset.cpus`/`cpuset.mems`
 are set before any task joins (a cpuset without them refuses tasks); `cpu.cfs_period_us` is 100000,
 `cpu.cfs_quota_us` the given quota or -1 (no cap), `cpu.shares` the given weight (default 1024). The pid is written
@@ -119,10 +120,11 @@ class HostCgroups:
         return path
 
     def create(self, name: str, *, cpus: str | None, quota_us: int | None = None, shares: int | None = None,
-               mems: str | None = None) -> HostGroups:
+               mems: str | None = None, memory_bytes: int | None = None) -> HostGroups:
         """New (empty) groups for `name`: cpuset `cpus` (None: no cpuset group, the root's CPUs), CPU quota
         `quota_us` per 100 ms (None: uncapped), `cpu.shares` (None: the default 1024, the weight of each task of
-        the root group), and a cpuacct group where that hierarchy is separate. Raises CgroupError."""
+        the root group), a memory group capped at `memory_bytes` (`memory.limit_in_bytes`; None: no memory
+        group), and a cpuacct group where that hierarchy is separate. Raises CgroupError."""
         if self._closed:
             raise CgroupError("closed")
         if name in self.hosts:
@@ -143,6 +145,12 @@ class HostCgroups:
             _write(cpu / "cpu.shares", str(shares))
         if hierarchy_of("cpuacct") is not None and hierarchy_of("cpuacct") != hierarchy_of("cpu"):
             host.dirs["cpuacct"] = self._mkdir("cpuacct", name)
+        if memory_bytes is not None:
+            if hierarchy_of("memory") is None:
+                raise CgroupError(f"no cgroup v1 `memory` hierarchy at {CGROUP_ROOT / 'memory'}")
+            memory = self._mkdir("memory", name)
+            host.dirs["memory"] = memory
+            _write(memory / "memory.limit_in_bytes", str(memory_bytes))
         return host
 
     def attach(self, name: str, pid: int) -> None:
@@ -170,9 +178,9 @@ class HostCgroups:
         return join
 
     def place(self, name: str, pid: int, *, cpus: str | None, quota_us: int | None = None, shares: int | None = None,
-              mems: str | None = None) -> HostGroups:
+              mems: str | None = None, memory_bytes: int | None = None) -> HostGroups:
         """`create` + `attach`: put process `pid` (a host's sshd) into new groups."""
-        host = self.create(name, cpus=cpus, quota_us=quota_us, shares=shares, mems=mems)
+        host = self.create(name, cpus=cpus, quota_us=quota_us, shares=shares, mems=mems, memory_bytes=memory_bytes)
         self.attach(name, pid)
         return host
 
@@ -246,7 +254,7 @@ def _remove(group: Path, attempts: int = 50) -> bool:
 def remove_stale() -> list[str]:
     """Remove `mlxc-bench-*` cgroups left by dead runs (those holding no task); returns the paths removed."""
     removed = []
-    for controller in ("cpuset", "cpu", "cpuacct"):
+    for controller in ("cpuset", "cpu", "cpuacct", "memory"):
         root = hierarchy_of(controller)
         if root is None:
             continue

@@ -18,6 +18,14 @@ and what the coordinator's own listeners bind unless told otherwise."""
 # The Prometheus endpoints bind loopback unless told otherwise (metrics.py; `--metrics-host` of launch/monitor).
 DEFAULT_METRICS_HOST = LOCAL_HOST
 
+# Defaults that verbs' options show in `--help`: here, so a verb's module can name them without importing the
+# module that uses them (and all it imports: `--help` answers in well under 0.5 s, tests/unit/test_cli_startup.py).
+DEFAULT_RUN_DIR = "runs"  # where run directories are written and looked for (`--run-dir`)
+DEFAULT_STATUS_PROBE_TIMEOUT = 60.0  # `status` / `monitor` / `dashboard` probe of each node, seconds
+DEFAULT_DASHBOARD_HOST = LOCAL_HOST
+DEFAULT_DASHBOARD_PORT = 8050
+DEFAULT_DASHBOARD_PROBE_INTERVAL = 10.0  # the dashboard's fleet page probes the nodes this often, seconds
+
 
 class Connection(StrEnum):
     SSH = "ssh"
@@ -41,6 +49,16 @@ class Node:
     labels: tuple[tuple[str, str], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     source: str | None = None  # "file:line" the node was defined at, for messages
+    gpus: int | None = None  # the inventory's `gpus:`: use at most this many of its NVIDIA GPUs (None: all)
+    # A rank node (coordinator.planning.gpuranks): one GPU of the inventory node `machine`, named `<machine>/gpu<i>`,
+    # with CUDA_VISIBLE_DEVICES in its env. None for an inventory node (one rank on the whole machine).
+    machine: str | None = None
+    gpu: int | None = None  # that GPU's nvidia-smi index
+
+    @property
+    def machine_name(self) -> str:
+        """The inventory node this node runs on: itself, or a rank node's machine (ssh_config, hostfile `ssh`)."""
+        return self.machine or self.name
 
     @property
     def ssh_target(self) -> str:
@@ -70,17 +88,38 @@ class Inventory:
         return [n.name for n in self.nodes]
 
     def limit(self, names: list[str] | None) -> Inventory:
-        """Keep only `names` (in inventory order). Unknown names are a ConfigError."""
+        """Keep only `names` (in inventory order); None keeps every node. Unknown names, and an empty list (a
+        `--limit` that named nobody must never widen to the whole fleet), are a ConfigError."""
         from coordinator.errors import ConfigError
 
-        if not names:
+        if names is None:
             return self
+        if not names:
+            raise ConfigError(f"--limit names no node; known: {', '.join(self.names())}")
         known = set(self.names())
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ConfigError(f"--limit names unknown node(s): {', '.join(unknown)}; known: {', '.join(self.names())}")
         wanted = set(names)
         return Inventory(tuple(n for n in self.nodes if n.name in wanted), self.path)
+
+
+def parse_limit(text: str | None) -> list[str] | None:
+    """`--limit a,b` -> ["a", "b"]; None (no flag) -> None, the whole fleet. An empty value, a lone comma, blanks
+    or an empty name between commas are a ConfigError: a `--limit "$NODES"` whose variable came out empty must
+    not act on every node."""
+    from coordinator.errors import ConfigError
+
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",")]
+    if not any(names):
+        raise ConfigError(f"--limit {text!r} names no node: give comma-separated node names (--limit n1,n2), "
+                          "or leave --limit out for the whole fleet")
+    if not all(names):
+        raise ConfigError(f"--limit {text!r} has an empty name between commas: give comma-separated node names "
+                          "(--limit n1,n2)")
+    return names
 
 
 class Status(StrEnum):

@@ -97,6 +97,7 @@ def linux_sections() -> dict[str, Section]:
         "loadavg": capture("loadavg/debian-12.txt"),
         "ip_addr": capture("ip_addr/debian-12-eth0.txt"),
         "sys_class_net": capture("sys_class_net/debian-12-vm-virtio.txt"),
+        "cgroup_memory": capture("cgroup_memory/debian-12-v1-unlimited.txt"),
         "df": capture("df/debian-12-gnu-root.txt"),
     }
     out = {k: Section(k, v, 0) for k, v in texts.items()}

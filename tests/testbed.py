@@ -596,7 +596,13 @@ class TestBed:
         """argv prefix: the host's network namespace plus a fresh private mount namespace with the host's own
         /srv and shell startup files bind-mounted (see `_overlays`); append the command's argv."""
         pairs = [str(p) for source, target in self._overlays(host) for p in (source, target)]
-        script = 'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 126; shift 2; done; shift; exec "$@"'
+        # `ip netns exec` remounts /sys, which drops the cgroup mounts: the v1 memory hierarchy is mounted again
+        # (the same hierarchy, not a new one), so a host sees its own cgroup memory limit as a real machine does.
+        # Best effort: a machine without it simply shows no limit.
+        script = ('while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 126; shift 2; done; shift; '
+                  '[ -d /sys/fs/cgroup/memory ] || { mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && '
+                  'mkdir /sys/fs/cgroup/memory && mount -t cgroup -o memory cgroup /sys/fs/cgroup/memory; } '
+                  '>/dev/null 2>&1; exec "$@"')
         return [
             "ip", "netns", "exec", host.ns, "unshare", "-m", "--propagation", "private",
             "sh", "-c", script, "sh", *pairs, "--",

@@ -6,6 +6,7 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
+                           [--lockstep] [--blocks K --micro-batch MB]
 
 What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.modelsetup.apply_method` (the
 run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
@@ -35,6 +36,14 @@ for JIT-compiling the kernels of each new batch shape on its first step (MLX cac
 bounded by --one-time-budget and reported apart (`one_time_s`); --time-budget bounds the timed steps only, so the
 same budget measures the same curve on a cold machine and on a warm one.
 
+Lockstep (`--lockstep`, for nodes that share a machine: the coordinator runs their benches together, as their
+ranks will run). Before the timed steps of each point the bench says `bench lockstep ready batch=B` on stderr and
+waits for a line on stdin; after them it says `bench lockstep timed batch=B` and keeps taking untimed steps of
+that batch until the next line, so a node that finished its window early still loads the machine while the others
+time theirs; after its result it keeps taking untimed steps of its best batch until stdin ends (the whole group is
+done). The coordinator answers each wait once every member of the group is waiting (`coordinator.planning.colocate`).
+Waiting is charged to the one-time allowance; stdin at its end releases every wait at once.
+
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
                 "spread", "noisy"}], "best_batch", "packing": [bool, why],
@@ -43,6 +52,16 @@ Output: ONE JSON object on stdout (progress lines go to stderr):
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
      "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s"}
 `seconds` counts from the start of `main` (imports of mlx and the model load included).
+
+Per-block mode (`--blocks K --micro-batch MB`, for the pipeline planner): instead of the curve, K transformer
+blocks loaded alone as a pipeline stage loads them (so a node that cannot hold the whole model is measured too),
+timed at MB rows per micro-batch (`worker.parallel.pipeline.measure`); ONE JSON object
+    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "peak_memory",
+     "blocks_weight_bytes", "model_layers", "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
+     "repeats", "matmul_gflops", "matmul_dtype", "device", "memory_limit", "mlx_version", "mlx_lm_version",
+     "one_time_s", "seconds"}
+seconds per micro-batch: `block_s` per block as a non-last stage runs it (forward, then the vjp that recomputes
+it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds.
 
 Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread holds each
 clock to its allowance: when one is spent while the main thread is still busy (a step, a load), the watchdog prints
@@ -58,18 +77,20 @@ the pure decision functions import without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import queue
 import random
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import IO, Any, TextIO, cast
 
 from worker.runconfig import DEFAULT_HEADROOM
 
@@ -82,6 +103,7 @@ NOISY_SPREAD = 0.25  # (q3 - q1) / median of a point's per-token step times abov
 STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
 ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
 WATCHDOG_POLL_S = 0.1
+HEARTBEAT_S = 10.0  # a line at least this often while a one-time phase (a compiling first step) runs: never looks hung
 
 
 @dataclass(frozen=True)
@@ -293,6 +315,102 @@ def advise_no_point(kind: str, *, limit: float, phase: str, step_s: float | None
             f"of batch 1 was measured{need}, or a smaller train.max_seq_length")
 
 
+def kernel_cache_dir(version: str, tmp: str | None = None) -> Path:
+    """Where MLX keeps the kernels it compiles for the CPU backend (the system temp dir: $TMPDIR or /tmp)."""
+    import tempfile
+
+    return Path(tmp or tempfile.gettempdir()) / "mlx" / version
+
+
+def describe_first_step(batch: int, cache: Path, cold: bool) -> str:
+    """The announcement of a batch's first (compiling) step: on a cold kernel cache, where the time goes and that it
+    is paid once."""
+    if cold:
+        return (f"bench batch={batch} first step: compiling MLX's kernels (the cache {cache} is empty: a one-time "
+                f"cost, a minute or more on a small CPU; later runs reuse it)")
+    return f"bench batch={batch} first step: compiling this batch shape (one-time)"
+
+
+class Ticker:
+    """Says that a one-time phase is still running, every `every` seconds of `clock` (injected: tests drive it).
+    `poll()` is called often (by `ticking`'s thread); it logs only when a line is due."""
+
+    def __init__(self, what: str, log: Callable[[str], None], clock: Callable[[], float],
+                 every: float = HEARTBEAT_S) -> None:
+        self.what, self.log, self.clock, self.every = what, log, clock, every
+        self.began = clock()
+        self.due = self.began + every
+
+    def poll(self) -> None:
+        now = self.clock()
+        if now >= self.due:
+            self.log(f"{self.what}: still running, {now - self.began:.0f}s")
+            self.due = now + self.every
+
+
+def ticking(ticker: Ticker, fn: Callable[[], Any], poll_s: float = 1.0) -> Any:
+    """`fn()` with `ticker` polled from a thread while it runs (mlx releases the GIL while it compiles and
+    evaluates, so the thread does run). Returns what `fn` returns; its exceptions pass through."""
+    with ticker_running(ticker, poll_s):
+        return fn()
+
+
+@contextlib.contextmanager
+def ticker_running(ticker: Ticker, poll_s: float = 1.0) -> Iterator[Ticker]:
+    """`ticker` polled from a thread for the duration of the block (see `ticking`)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(poll_s):
+            ticker.poll()
+
+    thread = threading.Thread(target=loop, name="bench-ticker", daemon=True)
+    thread.start()
+    try:
+        yield ticker
+    finally:
+        done.set()
+        thread.join()
+
+
+class Lockstep:
+    """The bench's half of the coordinator's barrier (see "Lockstep" in the module docstring): a thread reads
+    stdin, `wait` announces a wait on stderr and returns at the next line; `busy`, when given, is called between
+    looks (an untimed step that keeps the machine loaded) and ends the wait early by returning False. Once stdin
+    has ended every wait returns at once: the coordinator released the group or is gone."""
+
+    def __init__(self, stream: IO[str], log: Callable[[str], None]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.ended = False
+        self.log = log
+        threading.Thread(target=self._read, args=(stream,), name="bench-lockstep", daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.lines.put(line)
+        finally:
+            self.lines.put(None)
+
+    def wait(self, what: str, busy: Callable[[], bool] | None = None) -> None:
+        if self.ended:
+            return
+        self.log(f"bench lockstep {what}")
+        while True:
+            if busy is None:
+                item = self.lines.get()
+            else:
+                try:
+                    item = self.lines.get_nowait()
+                except queue.Empty:
+                    if busy():
+                        continue
+                    return
+            if item is None:
+                self.ended = True
+            return
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # I/O: mlx, the clock, stdout.
 
@@ -329,6 +447,10 @@ class _State:
     phase: str = "starting"
     one_time: dict[str, Any] = field(default_factory=dict)  # import, matmul, load (s); first_steps {batch: s}
     step_s: float | None = None  # the latest single-step time seen (the warm-up's until a timed step ran)
+    lockstep: Lockstep | None = None  # --lockstep: the group's barrier
+    kernel_cache: Path = Path()  # MLX's kernel cache (`kernel_cache_dir`)
+    cold_kernels: bool = False  # it was empty when the bench started: the first step compiles everything
+    linger: Callable[[], None] | None = None  # --lockstep: after the result, load the machine until released
 
     def extra(self) -> dict[str, Any]:
         """The one-time costs and measuring time, as the result reports them."""
@@ -489,6 +611,21 @@ def spread(values: list[float]) -> float:
     return (qs[2] - qs[0]) / qs[1] if qs[1] > 0 else 0.0
 
 
+def _filler(trainer: _Trainer, batch: int, budget: Budget) -> Callable[[], bool]:
+    """One untimed step of `batch` per call (cycling through its batches, all compiled already), while the one-time
+    allowance lasts: the load this node puts on a shared machine while its neighbours measure."""
+    count = [0]
+
+    def step() -> bool:
+        if budget.left(ONE_TIME) <= 0:
+            return False
+        trainer.step(batch, count[0] % CANDIDATES)
+        count[0] += 1
+        return True
+
+    return step
+
+
 def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tuple[Point | None, bool]:
     """Warm up once per distinct batch shape (the one-time allowance: each compiles), then time steps on the
     measuring allowance, cycling through the point's batches: at least MIN_STEPS, more until `window` seconds of
@@ -504,11 +641,21 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         shape = tuple(tuple(a.shape) for a in trainer.micro(batch, k).inputs)
         if shape not in shapes:
             shapes.add(shape)
-            warmup += trainer.step(batch, k)[0]
+            if not state.one_time.get("first_steps") and len(shapes) == 1:
+                # The bench's first compile is the long one (everything the step needs); later shapes reuse most
+                # kernels, and the ticker speaks for any that still take long.
+                _log(describe_first_step(batch, state.kernel_cache, cold=state.cold_kernels))
+            ticker = Ticker(f"bench batch={batch} first step", _log, time.monotonic)
+            warmup += ticking(ticker, lambda: trainer.step(batch, k))[0]  # noqa: B023 - called before k moves on
+            state.cold_kernels = False  # the cache holds the step's kernels now: later shapes compile less
     state.one_time.setdefault("first_steps", {})[batch] = warmup
     if state.step_s is None:
         state.step_s = warmup / len(shapes)
     _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} shape(s) (compile included: one-time)")
+    if state.lockstep is not None:
+        state.phase = f"waiting for the nodes sharing this machine (batch {batch})"
+        state.lockstep.wait(f"ready batch={batch}")
+        state.phase = f"measuring batch {batch}"
     budget.enter(MEASURE)
     per_token: list[float] = []
     times: list[float] = []
@@ -529,6 +676,11 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         if done and not extra and spread(per_token) > NOISY_SPREAD:
             extra, limit, until = True, limit + MAX_STEPS, sum(times) + window  # measure it once more
     budget.enter(ONE_TIME)
+    if state.lockstep is not None:
+        # Keep loading the machine with this batch until every member has timed it: the others' steps are timed
+        # against the load they will train beside.
+        state.phase = f"keeping batch {batch} running while the nodes sharing this machine time theirs"
+        state.lockstep.wait(f"timed batch={batch}", busy=_filler(trainer, batch, budget))
     if not times:
         return None, True
     fast = fast_quartile(per_token)
@@ -589,8 +741,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--one-time-budget", type=float, default=600.0,
                         help="seconds for imports, the model load and the first (compiling) step of each shape")
     parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--lockstep", action="store_true",
+                        help="measure in step with the nodes sharing this machine (waits on stdin; see the docstring)")
     parser.add_argument("--memory-fraction", type=float, default=0.8)
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="time K transformer blocks alone, as a pipeline stage (0: the whole model's curve)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="rows per pipeline micro-batch (--blocks)")
     args = parser.parse_args(argv)
+    if args.blocks < 0:
+        raise BenchError(f"--blocks must be >= 0 (0: the whole model's curve), got {args.blocks}")
+    if args.micro_batch < 1:
+        raise BenchError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if args.seq_len < 2:
         raise BenchError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.num_layers == 0 or args.num_layers < -1:
@@ -630,13 +791,10 @@ def _watchdog(state: _State, out: _Output, stop: threading.Event) -> None:
         return
 
 
-def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
-    budget = state.budget
-    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
-    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
-    window = max(0.5, 0.05 * float(args.time_budget))
-
-    model_path(args.model)
+def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
+    """The one-time start: import mlx, measure the matmul rate, load the model as the run sets it up. Returns the
+    trainer (None with --blocks: the blocks are loaded by `_run_blocks`); fills `state` (device, memory limit,
+    meta, one-time costs)."""
     state.phase = "importing mlx"
     mark = time.monotonic()
     import mlx.core as mx
@@ -644,6 +802,9 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
 
     device, memory = _device(mx)
     state.one_time["import"] = time.monotonic() - mark
+    # Looked at before anything runs: the matmul probe below already writes kernels there.
+    state.kernel_cache = kernel_cache_dir(str(getattr(mx, "__version__", "")))
+    state.cold_kernels = not any(state.kernel_cache.glob("*/*"))
     memory_limit = int(memory * args.memory_fraction)
     state.device, state.memory_limit = device, memory_limit
     state.meta = {
@@ -657,12 +818,33 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     state.one_time["matmul"] = time.monotonic() - mark
     _log(f"bench matmul_gflops={state.matmul[0]:.1f} dtype={state.matmul[1]}")
 
+    if args.blocks:
+        return None
     state.phase = "loading the model"
     mark = time.monotonic()
     trainer = _Trainer(args)
     state.one_time["load"] = time.monotonic() - mark
     state.meta["packing"] = list(trainer.packing[:2])
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
+    return trainer
+
+
+def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
+    budget = state.budget
+    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
+    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
+    window = max(0.5, 0.05 * float(args.time_budget))
+
+    model_path(args.model)
+    # Importing mlx, the matmul probe and the model load take seconds, more on a busy machine (16 s measured with
+    # load 14 on 2 cores): announced, and said again while they last.
+    _log("bench starting: importing mlx, measuring a matmul, loading the model (one-time)")
+    with ticker_running(Ticker("bench starting", _log, time.monotonic)):
+        trainer = _start(args, state)
+    if trainer is None:
+        return _run_blocks(args, state, window)
+    assert state.device is not None and state.meta is not None  # set by _start
+    memory_limit, device, meta = state.memory_limit, state.device, state.meta
 
     def on_point(p: Point) -> None:
         state.curve.append(p)
@@ -690,8 +872,40 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
                                          step_s=state.step_s, one_time={}))
     _log(f"bench stopped_because={reason} measuring {budget.used(MEASURE):.1f}s, one-time "
          f"{budget.used(ONE_TIME):.1f}s")
+    lockstep = state.lockstep
+    if lockstep is not None:
+        best = max(curve, key=lambda p: (p.tokens_per_s, -p.batch)).batch
+        state.linger = lambda: lockstep.wait("done", busy=_filler(trainer, best, budget))
     return build_result(curve, reason, memory_limit=memory_limit, matmul=state.matmul, device=device,
-                        meta={**state.meta, **state.extra()}, seconds=time.monotonic() - state.started)
+                        meta={**meta, **state.extra()}, seconds=time.monotonic() - state.started)
+
+
+def _run_blocks(args: argparse.Namespace, state: _State, window: float) -> dict[str, Any]:
+    """The per-block answer (`--blocks`): see the module docstring."""
+    import mlx.core as mx
+
+    from worker.parallel.pipeline.measure import measure_blocks
+    from worker.runconfig import LoraSpec
+
+    state.phase = f"timing {args.blocks} blocks at micro-batch {args.micro_batch}"
+    state.budget.enter(MEASURE)
+    mark = time.monotonic()
+    try:
+        result = measure_blocks(
+            model_path(args.model), blocks=args.blocks, micro_batch=args.micro_batch, seq_len=args.seq_len,
+            method=args.method, num_layers=None if args.num_layers == -1 else args.num_layers,
+            lora=LoraSpec(rank=args.lora_rank, scale=args.lora_scale, dropout=args.lora_dropout), seed=args.seed,
+            grad_checkpoint=bool(args.grad_checkpoint), window=window, optimizer=args.optimizer,
+            learning_rate=args.learning_rate)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+    _log(f"bench blocks={args.blocks} micro_batch={args.micro_batch} block_s={result['block_s']:.5f} "
+         f"head_s={result['head_s']:.5f} peak_memory={result['peak_memory']} in {time.monotonic() - mark:.1f}s")
+    assert state.meta is not None and state.matmul is not None and state.device is not None
+    return {**result, "matmul_gflops": round(state.matmul[0], 1), "matmul_dtype": state.matmul[1],
+            "device": state.device, "memory_limit": state.memory_limit, "grad_checkpoint": bool(args.grad_checkpoint),
+            "mlx_version": getattr(mx, "__version__", None), "mlx_lm_version": state.meta.get("mlx_lm_version"),
+            **state.extra(), "seconds": round(time.monotonic() - state.started, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -708,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parse_args(argv)
         budget = Budget(one_time_s=args.one_time_budget, measure_s=args.time_budget, clock=time.monotonic)
         budget.since = started  # python's own start-up until here is one-time too
-        state = _State(started=started, curve=[], budget=budget)
+        state = _State(started=started, curve=[], budget=budget,
+                       lockstep=Lockstep(sys.stdin, _log) if args.lockstep else None)
         stop = threading.Event()
         watchdog = threading.Thread(target=_watchdog, args=(state, out, stop), name="bench-watchdog", daemon=True)
         watchdog.start()
@@ -732,6 +947,8 @@ def main(argv: list[str] | None = None) -> int:
                   "seconds": round(time.monotonic() - started, 3)})
         return 1
     out.emit(result)
+    if state.linger is not None:
+        state.linger()
     return 0
 
 

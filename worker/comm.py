@@ -23,8 +23,13 @@ def scalar(x: mx.array) -> float:
 
 
 class Comm:
-    """The group plus the few collectives we use. CPU stream: what mlx-lm uses for its collectives, and what
-    every backend (ring, jaccl) implements."""
+    """The group plus the few collectives we use, each on the stream its backend chooses (no `stream=`): the CPU
+    for ring and jaccl, the GPU for nccl.
+
+    Never `stream=mx.cpu` (mlx-lm's evaluate does that): on nccl the collective then runs in the CPU stream's
+    worker thread, and NCCL's implementation asks that thread for the GPU's stream, which MLX keeps per thread:
+    `There is no Stream(gpu, 1) in current thread` (issue 27; it killed `mlx_lm lora` on 2 GPUs at its first
+    evaluation). Ring and jaccl answer `communication_stream()` with the CPU stream, as before."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -34,21 +39,21 @@ class Comm:
     def all_sum(self, x: mx.array) -> mx.array:
         if self.size == 1:
             return x
-        return mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+        return mx.distributed.all_sum(x, group=self.group)
 
     def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's `values` (same length on all ranks), indexed by rank."""
         local = mx.array(np.asarray(values, dtype=np.int64).astype(np.int32))
         if self.size == 1:
             return [list(values)]
-        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
+        out = np.asarray(mx.distributed.all_gather(local, group=self.group))
         return [[int(v) for v in row] for row in out.reshape(self.size, len(values))]
 
     def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
         local = mx.array(np.asarray(values, dtype=np.float32))
         if self.size == 1:
             return [list(values)]
-        out = np.asarray(mx.distributed.all_gather(local, group=self.group, stream=mx.cpu))
+        out = np.asarray(mx.distributed.all_gather(local, group=self.group))
         return [[float(v) for v in row] for row in out.reshape(self.size, len(values))]
 
     def barrier(self) -> None:

@@ -39,7 +39,10 @@ class EventKind(_StrEnum):
     #                      trainable_params, total_params, trainable_pct (percent), trainable (text: "trainable
     #                      0.54% (a/b parameters)"), resumed_from (step or null), data_position, iters, pid, host,
     #                      checkpoint_writer (bool), checkpoint_dir, train_rows, valid_rows, packing (bool),
-    #                      packing_reason (text: why the run packs rows into sequences, or why not)
+    #                      packing_reason (text: why the run packs rows into sequences, or why not);
+    #                      a pipeline rank adds strategy ("pipeline"), stage, stages, first_layer, last_layer
+    #                      (exclusive), model_layers, micro_batches, schedule, digest_peers (the ranks whose
+    #                      digests must equal its own: itself only, a stage has no replica)
     STEP = "step"  # step, loss (global mean per token), tokens (this rank), total_tokens (all ranks), tok_s (this
     #                rank, per second of step wall time), step_time_s, peak_memory (bytes), grad_norm, lr,
     #                data_position (global rows consumed), epoch; and this rank's own values before the
@@ -158,9 +161,19 @@ def _as_ranges(value: Any) -> tuple[list[list[int]] | None, bool]:
     return out, True
 
 
+def _as_ints(value: Any) -> tuple[list[int] | None, bool]:
+    """[int, ...] (under the int rule)."""
+    if value is None:
+        return None, True
+    items = [_as_int(x) for x in value] if isinstance(value, list) else []
+    if not isinstance(value, list) or not all(ok and x is not None for x, ok in items):
+        return None, False
+    return [x for x, _ in items if x is not None], True
+
+
 # Annotation (a string under `from __future__ import annotations`) -> its coercer.
 _COERCE = {"int | None": _as_int, "float | None": _as_float, "str | None": _as_str, "bool | None": _as_bool,
-           "list[list[int]] | None": _as_ranges}
+           "list[list[int]] | None": _as_ranges, "list[int] | None": _as_ints}
 _BASE = ("t", "run_id", "rank")  # every event; `event` is the kind itself
 
 
@@ -217,6 +230,15 @@ class StartedEvent(Event):
     valid_rows: int | None = None
     packing: bool | None = None
     packing_reason: str | None = None
+    strategy: str | None = None  # "pipeline"; absent (None) for data parallel
+    stage: int | None = None
+    stages: int | None = None
+    first_layer: int | None = None
+    last_layer: int | None = None
+    model_layers: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    digest_peers: list[int] | None = None
 
 
 @dataclass(frozen=True)

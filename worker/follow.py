@@ -9,7 +9,15 @@ Prints JSON lines on stdout, flushed:
     {"src": "bad", "rank": R, "text": "..."}                an event line that is not JSON (reported, not dropped)
 `--skip R=N` leaves out the first N event lines (and `bad` lines) of rank R's file: what a previous follower,
 whose channel closed, already delivered. Their `started` pids are still read, so process states go on.
-It never exits on its own; the coordinator closes the channel. Stdlib only, Python 3.9+.
+It never exits on its own; the coordinator closes the channel.
+
+`--once` reads what the files hold now and exits: the event lines (after `--skip`), then
+    {"src": "checkpoints", "step": N}                       the newest complete checkpoint dir (None: none)
+and no process states. The coordinator reads a run's record this way when it did not (or could not) follow it
+to the end: `coordinator stop` of a run nobody supervises, a stop or signal that interrupted the following.
+
+A line without its newline is being written (or was torn by a writer that died): it is never read, whatever
+the mode. Stdlib only, Python 3.9+.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,6 +74,25 @@ class Tail:
         return [line for line in lines if line.strip()]
 
 
+# worker.checkpoint's layout (not imported here: it loads mlx). A final-named dir is complete by construction
+# (written under a temp name, renamed once its manifest is in place); the manifest is checked for all that.
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+_MANIFEST = "manifest.sha256"
+
+
+def newest_checkpoint_step(run_dir: str) -> int | None:
+    """The highest step of a complete checkpoint dir under `<run_dir>/checkpoints` (not re-hashed: a step count,
+    not a resume decision); None when there is none."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    steps = [int(m.group(1)) for m in map(_STEP_DIR.match, names)
+             if m and os.path.isfile(os.path.join(root, m.group(0), _MANIFEST))]
+    return max(steps, default=None)
+
+
 def parse_skip(text: str) -> dict[int, int]:
     """`0=12,1=7` -> {0: 12, 1: 7}."""
     out: dict[int, int] = {}
@@ -107,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", required=True, help="comma-separated ranks that run on this node")
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--skip", default="", help="R=N,...: event lines of rank R already delivered")
+    parser.add_argument("--once", action="store_true", help="report what the files hold now, then exit")
     args = parser.parse_args(argv)
     run_dir = os.path.expanduser(args.run_dir)
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
@@ -118,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         for msg in read_events(tails[rank], rank, skip, pids):
             emit(msg)
 
+    if args.once:
+        for rank in tails:
+            drain(rank)
+        emit({"src": "checkpoints", "step": newest_checkpoint_step(run_dir)})
+        sys.stdout.flush()
+        return 0
     while True:
         for rank in tails:
             drain(rank)

@@ -10,7 +10,8 @@ stdlib-only, runs on Python 3.9+ (annotations are never evaluated at runtime), a
 Input: at most one argv argument, a JSON object; every key is optional:
     {"hash_dirs": ["/srv/model", "~/data"],       dirs whose regular files are hashed (`~` = node user's home)
      "peers": [{"name": "h2", "ip": "10.1.2.3", "port": 22}],   reachability targets (ICMP echo, else TCP port, 22)
-     "cache": "~/.cache/mlx-coordinator/sha256.json",           hash cache file; null or "" disables it
+     "cache": "$XDG_CACHE_HOME/mlx-coordinator/sha256.json",    hash cache file (~/.cache/... without XDG_CACHE_HOME);
+                                                                 null or "" disables it
      "model_dir": "/srv/model",                   dir with config.json and *.safetensors
      "jobs": 0,                                   hashing threads; 0 = min(8, cpu count)
      "progress": true,                            `progress <done> <total>` lines on stderr for big jobs
@@ -63,7 +64,16 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import IO, Any
 
-DEFAULT_CACHE = "~/.cache/mlx-coordinator/sha256.json"
+def cache_root() -> str:
+    """This node's cache root: $XDG_CACHE_HOME/mlx-coordinator (~/.cache/... when unset, empty or relative), as
+    the coordinator's own (`coordinator.fleet.cachedir`)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.expanduser("~/.cache")
+    return os.path.join(base, "mlx-coordinator")
+
+
+DEFAULT_CACHE = os.path.join(cache_root(), "sha256.json")
 DEFAULT_TIMEOUT = 2.0
 # Large reads amortise the per-call overhead (syscall, GIL hand-off) to nothing; hashlib releases the GIL
 # for updates this big, so several files hash truly in parallel. One buffer per thread, reused.

@@ -35,6 +35,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     layout            how the ranks share the work ({"kind": "dp"}): `worker.parallel` runs it
                         {"kind": "dp"}  data parallel: every rank holds the whole model and takes its
                                         `batch_size` rows of each global batch (the sum of the batch sizes)
+                        {"kind": "fsdp"}  as dp, with parameters, gradients and optimizer state sharded over
+                                        the ranks (`nn.fully_shard`; needs a backend with sum_scatter: nccl)
                         {"kind": "pipeline", "stages": [{"rank": 0, "first_layer": 0, "last_layer": 5}, ...],
                          "micro_batches": 8, "schedule": "1f1b" | "gpipe"}
                                         pipeline parallel: rank r holds transformer blocks
@@ -90,7 +92,7 @@ METHODS = ("lora", "dora", "full", "dpo")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
 CHAOS_KINDS = ("kill", "hang", "nan", "diverge", "lie", "slow", "stall")
 OPTIMIZERS = ("adam", "adamw", "sgd")
-LAYOUT_KINDS = ("dp", "pipeline")
+LAYOUT_KINDS = ("dp", "fsdp", "pipeline")
 SCHEDULES = ("1f1b", "gpipe")
 PACKING = ("auto", "on", "off")
 MAX_HEARTBEAT_S = 2.0
@@ -394,10 +396,10 @@ def _parse_layout(raw: Any, ranks: tuple[RankSpec, ...]) -> Layout:
         kind = _choice(raw, "kind", "dp", LAYOUT_KINDS)
     except ConfigError as exc:
         raise ConfigError(f"layout.{exc}") from None
-    if kind == "dp":
+    if kind in ("dp", "fsdp"):
         if set(raw) - {"kind"}:
-            raise ConfigError(f"layout: unknown keys for kind dp {sorted(set(raw) - {'kind'})}")
-        return Layout()
+            raise ConfigError(f"layout: unknown keys for kind {kind} {sorted(set(raw) - {'kind'})}")
+        return Layout(kind=kind)
     unknown = set(raw) - {"kind", "stages", "micro_batches", "schedule"}
     if unknown:
         raise ConfigError(f"layout: unknown keys {sorted(unknown)}")

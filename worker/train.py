@@ -321,6 +321,7 @@ class Trainer:
             "num_layers": self.num_layers,
             "world": {"size": cfg.world_size, "ranks": cfg.plan_json()},
             "last_loss": self.last_loss,
+            **self.strategy.state_fields(),
         }
 
     def save(self, step: int) -> Path:

@@ -28,6 +28,10 @@ def attach(run_id: str, inventory: str | None, run_dir: Path, as_json: bool, det
     sup = Supervision(detach_on_hangup=detach_on_hangup)
     try:
         summary = run_supervised(control.attach(run_dir / run_id, inventory=inventory, ui=ui, supervision=sup), sup)
+    except control.RunEnded as ended:
+        # Nothing to supervise; its record stays as written (and is what --json prints).
+        click.echo((run_dir / run_id / "summary.json").read_text(encoding="utf-8").rstrip() if as_json else str(ended))
+        return
     finally:
         ui.close()
     if as_json:

@@ -26,7 +26,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     from coordinator.run.job import calibrate_fleet
     from coordinator.run.mapjob import calibrate_map
     from coordinator.views.liveview import RichUI, make_console
-    from coordinator.views.render import dumps
+    from coordinator.views.render import dumps, render_strategy
 
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None
@@ -47,8 +47,8 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
                           str(row["rows"]), f"{100 * row['share']:.1f}%")
         console.print(table)
         return
-    plan, cals = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
-    result = calibration_to_json(plan, [cals[n.name] for n in inv.nodes])
+    plan, cals, choice = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
+    result = calibration_to_json(plan, cals, choice)  # one row per rank node: a node with several GPUs has one per GPU
     if as_json:
         click.echo(dumps(result))
         return
@@ -56,14 +56,19 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     # Two units: the bench times padded rows (every position), training reports real tokens (padding excluded).
     for col in ("node", "best padded pos/s", "at batch", "planned batch", "share", "predicted real tok/s", "cached"):
         table.add_column(col)
-    for node in inv.nodes:
-        cal = cals[node.name]
-        table.add_row(node.name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[node.name]),
-                      f"{100 * plan.split[node.name]:.1f}%", f"{plan.node_tokens_per_s(node.name) or 0:,.0f}",
+    for name in plan.batch:  # rank nodes: a node with several GPUs has one per GPU
+        if name not in cals or plan.mode == "pipeline":
+            continue  # a pipeline's stage: the plan below says which blocks it holds
+        cal = cals[name]
+        table.add_row(name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[name]),
+                      f"{100 * plan.split[name]:.1f}%", f"{plan.node_tokens_per_s(name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
-    console.print(table)
-    console.print(f"split: [bold]{format_split(plan)}[/bold]; predicted {plan.predicted_tokens_per_s:,.0f} real "
-                  "tokens/s for the run (padded positions/s: what the bench timed, padding included)")
+    if plan.mode != "pipeline":
+        console.print(table)
+        console.print(f"split: [bold]{format_split(plan)}[/bold]; predicted {plan.predicted_tokens_per_s:,.0f} real "
+                      "tokens/s for the run (padded positions/s: what the bench timed, padding included)")
+    if choice is not None:
+        render_strategy(choice, console)
 
 
 def register(main: click.Group) -> None:

@@ -91,10 +91,11 @@ class Interrupted(CoordinatorError):
 
 
 def exit_for(summary: RunSummary, sup: Supervision, console: Console) -> None:
-    """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded."""
+    """A run's exit code: 128 + the signal that stopped it, else 0 only when it succeeded (also when a signal came
+    after every rank had finished: the run was not stopped)."""
     from coordinator.run.supervision import exit_code_for
 
-    if sup.signum is not None:
+    if sup.signum is not None and summary.state != "succeeded":
         if sup.detach:
             console.print(f"detached on SIGHUP: run {summary.run_id} goes on; supervise it again with "
                           f"`coordinator attach {summary.run_id} --run-dir {Path(summary.run_dir).parent}`")
@@ -128,10 +129,10 @@ def handle_errors(fn: F) -> F:
 def load(inventory: str, playbook: str | None, limit: str | None) -> tuple[Inventory, Playbook | None]:
     from coordinator.config.inventory import load_inventory
     from coordinator.config.playbook import load_playbook
+    from coordinator.models import parse_limit
 
     inv = load_inventory(inventory)
-    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
-    inv = inv.limit(names)
+    inv = inv.limit(parse_limit(limit))
     pb = load_playbook(playbook) if playbook else None
     return inv, pb
 
@@ -203,6 +204,8 @@ def message_note(summary: RunSummary) -> str:
 def print_incidents(console: Console, summary: RunSummary) -> None:
     from rich.markup import escape
 
+    from coordinator.run.monitor import describe_incident, describe_recovery
+
     job_error = next((i for i in summary.incidents if i.kind == "job_error"), None)
     if job_error is not None:
         # Printed once, with its remedy; the ranks' own copies of the message are not repeated below.
@@ -215,9 +218,9 @@ def print_incidents(console: Console, summary: RunSummary) -> None:
         if job_error is not None and (inc is job_error or inc.evidence.get("job_error")):
             continue
         after = "" if inc.detected_after_s is None else f" (detected after {inc.detected_after_s:.1f}s)"
-        console.print(f"  [red]{inc.kind}[/red] node {inc.node} rank {inc.rank} step {inc.step}{after}: "
-                      f"{inc.action}; {str(inc.evidence)[:300]}")
+        console.print(f"  [red]{inc.kind}[/red] {escape(describe_incident(inc).split(': ', 1)[-1])}{after}; "
+                      f"action {inc.action} (node {inc.node}" + (f" rank {inc.rank}" if inc.rank is not None else "")
+                      + ")", highlight=False)
     for rec in summary.recoveries:
-        console.print(f"  relaunch {rec['attempt']}: without {', '.join(rec['culprits']) or 'nobody'} on "
-                      f"{', '.join(rec['nodes'])}; first step after {rec.get('first_step_after_s')}s")
+        console.print(f"  {escape(describe_recovery(rec))}", highlight=False)
 

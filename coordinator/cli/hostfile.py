@@ -17,13 +17,15 @@ from coordinator.errors import ConfigError, CoordinatorError
 def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, connect_timeout: float,
              probe_timeout: float, playbook: str, output: Path | None) -> None:
     """Write MLX's JSON hostfile for the playbook's backend (jaccl's rdma matrix from the Thunderbolt facts)."""
+    from coordinator.planning.gpuranks import build_rank_nodes, rank_facts
     from coordinator.preflight.pipeline import collect
     from coordinator.run.job import hostfile_for
     from coordinator.views.render import dumps
 
     inv, pb = load(inventory, playbook, limit)
     assert pb is not None
-    needs_facts = pb.backend in ("jaccl", "jaccl-ring", "auto")
+    # nccl too: a node with several GPUs has one entry per GPU (coordinator.planning.gpuranks).
+    needs_facts = pb.backend in ("jaccl", "jaccl-ring", "auto", "nccl")
     facts = {}
     if needs_facts:
         result = run_async(collect(inv, None, connect_timeout=connect_timeout, probe_timeout=probe_timeout,
@@ -33,7 +35,8 @@ def hostfile(inventory: str, limit: str | None, accept_new_host_keys: bool, conn
             raise CoordinatorError(f"no facts from {', '.join(missing)}: the {pb.backend} hostfile needs each "
                                    "node's Thunderbolt topology (run `coordinator preflight`)")
         facts = result.facts
-    text = dumps(hostfile_for(inv, pb, facts).to_json()) + "\n"
+    ranks = build_rank_nodes(inv, pb.backend, facts)
+    text = dumps(hostfile_for(ranks, pb, rank_facts(facts, ranks.nodes)).to_json()) + "\n"
     if output is None:
         click.echo(text, nl=False)
     else:

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
               help="On SIGHUP (a closed terminal) leave the run running for `coordinator attach` instead of stopping it.")
 @click.option("--dashboard", "with_dashboard", is_flag=True, help="Serve the web dashboard beside the run.")
 @click.option("--dashboard-host", default=DEFAULT_METRICS_HOST, show_default=True,
-              help="Address the dashboard binds (any but loopback needs the printed token).")
+              help="Address the dashboard binds (every request needs the printed token).")
 @click.option("--dashboard-port", default=8050, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--keep-dashboard", is_flag=True,
               help="With --dashboard: keep serving the page after the run ends, until Ctrl-C (make demo DASHBOARD=1).")
@@ -105,7 +105,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
                               "training jobs (kind: train)", path=pb.path)
         _launch_map(inv, pb, opts, ui, console, as_json, sup)
         return
-    chaos = [parse_chaos(spec, world_size=len(inv.nodes)) for spec in chaos_specs]
+    # With nccl (or auto) a node may run one rank per GPU: the world is known once its facts are in (job.check_chaos).
+    world = None if pb.backend in ("nccl", "auto") else len(inv.nodes)
+    chaos = [parse_chaos(spec, world_size=world, iters=pb.train.iters) for spec in chaos_specs]
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     job_ui: JobUI = MetricsUI(ui, server) if server is not None else ui
     verdicts: dict[str, str] = {}  # each node's preflight, for the dashboard's fleet page
@@ -125,8 +127,9 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
                       + (f"; resumed from step {resumed['step']}" if resumed else "") + message_note(summary))
-        console.print(f"throughput: {describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s)}",
-                      markup=False, highlight=False)
+        throughput = describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s, steps=summary.steps,
+                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s)
+        console.print(f"throughput: {throughput}", markup=False, highlight=False)
         print_incidents(console, summary)
 
     if with_dashboard:  # served on the launch's own event loop; it ends with the job (or, kept, at Ctrl-C)

@@ -11,22 +11,24 @@ The watch loop is coordinator/views/statuswatch.py (`watch`), the screen coordin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import RenderableType
-from rich.live import Live
 
 from coordinator.cli.common import run_async
 from coordinator.cli.status import load_status_inventory
-from coordinator.run.metrics import DEFAULT_METRICS_HOST, MetricsServer
-from coordinator.run.quarantine import QuarantineStore
-from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
-from coordinator.views.statuswatch import watch
+from coordinator.models import DEFAULT_METRICS_HOST, DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.live import Live
+
+# The verb's work is imported when it runs: `monitor --help` must not pay for asyncssh, rich and the views.
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")
 @click.option("--limit", help="Comma-separated node names to show.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_RUN_DIR,
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(DEFAULT_RUN_DIR),
               show_default=True, help="Where runs/<run-id>/ are (the newest are read).")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(0.2, 3600),
               help="Seconds between refreshes.")
@@ -42,9 +44,14 @@ from coordinator.views.statuswatch import watch
 def monitor(inventory: str, limit: str | None, run_dir: Path, interval: float, once: bool, metrics_port: int | None,
             metrics_host: str, accept_new_host_keys: bool, connect_timeout: float, probe_timeout: float) -> None:
     """Watch the fleet and the active run live (Ctrl-C stops); optionally export Prometheus metrics."""
-    inv = load_status_inventory(inventory, limit)
-    from coordinator.views.liveview import make_console  # lazy: the rich live view is not needed for --help
+    from rich.live import Live
 
+    from coordinator.run.metrics import MetricsServer
+    from coordinator.run.quarantine import QuarantineStore
+    from coordinator.views.liveview import make_console
+    from coordinator.views.statuswatch import watch
+
+    inv = load_status_inventory(inventory, limit)
     console = make_console(wide_tables=True)
     server = MetricsServer(metrics_port, metrics_host) if metrics_port is not None else None
     if server is not None:

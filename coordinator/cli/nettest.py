@@ -4,18 +4,18 @@ coordinator/fleet/nettestrun.py; the judging: coordinator/fleet/nettest.py)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from coordinator.cli.common import run_async
-from coordinator.errors import ConfigError
-from coordinator.fleet.nettest import (
-    NettestReport,
-)
-from coordinator.fleet.nettestrun import run_nettest
-from coordinator.views.render import dumps, status_text
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from coordinator.fleet.nettest import NettestReport
+
+# The measurement and the tables are imported when the verb runs: `nettest --help` must not pay for them.
 
 
 def _gbps(bps: float) -> str:
@@ -24,6 +24,10 @@ def _gbps(bps: float) -> str:
 
 def render_nettest(report: NettestReport, console: Console, *, strict: bool = False) -> None:
     """A table of pairs, then the counts."""
+    from rich.table import Table
+
+    from coordinator.views.render import status_text
+
     table = Table(title=f"nettest: {len(report.pairs)} pair(s) in {report.seconds:.1f}s")
     for col, justify in (("pair", "left"), ("link", "left"), ("rtt ms", "right"), ("a→b Gb/s", "right"),
                          ("b→a Gb/s", "right"), ("status", "left"), ("summary", "left")):
@@ -34,7 +38,17 @@ def render_nettest(report: NettestReport, console: Console, *, strict: bool = Fa
         table.add_row(f"{p.a.node} ↔ {p.b.node}\n{p.a.ip} ↔ {p.b.ip}", link,
                       f"{m.rtt_ms:.3f}" if m else "-", _gbps(m.up_bps) if m else "-",
                       _gbps(m.down_bps) if m else "-", status_text(p.status), p.summary)
-    console.print(table)
+    if report.pairs:
+        console.print(table)
+    if report.gpus:
+        gpus = Table(title="GPUs of a node: NCCL all-reduce")
+        for col, justify in (("node", "left"), ("GPUs", "right"), ("bus GB/s", "right"), ("status", "left"),
+                             ("summary", "left")):
+            gpus.add_column(col, justify=justify)  # type: ignore[arg-type]
+        for g in report.gpus:
+            gpus.add_row(g.node, str(len(g.devices)), f"{g.busbw_bps / 1e9:.1f}" if g.busbw_bps else "-",
+                         status_text(g.status), g.summary)
+        console.print(gpus)
     counts = report.counts()
     verdict = "[green]ok[/green]" if report.ok(strict=strict) else "[red]FAILED[/red]"
     console.print(f"{verdict}: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail")
@@ -59,12 +73,15 @@ def register(main: click.Group) -> None:
     def nettest(inventory: str, limit: str | None, seconds: float, pings: int, as_json: bool, strict: bool,
                 accept_new_host_keys: bool, connect_timeout: float) -> None:
         """Measure latency and bandwidth between every pair of nodes' data-plane IPs, one pair at a time, and
-        judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi)."""
+        judge each link against its kind (Thunderbolt, Ethernet, Wi-Fi); on a node with several NVIDIA GPUs, the
+        NCCL all-reduce bus bandwidth between them."""
+        from rich.console import Console
+
         from coordinator.cli.common import load
+        from coordinator.fleet.nettestrun import run_nettest
+        from coordinator.views.render import dumps
 
         inv, _ = load(inventory, None, limit)
-        if len(inv.nodes) < 2:
-            raise ConfigError(f"nettest needs at least two nodes, got {len(inv.nodes)}")
         console = Console(stderr=as_json)
 
         def progress(a: str, b: str) -> None:

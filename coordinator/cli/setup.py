@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from coordinator.cli.common import DEFAULT_INVENTORY, run_async
-from coordinator.fleet.nodesetup import SetupFailed
 
 COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
 
@@ -24,7 +23,8 @@ COLOURS = {"ok": "green", "changed": "yellow", "failed": "red"}
               help="macOS Thunderbolt addresses instead of software: print the networksetup commands per node.")
 @click.option("--apply", "apply_", is_flag=True, help="With --network: run the printed commands (sudo networksetup).")
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path),
-              help="The coordinator's wheel cache [default: ~/.cache/mlx-coordinator/wheelhouse].")
+              help="The coordinator's wheel cache [default: $XDG_CACHE_HOME/mlx-coordinator/wheelhouse, "
+                   "~/.cache/... without it].")
 @click.option("--find-links", multiple=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Download from this local wheel directory only, not PyPI (an air-gapped coordinator).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -58,10 +58,12 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
             for line in net.lines():
                 console.print(line, markup=False)
         if net.failed:
+            from coordinator.fleet.nodesetup import SetupFailed
+
             raise SetupFailed("setup --network failed on " + ", ".join(net.failed_nodes()))
         return
 
-    from coordinator.fleet.nodesetup import pins_from, run_setup
+    from coordinator.fleet.nodesetup import SetupFailed, pins_from, run_setup
 
     software = pb.software if pb is not None else None
     pins = pins_from(software.mlx if software else None, software.mlx_lm if software else None)
@@ -73,7 +75,7 @@ def setup(inventory: str, playbook: str | None, limit: str | None, check: bool, 
 
     report = run_async(run_setup(inv.nodes, pins, check=check, root=wheelhouse, find_links=find_links,
                                  connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys,
-                                 on_download=downloading))
+                                 on_download=downloading, on_note=lambda note: console.print(note, markup=False)))
     if as_json:
         click.echo(dumps(report.to_json()))
     else:

@@ -4,28 +4,30 @@ the runs and probing the fleet: coordinator/views/statuswatch.py; the tables: co
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from coordinator.cli.common import run_async
-from coordinator.config.inventory import load_inventory
-from coordinator.models import Inventory
-from coordinator.run.quarantine import QuarantineStore
-from coordinator.views.render import dumps
-from coordinator.views.status import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
-from coordinator.views.statusview import render_run_table, render_status_table
-from coordinator.views.statuswatch import collect_status
+from coordinator.models import DEFAULT_RUN_DIR, DEFAULT_STATUS_PROBE_TIMEOUT
+
+if TYPE_CHECKING:
+    from coordinator.models import Inventory
+
+# The verb's work is imported when it runs: `status --help` must not pay for asyncssh, rich and the views.
 
 
 def load_status_inventory(inventory: str, limit: str | None) -> Inventory:
+    from coordinator.config.inventory import load_inventory
+    from coordinator.models import parse_limit
+
     inv = load_inventory(inventory)
-    names = [n.strip() for n in limit.split(",") if n.strip()] if limit else None
-    return inv.limit(names)
+    return inv.limit(parse_limit(limit))
 
 
 @click.option("-i", "--inventory", default="inventory/local.yaml", show_default=True, help="The fleet.")
 @click.option("--limit", help="Comma-separated node names to show.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_RUN_DIR,
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(DEFAULT_RUN_DIR),
               show_default=True, help="Where runs/<run-id>/ are (the newest are read).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--accept-new-host-keys", is_flag=True, help="Record unknown host keys (a changed key always fails).")
@@ -36,13 +38,18 @@ def status(inventory: str, limit: str | None, run_dir: Path, as_json: bool, acce
            connect_timeout: float, probe_timeout: float) -> None:
     """Show every node: reachable, OS, chip, memory, load, GPU, power, disk, its run and quarantine.
     Unreachable nodes are rows with their error; exits 0 unless the inventory is invalid (2)."""
+    from coordinator.run.quarantine import QuarantineStore
+    from coordinator.views.render import dumps
+    from coordinator.views.statusview import render_run_table, render_status_table
+    from coordinator.views.statuswatch import collect_status
+
     inv = load_status_inventory(inventory, limit)
     report = run_async(collect_status(inv, run_dir, QuarantineStore(), connect_timeout=connect_timeout,
                                       probe_timeout=probe_timeout, accept_new_host_keys=accept_new_host_keys))
     if as_json:
         click.echo(dumps(report.to_json()))
         return
-    from coordinator.views.liveview import make_console  # lazy: the rich live view is not needed for --help
+    from coordinator.views.liveview import make_console
 
     console = make_console(wide_tables=True)
     console.print(render_status_table(report.nodes))

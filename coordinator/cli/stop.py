@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from coordinator.cli.common import handle_errors, run_async
-from coordinator.errors import CoordinatorError
 
 
 @click.argument("run_id")
@@ -18,13 +17,15 @@ from coordinator.errors import CoordinatorError
 @handle_errors
 def stop(run_id: str, inventory: str | None, run_dir: Path, wait_s: float) -> None:
     """Stop RUN_ID cleanly: launcher, every rank on every node, temp files; summary state `stopped`, nothing
-    quarantined. A live coordinator of the run is asked to do it (and waited for); else this command does."""
+    quarantined. A live coordinator of the run is asked to do it (and waited for); else this command does. A run
+    that already ended is left as it is (exit 0, one line with how it ended)."""
     from coordinator.run import control
 
     summary = run_async(control.stop(run_dir / run_id, inventory=inventory, wait_s=wait_s))
-    if summary.state != "stopped":
-        raise CoordinatorError(f"run {summary.run_id} ended {summary.state} at step {summary.steps} before the "
-                               f"stop request was carried out ({summary.message or 'no message'})")
+    if summary.already_ended:
+        # Nothing to stop, nothing rewritten: what it ended as is its record.
+        click.echo(f"run {summary.run_id} already ended: {summary.state} at step {summary.steps}")
+        return
     click.echo(f"stopped run {summary.run_id} at step {summary.steps}")
 
 

@@ -7,13 +7,17 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from coordinator.errors import ConfigError
-from coordinator.fleet.syncrun import run_sync
-from coordinator.planning.sync import SyncPlan
-from coordinator.views.liveview import NodeBars
+
+if TYPE_CHECKING:
+    from coordinator.planning.sync import SyncPlan
+    from coordinator.views.liveview import NodeBars
+
+# The transfer and the bars are imported when the verb runs: `sync --help` must not pay for asyncssh and rich.
 
 
 def _size(n: int) -> str:
@@ -75,6 +79,7 @@ def register(main: click.Group) -> None:
         relay only the differing files once down a chain of nodes (pipelined, resumable), delete extras, then
         verify every node's manifest equals the source's."""
         from coordinator.cli.common import load, run_async
+        from coordinator.models import parse_limit
 
         if from_node and source_path:
             raise ConfigError("give --from NODE or --source PATH, not both")
@@ -90,7 +95,9 @@ def register(main: click.Group) -> None:
             missing = [lb for lb, _ in pb.hashed_dirs() if not (source_path / lb).is_dir()]
             if missing:
                 raise ConfigError(f"--source {source_path} lacks {', '.join(missing)}/ (one subdir per synced dir)")
-        targets = inv.limit([n.strip() for n in limit.split(",") if n.strip()] if limit else None)
+        from coordinator.fleet.syncrun import run_sync
+
+        targets = inv.limit(parse_limit(limit))
         echo = (lambda s: click.echo(s, err=True)) if as_json else click.echo
         ui = _bars(enabled=not as_json and not check)
 
@@ -138,5 +145,7 @@ def register(main: click.Group) -> None:
 def _bars(enabled: bool) -> NodeBars:
     """Per-node progress bars (bytes, MB/s, ETA) on a terminal; nothing otherwise."""
     from rich.console import Console
+
+    from coordinator.views.liveview import NodeBars
 
     return NodeBars(Console(stderr=True), enabled, eta=True)

@@ -328,9 +328,14 @@ class TrainConfig(_Strict):
     # that raised our peak above mlx-lm's is bounded without emptying the cache (worker/memory.py). null: unbounded.
     memory_headroom: Annotated[float, BeforeValidator(to_number), Field(ge=0)] | None = 0.1
     optimizer: Optimizer = "adam"
-    # dp: a full replica per rank; fsdp: weights, grads and Adam state sharded across ranks (full fine-tunes only;
-    # not run by the worker in this version); auto: dp when it fits the smallest node (coordinator/planning/strategy.py).
-    strategy: Literal["auto", "dp", "fsdp"] = "auto"
+    # dp: a full replica per rank; pipeline: each node a contiguous range of blocks (docs/strategy.md); fsdp: weights,
+    # grads and Adam state sharded across ranks (full fine-tunes only; not run by the worker in this version); auto:
+    # the feasible plan with the best predicted tokens/s (coordinator/planning/strategy.py).
+    strategy: Literal["auto", "dp", "pipeline", "fsdp"] = "auto"
+    # pipeline: blocks per node in ring (inventory) order, instead of the computed split; checked against memory.
+    layer_split: tuple[PositiveInt, ...] | None = None
+    # pipeline: micro-batches per step (1F1B); None = min(8, batch_size). More shrink the bubble (P-1)/(M+P-1).
+    micro_batches: PositiveInt | None = None
     seed: Int = 0
     keep_checkpoints: PositiveInt = 2  # newest N checkpoints kept on every node
     lora: LoraConfig = Field(default_factory=lambda: LoraConfig())
@@ -342,6 +347,11 @@ class TrainConfig(_Strict):
         return self.dpo.fine_tune_type if self.method == "dpo" else self.method
 
     @property
+    def pipeline_micro_batches(self) -> int:
+        """Micro-batches of a pipeline step: `micro_batches`, else min(8, batch_size)."""
+        return self.micro_batches or min(8, self.batch_size)
+
+    @property
     def rows_per_example(self) -> int:
         """Sequences per batch row: a DPO pair is two (chosen and rejected)."""
         return 2 if self.method == "dpo" else 1
@@ -350,6 +360,15 @@ class TrainConfig(_Strict):
     def _embeddings(self) -> TrainConfig:
         if self.train_embeddings and (self.fine_tune_type != "full" or self.num_layers is not None):
             raise ValueError("train_embeddings needs full fine-tuning of all layers (num_layers unset or -1)")
+        if self.strategy == "pipeline" and (self.method == "dpo" or self.train_embeddings):
+            raise ValueError("strategy pipeline trains neither DPO nor embeddings (train_embeddings): use strategy "
+                             "dp or auto")
+        if self.layer_split is not None and self.strategy != "pipeline":
+            raise ValueError(f"layer_split pins a pipeline's blocks per node: it needs strategy pipeline (this one is "
+                             f"{self.strategy})")
+        if self.micro_batches is not None and self.micro_batches > self.batch_size:
+            raise ValueError(f"micro_batches {self.micro_batches} exceeds batch_size {self.batch_size}: every "
+                             "micro-batch needs an example")
         if self.strategy == "fsdp" and self.fine_tune_type != "full":
             raise ValueError(f"strategy fsdp shards a full fine-tune (this one is {self.fine_tune_type}): use "
                              "strategy dp or auto")

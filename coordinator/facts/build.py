@@ -198,6 +198,7 @@ def _linux(b: _Builder, uname: tuple[str, str, str]) -> dict[str, Any]:
     if rel is not None:
         out["os"] = OsInfo(system=uname[0], kernel=uname[1], arch=uname[2], name=rel[0], version=rel[1])
     out["memory"] = b.parse("meminfo", linux.parse_meminfo)
+    out["cgroup_memory"] = b.parse("cgroup_memory", linux.parse_cgroup_memory, optional=True)
     cores = b.parse("nproc", linux.parse_nproc)
     mem: Memory | None = out["memory"]
     if cores is not None or mem is not None:

@@ -10,9 +10,10 @@ import re
 import shlex
 
 from coordinator.facts.common import excerpt, parse_df, parse_uname, require_text
-from coordinator.facts.model import CudaDevice, Gpu, Memory, NetInterface, NetLink, ParseError
+from coordinator.facts.model import CgroupMemory, CudaDevice, Gpu, Memory, NetInterface, NetLink, ParseError
 
 __all__ = [
+    "parse_cgroup_memory",
     "parse_df",
     "parse_infiniband",
     "parse_ip_addr",
@@ -79,6 +80,31 @@ def parse_meminfo(text: str) -> Memory:
         available_bytes=available,
         free_percent=None if available is None else round(100.0 * available / total, 2),
     )
+
+
+# v1 has no "unlimited" word: an unset limit reads as the page counter's maximum (PAGE_COUNTER_MAX x page size,
+# 9223372036854771712 on x86_64 with 4 KiB pages). Anything this large is no limit on a real machine.
+CGROUP_UNLIMITED = 2**62
+_CGROUP_LINE = re.compile(r"^(?P<version>v[12]) (?P<path>/\S*) (?P<value>\d+|max)$")
+
+
+def parse_cgroup_memory(text: str) -> CgroupMemory:
+    """`sh -c "$CGROUP_MEMORY"` (coordinator/facts/probe.py) -> the lowest memory limit of the probe's cgroup and
+    its ancestors. Lines are `v1|v2 PATH VALUE`, VALUE a byte count or `max`; empty output is valid (no memory
+    controller, or nothing readable): no limit. Raises `ParseError` on any other line."""
+    best: CgroupMemory = CgroupMemory(None)
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _CGROUP_LINE.match(line.strip())
+        if match is None:
+            raise ParseError(f"cgroup_memory: expected 'v1|v2 PATH BYTES|max' lines, got {excerpt(line)}")
+        value = match["value"]
+        if value == "max" or int(value) >= CGROUP_UNLIMITED:
+            continue
+        if best.limit_bytes is None or int(value) < best.limit_bytes:
+            best = CgroupMemory(int(value), match["version"], match["path"])
+    return best
 
 
 def parse_nproc(text: str) -> int:

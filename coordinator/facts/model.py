@@ -187,6 +187,18 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit of the probe's own cgroup (Linux; children of the SSH session inherit it): the lowest
+    `memory.limit_in_bytes` (v1) or `memory.max` (v2) of the cgroup and its ancestors. `limit_bytes` None: no
+    limit (v2 `max`, v1's page-counter maximum) or no memory controller. `path` and `version` say where the
+    binding limit is set."""
+
+    limit_bytes: int | None
+    version: str | None = None  # "v1" | "v2"
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class Power:
     sleep_minutes: int | None  # 0 = never sleeps
     sleep_prevented_by: tuple[str, ...] = ()
@@ -300,6 +312,7 @@ class NodeFacts:
     net_links: tuple[NetLink, ...] | None = None  # Linux: /sys/class/net
     rdma: Rdma | None = None
     memory: Memory | None = None
+    cgroup_memory: CgroupMemory | None = None  # Linux: the cgroup memory limit ranks inherit
     power: Power | None = None
     disk: Disk | None = None
     gpu: Gpu | None = None

@@ -65,6 +65,26 @@ for d in /sys/class/net/*; do
 done
 exit 0"""
 
+# The memory limit of the probe's own cgroup and of each ancestor (a rank started over SSH inherits the session's
+# cgroup): one `v1|v2 PATH VALUE` line per level, v1 from the memory controller's `memory.limit_in_bytes`, v2 from
+# the unified hierarchy's `memory.max` (a hybrid host's `0::` line has no memory.max there: nothing printed).
+# Shell builtins only; a level that cannot be read prints nothing, and the section always exits 0 (no line: no
+# limit known). `parse_cgroup_memory` takes the lowest.
+CGROUP_MEMORY = r"""exec 2>/dev/null
+while IFS=: read -r id ctl p; do
+  case ",$ctl," in
+    *,memory,*) v=v1 r=/sys/fs/cgroup/memory f=memory.limit_in_bytes ;;
+    ,,) [ "$id" = 0 ] || continue; v=v2 r=/sys/fs/cgroup f=memory.max ;;
+    *) continue ;;
+  esac
+  while :; do
+    x=; read -r x < "$r$p/$f" && printf '%s %s %s\n' "$v" "${p:-/}" "$x"
+    { [ -z "$p" ] || [ "$p" = / ]; } && break
+    p=${p%/*}
+  done
+done < /proc/self/cgroup
+:"""
+
 LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("os_release", ("cat", "/etc/os-release")),
     ("cpuinfo", ("grep", "-m1", "-i", "^model name", "/proc/cpuinfo")),
@@ -74,6 +94,7 @@ LINUX_COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ip_addr", ("ip", "-o", "-4", "addr", "show")),
     ("infiniband", ("ls", "-1", "/sys/class/infiniband")),
     ("sys_class_net", ("sh", "-c", SYS_CLASS_NET)),
+    ("cgroup_memory", ("sh", "-c", CGROUP_MEMORY)),
 )
 
 # One row per NVIDIA GPU (coordinator.facts.linux.NVIDIA_SMI_FIELDS, parse_nvidia_smi). Run only where nvidia-smi
@@ -83,7 +104,8 @@ NVIDIA_SMI = ("nvidia-smi", "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--for
 
 # Sections whose absence is normal on a node (a command that only exists on some machines).
 # `sys_class_net` only informs nettest's link kinds: without it a link is `unknown`, which no check fails on.
-OPTIONAL_SECTIONS = frozenset({"nvidia_smi", "infiniband", "cpuinfo", "sys_class_net"})
+# `cgroup_memory` always exits 0; optional so that a recording made before it existed still builds.
+OPTIONAL_SECTIONS = frozenset({"nvidia_smi", "infiniband", "cpuinfo", "sys_class_net", "cgroup_memory"})
 
 
 @dataclass(frozen=True)
@@ -117,8 +139,11 @@ class Probe:
 BOOTSTRAP = """\
 import marshal, os, sys
 source = sys.stdin.buffer.read()
-path = os.path.expanduser("~/.cache/mlx-coordinator/probe-%s-%s-%x.bin"
-                          % (sys.argv.pop(1), sys.implementation.cache_tag, sys.hexversion))
+base = os.environ.get("XDG_CACHE_HOME", "")
+if not os.path.isabs(base):
+    base = os.path.expanduser("~/.cache")
+path = os.path.join(base, "mlx-coordinator", "probe-%s-%s-%x.bin"
+                    % (sys.argv.pop(1), sys.implementation.cache_tag, sys.hexversion))
 try:
     with open(path, "rb") as f:
         code = marshal.loads(f.read())

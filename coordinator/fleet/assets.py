@@ -165,3 +165,36 @@ async def provision(fleet: Fleet, pb: Playbook) -> dict[str, dict[str, str] | Tr
     for node, res in zip(rest, await asyncio.gather(*(one(n) for n in rest)), strict=True):
         results[node.name] = res
     return results
+
+
+# Which of the given dirs exist and hold anything. Run with the node's system python3 (launch --fix asks before
+# setup, when the inventory's python may not exist yet). argv: one JSON object label -> dir.
+_DIRS = r"""
+import json, os, sys
+out = {}
+for label, d in json.loads(sys.argv[1]).items():
+    d = os.path.expanduser(d)
+    out[label] = ("files" if os.listdir(d) else "empty") if os.path.isdir(d) else "missing"
+print(json.dumps(out))
+"""
+
+
+def provided_labels(pb: Playbook) -> tuple[str, ...]:
+    """The synced dirs the playbook's `assets:` fill where they are missing (`model`, `data`)."""
+    return (("model",) if pb.assets.tiny_model is not None else ()) + (("data",) if pb.assets.data_from else ())
+
+
+async def look_at_dirs(fleet: Fleet, names: list[str], dirs: dict[str, str]) -> dict[str, dict[str, str] | None]:
+    """label -> "missing" | "empty" | "files" for each node of `names`, with its system python3; None for a node
+    that did not answer (not connected, no python3, an unreadable dir)."""
+    async def one(name: str) -> dict[str, str] | None:
+        if name not in fleet.connected:
+            return None
+        try:
+            result = await fleet.transports[name].run(["python3", "-c", _DIRS, json.dumps(dirs)], timeout=60)
+        except TransportError:
+            return None
+        answer = _last_json(result.stdout) if result.ok else None
+        return {str(k): str(v) for k, v in answer.items()} if answer is not None else None
+
+    return dict(zip(names, await asyncio.gather(*(one(n) for n in names)), strict=True))

@@ -341,21 +341,75 @@ def evaluate_pair(a: LinkEnd, b: LinkEnd, measurement: Measurement | None, error
 
 
 @dataclass(frozen=True)
+class GpuBusResult:
+    """NCCL between the GPUs of one node (`worker.gpunettest`): all-reduce bus bandwidth in bytes/second
+    (nccl-tests' busbw), or the error that stopped it. No nominal speed is known (NVLink generation and PCIe
+    width are not in the facts): any measured bandwidth passes, a failure fails; the figure is for the operator
+    (an H100 pair over NVLink moves about 300 GB/s, over PCIe a tenth of that)."""
+
+    node: str
+    devices: tuple[str, ...]
+    status: Status
+    summary: str
+    busbw_bps: float | None = None
+    algbw_bps: float | None = None
+    bytes: int | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "devices": list(self.devices), "status": str(self.status),
+                "summary": self.summary, "busbw_bytes_per_s": self.busbw_bps, "algbw_bytes_per_s": self.algbw_bps,
+                "bytes": self.bytes, "error": self.error}
+
+
+def evaluate_gpu_bus(node: str, devices: Sequence[str], text: str | None, error: str | None = None) -> GpuBusResult:
+    """`worker.gpunettest`'s JSON line (or the transport's `error`) -> the node's GpuBusResult."""
+    if error is None and text is not None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            doc = json.loads(lines[-1]) if lines else {"error": "the GPU test printed nothing"}
+        except json.JSONDecodeError:
+            doc = {"error": f"not JSON: {lines[-1][:200]!r}"}
+        if not isinstance(doc, dict):
+            doc = {"error": f"not a JSON object: {lines[-1][:200]!r}"}
+        if "error" in doc:
+            error = str(doc["error"])
+        else:
+            try:
+                bus, alg, size = float(doc["busbw_bytes_per_s"]), float(doc["algbw_bytes_per_s"]), int(doc["bytes"])
+            except (KeyError, TypeError, ValueError) as exc:
+                error = f"missing or bad field {exc}"
+            else:
+                if bus <= 0:
+                    return GpuBusResult(node, tuple(devices), Status.FAIL, "no bandwidth measured", bus, alg, size)
+                return GpuBusResult(node, tuple(devices), Status.PASS,
+                                    f"NCCL all-reduce over {len(devices)} GPUs: {bus / 1e9:.1f} GB/s bus bandwidth "
+                                    f"({size / 2**20:.0f} MiB buffers)", bus, alg, size)
+    why = error or "unknown error"
+    return GpuBusResult(node, tuple(devices), Status.FAIL, f"not measured: {why}", error=why)
+
+
+@dataclass(frozen=True)
 class NettestReport:
     pairs: tuple[PairResult, ...]
     seconds: float
     node_errors: dict[str, str] = field(default_factory=dict)  # node -> why it took part in no measurement
+    gpus: tuple[GpuBusResult, ...] = ()  # one per node with several NVIDIA GPUs: NCCL between them
 
     def counts(self) -> dict[str, int]:
         out = {str(s): 0 for s in (Status.PASS, Status.WARN, Status.FAIL)}
-        for p in self.pairs:
-            out[str(p.status)] = out.get(str(p.status), 0) + 1
+        for status in self.statuses():
+            out[str(status)] = out.get(str(status), 0) + 1
         return out
 
     def ok(self, *, strict: bool = False) -> bool:
         limit = STATUS_SEVERITY[Status.PASS if strict else Status.WARN]
-        return all(STATUS_SEVERITY[p.status] <= limit for p in self.pairs)
+        return all(STATUS_SEVERITY[status] <= limit for status in self.statuses())
+
+    def statuses(self) -> list[Status]:
+        return [p.status for p in self.pairs] + [g.status for g in self.gpus]
 
     def to_json(self, *, strict: bool = False) -> dict[str, Any]:
         return {"ok": self.ok(strict=strict), "summary": self.counts(), "duration_s": self.seconds,
-                "pairs": [p.to_json() for p in self.pairs], "node_errors": dict(self.node_errors)}
+                "pairs": [p.to_json() for p in self.pairs], "gpus": [g.to_json() for g in self.gpus],
+                "node_errors": dict(self.node_errors)}

@@ -23,16 +23,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from coordinator.errors import CoordinatorError, TransportError
+from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.nettest import (
+    GpuBusResult,
     LinkEnd,
     Measurement,
     NettestReport,
     PairResult,
     ParseError,
     classify_endpoint,
+    evaluate_gpu_bus,
     evaluate_pair,
     parse_client_output,
     plan_pairs,
@@ -40,7 +42,9 @@ from coordinator.fleet.nettest import (
 from coordinator.fleet.ship import ship_worker
 from coordinator.fleet.transport import Fleet, Transport, python_argv
 from coordinator.models import Inventory, Node
+from coordinator.planning.gpuranks import compute_gpu_slots
 
+GPU_TIMEOUT = 120.0  # the NCCL test's ranks: start, join the group (seconds on a cold machine), 22 all_sums
 SERVE_ACCEPT_TIMEOUT = 20.0  # the server gives up when no client connected (or a socket stalls) this long
 
 
@@ -153,7 +157,35 @@ async def run_nettest(inventory: Inventory, *, seconds: float, pings: int = 50, 
             if progress is not None:
                 progress(a, b)
             results.append(await _one_pair(ends[a], ends[b], ready, node_errors, seconds=seconds, pings=pings))
-    return NettestReport(tuple(results), time.perf_counter() - started, node_errors)
+        # NCCL between the GPUs of each node that has several (one rank per GPU: planning.gpuranks).
+        gpus: list[GpuBusResult] = []
+        for node in inventory.nodes:
+            try:
+                slots = compute_gpu_slots(node, facts.get(node.name))
+            except ConfigError as exc:
+                gpus.append(evaluate_gpu_bus(node.name, (), None, str(exc)))
+                continue
+            if len(slots) < 2 or node.name not in ready:
+                continue
+            if progress is not None:
+                progress(node.name, f"its {len(slots)} GPUs (NCCL)")
+            devices = [s.device for s in slots]
+            env = [f"{k}={v}" for k, v in node.env if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")]
+            argv = ["env", *env, f"PYTHONPATH={ready[node.name].worker_dir}",
+                    *python_argv(node.python, "-m", "worker.gpunettest", "--devices", ",".join(devices),
+                                 "--timeout", f"{GPU_TIMEOUT:g}")]
+            try:
+                res = await ready[node.name].transport.run(argv, timeout=GPU_TIMEOUT + 30)
+            except TransportError as exc:
+                gpus.append(evaluate_gpu_bus(node.name, devices, None, str(exc)))
+                continue
+            gpus.append(evaluate_gpu_bus(node.name, devices, res.stdout,
+                                         None if res.stdout.strip() else (res.stderr.strip()[-300:] or
+                                                                          f"exit {res.exit_status}")))
+    if not pairs and not gpus:
+        raise ConfigError(f"nettest needs at least two nodes, or a node with several NVIDIA GPUs; "
+                          f"{', '.join(names) or 'no node'} has neither")
+    return NettestReport(tuple(results), time.perf_counter() - started, node_errors, tuple(gpus))
 
 
 async def _one_pair(a: LinkEnd, b: LinkEnd, ready: dict[str, _Ready], node_errors: dict[str, str], *,

@@ -9,24 +9,36 @@ How (docs/setup.md):
 2. Plan (pure, `plan_node`): create the venv when `python` is missing and is a venv path (`.../bin/python`);
    install `mlx[<backend>]==PIN mlx-lm==PIN` when the versions differ; ship the worker when it is missing.
 3. Download the wheels ONCE per platform on the coordinator (`pip download --only-binary :all: --platform ...
-   --python-version ...`), cached under ~/.cache/mlx-coordinator/wheelhouse/<platform>/<pins>/, push the missing
-   ones to each node over SFTP and install with `pip install --no-index --find-links`: nodes need no network.
+   --python-version ...`), cached under $XDG_CACHE_HOME/mlx-coordinator/wheelhouse/<platform>/<pins>/ (~/.cache/...
+   without it) with each wheel's SHA256 recorded in its `.complete` marker, push the ones each node's copy lacks or
+   holds different (by SHA256) over SFTP and install with `pip install --no-index --find-links`: nodes need no
+   network.
 4. Inspect again: a node whose plan is still not empty is `failed` with what still differs.
 
-Pure core: `parse_node_state`, `compute_platform`, `requirements`, `plan_node`, `build_download_argv`. I/O:
-`inspect_node`, `ensure_wheelhouse`, `apply_plan`, `run_setup`.
+Nothing is used unverified: the cache's wheels are checked against their recorded SHA256 before every use (a bad
+one is named, removed and fetched again), and the node checks its copy against the same hashes before it creates a
+venv or runs pip. A failed install removes the venv it created; pip's output is reduced to its cause (the wheel and
+the error) and kept whole in a log file whose path the message names.
+
+Pure core: `parse_node_state`, `compute_platform`, `requirements`, `plan_node`, `build_download_argv`,
+`parse_pip_failure`, `compute_bad_wheels`. I/O: `inspect_node`, `ensure_wheelhouse`, `apply_plan`, `run_setup`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -34,6 +46,7 @@ from typing import Any
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import ParseError, version_tuple
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.ship import remote_worker_dir, ship_worker
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport
 from coordinator.models import Node
@@ -279,9 +292,8 @@ def plan_node(node: Node, state: NodeState, pins: Pins) -> NodePlan:
 
 
 def default_wheelhouse_root() -> Path:
-    """The coordinator's wheel cache ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "wheelhouse"
+    """The coordinator's wheel cache (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "wheelhouse"
 
 
 def wheelhouse_name(platform: Platform, pins: Pins) -> str:
@@ -289,23 +301,58 @@ def wheelhouse_name(platform: Platform, pins: Pins) -> str:
 
 
 def build_download_argv(python: str, platform: Platform, pins: Pins, dest: Path, *,
-                        find_links: Sequence[Path] = ()) -> list[str]:
+                        find_links: Sequence[Path] = (), cached: Sequence[Path] = ()) -> list[str]:
     """`pip download` of the platform's wheels (and their dependencies) into `dest`, for a node's platform and
     python rather than the coordinator's. With `find_links` pip looks there first (`--no-index` with them only:
-    an air-gapped coordinator with a local wheel mirror)."""
+    an air-gapped coordinator with a local wheel mirror). `cached`: the good wheels of a cache being repaired, a
+    source besides the index (not `--no-index`: the bad ones are fetched from it)."""
     argv = [python, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary", ":all:",
             "--dest", str(dest), "--implementation", "cp",
             "--python-version", f"{platform.python[0]}.{platform.python[1]}",
             "--abi", f"cp{platform.python[0]}{platform.python[1]}"]
     for tag in platform.pip_platforms():
         argv += ["--platform", tag]
-    for d in find_links:
+    for d in (*find_links, *cached):
         argv += ["--find-links", str(d)]
     if find_links:
         argv.append("--no-index")
     # pip itself too, unpinned: the newest that supports the node's python, to bootstrap a venv on a node whose
     # python3 has no ensurepip (Debian without python3-venv).
     return [*argv, *requirements(platform, pins), "pip"]
+
+
+# --- pure: what a pip failure says, which wheels are bad ---------------------------------------------------------
+
+
+def parse_pip_failure(output: str, broken: Sequence[str] = ()) -> str:
+    """pip's output -> its cause in one line: the wheel(s) that do not read back (`broken`, found by a CRC check,
+    as pip does not say which one it was installing) or else the only wheel pip processed, and the exception's last
+    line; else pip's own `ERROR:` lines (at most two); else the output's last line."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    wheels = [m[1].rsplit("/", 1)[-1] for line in lines if (m := re.match(r"\s*Processing\s+(\S+\.whl)\b", line))]
+    named = list(broken) or (wheels if len(wheels) == 1 else [])
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        cause = lines[-1].strip()
+        return f"{', '.join(named)}: {cause}" if named else cause
+    errors = [line[len("ERROR: "):].strip() for line in lines if line.startswith("ERROR: ")]
+    if errors:
+        return "; ".join(errors[:2])
+    return lines[-1].strip()[-400:] if lines else "no output"
+
+
+def compute_bad_wheels(recorded: Mapping[str, str], found: Mapping[str, str | None]) -> list[tuple[str, str]]:
+    """(wheel, why) for each recorded wheel that is missing or whose SHA256 differs (`found`: name -> its SHA256,
+    None when it could not be read), in name order."""
+    bad = []
+    for name, want in sorted(recorded.items()):
+        got = found.get(name, "missing")
+        if got == "missing":
+            bad.append((name, "missing"))
+        elif got is None:
+            bad.append((name, "unreadable"))
+        elif got != want:
+            bad.append((name, f"sha256 {got[:12]}... is not the {want[:12]}... recorded at download"))
+    return bad
 
 
 # --- I/O: one node ---------------------------------------------------------------------------------------------
@@ -361,40 +408,99 @@ if os.path.exists(target):
 print(json.dumps(out))
 """
 
-# Lists a node directory's files with their sizes (a missing directory is empty). argv: the directory.
+# A node directory's wheels with their SHA256 (a missing directory is empty). argv: the directory.
 _LIST = r"""
-import json, os, sys
+import hashlib, json, os, sys
 d = os.path.expanduser(sys.argv[1])
-print(json.dumps({n: os.path.getsize(os.path.join(d, n)) for n in (os.listdir(d) if os.path.isdir(d) else [])}))
+def sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+print(json.dumps({n: sha(os.path.join(d, n)) for n in (os.listdir(d) if os.path.isdir(d) else [])
+                  if n.endswith(".whl")}))
 """
 
-# Creates the venv when asked, then pip installs from the wheelhouse only. argv: one JSON object.
+# Checks the wheelhouse against the coordinator's hashes, creates the venv when asked, then pip installs from the
+# wheelhouse only. A failure after the venv was created removes it: the node is left as it was. argv: one JSON object.
 _INSTALL = r"""
-import glob, json, os, subprocess, sys
+import glob, hashlib, json, os, shutil, subprocess, sys
 a = json.loads(sys.argv[1])
 wheels = os.path.expanduser(a["wheelhouse"])
 python = os.path.expanduser(a["python"])
-def run(argv):
+made = []
+def broken(output):
+    # The wheel pip failed on (it names none): the first whose members fail their CRC check, looked at in pip's
+    # install order ("Installing collected packages: a, b, ...").
+    import re, zipfile, zlib
+    norm = lambda name: re.sub(r"[-_.]+", "_", name).lower()
+    order = []
+    for line in output.splitlines():
+        if line.startswith("Installing collected packages:"):
+            order = [norm(n.strip()) for n in line.split(":", 1)[1].split(",")]
+    rank = lambda path: (order.index(norm(os.path.basename(path).split("-")[0]))
+                         if norm(os.path.basename(path).split("-")[0]) in order else len(order))
+    for path in sorted(glob.glob(os.path.join(wheels, "*.whl")), key=rank):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                if zf.testzip() is None:
+                    continue
+        except (OSError, zipfile.BadZipFile, EOFError, zlib.error):
+            pass
+        return [os.path.basename(path)]
+    return []
+def fail(what, output, command=None, check=False):
+    removed = None
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+        removed = path
+    print(json.dumps({"failed": what, "command": command or what, "output": output, "removed": removed,
+                      "broken": broken(output) if check else []}))
+    sys.exit(1)
+def run(what, argv, check=False):
     r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
     if r.returncode != 0:
-        print(json.dumps({"failed": " ".join(argv), "output": r.stdout[-1500:]}))
-        sys.exit(1)
+        fail(what, r.stdout, " ".join(argv), check)
+def sha(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+bad = []
+for name, want in sorted(a.get("hashes", {}).items()):
+    path = os.path.join(wheels, name)
+    try:
+        got = sha(path)
+    except OSError as exc:
+        got = "unreadable (%s)" % exc
+    if got != want:
+        bad.append(name)
+        try:
+            os.remove(path)  # the next setup sends it again
+        except OSError:
+            pass
+if bad:
+    fail("verify", "corrupted in %s (sha256 differs from the coordinator's; removed, sent again by the next setup): %s"
+         % (wheels, ", ".join(bad)))
 if a.get("venv"):
     venv = os.path.expanduser(a["venv"])
+    made.append(venv)
     try:
         import ensurepip
-        run([sys.executable, "-m", "venv", venv])
+        run("python3 -m venv " + venv, [sys.executable, "-m", "venv", venv])
     except ImportError:
         # Debian/Ubuntu without python3-venv: no ensurepip. A venv without pip, then pip from the wheelhouse.
-        run([sys.executable, "-m", "venv", "--without-pip", venv])
+        run("python3 -m venv --without-pip " + venv, [sys.executable, "-m", "venv", "--without-pip", venv])
         pips = sorted(glob.glob(os.path.join(wheels, "pip-*.whl")))
         if not pips:
-            print(json.dumps({"failed": "bootstrap pip", "output": "no ensurepip and no pip wheel"}))
-            sys.exit(1)
-        run([python, os.path.join(pips[-1], "pip"), "install", "--no-index", pips[-1]])
+            fail("bootstrap pip", "no ensurepip and no pip wheel")
+        run("bootstrap pip", [python, os.path.join(pips[-1], "pip"), "install", "--no-index", pips[-1]], True)
 if a["install"]:
-    run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-index",
-         "--find-links", wheels] + a["install"])
+    run("pip install " + " ".join(a["install"]),
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-index",
+         "--find-links", wheels] + a["install"], True)
 print(json.dumps({"ok": True}))
 """
 
@@ -416,37 +522,87 @@ def remote_wheelhouse(node: Node, name: str) -> str:
     return f"{node.workdir.rstrip('/')}/.coordinator/wheelhouse/{name}"
 
 
-async def push_wheels(transport: Transport, node: Node, local: Path, remote: str) -> int:
-    """Upload the wheels the node's copy lacks (by name and size). Returns how many were sent."""
+@dataclass(frozen=True)
+class Wheelhouse:
+    """A platform's verified wheel directory on the coordinator: its name (`<platform>/<pins>`) and each wheel's
+    SHA256, as recorded at download."""
+
+    path: Path
+    name: str
+    hashes: dict[str, str]
+
+
+async def push_wheels(transport: Transport, node: Node, house: Wheelhouse, remote: str) -> int:
+    """Upload the wheels the node's copy lacks or holds different (by SHA256). Returns how many were sent."""
     listed = await transport.run(["python3", "-c", _LIST, remote], timeout=INSPECT_TIMEOUT)
-    have: dict[str, int] = json.loads(listed.stdout.strip().splitlines()[-1]) if listed.ok and listed.stdout.strip() else {}
-    missing = [p for p in sorted(local.glob("*.whl")) if have.get(p.name) != p.stat().st_size]
+    have: dict[str, str] = json.loads(listed.stdout.strip().splitlines()[-1]) if listed.ok and listed.stdout.strip() else {}
+    missing = [house.path / name for name, digest in sorted(house.hashes.items()) if have.get(name) != digest]
     if missing:
         await transport.upload(missing, remote, timeout=UPLOAD_TIMEOUT)
     return len(missing)
 
 
+def default_log_dir() -> Path:
+    """Where setup keeps pip's full output: $XDG_STATE_HOME/mlx-coordinator/setup-logs (~/.local/state/... when it
+    is unset, empty or relative, as for `cachedir.cache_root`)."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.expanduser("~/.local/state")
+    return Path(base) / "mlx-coordinator" / "setup-logs"
+
+
+def keep_log(log_dir: Path, what: str, command: str, output: str) -> Path | None:
+    """pip's whole output in `log_dir/<what>-<UTC time>.log`; None when it cannot be written (the message then
+    carries the cause alone)."""
+    path = log_dir / f"{what}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}.log"
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"$ {command}\n{output}", encoding="utf-8")
+    except OSError:
+        return None
+    return path
+
+
+def describe_install_failure(node: str, why: Mapping[str, Any], log_dir: Path) -> str:
+    """One line for a failed `_INSTALL`: what failed, pip's cause, the venv removed, and where the whole log is."""
+    what, output = str(why.get("failed", "")), str(why.get("output", ""))
+    if what == "verify":
+        return f"the node's wheelhouse: {output}"
+    log = keep_log(log_dir, f"install-{node}", str(why.get("command") or what), output)
+    listed = why.get("broken")
+    broken = [str(b) for b in listed] if isinstance(listed, list) else []
+    text = f"`{what[:200]}` failed: {parse_pip_failure(output, broken)}"
+    if why.get("removed"):
+        text += f"; removed the venv {why['removed']} this run had created (the node is as it was)"
+    return text + (f"; full log: {log}" if log else "")
+
+
 async def apply_plan(transport: Transport, node: Node, plan: NodePlan, state: NodeState,
-                     wheelhouse: tuple[Path, str] | None) -> list[str]:
-    """Carry out `plan` (wheelhouse: (local dir, its name) when there is something to install). Returns the
-    actions done; raises SetupError / TransportError."""
+                     wheelhouse: Wheelhouse | None, *, log_dir: Path | None = None) -> list[str]:
+    """Carry out `plan` (`wheelhouse` when there is something to install). Returns the actions done; raises
+    SetupError / TransportError. A failure leaves no venv this run created; pip's whole output goes to a file
+    under `log_dir`, named in the error."""
     done: list[str] = []
     if plan.create_venv or plan.install:
         assert wheelhouse is not None
-        remote = remote_wheelhouse(node, wheelhouse[1])
-        sent = await push_wheels(transport, node, wheelhouse[0], remote)
+        remote = remote_wheelhouse(node, wheelhouse.name)
+        sent = await push_wheels(transport, node, wheelhouse, remote)
         done.append(f"pushed {sent} wheel(s) to {remote}" if sent else f"wheelhouse {remote} already complete")
-        args = {"python": node.python, "venv": plan.create_venv, "install": list(plan.install), "wheelhouse": remote}
+        args = {"python": node.python, "venv": plan.create_venv, "install": list(plan.install), "wheelhouse": remote,
+                "hashes": wheelhouse.hashes}
         # The system python3 the inspection found (by absolute path): it makes the venv, so the venv's CPython
         # is the one the wheels were downloaded for.
         result = await transport.run([state.python3_path, "-c", _INSTALL, json.dumps(args)], timeout=INSTALL_TIMEOUT)
         if not result.ok:
             try:
                 why = json.loads(result.stdout.strip().splitlines()[-1])
-                raise SetupError(f"`{why['failed'][:200]}` failed: {why['output'].strip()[-800:]}")
-            except (ValueError, IndexError, KeyError, TypeError):
-                raise SetupError(f"install failed (exit {result.exit_status}): "
-                                 f"{(result.stderr + result.stdout).strip()[-800:]}") from None
+                message = describe_install_failure(node.name, why, log_dir or default_log_dir())
+            except (ValueError, IndexError, AttributeError):
+                output = (result.stderr + result.stdout).strip()
+                log = keep_log(log_dir or default_log_dir(), f"install-{node.name}", "install", output)
+                raise SetupError(f"install failed (exit {result.exit_status}): {parse_pip_failure(output)}"
+                                 + (f"; full log: {log}" if log else "")) from None
+            raise SetupError(message)
         done += plan.actions()[: (1 if plan.create_venv else 0) + (1 if plan.install else 0)]
     if plan.ship_worker:
         await ship_worker(transport, node)
@@ -456,18 +612,63 @@ async def apply_plan(transport: Transport, node: Node, plan: NodePlan, state: No
 
 # --- I/O: the coordinator's wheelhouse -------------------------------------------------------------------------
 
+MARKER = ".complete"
 
-async def ensure_wheelhouse(platform: Platform, pins: Pins, root: Path, *, find_links: Sequence[Path] = (),
-                            python: str = sys.executable) -> Path:
-    """The platform's wheel directory under `root`, downloaded on first use (a `.complete` marker names what
-    it holds; a half-done download is never used). Raises SetupError with pip's last words."""
-    final = root / wheelhouse_name(platform, pins)
-    if (final / ".complete").is_file():
-        return final
+
+def sha256_file(path: Path) -> str | None:
+    """The file's SHA256; None when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _zip_ok(path: Path) -> bool:
+    """Every member's CRC checks (a cache of an older coordinator recorded no hashes: its wheels are read once)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, zlib.error):
+        return False
+
+
+def _write_marker(directory: Path, platform: Platform, pins: Pins, hashes: Mapping[str, str]) -> None:
+    (directory / MARKER).write_text(json.dumps({"requirements": list(requirements(platform, pins)),
+                                                "wheels": dict(sorted(hashes.items()))}, indent=1) + "\n")
+
+
+def verify_wheelhouse(final: Path, platform: Platform, pins: Pins) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """(the recorded hashes, the bad wheels) of a cached wheelhouse. A marker without hashes (an older
+    coordinator's) gets them, once its wheels pass a zip CRC check. A marker that cannot be read: every wheel bad."""
+    try:
+        doc = json.loads((final / MARKER).read_text())
+        recorded = doc.get("wheels") if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        recorded = None
+    wheels = sorted(final.glob("*.whl"))
+    if isinstance(recorded, dict):
+        found = {p.name: sha256_file(p) for p in wheels}
+        return {str(k): str(v) for k, v in recorded.items()}, compute_bad_wheels(recorded, found)
+    bad = [(p.name, "fails its zip CRC check") for p in wheels if not _zip_ok(p)]
+    hashes = {p.name: digest for p in wheels if (digest := sha256_file(p)) is not None}
+    if not bad and wheels:
+        with contextlib.suppress(OSError):
+            _write_marker(final, platform, pins, hashes)
+    return hashes, bad or ([] if wheels else [("*.whl", "no wheel in the cache")])
+
+
+async def _download(platform: Platform, pins: Pins, final: Path, find_links: Sequence[Path], python: str,
+                    log_dir: Path, cached: Sequence[Path] = ()) -> dict[str, str]:
+    """pip download into a temporary dir beside `final`, hashes recorded, renamed into place (a half-done download
+    is never used). Returns the hashes; SetupError with pip's cause and the log's path."""
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    argv = build_download_argv(python, platform, pins, tmp, find_links=find_links)
+    argv = build_download_argv(python, platform, pins, tmp, find_links=find_links, cached=cached)
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout=DOWNLOAD_TIMEOUT)
@@ -478,13 +679,52 @@ async def ensure_wheelhouse(platform: Platform, pins: Pins, root: Path, *, find_
         raise SetupError(f"pip download for {platform.key} timed out after {DOWNLOAD_TIMEOUT:g}s") from None
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SetupError(f"pip download for {platform.key} failed: {out.decode(errors='replace').strip()[-800:]}")
-    digest = hashlib.sha256("\n".join(sorted(p.name for p in tmp.glob("*.whl"))).encode()).hexdigest()[:16]
-    (tmp / ".complete").write_text(json.dumps({"requirements": list(requirements(platform, pins)),
-                                               "wheels": digest}) + "\n")
+        text = out.decode(errors="replace")
+        log = keep_log(log_dir, f"download-{platform.key}", " ".join(argv), text)
+        raise SetupError(f"pip download for {platform.key} failed: {parse_pip_failure(text)}"
+                         + (f"; full log: {log}" if log else ""))
+    hashes = {p.name: digest for p in tmp.glob("*.whl") if (digest := sha256_file(p)) is not None}
+    _write_marker(tmp, platform, pins, hashes)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    return final
+    return hashes
+
+
+async def ensure_wheelhouse(platform: Platform, pins: Pins, root: Path, *, find_links: Sequence[Path] = (),
+                            python: str = sys.executable, log_dir: Path | None = None,
+                            on_note: Callable[[str], None] | None = None) -> Wheelhouse:
+    """The platform's wheel directory under `root`, downloaded on first use, every wheel's SHA256 recorded in its
+    marker and checked before every use. A wheel that fails the check is named (`on_note`), removed and fetched
+    again (the good ones are reused through `--find-links`); when that fetch fails (offline), SetupError names the
+    wheel, the cache and what to do. Raises SetupError with pip's cause and its log's path."""
+    name = wheelhouse_name(platform, pins)
+    final = root / name
+    log_dir = log_dir or default_log_dir()
+    if not (final / MARKER).is_file():
+        return Wheelhouse(final, name, await _download(platform, pins, final, find_links, python, log_dir))
+    hashes, bad = verify_wheelhouse(final, platform, pins)
+    if not bad:
+        return Wheelhouse(final, name, hashes)
+    names = ", ".join(f"{w} ({why})" for w, why in bad)
+    if on_note is not None:
+        on_note(f"wheel cache {final}: {names}: removed, fetching again")
+    for wheel, _ in bad:
+        with contextlib.suppress(OSError):
+            (final / wheel).unlink()
+    # The good wheels stay where they are until the new download is in place: they are its first source.
+    keep = final.with_name(final.name + f".old-{os.getpid()}")
+    shutil.rmtree(keep, ignore_errors=True)
+    final.rename(keep)
+    try:
+        fresh = await _download(platform, pins, final, find_links, python, log_dir, cached=(keep,))
+    except SetupError as exc:
+        if not final.exists():
+            keep.rename(final)  # the good wheels stay cached; the marker makes the next setup fetch the rest
+        raise SetupError(f"the wheel cache {final} held {names}: removed, and fetching again failed ({exc}); with "
+                         f"the network (or `--find-links DIR` holding the wheel), run setup again, or delete {final} "
+                         "to download the whole platform again") from None
+    shutil.rmtree(keep, ignore_errors=True)
+    return Wheelhouse(final, name, fresh)
 
 
 # --- I/O: the fleet --------------------------------------------------------------------------------------------
@@ -530,9 +770,11 @@ def _failed(node: str, exc: BaseException, platform: Platform | None = None) -> 
 async def run_setup(nodes: Sequence[Node], pins: Pins, *, check: bool = False, root: Path | None = None,
                     find_links: Sequence[Path] = (), connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                     accept_new_host_keys: bool = False,
-                    on_download: Callable[[str], None] | None = None) -> SetupReport:
+                    on_download: Callable[[str], None] | None = None,
+                    on_note: Callable[[str], None] | None = None, log_dir: Path | None = None) -> SetupReport:
     """Inspect, plan, (unless `check`) download once per platform, push, install, re-inspect. Per-node failures
-    are `failed` results; nothing here raises for one node's sake."""
+    are `failed` results; nothing here raises for one node's sake. `on_note`: what the wheel cache's check found
+    and did; `log_dir`: where pip's whole output goes when it fails (default_log_dir())."""
     root = root or default_wheelhouse_root()
     out: dict[str, NodeSetup] = {}
     async with Fleet(nodes, connect_timeout=connect_timeout, accept_new_host_keys=accept_new_host_keys) as fleet:
@@ -558,14 +800,15 @@ async def run_setup(nodes: Sequence[Node], pins: Pins, *, check: bool = False, r
             else:
                 todo[name] = plan
         # One download per platform, whatever the number of nodes on it.
-        houses: dict[str, Path | SetupError] = {}
+        houses: dict[str, Wheelhouse | SetupError] = {}
         for plan in todo.values():
             if plan.platform is None or not (plan.create_venv or plan.install) or plan.platform.key in houses:
                 continue
             if on_download is not None:
                 on_download(wheelhouse_name(plan.platform, pins))
             try:
-                houses[plan.platform.key] = await ensure_wheelhouse(plan.platform, pins, root, find_links=find_links)
+                houses[plan.platform.key] = await ensure_wheelhouse(plan.platform, pins, root, find_links=find_links,
+                                                                    log_dir=log_dir, on_note=on_note)
             except (SetupError, OSError) as exc:
                 houses[plan.platform.key] = SetupError(str(exc))
 
@@ -576,8 +819,7 @@ async def run_setup(nodes: Sequence[Node], pins: Pins, *, check: bool = False, r
             if isinstance(house, SetupError):
                 return _failed(node.name, house, plan.platform)
             try:
-                done = await apply_plan(transport, node, plan, states[node.name],
-                                        (house, wheelhouse_name(plan.platform, pins)) if house is not None else None)
+                done = await apply_plan(transport, node, plan, states[node.name], house, log_dir=log_dir)
                 after = plan_node(node, await inspect_node(transport, node), pins)
             except SetupError as exc:
                 return _failed(node.name, exc, plan.platform)

@@ -444,6 +444,9 @@ async def _merge_lines(out: Any, err: Any, timeout: float, *, lines: bool = True
             task.cancel()
 
 
+merge_lines = _merge_lines  # for callers that pump a `RawProcess` (`open_binary`) line by line
+
+
 class LocalTransport:
     """Runs commands on this machine without SSH (`connection: local`)."""
 
@@ -581,6 +584,7 @@ class Fleet:
         self.connected: dict[str, ConnectInfo] = {}
         self.failed: dict[str, TransportError] = {}
         self._sem = asyncio.Semaphore(concurrency)
+        self._owner: Fleet | None = None  # set on a `for_ranks` view: the fleet whose connections it uses
 
     async def __aenter__(self) -> Fleet:
         return self
@@ -589,6 +593,8 @@ class Fleet:
         await self.close()
 
     async def close(self) -> None:
+        if self._owner is not None:
+            return  # a view's connections are its owner's to close
         await asyncio.gather(*(t.close() for t in self.transports.values()), return_exceptions=True)
 
     async def _bounded(self, coro: Awaitable[T]) -> T:
@@ -632,6 +638,28 @@ class Fleet:
     def node_by_name(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
 
+    def for_ranks(self, nodes: Sequence[Node]) -> Fleet:
+        """A fleet of `nodes` (rank nodes, one per GPU: `coordinator.planning.gpuranks`, or inventory nodes) over
+        THIS fleet's connections: a rank node uses its machine's, shared (one connection per machine, as ever).
+        The connections stay this fleet's: the view's `close` closes nothing, and its `reconnect` of a rank node
+        replaces the connection for every rank of that machine."""
+        view = Fleet.__new__(Fleet)
+        view.nodes = list(nodes)
+        view._factory = self._factory
+        view._sem = self._sem
+        view._owner = self
+        view.transports = {}
+        view.connected = {}
+        view.failed = {}
+        for node in nodes:
+            machine = node.machine_name
+            view.transports[node.name] = self.transports[machine]
+            if machine in self.connected:
+                view.connected[node.name] = self.connected[machine]
+            if machine in self.failed:
+                view.failed[node.name] = self.failed[machine]
+        return view
+
     async def reconnect(self, name: str) -> ConnectInfo:
         """Replace a node's (dead) connection with a fresh one. Raises TransportError."""
         node = self.node_by_name(name)
@@ -639,9 +667,18 @@ class Fleet:
         await old.close()
         fresh = self._factory(node)
         info = await fresh.connect()
+        # Every rank node sharing the old connection (one machine's GPUs) moves to the fresh one.
+        for other in self.nodes:
+            if other.machine_name == node.machine_name and self.transports.get(other.name) is old:
+                self.transports[other.name] = fresh
+                self.connected[other.name] = info
+                self.failed.pop(other.name, None)
         self.transports[name] = fresh
         self.connected[name] = info
         self.failed.pop(name, None)
+        if self._owner is not None and self._owner.transports.get(node.machine_name) is old:
+            self._owner.transports[node.machine_name] = fresh
+            self._owner.connected[node.machine_name] = info
         return info
 
     async def map(

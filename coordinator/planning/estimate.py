@@ -130,6 +130,33 @@ def trainable_fraction(method: str, layers_trained: int, total_layers: int) -> f
     return 0.01 * layers_trained / total_layers
 
 
+def layer_activation_bytes(shape: ModelShape, kind: str, rows: int, seq_len: int, *,
+                           fused_attention: bool = True) -> float:
+    """What one trained block keeps for its backward over `rows` rows of `seq_len` tokens (module docstring);
+    `kind` "full" or "lora"."""
+    per_layer = ACT_BYTES[kind] * rows * seq_len * (10 * shape.hidden + 5 * shape.mlp)
+    if not fused_attention:
+        per_layer += SCORE_BYTES[kind] * rows * shape.n_heads * seq_len * seq_len
+    return per_layer
+
+
+def layers_activation_bytes(shape: ModelShape, kind: str, rows: int, seq_len: int, trained: int, *,
+                            grad_checkpoint: bool = False, fused_attention: bool = True) -> float:
+    """The activations `trained` blocks keep over `rows` rows: every block's working set, or with gradient
+    checkpointing each block's input plus one block's working set."""
+    if trained <= 0:
+        return 0.0
+    per_layer = layer_activation_bytes(shape, kind, rows, seq_len, fused_attention=fused_attention)
+    if grad_checkpoint:
+        return ACT_BYTES[kind] * rows * seq_len * shape.hidden * trained + per_layer
+    return per_layer * trained
+
+
+def logit_bytes(shape: ModelShape, kind: str, rows: int, seq_len: int) -> float:
+    """The logits, the loss's float32 work and their gradient over `rows` rows (the head's peak)."""
+    return LOGIT_BYTES[kind] * rows * seq_len * shape.vocab
+
+
 def estimate_training_memory(
     shape: ModelShape,
     *,
@@ -146,21 +173,14 @@ def estimate_training_memory(
     (no fused attention backward: the scores are materialised)."""
     kind = "full" if method == "full" else "lora"
     trained = shape.layers if layers_trained is None or layers_trained < 0 else min(layers_trained, shape.layers)
-    tokens = batch_per_rank * seq_len
     if kind == "full":
         trainable = shape.params if trained == shape.layers else int(shape.params * trained / shape.layers)
         weights, grads, optimizer = 2 * shape.params, 2 * trainable, 4 * trainable
     else:
         adapters = shape.lora_params_per_layer(lora_rank) * trained
         weights, grads, optimizer = 2 * shape.params + 4 * adapters, 4 * adapters, 8 * adapters
-    per_layer = ACT_BYTES[kind] * tokens * (10 * shape.hidden + 5 * shape.mlp)
-    if not fused_attention:
-        per_layer += SCORE_BYTES[kind] * batch_per_rank * shape.n_heads * seq_len * seq_len
-    if grad_checkpoint:
-        acts = ACT_BYTES[kind] * tokens * shape.hidden * trained + per_layer
-    else:
-        acts = per_layer * trained
-    acts += LOGIT_BYTES[kind] * tokens * shape.vocab
+    acts = layers_activation_bytes(shape, kind, batch_per_rank, seq_len, trained, grad_checkpoint=grad_checkpoint,
+                                   fused_attention=fused_attention) + logit_bytes(shape, kind, batch_per_rank, seq_len)
     return MemoryEstimate(
         weights=weights,
         grads=grads,

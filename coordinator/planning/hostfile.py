@@ -3,8 +3,9 @@
 Contract (mlx/_distributed_utils/common.py `Hostfile`): `{"backend", "envs": ["K=V"], "hosts": [{"ssh", "ips",
 "rdma"}]}`, rank = position. `ring` needs IPs (not hostnames). For jaccl / jaccl-ring, host i's `rdma[j]` is
 the device on host i that reaches host j (null for itself, a list when several cables join a pair), derived
-from the Thunderbolt topology facts. `nccl` (NVIDIA GPUs; mlx.launch gives every rank CUDA_VISIBLE_DEVICES=0, one
-rank per node) needs rank 0's IP reachable by all.
+from the Thunderbolt topology facts. `nccl` (NVIDIA GPUs) needs rank 0's IP reachable by all; a node with several GPUs
+has one entry per GPU (its rank nodes, `coordinator.planning.gpuranks`), all with the machine's `ssh` and IPs:
+mlx.launch would give each `CUDA_VISIBLE_DEVICES=0`, the rank script sets the rank's own.
 
 The `ssh` field is the node's *name*: mlx.launch runs the plain `ssh` on PATH, and the launch writes an
 ssh_config whose `Host <name>` entries carry the inventory's user, port, identity and known_hosts (so the
@@ -57,7 +58,8 @@ class Hostfile:
 
 
 def ssh_name(node: Node) -> str:
-    return LOCAL_HOST if node.connection is Connection.LOCAL else node.name
+    """The hostfile's `ssh`: the machine's ssh_config alias (a rank node's is its machine's), or 127.0.0.1."""
+    return LOCAL_HOST if node.connection is Connection.LOCAL else node.machine_name
 
 
 def has_cuda(facts: NodeFacts) -> bool:

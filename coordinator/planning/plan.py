@@ -41,6 +41,7 @@ from typing import Any
 
 from coordinator.errors import CoordinatorError
 from coordinator.planning.shards import largest_remainder
+from coordinator.units import format_bytes
 
 # Same knee criterion as worker.bench: a rate below this fraction of the best is a real fall, not noise.
 PLATEAU_RATIO = 0.97
@@ -56,6 +57,7 @@ class SplitMode(StrEnum):
     CALIBRATED = "calibrated"
     EQUAL = "equal"
     EXPLICIT = "explicit"
+    PIPELINE = "pipeline"  # every stage computes every row (planning.pipeline): no split of the batch
 
 
 @dataclass(frozen=True)
@@ -159,20 +161,53 @@ def prediction_gap(actual: float | None, predicted: float | None) -> float | Non
     return (actual - predicted) / predicted
 
 
-def describe_prediction(actual: float | None, predicted: float | None) -> str:
-    """The run's tokens/s next to the prediction, in words; a gap over PREDICTION_TOLERANCE is said loudly."""
+# A run of fewer steps says nothing about its rate: its first steps compile (one-time), and the median of two steps
+# is one of them.
+PREDICTION_MIN_STEPS = 3
+
+
+def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
+                        ranks: int = 1, compute: float | None = None) -> str:
+    """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, why and
+    what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held to the prediction at
+    all. `compute` (the run's rate without the gradient all_sum, `Monitor.run_compute_tokens_per_s`) turns the why
+    into a measurement: calibration times each node's step alone, so with `ranks` > 1 the prediction leaves out the
+    collective (not measured yet); the compute rate against the prediction says whether the nodes themselves ran
+    as calibrated, and the rest of each step is the collective and the ranks waiting for each other."""
     if actual is None:
         return "no step finished: no tokens/s"
     text = f"{actual:,.0f} real tokens/s (median of the run's steps)"
     gap = prediction_gap(actual, predicted)
     if gap is None or predicted is None:
         return text + ", no prediction (uncalibrated split)"
+    if steps is not None and steps < PREDICTION_MIN_STEPS:
+        return (text + f"; {steps} step(s) are too few to hold against the {predicted:,.0f} real tokens/s predicted (the "
+                "first steps compile)")
     text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
-    if abs(gap) > PREDICTION_TOLERANCE:
-        side = "slower" if gap < 0 else "faster"
-        text += (f": MORE THAN {100 * PREDICTION_TOLERANCE:.0f}% {side.upper()} than calibration predicted; the "
-                 "split and ETA rest on that prediction (docs/calibration.md)")
-    return text
+    tolerance = f"{100 * PREDICTION_TOLERANCE:.0f}%"
+    if abs(gap) <= PREDICTION_TOLERANCE:
+        return text + f": within {tolerance} of calibration"
+    if gap > 0:
+        return (text + f": faster than calibration predicted, by more than {tolerance}: the machine was busier while "
+                "calibrating than now; run again with --recalibrate for a split that fits (docs/calibration.md)")
+    collective = f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out (calibration " \
+                 "times each node's step alone; the collective is not measured yet)"
+    compute_gap = prediction_gap(compute, predicted)
+    if ranks > 1 and compute is not None and compute_gap is not None and compute > actual:
+        rest = f"{100 * (1 - actual / compute):.0f}% of each step"
+        measured = f"the ranks' own compute ran at {compute:,.0f} real tokens/s ({100 * compute_gap:+.0f}% of the prediction)"
+        if compute_gap >= -PREDICTION_TOLERANCE:
+            return (text + f": slower than calibration predicted, and measured why: {measured}, as calibrated; the "
+                    f"rest, {rest}, is {collective}, and the ranks waiting for each other. The split holds; only the "
+                    "ETA is longer than predicted (docs/calibration.md)")
+        return (text + f": slower than calibration predicted. Measured: {measured}: the machine was busier than "
+                f"while calibrating (other work on it); and {rest} went to {collective}. Run on a quiet machine, or "
+                "--recalibrate while it is as busy as it will be (docs/calibration.md)")
+    why = ["the machine was busier than while calibrating (other work on it)"]
+    if ranks > 1:
+        why.insert(0, collective)
+    return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: " + "; or ".join(why)
+            + ". Run on a quiet machine, or --recalibrate while it is as busy as it will be (docs/calibration.md)")
 
 
 def lift_dips(batches: Sequence[int], rates: Sequence[float]) -> list[float]:
@@ -268,7 +303,7 @@ class _NodeModel:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 1024**3:.1f} GiB"
+    return format_bytes(n)
 
 
 def _check_inputs(calibrations: Sequence[NodeCalibration], global_batch: int, seq_len: int) -> None:
@@ -338,6 +373,11 @@ def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> lis
         given = ", ".join(f"{n}={split[n]}" for n in names)
         raise PlanError(f"split fractions must sum to 1, got {total:.6g} ({given})")
     return fractions
+
+
+def predicted_step_s(cal: NodeCalibration, batch: int, seq_len: int) -> float:
+    """The step time the node's curve predicts for `batch` rows of `seq_len` tokens (the model above)."""
+    return _NodeModel(cal, seq_len).step_s(batch)
 
 
 def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:

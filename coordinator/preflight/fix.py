@@ -171,10 +171,63 @@ def choose_sync_source(report: PreflightReport, targets: Collection[str], *, req
         return SyncSource("its copy passed preflight's model check", node=good[0])
     if local_present:
         return SyncSource("the playbook's paths on this machine", dirs=tuple(local_dirs))
+    raise no_source_error(local_dirs)
+
+
+def no_source_error(local_dirs: Sequence[tuple[str, str]], when: str = "") -> ConfigError:
     paths = ", ".join(d for _, d in local_dirs)
-    raise ConfigError(f"--fix: no source for sync: no node has a copy that passes the model check, and this machine "
-                      f"lacks {paths}; name one with --fix-source NODE or --fix-source DIR (holding "
-                      + ", ".join(f"{lb}/" for lb, _ in local_dirs) + ")")
+    return ConfigError(f"--fix: no source for sync{when}: no node has a copy that passes the model check, and this "
+                       f"machine lacks {paths}; name one with --fix-source NODE or --fix-source DIR (holding "
+                       + ", ".join(f"{lb}/" for lb, _ in local_dirs) + ")")
+
+
+class DirState(StrEnum):
+    """A synced dir on a node, as seen before setup (the node's own python may not exist yet)."""
+
+    MISSING = "missing"
+    EMPTY = "empty"
+    FILES = "files"
+
+
+def parse_dir_states(answer: Mapping[str, str] | None) -> dict[str, DirState] | None:
+    """A node's answer about its dirs (label -> missing | empty | files); None for no answer or another word."""
+    try:
+        return {lb: DirState(st) for lb, st in answer.items()} if answer is not None else None
+    except ValueError:
+        return None
+
+
+def will_have_copy(dirs: Mapping[str, DirState] | None, provided: Collection[str]) -> bool | None:
+    """Whether a node will hold a copy of every synced dir once set up: each dir has files, or is missing and the
+    playbook's `assets:` fill it (`provided`: their labels; assets never touch an existing dir, an empty one
+    included). None when its dirs could not be seen."""
+    if dirs is None:
+        return None
+    return all(st is DirState.FILES or (st is DirState.MISSING and lb in provided) for lb, st in dirs.items())
+
+
+def check_sync_source_before_setup(report: PreflightReport, plan: FixPlan, *, requested: SyncSource | None,
+                                   local_dirs: Sequence[tuple[str, str]], local_present: bool,
+                                   node_dirs: Mapping[str, Mapping[str, DirState] | None],
+                                   provided: Collection[str]) -> None:
+    """Before `setup` changes any node: ConfigError (exit 2, `choose_sync_source`'s message) when sync will be
+    needed after it and nothing can be its source, so that a launch refused for want of a source has installed
+    nothing.
+
+    Sync will be needed when this round already plans it, or when a node being set up (its model finding
+    `deferred`) will lack a dir (`node_dirs`, seen with the system python3: a dir missing that `assets:` do not
+    fill, or empty). A source can exist when one was named, the playbook's dirs are on this machine, a node's copy
+    passes the model check now, or a node being set up will have every dir (or could not be seen: not refused on
+    a guess). Whether that copy then passes is known after setup (`choose_sync_source` decides then)."""
+    if requested is not None or local_present:
+        return
+    deferred = [f.node for f in plan.deferred if f.check == "model"]
+    will = {n: will_have_copy(node_dirs.get(n), provided) for n in deferred}
+    if not plan.sync and all(w is not False for w in will.values()):
+        return
+    if any(n not in plan.sync for n in passing_copies(report)) or any(w is not False for w in will.values()):
+        return
+    raise no_source_error(local_dirs, " (checked before setup changed any node)")
 
 
 def resolve_requested(spec: str, node_names: Collection[str], labels: Sequence[str],

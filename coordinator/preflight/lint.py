@@ -8,7 +8,14 @@ from typing import Any
 from coordinator.config.playbook import Playbook
 from coordinator.models import LintResult, Status
 from coordinator.planning.estimate import model_shape, num_layers
-from coordinator.planning.strategy import NodeBudget, StrategyError, compute_strategy, fsdp_refusal
+from coordinator.planning.strategy import (
+    NO_SEND_RECV_BACKENDS,
+    NodeBudget,
+    StrategyError,
+    compute_strategy,
+    fsdp_refusal,
+    pipeline_refusal,
+)
 
 MLX_LM_DEFAULT_LAYERS = 16
 
@@ -39,29 +46,35 @@ def lint_backend(pb: Playbook, cuda: Mapping[str, bool]) -> list[LintResult]:
 def lint_strategy(pb: Playbook, model_config: Mapping[str, Any] | None, budgets: Mapping[str, NodeBudget],
                   backend: str) -> list[LintResult]:
     """`train.strategy` against the fleet (`budgets`: node -> usable memory; `backend`: the resolved one). A
-    strategy that resolves to fsdp fails: its backend has no sum_scatter, or the worker does not run fsdp yet.
-    auto says nothing where it stays dp or cannot choose fsdp (LoRA, DoRA, unknown size): the resources check
-    reports that fit."""
+    strategy that resolves to fsdp fails where its backend has no sum_scatter; a pipeline fails on a backend without
+    send/recv (nccl). auto says nothing where it stays dp or cannot choose (LoRA that fits, unknown size): the
+    resources check reports that fit."""
     t = pb.train
     auto = t.strategy == "auto"
-    if auto and t.fine_tune_type != "full":
-        return []
+    if t.strategy == "pipeline" and backend in NO_SEND_RECV_BACKENDS:
+        return [LintResult("strategy", Status.FAIL, pipeline_refusal(backend), _PIPELINE_REMEDY)]
     shape = model_shape(model_config, None) if model_config else None
     if shape is None or not budgets:
-        if t.strategy == "fsdp":
-            return [LintResult("strategy", Status.FAIL, fsdp_refusal(backend), _FSDP_REMEDY)]
+        if t.strategy == "fsdp" and (refusal := fsdp_refusal(backend)) is not None:
+            return [LintResult("strategy", Status.FAIL, refusal, _FSDP_REMEDY)]
         return [] if auto else [LintResult("strategy", Status.SKIP,
                                            "model size or node memory unknown: strategy not planned")]
     try:
-        decision = compute_strategy(t.strategy, shape, t, budgets)
+        decision = compute_strategy(t.strategy, shape, t, budgets, backend=backend)
     except StrategyError as exc:
-        return [LintResult("strategy", Status.FAIL, str(exc), "use LoRA, grad_checkpoint: true, a smaller batch or "
-                           "max_seq_length, or more / larger nodes")]
-    if decision.strategy == "fsdp":
-        return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {fsdp_refusal(backend)}", _FSDP_REMEDY)]
-    return [] if auto else [LintResult("strategy", Status.PASS, decision.describe())]
+        return [LintResult("strategy", Status.FAIL, str(exc), "use LoRA, grad_checkpoint: true, a smaller batch, "
+                           "micro-batches or max_seq_length, or more / larger nodes")]
+    if decision.strategy == "fsdp" and (refusal := fsdp_refusal(backend)) is not None:
+        return [LintResult("strategy", Status.FAIL, f"{decision.describe()}; {refusal}", _FSDP_REMEDY)]
+    if decision.left_out:
+        return [LintResult("strategy", Status.WARN, decision.describe(),
+                           "use LoRA, grad_checkpoint: true or a smaller batch to train on every node")]
+    # auto's choice of a pipeline or fsdp is news (the run splits or shards): said; auto staying dp is the
+    # resources check's to report.
+    return [] if auto and decision.strategy == "dp" else [LintResult("strategy", Status.PASS, decision.describe())]
 
 
+_PIPELINE_REMEDY = "use `backend: ring` (a pipeline's stages talk through send/recv)"
 _FSDP_REMEDY = "fit a dp replica instead (LoRA, grad_checkpoint: true, a smaller batch or max_seq_length)"
 
 

@@ -23,7 +23,15 @@ from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import ConnectInfo, Inventory, LintResult, PreflightReport
 from coordinator.planning.estimate import model_shape
 from coordinator.planning.hostfile import has_cuda, resolve_backend
-from coordinator.planning.strategy import NodeBudget, StrategyError, compute_strategy, fsdp_refusal, node_budget
+from coordinator.planning.strategy import (
+    NO_SEND_RECV_BACKENDS,
+    NodeBudget,
+    StrategyError,
+    compute_strategy,
+    fsdp_refusal,
+    node_budget,
+    pipeline_refusal,
+)
 from coordinator.preflight.checks import evaluate_preflight
 from coordinator.preflight.checks.context import CheckContext
 from coordinator.preflight.lint import lint_playbook
@@ -118,25 +126,42 @@ def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudg
     return known if len(known) == len(budgets) else {}
 
 
-def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
-    """Why the run must not start with its `train.strategy` (None: it runs dp). Launch checks this even under
-    `--skip-preflight`: the worker runs dp only, so a run that resolves to fsdp must be refused, not run as dp.
-    auto with neither strategy fitting is the resources check's failure (which --skip-preflight overrides)."""
+def resolve_strategy(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str:
+    """`dp` or `fsdp`: how the ranks of a run that is not a pipeline share the work: forced, or auto's choice by
+    memory for this fleet (its rank nodes: one per GPU, `planning.gpuranks`). A pipeline is weighed and laid out
+    after calibration (`run.job.calibrate_and_plan`); auto stays dp when it cannot choose (LoRA, unknown size or
+    memory, nothing fits: the resources check's failure)."""
     t = playbook.train
-    if t.strategy == "dp" or (t.strategy == "auto" and t.fine_tune_type != "full"):
+    if t.strategy in ("dp", "fsdp"):
+        return t.strategy
+    if t.strategy == "pipeline" or t.fine_tune_type != "full":
+        return "dp"
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
+    if shape is None or not budgets:
+        return "dp"
+    backend = resolve_backend(playbook.backend, facts, inventory.nodes)
+    try:
+        return "fsdp" if compute_strategy("auto", shape, t, budgets, backend=backend).strategy == "fsdp" else "dp"
+    except StrategyError:
+        return "dp"
+
+
+def strategy_refusal(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str | None:
+    """Why the run must not start with its `train.strategy` (None: it may). Launch checks this even under
+    `--skip-preflight`: a pipeline on a backend without send/recv, or a run that resolves to fsdp on a backend
+    without sum_scatter, must be refused, never run as dp. auto with nothing fitting is the resources check's
+    failure (which --skip-preflight overrides)."""
+    t = playbook.train
+    if t.strategy == "dp":
         return None
     backend = resolve_backend(playbook.backend, facts, inventory.nodes)
-    if t.strategy == "auto":
-        shape = model_shape(model_config(facts), None)
-        budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))
-        if shape is None or not budgets:
-            return None
-        try:
-            if compute_strategy("auto", shape, t, budgets).strategy == "dp":
-                return None
-        except StrategyError:
-            return None
-    return f"train.strategy {t.strategy} resolves to fsdp: {fsdp_refusal(backend)}"
+    if t.strategy == "pipeline":
+        return f"train.strategy pipeline: {pipeline_refusal(backend)}" if backend in NO_SEND_RECV_BACKENDS else None
+    if resolve_strategy(inventory, playbook, facts) != "fsdp":
+        return None
+    refusal = fsdp_refusal(backend)
+    return None if refusal is None else f"train.strategy {t.strategy} resolves to fsdp: {refusal}"
 
 
 def evaluate(inventory: Inventory, playbook: Playbook | None, fleet: FleetFacts) -> PreflightReport:

@@ -21,23 +21,28 @@ cannot be read is a miss; one that cannot be written is reported through `progre
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import hashlib
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.ship import ship_worker, worker_bundle
-from coordinator.fleet.transport import Fleet, Transport, build_worker_argv
+from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
-from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError
+from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
+from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
+from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 
 CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
@@ -131,6 +136,11 @@ class BenchSpec:
     clear_cache: bool = False
     memory_headroom: float | None = 0.1  # train.memory_headroom (worker/memory.py); None: unbounded
     world_size: int = 1  # the run's ranks: one takes the step as one compiled graph, several in two
+    # Pipeline stages: > 0 times `blocks` transformer blocks alone (plus the embedding and the head) at
+    # `micro_batch` rows (`worker.bench --blocks K --micro-batch MB`), so a node that cannot hold the whole model
+    # is measured too. 0: the whole model's curve.
+    blocks: int = 0
+    micro_batch: int = 1
     # The job env every rank gets (`Playbook.job_env()`), sorted: the bench runs in training's environment.
     env: tuple[tuple[str, str], ...] = ()
 
@@ -146,10 +156,12 @@ class BenchSpec:
 
 
 def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
-                      worker_digest: str = "") -> str:
+                      worker_digest: str = "", *, together: Sequence[str] = ()) -> str:
     """Digest of everything that changes a node's curve, the worker code that takes the step included (a new
-    step is measured again, never predicted from the old one's curve). The time budget is left out on purpose: it
-    only decides how far a sweep got, not what its points mean (`--recalibrate` measures again)."""
+    step is measured again, never predicted from the old one's curve), and the nodes it was measured beside
+    (`together`: the others of its machine; a curve measured alone is not one measured under their load). The
+    time budget is left out on purpose: it only decides how far a sweep got, not what its points mean
+    (`--recalibrate` measures again)."""
     inputs = {
         "schema": CACHE_SCHEMA,
         "worker": worker_digest,
@@ -168,13 +180,16 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
                  {"memory_headroom": spec.memory_headroom}],
         # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
         "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
+        **({"blocks": [spec.blocks, spec.micro_batch]} if spec.blocks else {}),  # only when set: old keys stay
     }
+    if together:  # only when set: the keys of nodes alone on their machine stay
+        inputs["together"] = sorted(together)
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
-                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET) -> list[str]:
+                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, *, lockstep: bool = False) -> list[str]:
     """The remote command, in the environment a rank of the training gets (`launchfiles.build_rank_script`): the job env
     overlaid with the node's inventory env, and the worker dir prepended to the PYTHONPATH that leaves (the node's
     own when neither sets one), through the same `pythonpath_prepend`."""
@@ -201,6 +216,8 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         "--one-time-budget", f"{one_time_budget:g}",
         "--max-batch", str(spec.max_batch),
         "--memory-fraction", f"{spec.memory_fraction:g}",
+        *(["--blocks", str(spec.blocks), "--micro-batch", str(spec.micro_batch)] if spec.blocks else []),
+        *(["--lockstep"] if lockstep else []),
     )
 
 
@@ -283,6 +300,26 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
         raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
 
 
+def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
+    """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
+    `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
+    "peak_memory": bytes, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage, optional). Raises
+    CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
+    if "error" in obj:
+        raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
+    if not isinstance(obj.get("blocks"), int) or obj["blocks"] < 1:
+        raise CalibrationError(node, f"the bench timed no blocks (blocks {obj.get('blocks')!r}): its worker has no "
+                               "per-block mode (worker.bench --blocks)")
+    block_s, embed_s, head_s, micro = (_number(node, obj, k) for k in ("block_s", "embed_s", "head_s", "micro_batch"))
+    assert block_s is not None and embed_s is not None and head_s is not None and micro is not None
+    fused = _number(node, obj, "block_fused_s", optional=True)
+    try:
+        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused)
+    except PlanError as exc:
+        raise CalibrationError(node, f"bench result is not a usable timing: {exc}") from exc
+
+
 def build_plan_nodes(
     plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
 ) -> tuple[PlanNode, ...]:
@@ -300,12 +337,15 @@ def build_plan_nodes(
 
 
 def calibration_to_json(
-    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration]
+    plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration],
+    strategy: StrategyChoice | None = None,
 ) -> dict[str, Any]:
-    """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}}` (docs/json.md); PlanError as
-    `build_plan_nodes`."""
-    return {"nodes": [n.to_json() for n in build_plan_nodes(plan, calibrations)], "split": dict(plan.split),
-            "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"}}
+    """`calibrate --json`: `{"nodes": [PlanNode...], "split": {node: share}, "units"}` plus, where the strategy was
+    weighed, `"strategy"` (docs/json.md); PlanError as `build_plan_nodes`."""
+    rows = build_plan_nodes(plan, calibrations) if plan.mode != SplitMode.PIPELINE else ()  # stages: `strategy`
+    return {"nodes": [n.to_json() for n in rows], "split": dict(plan.split),
+            "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"},
+            **({"strategy": strategy.to_json()} if strategy is not None else {})}
 
 
 def describe_bench_time(obj: Mapping[str, Any]) -> str:
@@ -329,6 +369,15 @@ def describe_bench_time(obj: Mapping[str, Any]) -> str:
         parts.append(f"NOISY at batch {', '.join(map(str, noisy))} (steps disagreed by more than 25% even when "
                      "measured again: the node was busy; the plan may be off)")
     return "; ".join(parts)
+
+
+def describe_reuse(cal: NodeCalibration) -> str:
+    """What a reused curve carries along: "" for a clean one; for one measured noisy, that fact and the flag that
+    measures it again (said on every reuse: a busy moment must not become the plan's truth silently)."""
+    if not cal.noisy:
+        return ""
+    return (f"; it was NOISY when measured (batch {', '.join(map(str, cal.noisy))}: the machine was busy), so the "
+            "split may be off: measure again on a quiet machine with --recalibrate")
 
 
 def build_cache_record(key: str, node: str, bench: Mapping[str, Any]) -> dict[str, Any]:
@@ -377,27 +426,92 @@ def _write_cache(cache_dir: Path, key: str, node: str, bench: Mapping[str, Any])
     os.replace(tmp, path)
 
 
+class GroupGate:
+    """The I/O half of one group's lockstep (`coordinator.planning.colocate.Barrier`): it holds each member's bench
+    stdin and writes `go` to the members the barrier releases; once every member is done it closes them all (the
+    lingering benches then end). Writes to a bench that is gone are ignored: its end is its `finish`."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        self.barrier = Barrier(members)
+        self.stdin: dict[str, Any] = {}
+
+    def attach(self, member: str, stdin: Any) -> None:
+        self.stdin[member] = stdin
+
+    def wait(self, member: str) -> None:
+        self._send(self.barrier.wait(member))
+
+    def finish(self, member: str) -> None:
+        if self.barrier.state[member] == MemberState.DONE:
+            return
+        self._send(self.barrier.finish(member))
+        if self.barrier.all_done:
+            for pipe in self.stdin.values():
+                with contextlib.suppress(OSError, RuntimeError):
+                    pipe.write_eof()
+
+    def _send(self, members: Sequence[str]) -> None:
+        for member in members:
+            pipe = self.stdin.get(member)
+            if pipe is not None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    pipe.write(b"go\n")
+
+
+async def _lockstep_lines(transport: Transport, node: Node, argv: Sequence[str], gate: GroupGate,
+                          timeout: float) -> AsyncIterator[tuple[str, str]]:
+    """`transport.stream` for a bench in a group: stdin stays open for the gate; its lockstep lines drive the
+    barrier, its result (or its end) finishes the member. Raises TransportError on timeout."""
+    proc = await transport.open_binary(argv)
+    gate.attach(node.name, proc.stdin)
+    try:
+        async for kind, line in merge_lines(proc.stdout, proc.stderr, timeout):
+            if kind == "stderr" and line.startswith(("bench lockstep ready", "bench lockstep timed")):
+                gate.wait(node.name)
+            elif kind == "stdout" and line.lstrip().startswith("{"):
+                gate.finish(node.name)
+            yield kind, line
+        gate.finish(node.name)
+        yield "exit", str(await asyncio.wait_for(proc.wait(), timeout=timeout))
+    except TimeoutError as exc:
+        raise TransportError(node.name, f"the bench timed out after {timeout:g}s", kind="timeout") from exc
+    finally:
+        gate.finish(node.name)
+        proc.kill()
+
+
 async def run_bench(
     transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float,
-    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None,
+    gate: GroupGate | None = None,
 ) -> dict[str, Any]:
-    """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`).
+    """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`). With a
+    `gate` the bench runs in lockstep with the other members of its group (`worker.bench --lockstep`).
 
     Raises TransportError (ship failed, timeout) or CalibrationError (no JSON, or a non-zero exit without an
     error JSON explaining it)."""
-    worker_dir = await ship_worker(transport, node)
-    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget)
+    try:
+        worker_dir = await ship_worker(transport, node)
+    except BaseException:
+        if gate is not None:
+            gate.finish(node.name)
+        raise
+    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget, lockstep=gate is not None)
     stdout: list[str] = []
     stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
     status = None
-    async for kind, line in transport.stream(argv, timeout=time_budget + one_time_budget + TIMEOUT_SLACK_S):
+    timeout = time_budget + one_time_budget + TIMEOUT_SLACK_S
+    lines = (transport.stream(argv, timeout=timeout) if gate is None
+             else _lockstep_lines(transport, node, argv, gate, timeout))
+    async for kind, line in lines:
         if kind == "stdout":
             stdout.append(line)
         elif kind == "stderr":
             text = line.rstrip("\r\n")
             stderr_tail.append(text)
-            # Only the bench's own progress lines: library warnings stay in the evidence tail.
-            if progress is not None and text.startswith("bench "):
+            # Only the bench's own progress lines (its lockstep waits are the gate's business): library warnings
+            # stay in the evidence tail.
+            if progress is not None and text.startswith("bench ") and not text.startswith("bench lockstep"):
                 progress(node.name, text)
         elif kind == "exit":
             status = line
@@ -425,6 +539,8 @@ async def calibrate(
     time_budget: float = 60.0,
     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
     progress: Progress | None = None,
+    names: Sequence[str] | None = None,
+    groups: Sequence[BenchGroup] = (),
 ) -> dict[str, NodeCalibration | CoordinatorError]:
     """Calibrate every connected node of `fleet` in parallel (nodes that failed to connect keep their
     TransportError). Returns one entry per node, in fleet order: its `NodeCalibration` (`cached=True` when read
@@ -433,7 +549,12 @@ async def calibrate(
     `fingerprints[node]` is the hardware/software fingerprint the caller gathered (see `fingerprint_from_facts`);
     a node without one, or with an unknown one, is measured and not cached. `model_digest` identifies the model's
     weights. `time_budget` bounds each node's timed steps, `one_time_budget` its one-time costs (see the module
-    docstring). Raises ValueError only for a non-positive budget.
+    docstring). `groups` (`coordinator.planning.colocate.compute_bench_groups`) name the nodes that share a machine:
+    their benches run in lockstep, their curves are cached as measured together (the group is part of the key),
+    a group is measured again as a whole when any member's curve is missing, and interchangeable members (one
+    fingerprint, python and env) get one pooled curve (`pool_curves`). `names`: only these nodes (a pipeline's
+    nodes that cannot hold the model are timed per block instead, `calibrate_layers`). Raises ValueError only for
+    a non-positive budget.
     """
     for label, value in (("time_budget", time_budget), ("one_time_budget", one_time_budget)):
         if not (value > 0 and math.isfinite(value)):
@@ -443,20 +564,47 @@ async def calibrate(
         if progress is not None:
             progress(node, message)
 
-    async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
+    group_of = {name: g for g in groups if g.together for name in g.nodes}
+    keys: dict[str, str | None] = {}
+    cached: dict[str, NodeCalibration] = {}
+    asked = [n for n in fleet.nodes if names is None or n.name in names]
+    for node in asked:
         fingerprint = fingerprints.get(node.name)
-        key = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0])
-               if fingerprint is not None and fingerprint.known else None)
+        group = group_of.get(node.name)
+        together = tuple(n for n in group.nodes if n != node.name) if group is not None else ()
+        keys[node.name] = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0],
+                                             together=together)
+                           if fingerprint is not None and fingerprint.known else None)
+        key = keys[node.name]
         if key is not None and not recalibrate:
-            cached = _read_cache(cache_dir, node.name, key)
-            if cached is not None:
-                say(node.name, f"calibration cached ({key[:12]})")
-                return cached
+            hit = _read_cache(cache_dir, node.name, key)
+            if hit is not None:
+                cached[node.name] = hit
+    # A group's curves hold together or not at all: measured beside each other, one member's new curve next to
+    # another's old one would compare two different loads.
+    measure = {n.name for n in asked if n.name not in cached
+               or (n.name in group_of and any(m not in cached for m in group_of[n.name].nodes))}
+    gates: dict[str, GroupGate] = {}
+    for group in {id(g): g for g in group_of.values()}.values():
+        members = [n for n in group.nodes if n in measure and n in fleet.connected]
+        if len(members) > 1:
+            gate = GroupGate(members)
+            gates.update(dict.fromkeys(members, gate))
+
+    async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
+        key = keys[node.name]
+        if node.name not in measure:
+            hit = cached[node.name]
+            say(node.name, f"calibration cached ({(key or '')[:12]})" + describe_reuse(hit))
+            return hit
+        gate = gates.get(node.name)
+        together = (f"; together with {', '.join(n for n in gate.barrier.state if n != node.name)} "
+                    f"(they share {group_of[node.name].machine}), in lockstep") if gate is not None else ""
         say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, {time_budget:g}s of timed steps; "
-                       f"one-time costs up to {one_time_budget:g}s)")
+                       f"one-time costs up to {one_time_budget:g}s{together})")
         try:
             obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
-                                  progress=progress)
+                                  progress=progress, gate=gate)
             calibration = calibration_from_bench(node.name, obj)
         except CoordinatorError as exc:
             say(node.name, f"calibration failed: {exc}")
@@ -471,12 +619,95 @@ async def calibrate(
                 say(node.name, f"could not cache the calibration in {cache_dir}: {exc}")
         return calibration
 
-    results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one))
+    results: dict[str, NodeCalibration | CoordinatorError] = dict(await fleet.map(one, names=names))
+    for group in {id(g): g for g in group_of.values()}.values():
+        measured = [r for n in group.nodes if isinstance(r := results.get(n), NodeCalibration)]
+        kinds = {n.name: (fingerprints.get(n.name), n.python, n.env) for n in fleet.nodes if n.name in group.nodes}
+        for cal in pool_curves(measured, kinds):
+            if cal is not results[cal.node]:
+                results[cal.node] = cal
+                say(cal.node, "one curve for the interchangeable nodes of " + group.machine + " (the mean of their "
+                              "lockstep measurements: they run at one speed, the rest is who the scheduler favoured)")
     ordered: dict[str, NodeCalibration | CoordinatorError] = {}
     for node in fleet.nodes:
+        if names is not None and node.name not in names:
+            continue
         if node.name in results:
             ordered[node.name] = results[node.name]
         elif node.name in fleet.failed:
             ordered[node.name] = fleet.failed[node.name]
     return ordered
 
+
+
+async def calibrate_layers(
+    fleet: Fleet,
+    spec: BenchSpec,
+    names: Sequence[str],
+    *,
+    fingerprints: Mapping[str, NodeFingerprint],
+    model_digest: str,
+    recalibrate: bool,
+    cache_dir: Path,
+    time_budget: float = 60.0,
+    one_time_budget: float = DEFAULT_ONE_TIME_BUDGET,
+    progress: Progress | None = None,
+) -> dict[str, LayerTiming | CoordinatorError]:
+    """Time `spec.blocks` blocks alone on each of `names` (`worker.bench --blocks`), cached like `calibrate`
+    (its key holds the block count and micro-batch). One node's failure is its value, as in `calibrate`."""
+    if spec.blocks < 1:
+        raise ValueError(f"calibrate_layers needs spec.blocks >= 1, got {spec.blocks}")
+
+    async def one(node: Node, transport: Transport) -> LayerTiming | CoordinatorError:
+        fingerprint = fingerprints.get(node.name)
+        key = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0])
+               if fingerprint is not None and fingerprint.known else None)
+        if key is not None and not recalibrate:
+            cached = _read_layer_cache(cache_dir, node.name, key)
+            if cached is not None:
+                if progress is not None:
+                    progress(node.name, f"per-block timing cached ({key[:12]})")
+                return cached
+        try:
+            obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
+                                  progress=progress)
+            timing = layer_timing_from_bench(node.name, obj)
+        except CoordinatorError as exc:
+            return exc
+        if key is not None:
+            try:
+                _write_cache(cache_dir, key, node.name, obj)
+            except OSError as exc:
+                if progress is not None:
+                    progress(node.name, f"could not cache the timing in {cache_dir}: {exc}")
+        return timing
+
+    results = await fleet.map(one, names=names)
+    return {n.name: (results[n.name] if n.name in results else fleet.failed.get(n.name)
+                     or CalibrationError(n.name, "not connected"))
+            for n in fleet.nodes if n.name in names}
+
+
+def parse_layer_cache_record(node: str, key: str, text: str) -> LayerTiming | None:
+    """A cached per-block timing, or None (a miss) as `parse_cache_record`."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("schema") != CACHE_SCHEMA or record.get("key") != key:
+        return None
+    bench = record.get("bench")
+    if not isinstance(bench, dict):
+        return None
+    try:
+        return layer_timing_from_bench(node, bench)
+    except CalibrationError:
+        return None
+
+
+def _read_layer_cache(cache_dir: Path, node: str, key: str) -> LayerTiming | None:
+    try:
+        text = _cache_path(cache_dir, key).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return parse_layer_cache_record(node, key, text)

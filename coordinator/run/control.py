@@ -12,6 +12,7 @@ by a live one, and `stop` then asks that one to stop instead of pulling the run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +22,22 @@ from coordinator.config.playbook import Playbook, load_playbook
 from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import Inventory
+from coordinator.planning.gpuranks import rank_node_from_name
 from coordinator.run.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.run.launch import Launch, RunSummary, ViewFn, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import RunState
 from coordinator.run.quarantine import QuarantineStore
-from coordinator.run.rundir import META, PLAYBOOK, RunMeta, read_hostfile, read_meta, read_summary
-from coordinator.run.supervision import LOCK_NAME, Supervision, holder_of, holding, request_stop
+from coordinator.run.rundir import META, PLAYBOOK, SUMMARY, RunMeta, SummaryFile, read_hostfile, read_meta, read_summary
+from coordinator.run.supervision import (
+    LOCK_NAME,
+    RunBusy,
+    Supervision,
+    clear_stop_request,
+    holder_of,
+    holding,
+    request_stop,
+)
 
 STOP_WAIT_S = 120.0  # how long `coordinator stop` waits for a live coordinator to carry out its request
 
@@ -58,15 +68,41 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playb
     return launch
 
 
+class RunEnded(CoordinatorError):
+    """The run has ended: its summary.json, written by the coordinator that saw it end, is its record and is not
+    rewritten (a job error's message, cause, remedy and incidents included). Not a failure: exit 0."""
+
+    exit_code = 0
+
+    def __init__(self, run_id: str, summary: SummaryFile) -> None:
+        self.summary = summary
+        super().__init__(f"run {run_id} already ended: {summary.state or 'failed'} at step {summary.steps or 0}")
+
+
+def ended_summary(run_dir: Path) -> SummaryFile | None:
+    """The run's summary.json when it records how the run's current session ended: written after meta.json (which
+    each attempt's start rewrites: a summary older than it is an earlier session's, before a `--resume`). None
+    while the run has not ended, or its coordinator died before writing it. Read under the run's lock."""
+    try:
+        if (run_dir / SUMMARY).stat().st_mtime_ns < (run_dir / META).stat().st_mtime_ns:
+            return None
+    except FileNotFoundError:
+        return None
+    return read_summary(run_dir)
+
+
 def _inventory(meta: RunMeta, inventory: str | None) -> Inventory:
     path = inventory or meta.inventory
     if not path:
         raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
     inv = load_inventory(path)
-    missing = [n for n in meta.nodes if n not in inv.names()]
+    # A node with several GPUs ran as its rank nodes (`machine/gpu<i>`, coordinator.planning.gpuranks).
+    by_name = {n.name: n for n in inv.nodes}
+    nodes = [by_name.get(name) or rank_node_from_name(inv, name) for name in meta.nodes]
+    missing = [name for name, node in zip(meta.nodes, nodes, strict=True) if node is None]
     if missing:
         raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
-    return inv.limit(list(meta.nodes))
+    return Inventory(tuple(n for n in nodes if n is not None), inv.path)
 
 
 async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | None = None,
@@ -81,17 +117,41 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     run_id = meta.run_id
     inv = _inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
-    with (supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui),
-          run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent)):
-        sup.run_dir = run_dir
-        async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
-            await fleet.connect_all()
-            launch = _adopt(fleet, run_dir, meta, inv, pb, ui.progress)
-            launch.should_stop = sup.stop_reason
-            monitor = await watch(launch, sup)
-            adopted = Attempt(launch.attempt, list(launch.nodes), monitor, launch, None)
-            opts = JobOptions(run_root=run_dir.parent, connect_timeout=connect_timeout)
-            return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), run_id, run_dir, adopted, {}, sup)
+    with supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui):
+        ended = ended_summary(run_dir)  # under the lock: the coordinator that saw the end has written it
+        if ended is not None:
+            raise RunEnded(run_id, ended)
+        with run_log(run_dir, run_id, inv, pb, run_root=run_dir.parent):
+            return await _supervise_adopted(run_dir, meta, inv, pb, ui, sup, connect_timeout)
+
+
+async def _supervise_adopted(run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playbook, ui: JobUI,
+                             sup: Supervision, connect_timeout: float) -> RunSummary:
+    """attach's supervision, the run's lock and log held: adopt the attempt, watch it, answer its end."""
+    sup.run_dir = run_dir
+    async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
+        await _connect_through_a_signal(fleet)
+        launch = _adopt(fleet, run_dir, meta, inv, pb, ui.progress)
+        launch.should_stop = sup.stop_reason
+        monitor = await watch(launch, sup)
+        adopted = Attempt(launch.attempt, list(launch.nodes), monitor, launch, None)
+        opts = JobOptions(run_root=run_dir.parent, connect_timeout=connect_timeout)
+        return await supervise(fleet, inv, pb, opts, ui, QuarantineStore(), meta.run_id, run_dir, adopted, {}, sup)
+
+
+async def _connect_through_a_signal(fleet: Fleet) -> None:
+    """Connect the fleet even when a signal comes meanwhile. The run is already running: a signal to `attach`
+    asks it to stop the run (`watch` does, at once, as its monitor starts: `Supervision.stop_reason`), which
+    needs the connections; the run must not be left as if nobody had been asked. A second signal is not a
+    cancellation (cli.common.run_supervised)."""
+    connecting = asyncio.ensure_future(fleet.connect_all())
+    try:
+        await asyncio.shield(connecting)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        await connecting
 
 
 @dataclass(frozen=True)
@@ -99,9 +159,13 @@ class StopResult:
     """How the run ended, as its summary.json says (whoever wrote it: this process or the live coordinator)."""
 
     run_id: str
-    state: str  # "stopped", or how it ended before the request was carried out
+    state: str  # "stopped", or how it ended before the stop was carried out (`already_ended`)
     steps: int
     message: str
+
+    @property
+    def already_ended(self) -> bool:
+        return self.state != "stopped"
 
 
 async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -113,18 +177,24 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
     run_id = meta.run_id
     if holder_of(run_dir / LOCK_NAME) is not None:
         return await _ask_to_stop(run_dir, run_id, wait_s)
-    inv = _inventory(meta, inventory)
     with holding(run_dir, "stop", run_id):
+        # Under the lock: a coordinator that was just ending has written its summary and released it by now.
+        ended = ended_summary(run_dir)
+        if ended is not None:
+            return StopResult(run_id, ended.state or "failed", ended.steps or 0, ended.message or "")
+        inv = _inventory(meta, inventory)
         async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
             await fleet.connect_all()
             launch = _adopt(fleet, run_dir, meta, inv, _playbook(run_dir, meta), None)
             mon = launch.new_monitor()
             mon.stopped = True
             await launch.teardown(mon)
-        previous = read_summary(run_dir)
-        summary = summarize(launch, mon, launch.split(), "stopped by `coordinator stop`")
-        summary.state = RunState.STOPPED
-        summary.steps = max(summary.steps, (previous.steps if previous else None) or 0)
+            # Nobody followed the run to here: its record is what the nodes' files hold (the steps its events
+            # and checkpoints prove; every rank may even have finished before the stop).
+            await launch.read_record(mon, record=False)
+        state = mon.outcome() or RunState.STOPPED
+        summary = summarize(launch, mon, launch.split(),
+                            "stopped by `coordinator stop`" if state is RunState.STOPPED else "")
         summary.left_out = list(launch.left_out)
         write_summary(run_dir, summary)
         return StopResult(summary.run_id, str(summary.state), summary.steps, summary.message)
@@ -142,6 +212,10 @@ async def _ask_to_stop(run_dir: Path, run_id: str, wait_s: float) -> StopResult:
             raise CoordinatorError(f"run {run_id}: asked {who} to stop; it has not finished within {wait_s:g}s "
                                    "(the request stands: it is carried out once the attempt's monitor runs)")
         await asyncio.sleep(0.2)
+    # The request was for that coordinator, which is gone (it may have ended the run before seeing it): no
+    # request is left behind in the run dir, unless a new holder took the run meanwhile.
+    with contextlib.suppress(RunBusy), holding(run_dir, "stop", run_id):
+        clear_stop_request(run_dir)
     written = read_summary(run_dir)
     if written is None:
         raise CoordinatorError(f"run {run_id}: its coordinator ended without a summary.json")

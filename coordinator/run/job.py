@@ -23,30 +23,61 @@ import structlog
 from coordinator.config.playbook import Playbook
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.facts.model import NodeFacts
-from coordinator.fleet.assets import provision
+from coordinator.fleet.assets import look_at_dirs, provided_labels, provision
+from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
-from coordinator.planning.hostfile import Hostfile, build_hostfile
-from coordinator.planning.plan import NodeCalibration, Plan, compute_plan, fixed_plan, per_example_calibration
+from coordinator.planning.colocate import compute_bench_groups
+from coordinator.planning.estimate import ModelShape, model_shape
+from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
+from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
+from coordinator.planning.pipeline import LayerTiming, timing_from_curve
+from coordinator.planning.plan import (
+    NodeCalibration,
+    Plan,
+    SplitMode,
+    compute_plan,
+    fixed_plan,
+    per_example_calibration,
+)
 from coordinator.planning.shards import MapRow
+from coordinator.planning.strategy import (
+    NO_SEND_RECV_BACKENDS,
+    FleetNode,
+    NodeBudget,
+    StrategyChoice,
+    compute_strategy_choice,
+    format_table,
+    per_rank_need,
+)
 from coordinator.preflight.checks.context import manifest_digest, node_manifest
 from coordinator.preflight.fix import (
     FixOptions,
     FixPlan,
     SyncSource,
+    check_sync_source_before_setup,
     choose_sync_source,
     compute_fix_plan,
     compute_sync_outcomes,
     describe_fix_plan,
     describe_left,
+    parse_dir_states,
     resolve_requested,
 )
-from coordinator.preflight.pipeline import evaluate, probe_connected, strategy_refusal
-from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, fingerprint_from_facts
-from coordinator.run.chaos import Chaos
+from coordinator.preflight.pipeline import (
+    FleetFacts,
+    evaluate,
+    fleet_budgets,
+    model_config,
+    probe_connected,
+    resolve_strategy,
+    strategy_refusal,
+)
+from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
+from coordinator.run.chaos import Chaos, check_reachable
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
-from coordinator.run.launchfiles import RankPlan, check_run_id, new_run_id, node_run_dir
+from coordinator.run.launchfiles import RankPlan, build_layout, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
 from coordinator.run.monitor import FATAL_ACTIONS, Action, Incident, IncidentKind, Monitor, RunState
 from coordinator.run.quarantine import (
@@ -68,14 +99,30 @@ from coordinator.run.supervision import (
     Supervision,
     acquire_nodes,
     acquire_run,
+    check_orphans,
     clear_stop_request,
 )
+from worker.runconfig import Layout
+
+# Relaunches after a start-up race (the ranks could not connect: a peer was not listening yet) that do not count
+# against faults.max_restarts: a race is nobody's fault, and it may take a second try to lose it.
+STARTUP_RETRIES = 2
+
+
+def restarts_spent(attempt: int, races: int) -> int:
+    """The relaunches after attempt number `attempt` (0-based) that count against faults.max_restarts, when `races`
+    of the attempts so far ended in a start-up race: up to STARTUP_RETRIES of those are free."""
+    return attempt - min(races, STARTUP_RETRIES)
+
+
+# Blocks a per-block bench times (their mean is the node's time per block): enough to average, few enough for
+# the smallest node.
+BENCH_BLOCKS = 2
 
 
 def default_cache_dir() -> Path:
-    """Calibration cache on the coordinator's machine ($XDG_CACHE_HOME honoured)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "mlx-coordinator" / "calibration"
+    """Calibration cache on the coordinator's machine (under `cache_root`: $XDG_CACHE_HOME honoured)."""
+    return cache_root() / "calibration"
 
 
 
@@ -175,37 +222,153 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
 
 async def calibrate_and_plan(
     fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI
-) -> tuple[Plan, dict[str, NodeCalibration]]:
+) -> tuple[Plan, dict[str, NodeCalibration], StrategyChoice | None]:
     """Measure (or read cached) curves and split the global batch by them. A fixed split (`equal`, explicit
-    fractions) needs no measurement: it returns a plan without curves at once."""
+    fractions) needs no measurement: it returns a plan without curves at once. With `train.strategy` auto or
+    pipeline the plans are weighed (`planning.strategy.compute_strategy_choice`): the returned plan is the
+    chosen dp's, over its nodes (all, some, or one solo); the choice is returned too (None where nothing was
+    weighed)."""
+    inputs = strategy_inputs(inv, pb, facts)
+    if inputs is None:
+        dp_plan, dp_cals = await _calibrate_dp(fleet, inv, pb, facts, opts, ui)
+        return dp_plan, dp_cals, None
+    shape, budgets, backend = inputs
+    t = pb.train
+    # Only a node that holds a replica can run the whole-model bench; the others are timed per block (the
+    # worker's `bench --blocks`) when a pipeline is weighed.
+    replica = [n for n in inv.nodes if per_rank_need(shape, t, world_size=1, budget=budgets[n.name])[0]
+               <= budgets[n.name].usable]
+    cals: dict[str, NodeCalibration] = {}
+    if replica and pb.split == "calibrated":
+        _, cals = await _calibrate_dp(fleet, Inventory(tuple(replica), inv.path), pb, facts, opts, ui, quiet=True)
+    micro = -(-t.batch_size // t.pipeline_micro_batches)  # examples per micro-batch
+    timings: dict[str, LayerTiming] = {n: timing_from_curve(c, shape.layers, micro, t.max_seq_length)
+                                       for n, c in cals.items()}
+    if len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
+            and backend not in NO_SEND_RECV_BACKENDS:
+        # A pipeline is weighed with a node that cannot run the whole model: every node is timed per block, the
+        # same way (a curve's share per block folds the head and optimizer in: it would not compare).
+        timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+    fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
+    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split)
+    for line in [f"strategy {t.strategy}: {choice.chosen.label}", *format_table(choice.table()),
+                 *choice.reasons()]:
+        ui.message(line)
+    chosen = choice.chosen
+    if chosen.dp is not None:
+        plan = chosen.dp
+    elif chosen.strategy == "dp":  # a fixed split, or nothing measured: the plan as written, over its nodes
+        plan = fixed_plan(list(chosen.nodes), t.batch_size, pb.split if pb.split != "calibrated" else "equal",
+                          seq_len=t.max_seq_length)
+    elif chosen.pipeline is not None:
+        plan = chosen.pipeline.as_plan()
+    else:
+        raise LaunchError(f"strategy {t.strategy} chose {chosen.label}, which has neither a dp nor a pipeline plan")
+    ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
+    return plan, cals, choice
+
+
+async def _time_blocks(fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions,
+                       ui: JobUI, micro_batch: int, layers: int) -> dict[str, LayerTiming]:
+    """Each node's time per block (`worker.bench --blocks`); a node whose bench fails is left untimed, said."""
+    spec = replace(bench_spec(pb, len(inv.nodes)), blocks=min(BENCH_BLOCKS, layers), micro_batch=micro_batch)
+    results = await calibrate_layers(
+        fleet, spec, [n.name for n in inv.nodes], fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
+        time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+    out: dict[str, LayerTiming] = {}
+    for name, result in results.items():
+        if isinstance(result, LayerTiming):
+            out[name] = result
+        else:
+            ui.message(f"{name}: not timed per block ({result}): the pipeline's split balances blocks by memory")
+    return out
+
+
+def strategy_inputs(inv: Inventory, pb: Playbook,
+                    facts: Mapping[str, NodeFacts]) -> tuple[ModelShape, dict[str, NodeBudget], str] | None:
+    """The model's shape, every node's budget and the resolved backend, when the strategy is to be weighed
+    (`train.strategy` auto or pipeline, a training playbook, all of them known); None otherwise."""
+    if pb.kind != "train" or pb.train.strategy not in ("auto", "pipeline"):
+        return None
+    shape = model_shape(model_config(facts), None)
+    budgets = fleet_budgets(inv, FleetFacts({}, dict(facts), {}))
+    backend = resolve_backend(pb.backend, facts, inv.nodes)
+    if shape is None or not budgets or backend in NO_SEND_RECV_BACKENDS:
+        # No pipeline without send/recv (nccl): auto is dp or fsdp there, by memory (preflight.resolve_strategy).
+        return None
+    return shape, budgets, backend
+
+
+async def _calibrate_dp(
+    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI,
+    *, quiet: bool = False,
+) -> tuple[Plan, dict[str, NodeCalibration]]:
+    """The dp split over `inv`'s nodes: measured (cached) curves, or the fixed split without measuring.
+    `quiet`: the caller reports the plan (it weighs strategies first)."""
     if pb.split != "calibrated":
         plan = fixed_plan([n.name for n in inv.nodes], pb.train.batch_size, pb.split, seq_len=pb.train.max_seq_length)
-        ui.calibration(plan, {})
+        if not quiet:
+            ui.calibration(plan, {})
         return plan, {}
     results = await calibrate(
         fleet, bench_spec(pb, len(inv.nodes)), fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
         # The curve is measured on the run's batches: the data is part of what it is valid for.
         model_digest=model_digest(facts, ("model", "data")), recalibrate=opts.recalibrate, cache_dir=opts.cache_dir,
         time_budget=pb.calibration.time_budget, one_time_budget=pb.calibration.one_time_budget,
-        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"))
+        progress=lambda node, line: ui.message(f"{node}: {line.strip()}"), names=[n.name for n in inv.nodes],
+        # Nodes sharing a machine are measured together, as they will train (planning/colocate.py).
+        groups=compute_bench_groups(inv.nodes, facts))
     errors = {n: r for n, r in results.items() if not isinstance(r, NodeCalibration)}
     if errors:
         raise LaunchError("calibration failed: " + "; ".join(f"{n}: {e}" for n, e in errors.items()))
     cals = {n: per_example_calibration(r, pb.train.rows_per_example)
             for n, r in results.items() if isinstance(r, NodeCalibration)}
+    # Identical GPUs of one machine: one curve, an even split (calibrate's own pooling leaves them apart: each
+    # rank node's env names its own device).
+    pooled = pool_identical_gpus(cals, inv.nodes, facts)
+    for name in (n for n in pooled if pooled[n] is not cals[n]):
+        ui.message(f"{name}: one curve for the identical GPUs of its machine (the mean of their measurements)")
+    cals = pooled
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
-    ui.calibration(plan, cals)
+    if not quiet:
+        ui.calibration(plan, cals)
     return plan, cals
 
 
 async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
-                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration]]:
+                          ui: JobUI) -> tuple[Plan, dict[str, NodeCalibration], StrategyChoice | None]:
     """`coordinator calibrate`: connect, provision, probe (for fingerprints and the model digest), measure."""
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         facts = await facts_for_calibration(fleet, pb, ui)
-        return await calibrate_and_plan(fleet, inv, pb, facts, opts, ui)
+        inv, ranks_fleet, facts = per_gpu_ranks(inv, fleet, pb, facts, ui)
+        return await calibrate_and_plan(ranks_fleet, inv, pb, facts, opts, ui)
+
+
+def per_gpu_ranks(inv: Inventory, fleet: Fleet, pb: Playbook, facts: Mapping[str, NodeFacts], ui: JobUI, *,
+                  select: Callable[[Inventory], Inventory] | None = None) -> tuple[Inventory, Fleet, dict[str, NodeFacts]]:
+    """The job's ranks once the facts are in: a node with several NVIDIA GPUs becomes one rank node per GPU
+    (`planning.gpuranks`), over the machine's one connection; facts get an entry per rank node; `select` may
+    leave rank nodes out (quarantined GPUs). Unchanged otherwise."""
+    ranks = build_rank_nodes(inv, pb.backend, facts)
+    if ranks is inv:
+        return inv, fleet, dict(facts)
+    if select is not None:
+        ranks = select(ranks)
+    split = sorted({n.machine for n in ranks.nodes if n.machine is not None})
+    ui.message("one rank per GPU: " + "; ".join(
+        f"{m}: {', '.join(n.name for n in ranks.nodes if n.machine == m)}" for m in split))
+    return ranks, fleet.for_ranks(ranks.nodes), rank_facts(facts, ranks.nodes)
+
+
+def check_chaos(chaos: Sequence[Chaos], world_size: int) -> None:
+    """--chaos names ranks; with one rank per GPU the world is known only once the facts are in."""
+    for c in chaos:
+        if c.rank >= world_size:
+            raise ConfigError(f"--chaos: rank {c.rank} is not a rank of this job (0..{world_size - 1})")
 
 
 async def facts_for_calibration(fleet: Fleet, pb: Playbook, ui: JobUI) -> dict[str, NodeFacts]:
@@ -271,8 +434,13 @@ async def run_job(
     sup = supervision or Supervision()
     if pb.kind != "train":
         raise ConfigError(f"`coordinator launch` runs kind: train playbooks (this one is {pb.kind})", path=pb.path)
+    if opts.fix is not None:
+        requested_source(inv, pb, opts.fix)  # a bad --fix-source is refused before anything is made or touched
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
+    if left_out:  # fewer ranks than the command line counted: a drill's rank may be gone
+        check_reachable(chaos, world_size=len(inv.nodes),
+                        why=f" (quarantine leaves out {', '.join(lo.node for lo in left_out)})")
     with run_context(inv, pb, opts, resume_marker=None, ui=ui) as (run_id, run_dir):
         sup.run_dir = run_dir
         return await _run_job(inv, pb, opts, ui, chaos, store, run_id, run_dir, left_out, sup)
@@ -422,7 +590,8 @@ async def ready_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptio
     ui.preflight(state.report)
     if not state.report.ok() and not opts.skip_preflight:
         raise PreflightFailed(state.report, left)
-    refusal = strategy_refusal(inv, pb, state.facts)  # the worker runs dp only: never run an fsdp plan as dp
+    ranks = build_rank_nodes(inv, pb.backend, state.facts)  # the strategy is planned over the ranks (GPUs)
+    refusal = strategy_refusal(ranks, pb, rank_facts(state.facts, ranks.nodes))  # never run an fsdp plan as dp
     if refusal is not None:
         raise LaunchError(refusal)
     return state
@@ -441,6 +610,8 @@ async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     plan = compute_fix_plan(state.report, source_named=source_named)
     ui.message("--fix: " + describe_fix_plan(plan))
     log.info("fix_plan", **plan.to_json())
+    if plan.setup and (plan.sync or any(f.check == "model" for f in plan.deferred)):
+        await _check_source_before_setup(fleet, inv, pb, fix, state.report, plan)
     if plan.setup:
         await _fix_setup(inv, pb, opts, plan.setup, ui)
         if await provision_assets(fleet, pb, ui, strict=False):
@@ -464,18 +635,42 @@ async def fix_fleet(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     return state, left
 
 
+def requested_source(inv: Inventory, pb: Playbook, fix: FixOptions) -> SyncSource | None:
+    """`--fix-source` as a node or a dir on this machine; ConfigError (exit 2) for a dir that lacks a synced
+    dir. Called before the launch connects (`ready_fleet`), and again when sync runs."""
+    if fix.source is None:
+        return None
+    labels = [lb for lb, _ in pb.hashed_dirs()]
+    base = Path(fix.source).expanduser()
+    return resolve_requested(fix.source, inv.names(), labels, {lb: (base / lb).is_dir() for lb in labels}, str(base))
+
+
+def _local_dirs(pb: Playbook) -> tuple[list[tuple[str, str]], bool]:
+    """The playbook's synced dirs on this machine, and whether every one of them is here."""
+    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
+    return local, all(Path(d).is_dir() for _, d in local)
+
+
 def _fix_source(inv: Inventory, pb: Playbook, fix: FixOptions, report: PreflightReport,
                 targets: Sequence[str]) -> SyncSource:
     """Look on this machine for what `choose_sync_source` needs: `--fix-source` as a dir, the playbook's paths."""
-    labels = [lb for lb, _ in pb.hashed_dirs()]
-    requested = None
-    if fix.source is not None:
-        base = Path(fix.source).expanduser()
-        requested = resolve_requested(fix.source, inv.names(), labels,
-                                      {lb: (base / lb).is_dir() for lb in labels}, str(base))
-    local = [(lb, str(Path(d).expanduser())) for lb, d in pb.hashed_dirs()]
-    return choose_sync_source(report, targets, requested=requested, local_dirs=local,
-                              local_present=all(Path(d).is_dir() for _, d in local))
+    local, present = _local_dirs(pb)
+    return choose_sync_source(report, targets, requested=requested_source(inv, pb, fix), local_dirs=local,
+                              local_present=present)
+
+
+async def _check_source_before_setup(fleet: Fleet, inv: Inventory, pb: Playbook, fix: FixOptions,
+                                     report: PreflightReport, plan: FixPlan) -> None:
+    """ConfigError before setup changes any node when sync will need a source and none can exist
+    (`fix.check_sync_source_before_setup`); the dirs of the nodes being set up are looked at with python3."""
+    local, present = _local_dirs(pb)
+    requested = requested_source(inv, pb, fix)
+    seen: Mapping[str, Mapping[str, str] | None] = {}
+    if requested is None and not present:
+        seen = await look_at_dirs(fleet, [f.node for f in plan.deferred if f.check == "model"], dict(pb.hashed_dirs()))
+    check_sync_source_before_setup(report, plan, requested=requested, local_dirs=local, local_present=present,
+                                   node_dirs={n: parse_dir_states(d) for n, d in seen.items()},
+                                   provided=provided_labels(pb))
 
 
 async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequence[str], ui: JobUI) -> None:
@@ -489,7 +684,8 @@ async def _fix_setup(inv: Inventory, pb: Playbook, opts: JobOptions, names: Sequ
     report = await run_setup(nodes, pins, connect_timeout=opts.connect_timeout,
                              accept_new_host_keys=opts.accept_new_host_keys,
                              on_download=lambda name: ui.message(f"--fix: wheels for {name}: from the cache, else "
-                                                                  "downloaded now (once; hundreds of MB)"))
+                                                                  "downloaded now (once; hundreds of MB)"),
+                             on_note=lambda note: ui.message(f"--fix: {note}"))
     for n in report.nodes:
         detail = " | ".join(x for x in ("; ".join(n.actions), n.message) if x)
         ui.message(f"--fix setup {n.outcome}: {n.node}" + (f": {detail}" if detail else ""))
@@ -528,18 +724,36 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
     async with Fleet(inv.nodes, connect_timeout=opts.connect_timeout,
                      accept_new_host_keys=opts.accept_new_host_keys) as fleet:
         state = await ready_fleet(fleet, inv, pb, opts, ui)
+        # Before anything runs on the nodes beside them (calibration included): ranks nobody supervises.
+        if (shared := await check_orphans(fleet, inv.nodes, run_id=run_id, run_root=opts.run_root,
+                                          allow_shared=opts.allow_shared)) is not None:
+            ui.message(f"warning: {shared}")
+        gpus_left: list[LeftOut] = []
+
+        def usable_gpus(ranks: Inventory) -> Inventory:
+            # A GPU quarantined after its rank failed (`box/gpu1`) stays out of later launches, as a node would.
+            usable, left = usable_inventory(ranks, pb, store, ui, opts)
+            gpus_left.extend(left)
+            return usable
+
+        inv, fleet, facts = per_gpu_ranks(inv, fleet, pb, state.facts, ui, select=usable_gpus)
+        left_out = [*left_out, *gpus_left]
+        state = FleetState(facts, state.report)
+        check_chaos(chaos, len(inv.nodes))
         ui.message("calibrating (cached per node, model and sequence length)")
-        plan, cals = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
-        nodes = list(inv.nodes)
+        plan, cals, choice = await calibrate_and_plan(fleet, inv, pb, state.facts, opts, ui)
+        nodes = [n for n in inv.nodes if n.name in plan.batch]  # the strategy may train on some nodes, or one
         resumed: ResumeDecision | None = None
         if opts.resume is not None:
             # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
             resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
+            check_reachable(chaos, after_step=resumed.step or 0)  # before any rank starts
         left = [lo.to_json() for lo in left_out]
         first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
                                    resume=opts.resume is not None, chaos=chaos, ui=ui,
                                    inventory_path=str(Path(inv.path).resolve()) if inv.path else None, sup=sup,
-                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos))
+                                   restart_from_scratch=opts.restart_from_scratch, left_out=left, drill=bool(chaos),
+                                   strategy=choice)
         return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
                                resumed=resumed)
 
@@ -576,6 +790,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     drill, left_out = first.launch.drill, first.launch.left_out
     restart_from_scratch = first.launch.restart_from_scratch
     nodes = [n for n in inv.nodes if n.name in first.nodes]
+    races = 0  # attempts ended by a start-up race (Monitor.startup_race)
     while True:
         attempt = attempts[-1]
         number = attempt.number
@@ -584,10 +799,10 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
                  step=mon.step(), incidents=[i.to_json() for i in mon.incidents])
         if recoveries and recoveries[-1].get("first_step_at") is None:
             recoveries[-1]["first_step_after_s"] = _first_step_after(attempt, recoveries[-1])
-        if mon.stopped:
-            message = sup.message()
-            break
         if mon.outcome() is RunState.SUCCEEDED:
+            break  # a stop that came when every rank had finished changes nothing (Monitor.outcome)
+        if mon.stopped and mon.job_error is None:
+            message = sup.message()
             break
         if mon.job_error is not None:
             # Nobody is at fault: stop. Nodes this run quarantined for the same error, before it followed
@@ -631,13 +846,23 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             log.warning("quarantined", node=name, kind=inc.kind, step=inc.step)
             ui.message(f"quarantined {name}: {inc.kind} at step {inc.step}")
         survivors = [n for n in survivors if n.name not in culprits]
+        race = mon.startup_race() if not culprits else None
+        if race is not None:
+            races += 1
+            log.warning("startup_race", node=race.node, rank=race.rank, message=race.evidence.get("message"))
+            ui.message(f"start-up race on {race.node} (rank {race.rank}): {race.evidence.get('message')}: no node "
+                       "is at fault, nobody quarantined")
         if sup.stop_reason() is not None:
             # Asked to stop while this attempt failed: no relaunch.
             mon.stopped = True
             message = sup.message()
             break
-        if number >= pb.faults.max_restarts:
+        if restarts_spent(number, races) >= pb.faults.max_restarts:
             message = f"gave up after {number + 1} attempt(s) (faults.max_restarts {pb.faults.max_restarts})"
+            if race is not None:
+                known = race.evidence.get("explanation") or {}
+                message += (f"; the last could not form the ring at start-up ({race.evidence.get('message')}): "
+                            f"{known.get('cause')}; remedy: {known.get('remedy')}")
             break
         if len(survivors) < max(1, pb.faults.min_nodes):
             message = f"{len(survivors)} node(s) left < faults.min_nodes {pb.faults.min_nodes}"
@@ -659,7 +884,8 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             gathered = await gather_facts(fleet, pb)
             facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
         sub = Inventory(tuple(nodes), inv.path)
-        plan, cals = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        plan, cals, choice = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui)
+        nodes = [n for n in nodes if n.name in plan.batch]
         # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
         try:
             decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
@@ -671,7 +897,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
                                            resume=True, chaos=(), ui=ui, inventory_path=inventory_path, sup=sup,
                                            earlier_errors=earlier_errors,
                                            restart_from_scratch=restart_from_scratch, left_out=left_out,
-                                           drill=drill))
+                                           drill=drill, strategy=choice))
     final = attempts[-1]
     split = final.plan.split if final.plan is not None else final.launch.split()
     predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
@@ -738,7 +964,7 @@ async def _run_attempt(
     facts: Mapping[str, NodeFacts], run_id: str, run_dir: Path, number: int, *, resume: bool,
     chaos: Sequence[Chaos], ui: JobUI, inventory_path: str | None, sup: Supervision,
     earlier_errors: Mapping[str, frozenset[str]] | None = None, restart_from_scratch: bool = False,
-    left_out: Sequence[dict[str, str]] = (), drill: bool = False,
+    left_out: Sequence[dict[str, str]] = (), drill: bool = False, strategy: StrategyChoice | None = None,
 ) -> Attempt:
     sub = Inventory(tuple(nodes))
     ranks = [RankPlan(i, node, plan.batch[node.name], plan.node_tokens_per_s(node.name)) for i, node in enumerate(nodes)]
@@ -751,16 +977,22 @@ async def _run_attempt(
     launch.left_out = list(left_out)
     launch.drill = drill
     launch.should_stop = sup.stop_reason
-    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if cals else (),
+    launch.layout = (build_layout(strategy.chosen.pipeline) if strategy is not None and strategy.chosen.pipeline
+                     is not None else Layout(kind=resolve_strategy(sub, pb, facts)))
+    # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
+    split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
+    record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
-                        backend=hostfile.backend, attempt=number)
+                        backend=hostfile.backend, attempt=number,
+                        strategy=strategy.to_json() if strategy is not None else None)
     local_hostfile = launch.write_local_files(record)
 
     async def start() -> None:
         ui.message(f"run {run_id}: preparing nodes" + (f" (attempt {number + 1})" if number else ""))
         await launch.prepare()
-        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks)")
+        ui.message(f"run {run_id}: mlx.launch --backend {hostfile.backend} ({len(ranks)} ranks, "
+                   f"{launch.layout.kind})")
         launch.start_launcher(local_hostfile)
 
     monitor = await watch(launch, sup, start)
@@ -790,6 +1022,10 @@ async def watch(launch: Launch, sup: Supervision, start: Callable[[], Awaitable[
         else:
             await launch.teardown(monitor or launch.current_monitor)
     assert monitor is not None
+    if monitor.stopped and not sup.detach:
+        # The stop cut the following short: the record is what the nodes' files hold (every rank may have
+        # finished already; the steps the events and checkpoints prove), not what had reached us by then.
+        await launch.read_record(monitor, record=True)
     return monitor
 
 

@@ -74,6 +74,7 @@ from coordinator.run.rundir import (
     RunMeta,
     SummaryBase,
 )
+from worker.runconfig import Layout
 
 TICK_S = 0.5
 
@@ -156,12 +157,14 @@ class RunSummary(SummaryBase):
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
+    compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "attempts": self.attempts, "recoveries": self.recoveries, "resumed_from": self.resumed_from}
+                "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
+                "recoveries": self.recoveries, "resumed_from": self.resumed_from}
 
 
 _WRITE_FILES = (
@@ -247,6 +250,7 @@ class Launch:
         self.restart_from_scratch = False  # run.json's: ranks set invalid checkpoints aside instead of refusing
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
+        self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
@@ -265,7 +269,12 @@ class Launch:
         self.launcher: subprocess.Popen[bytes] | None = None
         self._launcher_stdin: int | None = None  # write end of the launcher's idle stdin (see spawn_launcher)
         self.queue: asyncio.Queue[Observation] = asyncio.Queue()
+        # node -> rank -> event lines of that rank's file delivered to this process (a reopened follower, and the
+        # reading of the record after a stop, go on from there)
+        self.delivered: dict[str, dict[int, int]] = {
+            n: {r.rank: 0 for r in ranks if r.node.name == n} for n in self.nodes}
         self.tasks: list[asyncio.Task[None]] = []
+        self.closing = False  # teardown began: a follower channel that ends is not reopened
         self.events_file = run_dir / EVENTS
 
     def split(self) -> dict[str, float]:
@@ -284,7 +293,7 @@ class Launch:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
-                                  restart_from_scratch=self.restart_from_scratch)
+                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:
@@ -383,7 +392,7 @@ class Launch:
         not answer is `lost` (unreachable)."""
         node = self.node_by_name[name]
         ranks = [r.rank for r in self.ranks if r.node.name == name]
-        seen = dict.fromkeys(ranks, 0)  # event lines of each rank's file received so far
+        seen = self.delivered[name]  # event lines of each rank's file received so far
         worker_dir = await ship_worker(self.fleet.transports[name], node)
         failures = 0
         while True:
@@ -393,6 +402,8 @@ class Launch:
             if failures > FOLLOW_RETRIES:
                 reason = f"{reason} ({FOLLOW_RETRIES} restarts of the follower in a row failed)"
                 break
+            if self.closing:
+                return  # torn down: its follower was stopped on purpose
             try:
                 await self._reach(name)
             except TransportError as exc:
@@ -445,6 +456,61 @@ class Launch:
             reason = str(exc)
         return reason
 
+    async def read_record(self, mon: Monitor, *, record: bool) -> None:
+        """Read what the nodes' files hold now into `mon` (`worker.follow --once`): the rank events this process
+        has not received (all of them when it never followed the attempt) and each node's newest complete
+        checkpoint, so that a run whose following was cut short (a stop, a signal, a coordinator that is not the
+        one that launched it) is recorded by what happened: its steps, and whether every rank had finished.
+        Process states are not read: after a teardown every rank is gone, and that is no crash. `record`: append
+        the events to events.jsonl (this process followed the attempt; else they are there already, or not ours
+        to write). A node that cannot be read adds nothing. Call it after `teardown` (the followers stopped)."""
+        async def one(name: str) -> list[Observation]:
+            node = self.node_by_name[name]
+            transport = self.fleet.transports[name]
+            seen = self.delivered[name]
+            skip = ",".join(f"{r}={n}" for r, n in seen.items() if n)
+            try:
+                worker_dir = self.worker_dirs.get(name) or await ship_worker(transport, node)
+                argv = ["env", f"PYTHONPATH={worker_dir}",
+                        *python_argv(node.python, "-m", "worker.follow", "--once", "--run-dir",
+                                     self.remote_run_dirs.get(name) or node_run_dir(node, self.run_id),
+                                     "--ranks", ",".join(str(r) for r in seen), *(["--skip", skip] if skip else []))]
+                result = await transport.run(argv, timeout=60)
+            except TransportError:
+                return []
+            found: list[Observation] = []
+            now = time.monotonic()
+            for line in result.stdout.splitlines():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                if msg.get("src") in ("event", "bad") and msg.get("rank") in seen:
+                    seen[msg["rank"]] += 1
+                if msg.get("src") == "event" and isinstance(msg.get("event"), dict):
+                    found.append(Observation(ObservationKind.EVENT, name, now, msg.get("rank"), msg["event"]))
+                elif msg.get("src") == "checkpoints":
+                    found.append(Observation(ObservationKind.CHECKPOINTS, name, now, data={"step": msg.get("step")}))
+            return found
+
+        # What the followers received but the monitor loop, which ended, never took: counted as delivered already.
+        queued: list[Observation] = []
+        while not self.queue.empty():
+            obs = self.queue.get_nowait()
+            if obs.kind == ObservationKind.EVENT:
+                queued.append(obs)
+        results = [queued, *await asyncio.gather(*(one(n) for n in self.nodes if n in self.fleet.connected))]
+        with self.events_file.open("a", encoding="utf-8") as sink:
+            for observations in results:
+                for obs in observations:
+                    if record and obs.kind == ObservationKind.EVENT:
+                        line = current_redactor().value({"node": obs.node, "rank": obs.rank, **obs.data})
+                        sink.write(json.dumps(line) + "\n")
+                    for incident in mon.observe(obs):
+                        self._record_incident(sink, incident)
+
     def record_supervisor(self, what: str, **data: Any) -> None:
         """A line in events.jsonl about the coordinator itself (a follower restarted, a stop, a detach)."""
         record = {"event": "supervisor", "what": what, "node": "coordinator", "attempt": self.attempt,
@@ -459,8 +525,10 @@ class Launch:
 
     def new_monitor(self) -> Monitor:
         plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
-                              max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors)
+                              max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,
+                              replica_groups=tuple((r.rank,) for r in self.ranks) if pipeline else None)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
@@ -559,8 +627,17 @@ class Launch:
         self.record_supervisor("detached", launcher_pid=self.launcher.pid if self.launcher else self.launcher_pid)
 
     async def teardown(self, mon: Monitor | None) -> None:
-        for task in self.tasks:
-            task.cancel()
+        self.closing = True
+        # The followers end before the nodes' cleanup below kills their processes: else one restarted meanwhile
+        # outlives the run. Cancelled again while they run: asyncio.wait_for (Python 3.11) loses a cancellation
+        # that arrives as its awaited item does, which a follower with output waiting is likely to hit.
+        pending = {t for t in self.tasks if not t.done()}
+        for _ in range(20):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.25)
         if self.launcher is not None and self.launcher.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.launcher.pid, signal.SIGTERM)
@@ -650,12 +727,14 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()
-    return RunSummary(run_id=launch.run_id, state=state, steps=mon.step(), nodes=nodes, split=dict(split),
+    compute_rate = mon.run_compute_tokens_per_s()
+    return RunSummary(run_id=launch.run_id, state=state, steps=mon.proven_step(), nodes=nodes, split=dict(split),
                       incidents=list(mon.incidents), checkpoint=ckpt,
                       tokens_per_s=round(run_rate, 2) if run_rate is not None else None,
                       run_dir=str(launch.run_dir), message=message, iters=mon.iters,
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
-                                              if predicted_tokens_per_s else None))
+                                              if predicted_tokens_per_s else None),
+                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None)
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

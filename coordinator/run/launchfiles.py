@@ -18,8 +18,9 @@ from coordinator.config.yamlsrc import NAME_PATTERN
 from coordinator.errors import ConfigError
 from coordinator.facts.probe import pythonpath_prepend, shell_path
 from coordinator.models import Connection, Inventory, Node
+from coordinator.planning.pipeline import PipelinePlan
 from coordinator.run.chaos import Chaos
-from worker.runconfig import DpoSpec, LoraSpec, RankSpec, RunConfig
+from worker.runconfig import DpoSpec, Layout, LoraSpec, RankSpec, RunConfig, StageSpec
 
 # mlx.launch's main(), with one fix. Its per-rank threads select() the rank process's stdin pipe for WRITING even
 # when there is nothing to send, and a pipe is always writable: every thread (and, with stdin at EOF, the main
@@ -93,11 +94,22 @@ def build_tmp_cleanup(run_id: str) -> str:
             '-user "$(id -u)" -exec rm -rf {} + 2>/dev/null')
 
 
+def build_layout(plan: PipelinePlan | None) -> Layout:
+    """The worker's `RunConfig.layout`: dp (None), or the pipeline's stages (rank i = stage i: ring order)."""
+    if plan is None:
+        return Layout()
+    return Layout(kind="pipeline", stages=tuple(StageSpec(i, s.first_layer, s.last_layer)
+                                                for i, s in enumerate(plan.stages)),
+                  micro_batches=plan.micro_batches, schedule=plan.schedule)
+
+
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
-                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False) -> RunConfig:
+                     chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False,
+                     layout: Layout | None = None) -> RunConfig:
     """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
     worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
-    `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node."""
+    `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node.
+    `layout`: how the ranks share the work (`build_layout`; dp when None)."""
     t = pb.train
     if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
         raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
@@ -119,6 +131,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         fence=(FENCE_OVER_STALL * pb.faults.stall_factor,
                FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
         chaos=tuple(chaos),
+        layout=layout or Layout(),  # dp, a pipeline's stages (build_layout) or fsdp (preflight.pipeline.resolve_strategy)
     )
 
 
@@ -157,10 +170,13 @@ def build_ssh_config(nodes: Sequence[Node], *, connect_timeout: float = 5.0) -> 
     """An ssh_config making the plain `ssh` that mlx.launch runs use the inventory's credentials and the same
     host-key policy as the control plane (strict: never prompt, never accept a changed key)."""
     out = ["# written by mlx-coordinator for mlx.launch", ""]
+    seen: set[str] = set()
     for node in nodes:
-        if node.connection is Connection.LOCAL:
+        # Rank nodes of one machine (one per GPU) share its entry: the hostfile's `ssh` is the machine's name.
+        if node.connection is Connection.LOCAL or node.machine_name in seen:
             continue
-        out.append(f"Host {node.name}")
+        seen.add(node.machine_name)
+        out.append(f"Host {node.machine_name}")
         out.append(f"  HostName {node.host}")
         if node.user:
             out.append(f"  User {node.user}")

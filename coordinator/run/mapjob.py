@@ -51,6 +51,7 @@ from coordinator.run.job import (
     model_digest,
     quarantine_node,
     ready_fleet,
+    requested_source,
     run_context,
     usable_inventory,
 )
@@ -460,6 +461,8 @@ async def run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI | No
     ui = ui or QuietUI()
     if pb.kind != "map" or pb.map is None:
         raise ConfigError(f"run_map runs kind: map playbooks (this one is {pb.kind})", path=pb.path)
+    if opts.fix is not None:
+        requested_source(inv, pb, opts.fix)  # a bad --fix-source is refused before anything is made or touched
     store = QuarantineStore()
     inv, left_out = usable_inventory(inv, pb, store, ui, opts)
     with run_context(inv, pb, opts, resume_marker=MAP_PLAN, ui=ui) as (run_id, run_dir):

@@ -106,10 +106,13 @@ class RunStatus:
     left_out: tuple[tuple[str, str], ...] = ()  # (node, reason): inventory nodes the run started without
     tokens_per_s: float | None = None  # the run's rate (real tokens/s: Monitor.run_tokens_per_s)
     predicted_tokens_per_s: float | None = None  # calibration's, for the plan the attempt runs
+    recorded_steps: int | None = None  # an ended run's summary.json `steps` (what the nodes prove)
 
     @property
     def step(self) -> int:
-        """The step every rank has reached (a synchronous job moves together)."""
+        """The step every rank has reached (a synchronous job moves together); once the run ended, its record's."""
+        if self.recorded_steps is not None:
+            return self.recorded_steps
         return min((r.step for r in self.ranks), default=0)
 
     def rank_of(self, node: str) -> RankStatus | None:

@@ -16,8 +16,9 @@ the same error as a culprit of an earlier attempt on another node (it followed t
 
 from __future__ import annotations
 
+import re
 import statistics
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -147,6 +148,9 @@ class ObservationKind(StrEnum):
     TICK = "tick"
     LOST = "lost"
     LAUNCHER_EXIT = "launcher_exit"
+    # The newest complete checkpoint dir on the node (`data["step"]`, None: none), read from its disk when the
+    # coordinator reads a run's record (`worker.follow --once`): steps the run proved, events or not.
+    CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,7 @@ SETTLE_S = 2.0  # after the first fatal incident, keep listening this long so th
 # After a rank's own error, wait up to this long for every other rank to report too (its own error, or an echo
 # once mlx.launch kills it): a job error is the same error on every rank, and ranks fail a moment apart.
 ERROR_GRACE_S = 5.0
+STARTUP_CRASH = "<every rank died before its first step>"  # the signature of `Monitor.classify`'s start-up crash
 JOB_ERROR = IncidentKind.JOB_ERROR
 # After mlx.launch exited, wait this long for the ranks' last events (their `finished`) before its exit, with ranks
 # unfinished and nothing else to explain it, is itself the failure.
@@ -361,22 +366,28 @@ class Monitor:
     # signature -> nodes that earlier attempts of this run blamed for an own error with it ("follows the work")
     earlier_errors: dict[str, frozenset[str]] = field(default_factory=dict)
     job_error: Incident | None = None
+    checkpoint_dirs: dict[str, int] = field(default_factory=dict)  # node -> its newest complete checkpoint's step
+    # Ranks that hold the same parameters and must agree on digests and checkpoints (the run's layout): None is
+    # data parallel, every rank a replica; a pipeline's stages each hold their own blocks, one rank per group.
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
                max_tokens_per_row: int | None = None,
-               earlier_errors: dict[str, frozenset[str]] | None = None) -> Monitor:
+               earlier_errors: dict[str, frozenset[str]] | None = None,
+               replica_groups: tuple[tuple[int, ...], ...] | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
         (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
-        `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`)."""
+        `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`).
+        `replica_groups`: which ranks must agree (None: all of them, data parallel)."""
         ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
                                   calibrated_tokens_per_s=p.calibrated_tokens_per_s,
                                   max_tokens_per_step=p.batch_size * max_tokens_per_row if max_tokens_per_row else None)
                  for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
-                  policy=policy, earlier_errors=dict(earlier_errors or {}))
+                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups)
         for view in ranks.values():
             mon.node_seen_at[view.node] = now
         return mon
@@ -392,6 +403,11 @@ class Monitor:
             return self._proc(obs)
         if obs.kind == ObservationKind.LOST:
             return self._lost(obs)
+        if obs.kind == ObservationKind.CHECKPOINTS:
+            step = obs.data.get("step")
+            if isinstance(step, int) and not isinstance(step, bool) and step >= 0 and obs.node in self.nodes():
+                self.checkpoint_dirs[obs.node] = max(step, self.checkpoint_dirs.get(obs.node, 0))
+            return []
         if obs.kind == ObservationKind.LAUNCHER_EXIT:
             rc = obs.data.get("rc")
             return self.launcher_exited(rc if isinstance(rc, int) else None, obs.at)
@@ -454,26 +470,34 @@ class Monitor:
         elif isinstance(event, ErrorEvent):
             view.state = WorkerState.FAILED
             view.error = str(event.message)
+            if self.stopped and is_echo(view.error):
+                # Read after the run was stopped: the stop's own teardown (SIGTERM) or a peer lost to it.
+                return []
             # An error after another fault, or about a lost peer, is an echo (peers lose the ring when a rank
             # dies, and may say so before the death itself is seen): not a culprit. A process that died without
             # an error event (crash), stopped (hang) or went silent (unreachable) is one, whatever the order.
-            echo = self.first_fatal_at is not None or is_echo(view.error)
+            known = explain_error(view.error)
+            # An error that names a peer's absence (its connect refused when the ring was formed) blames no node:
+            # before the rank's first step it is a start-up race (`startup_race`: relaunched, nobody quarantined).
+            peer = known is not None and known.blame == "peer"
+            echo = self.first_fatal_at is not None or is_echo(view.error) or peer
             # `fault: job` (a resume with no valid checkpoint): every rank fails alike, no node is to blame.
             job = event.fault == "job"
             evidence: dict[str, Any] = {"message": view.error, "traceback": (event.traceback or "")[-2000:],
                                         "echo": echo}
             if job:
                 evidence["fault"] = "job"
-            elif not is_echo(view.error) and not event.fenced:
+            elif not is_echo(view.error) and not event.fenced and not peer:
                 # Its own error, whatever the order: kept for the job-error comparison (a later rank's own error
                 # with the same signature is the same failure, not an echo of the first).
                 sig = error_signature(view.error, {v.node for v in self.ranks.values()})
                 self.own_errors.setdefault(view.rank, RankError(view.rank, obs.node, sig, view.error, obs.at,
                                                                 evidence["traceback"]))
                 evidence["signature"] = sig
-            known = explain_error(view.error)
             if known is not None:
                 evidence["explanation"] = known.to_json()
+            if peer and view.rank not in self.first_step_at:
+                evidence["startup_race"] = True
             return self._add(Incident(kind=IncidentKind.ERROR, node=obs.node, rank=rank, step=view.step,
                                       detected_after_s=0.0, evidence=evidence,
                                       action=Action.STOP if echo or job else Action.QUARANTINE, t=obs.at))
@@ -590,8 +614,8 @@ class Monitor:
         ranks): a rank far from the others for `outlier_steps` consecutive steps is flagged (a warning: the
         digests decide Byzantine replicas; honest heterogeneous batches stay within the relative floor)."""
         values = self.step_locals.get(step, {})
-        if len(values) < len(self.ranks) or len(self.ranks) < 3:
-            return []
+        if len(values) < len(self.ranks) or len(self.ranks) < 3 or self.replica_groups is not None:
+            return []  # a pipeline's stages hold different blocks: their local values are not comparable
         flagged: set[int] = set()
         for idx in (0, 1):
             series: dict[int, float] = {}
@@ -618,7 +642,8 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at, "params/optimizer digest")
+        return self._votes(IncidentKind.INCONSISTENT, step, {r: table[r] for r in live}, obs.at,
+                           "params/optimizer digest")
 
     def _checkpoint(self, view: RankView, event: CheckpointEvent, obs: Observation) -> list[Incident]:
         step, sha = event.step, event.sha256
@@ -629,7 +654,21 @@ class Monitor:
         live = [r for r, v in self.ranks.items() if v.state is not WorkerState.FAILED]
         if any(r not in table for r in live):
             return []
-        return self._vote(IncidentKind.CHECKPOINT_MISMATCH, step, {r: table[r] for r in live}, obs.at, "checkpoint manifest")
+        return self._votes(IncidentKind.CHECKPOINT_MISMATCH, step, {r: table[r] for r in live}, obs.at,
+                           "checkpoint manifest")
+
+    def _votes(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
+        """One vote per replica group (`replica_groups`); a group of one rank has nothing to compare."""
+        if self.replica_groups is None:
+            return self._vote(kind, step, values, at, what)
+        found: list[Incident] = []
+        for group in self.replica_groups:
+            members = {r: values[r] for r in group if r in values}
+            if len(members) > 1:
+                found += self._vote(kind, step, members, at, what)
+        if kind == IncidentKind.INCONSISTENT and not found:
+            self.last_consistent_step = max(self.last_consistent_step or 0, step)
+        return found
 
     def _vote(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
         """Replicas must agree exactly. With a strict majority the odd ranks are culprits; without one (two
@@ -727,11 +766,31 @@ class Monitor:
     def launcher_failed(self, now: float, *, log_tail: str) -> Incident:
         """The `launcher_exit` incident (action stop, node `coordinator`) once `after_launcher_exit` said FAILED;
         `log_tail`: the end of launcher.log, its only evidence. Appended as it is: the attempt ends with it, there
-        is nothing left to settle."""
+        is nothing left to settle.
+
+        When no rank of the attempt ever finished a step, the ranks could not start at all (NCCL refusing its
+        communicator, a configuration every rank shares): the same launch would fail the same way, so it is the
+        job's (`fault: job`, `job_fault`): no relaunch. Its `message` says so in words, with the launcher log's last
+        error line; mlx.launch's status is shown as what it is (it exits 0 whatever its ranks did)."""
         since = self.launcher_exited_at if self.launcher_exited_at is not None else now
+        unfinished = sum(1 for v in self.ranks.values() if v.state is not WorkerState.FINISHED)
+        status = ("an unknown status" if self.launcher_rc is None else f"status {self.launcher_rc}"
+                  + (" (it exits 0 whatever its ranks did)" if self.launcher_rc == 0 else ""))
+        evidence: dict[str, Any] = {"rc": self.launcher_rc, "log_tail": log_tail}
+        line = last_error_line(log_tail)
+        if not self.first_step_at:
+            evidence["fault"] = "job"
+            evidence["message"] = (f"mlx.launch ended with {status} before any rank finished a step: the ranks "
+                                   f"could not start" + (f" ({line})" if line else " (see launcher.log)"))
+            known = explain_error(line)
+            if known is not None:
+                evidence["explanation"] = known.to_json()
+        else:
+            evidence["message"] = (f"mlx.launch ended with {status} while {unfinished} of {len(self.ranks)} rank(s) "
+                                   "had not finished, and no rank reported why"
+                                   + (f" (launcher.log: {line})" if line else ""))
         incident = Incident(kind=IncidentKind.LAUNCHER_EXIT, node="coordinator", rank=None, step=self.step(),
-                            detected_after_s=now - since, evidence={"rc": self.launcher_rc, "log_tail": log_tail},
-                            action=Action.STOP, t=now)
+                            detected_after_s=now - since, evidence=evidence, action=Action.STOP, t=now)
         self.incidents.append(incident)
         return incident
 
@@ -822,7 +881,9 @@ class Monitor:
 
     def culprits(self) -> list[str]:
         """Nodes to quarantine: those named by a culprit incident (echoes excluded), in detection order. Secondary
-        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first)."""
+        crashes count only when nothing else names a culprit (a crash whose echoes happened to arrive first) and
+        no start-up race explains the failure (mlx.launch kills the other ranks once the one that could not
+        connect exits)."""
         primary: list[str] = []
         secondary: list[str] = []
         for inc in self.incidents:
@@ -830,14 +891,38 @@ class Monitor:
                 out = secondary if self._secondary(inc) else primary
                 if inc.node not in out:
                     out.append(inc.node)
-        return primary or secondary
+        if primary or self._race() is not None:
+            return primary
+        return secondary
+
+    def _race(self) -> Incident | None:
+        return next((i for i in self.incidents if i.evidence.get("startup_race")), None)
+
+    def startup_race(self) -> Incident | None:
+        """The error that ended this attempt when its ranks could not connect at start-up (a peer not listening
+        yet), when nothing names a culprit: the attempt is relaunched on the same nodes, nobody quarantined
+        (`job.supervise`, within STARTUP_RETRIES). None otherwise."""
+        race = self._race()
+        return race if race is not None and not self.culprits() and self.job_error is None else None
 
     def classify(self) -> JobErrorVerdict | None:
         """`classify_errors` over this attempt's observations: is the failure the job's?"""
         node_evidence = any(i.action == Action.QUARANTINE and i.kind in CULPRIT_KINDS and i.kind != IncidentKind.ERROR
                             and not self._secondary(i) for i in self.incidents)
-        return classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
-                               earlier=self.earlier_errors)
+        verdict = classify_errors(list(self.own_errors.values()), len(self.ranks), node_evidence=node_evidence,
+                                  earlier=self.earlier_errors)
+        if verdict is not None or self.own_errors or self.first_step_at or len(self.ranks) < 2:
+            return verdict
+        # Every rank died silently before any step: nothing ties it to a node (a peer of a node's fault would have
+        # written an echo on its way out); an abort in mlx's or NCCL's set-up does this on every rank, and a
+        # relaunch, or quarantining the whole fleet one node at a time, would only repeat it.
+        crashed = [i for i in self.incidents if i.kind == IncidentKind.CRASH and i.rank is not None]
+        if {i.rank for i in crashed} != set(self.ranks):
+            return None
+        return JobErrorVerdict(STARTUP_CRASH, "every rank's process died before its first step without reporting an "
+                               "error (an abort in mlx's or NCCL's set-up, or a signal to every rank): launcher.log "
+                               "holds the ranks' own output", tuple(sorted(self.ranks)),
+                               tuple(sorted({i.node for i in crashed})), "every rank died while starting")
 
     def _judge_job_error(self) -> list[Incident]:
         """When the failure is the job's: every incident that would quarantine a node, and every rank's own copy of
@@ -856,12 +941,17 @@ class Monitor:
                 new = replace(inc, action=Action.STOP, evidence={**inc.evidence, "job_error": True})
                 self.incidents[idx] = new
                 revised.append(new)
-        first = min(self.own_errors.values(), key=lambda e: e.at)
-        last = max(e.at for e in self.own_errors.values())
-        known = explain_error(first.message)
+        if self.own_errors:
+            first = min(self.own_errors.values(), key=lambda e: e.at)
+            message, traceback, first_at = first.message, first.traceback, first.at
+            last = max(e.at for e in self.own_errors.values())
+        else:  # every rank crashed at start (`classify`)
+            times = [i.t for i in self.incidents if i.kind == IncidentKind.CRASH]
+            message, traceback, first_at, last = verdict.message, "", min(times), max(times)
+        known = explain_error(message)
         evidence: dict[str, Any] = {
-            "message": first.message, "signature": verdict.signature, "reason": verdict.reason,
-            "ranks": list(verdict.ranks), "nodes": list(verdict.nodes), "traceback": first.traceback,
+            "message": message, "signature": verdict.signature, "reason": verdict.reason,
+            "ranks": list(verdict.ranks), "nodes": list(verdict.nodes), "traceback": traceback,
             "cause": known.cause if known else "the same failure on every node: the playbook, model or data",
             "remedy": known.remedy if known else ("fix what the message names (the traceback is in this incident "
                                                   "and runs/<id>/events.jsonl), then relaunch; no node is at fault"),
@@ -871,7 +961,7 @@ class Monitor:
         if verdict.earlier_nodes:
             evidence["earlier_nodes"] = list(verdict.earlier_nodes)
         self.job_error = Incident(kind=JOB_ERROR, node=",".join(verdict.nodes), rank=None, step=self.step(),
-                                  detected_after_s=last - first.at, evidence=evidence, action=Action.STOP, t=last)
+                                  detected_after_s=last - first_at, evidence=evidence, action=Action.STOP, t=last)
         self.incidents.append(self.job_error)
         return [*revised, self.job_error]
 
@@ -910,12 +1000,15 @@ class Monitor:
         # Every node not blamed must have spoken since the fault: a node that went silent at the same time may
         # be the real culprit (its silence becomes `unreachable` at the heartbeat timeout).
         heard = all(self.node_seen_at.get(n, 0.0) > self.first_fatal_at for n in self.nodes() if n not in blamed)
-        return (bool(blamed) or self.job_fault() is not None) and waited >= SETTLE_S and heard and self._errors_in(now)
+        explained = bool(blamed) or self.job_fault() is not None or self._race() is not None
+        return explained and waited >= SETTLE_S and heard and self._errors_in(now)
 
     def job_fault(self) -> Incident | None:
-        """The first error that every rank hit because of the job itself (`fault: job`), not because of a node:
-        relaunching cannot help, and nobody is quarantined for it."""
-        return next((i for i in self.incidents if i.kind == IncidentKind.ERROR and i.evidence.get("fault") == "job"), None)
+        """The first error that every rank hit because of the job itself (`fault: job`), not because of a node, or
+        a launch whose ranks never started (`launcher_failed`): relaunching cannot help, and nobody is quarantined
+        for it."""
+        return next((i for i in self.incidents if i.kind in (IncidentKind.ERROR, IncidentKind.LAUNCHER_EXIT)
+                     and i.evidence.get("fault") == "job"), None)
 
     def _errors_in(self, now: float) -> bool:
         """After a rank's own error: every other rank has reported an error or ended (a job error is the same
@@ -928,24 +1021,45 @@ class Monitor:
         return all(v.state in (WorkerState.FAILED, WorkerState.FINISHED) for v in self.ranks.values())
 
     def outcome(self) -> RunState | None:
-        if self.stopped:
+        """How the attempt ended (None: not yet). A stop (`stopped`: a signal, `coordinator stop`) that came
+        when every rank had already finished, or after a job error was judged, changes nothing: the run
+        succeeded, or failed with that error. What happened is recorded, not the order of the news."""
+        fatal = any(i.action in FATAL_ACTIONS for i in self.incidents)
+        finished = all(v.state is WorkerState.FINISHED for v in self.ranks.values())
+        if self.stopped and self.job_error is None and not (finished and not fatal):
             return RunState.STOPPED
-        if any(i.action in FATAL_ACTIONS for i in self.incidents):
+        if fatal or any(v.state is WorkerState.FAILED for v in self.ranks.values()):
             return RunState.FAILED
-        if any(v.state is WorkerState.FAILED for v in self.ranks.values()):
-            return RunState.FAILED
-        if all(v.state is WorkerState.FINISHED for v in self.ranks.values()):
+        if finished:
             return RunState.SUCCEEDED
         return None
 
     def step(self) -> int:
+        """The step every rank has reached (the live view's): the slowest rank's."""
         return min((v.step for v in self.ranks.values()), default=0)
+
+    def proven_step(self) -> int:
+        """The run's record of its progress: the highest step that any rank's step event (or the step it
+        resumed from), any checkpoint event or any node's complete checkpoint dir proves. A synchronous step is
+        only reported once every rank joined its collective, so one rank's report speaks for the run; and a
+        stop that interrupted the reading of events never makes a run that trained look as if it had not."""
+        return max([v.step for v in self.ranks.values()]
+                   + [v.checkpoint_step for v in self.ranks.values() if v.checkpoint_step is not None]
+                   + list(self.checkpoint_dirs.values()), default=0)
 
     def run_tokens_per_s(self) -> float | None:
         """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
         median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
         does the last step alone."""
         return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+
+    def run_compute_tokens_per_s(self) -> float | None:
+        """The run's rate had no rank waited for the gradient all_sum: the median over steps (those every rank
+        reported) of the sum of the ranks' tokens / compute seconds (the step until it enters the collective).
+        What calibration predicts, which times each node's step alone; its gap to `run_tokens_per_s` is what the
+        collective (and the waiting for the slowest rank) cost."""
+        sums = [sum(rates.values()) for rates in self.step_rates.values() if len(rates) == len(self.ranks)]
+        return statistics.median(sums) if sums else None
 
     def last_tokens_per_s(self) -> float | None:
         """The whole run's tokens/s at its latest reported step."""
@@ -970,6 +1084,43 @@ ECHO_MARKERS = ("connection to a peer was lost", "peer", "connection reset", "br
                 # A non-finite GLOBAL loss fails every rank; the culprit is the rank whose LOCAL loss was not
                 # finite (its `nan` incident), never the ranks that merely saw the sum.
                 "training diverged")
+
+
+_ERROR_LINE = re.compile(r"(?:\w+Error|\w+Exception|error|invalid usage)\b.*", re.IGNORECASE)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def last_error_line(log_tail: str) -> str:
+    """The last line of a launcher log that reads as an error (`RuntimeError: [nccl] ... invalid usage`), without
+    terminal escapes, at most 300 characters; "" when none does."""
+    for raw in reversed(log_tail.splitlines()):
+        line = _ANSI.sub("", raw).strip()
+        if line and _ERROR_LINE.search(line) and not line.startswith(("File ", "Traceback")):
+            return line[:300]
+    return ""
+
+
+def describe_incident(inc: Incident) -> str:
+    """One line in words: kind, where, and what its evidence says (its `message`, else its `reason`, else the
+    evidence itself, shortened)."""
+    where = inc.node + (f" rank {inc.rank}" if inc.rank is not None else "")
+    at = f" at step {inc.step}" if inc.step else ""
+    ev = inc.evidence
+    what = ev.get("message") or ev.get("reason") or str({k: v for k, v in ev.items() if k != "log_tail"})[:300]
+    return f"{inc.kind} on {where}{at}: {what}"
+
+
+def describe_recovery(rec: Mapping[str, Any]) -> str:
+    """A relaunch in words (summary.json's `recoveries` entry): who was left out (or that nobody was at fault and
+    the same nodes ran again), where it ran, and when its first step came (or that none came)."""
+    culprits = list(rec.get("culprits") or ())
+    nodes = ", ".join(rec.get("nodes") or ()) or "no node"
+    why = f"without {', '.join(culprits)}" if culprits else "on the same nodes (no node was at fault)"
+    after = rec.get("first_step_after_s")
+    first = f"first step {after:.1f}s after the fault was detected" if isinstance(after, int | float) else \
+        "no step completed after it"
+    failed = rec.get("failed_step")
+    return f"relaunch {rec.get('attempt')} {why}, on {nodes}, after step {failed if failed is not None else 0}; {first}"
 
 
 def is_echo(message: str | None) -> bool:

@@ -397,6 +397,24 @@ def decode_event_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], int]
     return docs, bad
 
 
+def complete_lines(text: str) -> list[str]:
+    """The complete lines of a growing JSON-lines file's text: a last line without its newline is being written
+    (or was torn by a writer that died mid-line) and is left out, never read as a bad or a shorter record."""
+    lines = text.split("\n")
+    lines.pop()  # after the last newline: "" when the text ends with one, else the torn line
+    return lines
+
+
+def read_event_docs(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """events.jsonl's complete lines as JSON objects, and how many were not; a missing file is none. Safe on a
+    file still being appended to (`complete_lines`)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], 0
+    return decode_event_lines(complete_lines(text))
+
+
 # --- summary.json read back ------------------------------------------------------------------------------------
 
 
@@ -611,12 +629,16 @@ class PlanRecord:
     backend: str
     attempt: int
     nodes: tuple[PlanNode, ...] = ()
+    # The strategy weighed (planning.strategy.StrategyChoice.to_json: the chosen plan's table and every
+    # candidate's line); None where nothing was weighed (dp or fsdp forced, sizes unknown).
+    strategy: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
-                "attempt": self.attempt, "units": dict(RATE_UNITS)}
+                "attempt": self.attempt, "units": dict(RATE_UNITS),
+                **({"strategy": dict(self.strategy)} if self.strategy is not None else {})}
 
 
 # The unit of each rate in plan.json and `calibrate --json`: a node's rate (and the plan's prediction) is real

@@ -40,7 +40,9 @@ def error_signature(message: str, names: Iterable[str] = ()) -> str:
 @dataclass(frozen=True)
 class Explanation:
     """What a known failure means. `blame`: `job` (the playbook, model or data: the same on every node), `node`
-    (that machine's state), or `either` (the line alone cannot tell; the monitor's evidence decides)."""
+    (that machine's state), `either` (the line alone cannot tell; the monitor's evidence decides), or `peer`
+    (the rank that reports it failed because of another: a peer that was not listening yet, or not at all, when
+    the ring was formed; the reporter's node is never blamed for it)."""
 
     code: str
     cause: str
@@ -62,6 +64,16 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], Explanation], ...] = tuple((re.compil
                  "or the GPU starved by the display or another process)",
                  "close GPU-heavy apps on that Mac and relaunch; if it recurs on the same Mac, reboot it; smaller "
                  "batches (train.batch_size, max_seq_length) shorten each command buffer", "node")),
+    # The collective's connections are made when the ranks start (mx.distributed.init): the ring's and jaccl's
+    # connect gives up after a few attempts (ring: 5, backoff 1-8 s) when the peer is not listening yet, which a
+    # peer slow to start on a loaded machine is not. The error names the reporter, not the late peer.
+    (r"\[(ring|jaccl|ibv)\] Couldn't (connect|bind|listen)|\[(ring|jaccl|ibv)\] .*(Connection refused|Address "
+     r"already in use)",
+     Explanation("ring_connect", "the ranks could not form the ring at start-up: a peer was not listening yet "
+                 "(it started late on a loaded machine), or its port was taken or blocked",
+                 "nothing, usually: the coordinator relaunches on the same nodes, nobody quarantined; if it recurs, "
+                 "check that the nodes reach each other on the ring's ports (`coordinator nettest`), that no "
+                 "leftover rank of another run holds them (`coordinator status`), and the nodes' load", "peer")),
     (r"EBUSY|device or resource busy|resource busy",
      Explanation("rdma_busy", "the RDMA device is still held (by a rank of an earlier run that crashed, or "
                  "another job): jaccl cannot open its queue pairs",
@@ -72,6 +84,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], Explanation], ...] = tuple((re.compil
                  "Thunderbolt RDMA interface is down, unconfigured, or the cable is not where the hostfile says",
                  "run `coordinator preflight` (checks rdma and thunderbolt), `rdma_ctl status` on the Mac, reseat "
                  "the cable", "either")),
+    (r"ncclInvalidUsage|invalid usage|\[nccl\]|NCCL error",
+     Explanation("nccl_setup", "NCCL could not set up the ranks' communicator: most often two ranks on one GPU "
+                 "(each rank needs its own device), a GPU another process holds, or NCCL_* settings that do not "
+                 "fit the machine",
+                 "leave CUDA_VISIBLE_DEVICES to the coordinator (one rank per GPU; inventory `gpus:` to use fewer), "
+                 "check `nvidia-smi` for other processes on the GPUs, and read NCCL's own message in launcher.log "
+                 "(set NCCL_DEBUG=INFO in the playbook's env for more)", "job")),
     (r"UnicodeDecodeError",
      Explanation("data_not_utf8", "a data file has bytes that are not UTF-8",
                  "fix or remove the line (`coordinator preflight` names file:line), then relaunch", "job")),

@@ -21,6 +21,7 @@ hangup detaches instead (`--detach-on-hangup`). The CLI installs the signal hand
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -29,14 +30,17 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, TransportError
+from coordinator.fleet.ship import ship_worker
+from coordinator.fleet.transport import Fleet, python_argv
 from coordinator.models import Connection, Node
 from coordinator.run.quarantine import state_dir
+from coordinator.run.rundir import read_meta
 
 LOCK_NAME = "lock"
 STOP_REQUEST_NAME = "stop-request"
@@ -203,6 +207,110 @@ def acquire_nodes(nodes: Sequence[Node], verb: str, run_id: str, *, allow_shared
     return locks
 
 
+# --- orphans: ranks on the nodes that no live coordinator supervises ------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveRank:
+    """A training rank running on a node (`worker.ranks`)."""
+
+    node: str
+    pid: int
+    run_id: str
+
+
+@dataclass(frozen=True)
+class OrphanRun:
+    """A run with live ranks on the nodes and no live coordinator here: its coordinator was killed (its lock is
+    free), or it was launched from another machine or run root (no run dir here)."""
+
+    run_id: str
+    nodes: tuple[str, ...]
+    why: str
+
+
+def find_orphans(ranks: Sequence[LiveRank], *, own_run_id: str, holders: Mapping[str, Holder | None],
+                 known: Mapping[str, int | None]) -> list[OrphanRun]:
+    """The runs of `ranks` that nobody supervises, in run id order. Pure.
+
+    `holders`: run id -> the live holder of its lock in this run root (None: free or stale); `known`: run id ->
+    the pid of the coordinator its meta.json names, for the runs with a run dir here (None: not recorded). A run
+    held by a live coordinator is not an orphan (the node locks already refused, or `--allow-shared` warned);
+    ranks of `own_run_id` always are (a `--resume` starts its own ranks, none can be running yet)."""
+    by_run: dict[str, list[str]] = {}
+    for rank in ranks:
+        nodes = by_run.setdefault(rank.run_id, [])
+        if rank.node not in nodes:
+            nodes.append(rank.node)
+    found = []
+    for run_id, nodes in sorted(by_run.items()):
+        if run_id != own_run_id and holders.get(run_id) is not None:
+            continue
+        if run_id in known:
+            pid = known[run_id]
+            why = (f"its coordinator{f' (pid {pid})' if pid else ''} is gone: the run's lock is free")
+        else:
+            why = "no coordinator here knows it: no run dir of that id (launched from another machine or --run-dir?)"
+        found.append(OrphanRun(run_id, tuple(nodes), why))
+    return found
+
+
+def describe_orphans(orphans: Sequence[OrphanRun], run_root: Path) -> str:
+    """The refusal (or, with --allow-shared, the warning): each run, its nodes, why it is an orphan, and the
+    commands that supervise it again or stop it."""
+    flag = f" --run-dir {run_root}" if str(run_root) != "runs" else ""
+    return "; ".join(
+        f"{', '.join(o.nodes)} run{'s' if len(o.nodes) == 1 else ''} ranks of run {o.run_id}, which no live "
+        f"coordinator supervises ({o.why}): `coordinator attach {o.run_id}{flag}` supervises it again, "
+        f"`coordinator stop {o.run_id}{flag}` stops it" for o in orphans)
+
+
+def parse_live_ranks(node: str, stdout: str) -> list[LiveRank]:
+    """`worker.ranks`' answer (its last stdout line) -> LiveRanks; an answer that is not one is no ranks."""
+    lines = stdout.strip().splitlines()
+    try:
+        doc = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        return []
+    items = doc.get("ranks") if isinstance(doc, dict) else None
+    return [LiveRank(node, r["pid"], r["run_id"]) for r in items or []
+            if isinstance(r, dict) and isinstance(r.get("pid"), int) and isinstance(r.get("run_id"), str)]
+
+
+async def check_orphans(fleet: Fleet, nodes: Sequence[Node], *, run_id: str, run_root: Path,
+                        allow_shared: bool) -> str | None:
+    """Look on every connected node for live ranks of runs that no live coordinator supervises (the node locks
+    die with their holder: after a `kill -9` of a coordinator they say nothing). RunBusy (exit 2) naming each
+    run and the commands that supervise or stop it; with `allow_shared` that text is returned, to be shown as a
+    warning, and the launch goes on beside them. None when there are none. A node that cannot be asked is
+    checked by preflight, not here."""
+    async def one(node: Node) -> list[LiveRank]:
+        transport = fleet.transports[node.name]
+        try:
+            worker_dir = await ship_worker(transport, node)
+            result = await transport.run(["env", f"PYTHONPATH={worker_dir}",
+                                          *python_argv(node.python, "-m", "worker.ranks", "--workdir", node.workdir)],
+                                         timeout=30)
+        except TransportError:
+            return []
+        return parse_live_ranks(node.name, result.stdout) if result.ok else []
+
+    found = [r for rs in await asyncio.gather(*(one(n) for n in nodes if n.name in fleet.connected)) for r in rs]
+    run_ids = {r.run_id for r in found}
+    holders = {rid: holder_of(run_root / rid / LOCK_NAME) for rid in run_ids}
+    known: dict[str, int | None] = {}
+    for rid in run_ids:
+        with contextlib.suppress(CoordinatorError):  # no run dir of that id here, or an unreadable meta.json
+            known[rid] = read_meta(run_root / rid).coordinator_pid
+    orphans = find_orphans(found, own_run_id=run_id, holders=holders, known=known)
+    if not orphans:
+        return None
+    text = describe_orphans(orphans, run_root)
+    if allow_shared:
+        return f"--allow-shared: running beside {text}"
+    raise RunBusy(f"{text}; or --allow-shared to run beside it")
+
+
 @contextlib.contextmanager
 def holding(run_dir: Path, verb: str, run_id: str) -> Iterator[FileLock]:
     lock = acquire_run(run_dir, verb, run_id)
@@ -277,5 +385,6 @@ class Supervision:
         return reason if self.requested and self.signum is None else f"interrupted by {reason}"
 
 
-__all__ = ["FileLock", "Holder", "NodeLocks", "RunBusy", "Supervision", "acquire_nodes", "acquire_run",
-           "clear_stop_request", "exit_code_for", "holder_of", "node_lock_key", "parse_holder", "request_stop"]
+__all__ = ["FileLock", "Holder", "LiveRank", "NodeLocks", "OrphanRun", "RunBusy", "Supervision", "acquire_nodes",
+           "acquire_run", "clear_stop_request", "describe_orphans", "exit_code_for", "find_orphans", "holder_of",
+           "node_lock_key", "parse_holder", "request_stop"]

@@ -88,13 +88,51 @@ class CalibratedNodeOut(_Out):
     curve: list[CurveOut]
 
 
+class PlanRowOut(_Out):
+    node: str
+    first_layer: int
+    last_layer: int  # exclusive; a dp replica holds [0, layers)
+    need_bytes: int  # predicted peak
+    budget_bytes: int  # what the node can use (unified memory, GPU memory, or the cgroup limit below RAM)
+    predicted_s: float | None  # a dp node's step; a pipeline stage's time per micro-batch (None: not measured)
+
+
+class CandidateOut(_Out):
+    label: str  # "dp on every node", "dp on a, b", "solo on a", "pipeline over a, b, c"
+    strategy: Literal["dp", "pipeline", "fsdp"]
+    nodes: list[str]
+    fits: bool
+    predicted_tokens_per_s: float | None
+    note: str  # its numbers, or why it does not fit
+
+
+class StrategyOut(_Out):
+    """The strategy weighed (planning.strategy.StrategyChoice.to_json): the chosen plan, its table rows and
+    every candidate. plan.json carries the same object under `strategy`."""
+
+    requested: Literal["auto", "dp", "pipeline", "fsdp"]
+    chosen: str
+    strategy: Literal["dp", "pipeline", "fsdp"]
+    nodes: list[str]
+    predicted_tokens_per_s: float | None
+    rows: list[PlanRowOut]
+    micro_batches: int | None  # a pipeline's
+    bubble: float | None  # (P - 1) / (M + P - 1)
+    schedule: Literal["1f1b"] | None
+    layout: dict[str, Any]  # the worker's RunConfig.layout: {"kind": "dp"} or the pipeline's stages
+    candidates: list[CandidateOut]
+    reasons: list[str]  # one line per candidate, the chosen first
+
+
 class CalibrateOut(_Out):
-    """`calibrate --json` for a training playbook (calibrate.calibration_to_json; plan.json has the same rows)."""
+    """`calibrate --json` for a training playbook (calibrate.calibration_to_json; plan.json has the same rows).
+    `strategy` where the playbook's `train.strategy` (auto, pipeline) was weighed."""
 
     nodes: list[CalibratedNodeOut]
     split: dict[str, float]
     units: dict[str, str] = Field(description="the unit of each rate: a node's `tokens_per_s` is real tokens/s, "
                                               "its curve's is padded positions/s")
+    strategy: StrategyOut | None = None
 
 
 class MapCalibratedNodeOut(_Out):
@@ -195,6 +233,9 @@ class RunSummaryOut(_SummaryOut):
     checkpoint: str | None
     tokens_per_s: float | None = Field(description=_RUN_RATE)
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
+    compute_tokens_per_s: float | None = Field(description=(
+        "real tokens/s without the gradient all_sum: the median over steps of the ranks' tokens per second of "
+        "compute (until each enters the collective); what calibration predicts"))
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None
@@ -369,6 +410,19 @@ class PairOut(_Out):
     error: str | None
 
 
+class GpuBusOut(_Out):
+    """NCCL all-reduce between the GPUs of one node (nettest.GpuBusResult); bandwidths in bytes/second."""
+
+    node: str
+    devices: list[str]
+    status: Verdict
+    summary: str
+    busbw_bytes_per_s: float | None
+    algbw_bytes_per_s: float | None
+    bytes: int | None
+    error: str | None
+
+
 class NettestOut(_Out):
     """`nettest --json` (nettest.NettestReport)."""
 
@@ -376,6 +430,7 @@ class NettestOut(_Out):
     summary: dict[str, int]
     duration_s: float
     pairs: list[PairOut]
+    gpus: list[GpuBusOut]
     node_errors: dict[str, str]
 
 

@@ -1,7 +1,8 @@
 """The live view of a run (rich): per rank node, step, loss, tok/s against its calibrated rate, memory, last
 heartbeat, ETA. Also the text printed when stdout is not a terminal (CI logs, `| tee`, `nohup`): one plain line
 when the run has advanced by a tenth of its steps or PLAIN_EVERY_S passed, a line every PLAIN_IDLE_S while it
-stands still, and always a last line with the true final step and state when the view closes."""
+stands still (the first, compiling, step says so: `first_step_note`), and always a last line with the true final
+step and state when the view closes."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from coordinator.planning.plan import PREDICTION_TOLERANCE, NodeCalibration, Pla
 from coordinator.planning.shards import MapRow
 from coordinator.run.monitor import RATE_UNIT, Monitor, Verdict
 from coordinator.run.replay import judge_monitor
+from coordinator.units import format_bytes
 from coordinator.views.render import render_preflight
 
 PLAIN_EVERY_S = 5.0
-PLAIN_IDLE_S = 30.0  # a line even without progress: a log that says nothing for minutes looks like a hang
+PLAIN_IDLE_S = 10.0  # a line even without progress (a compiling first step): a silent log looks like a hang
 PLAIN_STEPS = 10  # ... and at least this many lines over a run, however fast its steps
 
 
@@ -89,6 +91,16 @@ class NodeBars:
             self.progress.start()
 
 
+def first_step_note(mon: Monitor) -> str | None:
+    """While the ranks take their first step (no step event yet, at least one in phase `step`): MLX compiles the
+    step's kernels then, a one-time cost of a minute or more per node on a cold kernel cache that would otherwise
+    look like a hang. None otherwise."""
+    views = list(mon.ranks.values())
+    if not views or any(v.tokens_per_s is not None for v in views) or not any(v.phase == "step" for v in views):
+        return None
+    return "first step: MLX compiles its kernels once (a minute or more per node on a cold kernel cache)"
+
+
 _VERDICT_STYLE = {Verdict.OK: "green", Verdict.PENDING: "dim", Verdict.SLOW: "yellow"}
 
 
@@ -98,6 +110,9 @@ def build_table(mon: Monitor, now: float, left_out: Sequence[str] = (), predicte
     eta = mon.eta_s(now)
     judged = judge_monitor(mon, now=now if mon.outcome() is None else None, predicted=predicted)
     title = f"step {mon.step()}/{mon.iters}   ETA {_fmt_s(eta)}"
+    note = first_step_note(mon)
+    if note:
+        title += f"   {note}"
     if judged.tokens_per_s is not None:
         title += f"   {judged.tokens_per_s:,.0f} {RATE_UNIT}" + (
             f" (predicted {judged.predicted_tokens_per_s:,.0f})" if judged.predicted_tokens_per_s else "")
@@ -116,7 +131,7 @@ def build_table(mon: Monitor, now: float, left_out: Sequence[str] = (), predicte
             off = f", [yellow]{100 * gap:+.0f}%[/yellow]" if gap is not None and abs(gap) > PREDICTION_TOLERANCE else ""
             rate += f" ({v.calibrated_tokens_per_s:,.0f}{off})"
         verdict = mine.verdict if mine is not None else Verdict.PENDING
-        mem = "-" if v.peak_memory is None else f"{v.peak_memory / 1024**3:.2f} GiB"
+        mem = "-" if v.peak_memory is None else format_bytes(v.peak_memory)
         beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
         table.add_row(str(v.rank), v.node, str(v.state), f"[{_VERDICT_STYLE.get(verdict, 'red')}]{verdict}[/]",
                       str(v.step), "-" if v.loss is None else f"{v.loss:.4f}", rate, mem, beat)
@@ -257,6 +272,9 @@ def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_o
     judged = judge_monitor(mon, now=None if final else now, predicted=predicted)
     rate = judged.tokens_per_s
     parts = [f"step {step}/{mon.iters}", loss, f"- {RATE_UNIT}" if rate is None else f"{rate:,.0f} {RATE_UNIT}"]
+    note = None if final else first_step_note(mon)
+    if note:
+        parts.append(note)
     if final:
         parts.append(str(mon.outcome() or ("stopped" if mon.stopped else "ended")))
     else:

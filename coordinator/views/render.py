@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.facts.model import NodeFacts
 from coordinator.models import STATUS_SEVERITY, PreflightReport, Status
+from coordinator.planning.strategy import StrategyChoice
 from coordinator.preflight.checks import sort_for_display
 
 # rich is imported by the text renderers only: `--json` output (and its callers' start-up) does without it.
@@ -57,6 +58,22 @@ def render_preflight(report: PreflightReport, console: Console, *, strict: bool 
     counts = report.counts()
     verdict = "[bold green]READY[/bold green]" if report.ok(strict=strict) else "[bold red]NOT READY[/bold red]"
     console.print(f"{verdict}  " + "  ".join(f"{k}: {v}" for k, v in counts.items()))
+
+
+def render_strategy(choice: StrategyChoice, console: Console) -> None:
+    """The chosen plan as a table (node, layers, memory need / budget, predicted stage time, bubble, predicted
+    tokens/s), then one line per plan weighed: why it won, fits or does not."""
+    from rich.table import Table
+
+    header, *rows = choice.table()
+    table = Table(title=f"strategy {choice.requested}: {choice.chosen.label}", title_justify="left")
+    for col in header:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    for line in choice.reasons():
+        console.print(line, markup=False, highlight=False)
 
 
 def _jsonable(value: Any) -> Any:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator import models
 from coordinator.facts.build import node_load
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, Node
@@ -33,10 +34,8 @@ from coordinator.run.rundir import (
 )
 from worker.events import ErrorEvent, EventError, FinishedEvent, StartedEvent, StepEvent, coerce_int
 
-DEFAULT_RUN_DIR = Path("runs")
-
-
-DEFAULT_STATUS_PROBE_TIMEOUT = 60.0
+DEFAULT_RUN_DIR = Path(models.DEFAULT_RUN_DIR)
+DEFAULT_STATUS_PROBE_TIMEOUT = models.DEFAULT_STATUS_PROBE_TIMEOUT
 
 
 RECENT_RUNS = 20  # run dirs looked at, newest first (by meta.json's mtime)
@@ -259,7 +258,8 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
                      else tuple((x["node"], x["reason"]) for x in meta.left_out),
                      tokens_per_s=judged.tokens_per_s,
                      predicted_tokens_per_s=prediction_of(meta.predicted_tokens_per_s,
-                                                          done.predicted_tokens_per_s if done is not None else None))
+                                                          done.predicted_tokens_per_s if done is not None else None),
+                     recorded_steps=done.steps if done is not None else None)
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.

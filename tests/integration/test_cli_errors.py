@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,48 @@ def test_a_node_without_numpy_building_the_tiny_model(tmp_path: Path, run_cli: R
     one_error_line(cp, 1, "coordinator: error: bare: cannot build assets.tiny_model: the node's python ",
                    "has no module 'numpy' (install it: ", " -m pip install numpy)")
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.parametrize(("verb", "value"), [
+    ("launch", ""), ("launch", ","), ("launch", " , "), ("setup", ""), ("sync", ","), ("status", " "),
+    ("preflight", "a,,a"),
+])
+def test_a_limit_that_names_no_node_is_refused_not_widened_to_the_fleet(verb: str, value: str, files: tuple[Path, Path],
+                                                                        tmp_path: Path, run_cli: RunCli) -> None:
+    """`--limit "$NODES"` with an empty variable: exit 2 before any connection, never the whole fleet."""
+    inv, pb = files
+    args = {"launch": [str(pb), "--run-dir", str(tmp_path / "runs")], "setup": [], "sync": ["-p", str(pb)],
+            "status": ["--run-dir", str(tmp_path / "runs")], "preflight": ["-p", str(pb)]}[verb]
+    cp = run_cli(verb, "-i", str(inv), "--limit", value, *args,
+                 env={"XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}, timeout=60)
+    what = "has an empty name between commas" if value.strip(", ") else "names no node"
+    one_error_line(cp, 2, f"coordinator: error: --limit {value!r} {what}: give comma-separated node names")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_chaos_drill_that_cannot_fire_is_refused_at_launch(files: tuple[Path, Path], tmp_path: Path,
+                                                             run_cli: RunCli) -> None:
+    """A step past train.iters (and, below, a rank that the quarantine leaves out of the run): exit 2 before any
+    connection (the inventories name TEST-NET-1 addresses), never a drill that runs without its fault."""
+    inv, pb = files
+    pb.write_text(PLAYBOOK + "train: {iters: 10}\n")
+    cp = launch(run_cli, tmp_path, inv, pb, "--run-dir", str(tmp_path / "runs"), "--chaos", "kill:rank=0,step=11")
+    one_error_line(cp, 2, "--chaos 'kill:rank=0,step=11': step 11 is never reached: the run trains 10 step(s)")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_chaos_drill_on_a_rank_the_quarantine_leaves_out_is_refused(files: tuple[Path, Path], tmp_path: Path,
+                                                                     run_cli: RunCli) -> None:
+    from coordinator.models import Node
+    from coordinator.run.quarantine import QuarantineStore, inventory_key, new_entry
+
+    inv, pb = files
+    inv.write_text(INVENTORY + "  - name: b\n    host: 192.0.2.2\n")
+    store = QuarantineStore(tmp_path / "state" / "mlx-coordinator" / "quarantine.json")
+    store.add(new_entry(Node("b", "192.0.2.2"), inventory_key(str(inv)), "crash at step 3", run_id=None, incident={},
+                        host_key=None, now=time.time(), quarantine_for=3600))
+    cp = launch(run_cli, tmp_path, inv, pb, "--run-dir", str(tmp_path / "runs"), "--allow-degraded",
+                "--connect-timeout", "1", "--chaos", "kill:rank=1,step=2")
+    one_error_line(cp, 2, "--chaos kill:rank=1,step=2: rank 1 is not a rank of this run (ranks 0..0) (quarantine "
+                          "leaves out b); the drill would run without its fault")
+    assert not (tmp_path / "runs").exists()

@@ -43,8 +43,11 @@ class LiveRun:
     env: dict[str, str]
 
 
-def fetch(url: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    req = urllib.request.Request(url, method=method, headers=headers or {})
+def fetch(url: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+          token: str | None = None) -> tuple[int, Any]:
+    """(status, the JSON answer); `token` as the X-Dashboard-Token header (every request needs it, loopback too)."""
+    req = urllib.request.Request(url, method=method, headers={**({"X-Dashboard-Token": token} if token else {}),
+                                                              **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -116,7 +119,7 @@ def finish(live_run: LiveRun) -> int | None:
     [run_dir] = [p for p in live_run.runs.iterdir() if (p / "meta.json").exists()]
     assert (run_dir / "summary.json").exists()
     time.sleep(3)  # well after the run: the page is still served
-    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}")
+    status, doc = fetch(f"http://127.0.0.1:{live_run.port}/api/run/{run_dir.name}", token=live_run.token)
     assert status == 200 and doc["state"] == "succeeded" and not doc["active"], doc
     assert live_run.proc.poll() is None
     rc = stop(live_run.proc, signal.SIGINT, timeout=60)
@@ -131,7 +134,8 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not run_id:  # a step written: the run page has a curve to draw
         assert live_run.proc.poll() is None, tail(log)
-        _, doc = fetch(f"{base}/api/runs")  # the dashboard is up before the job starts: it printed its URL
+        # the dashboard is up before the job starts: it printed its URL
+        _, doc = fetch(f"{base}/api/runs", token=live_run.token)
         run_id = next((r["run_id"] for r in doc["runs"] if r["active"] and r["step"] >= 2), "")
         time.sleep(0.5)
     assert run_id, f"no step within 300 s\n{tail(log)}"
@@ -151,6 +155,7 @@ def test_browser_sees_nodes_a_loss_curve_and_live_updates(live_run: LiveRun) -> 
         points = browser.wait_for("return window.dash.lossPoints > 0 && document.querySelector('#chart canvas') "
                                   "&& window.dash.plot.data[1].filter(v => v != null).length", what="loss points")
         assert points >= 1
+        assert browser.js("return window.dash.watching") == run_id  # its stream names the run: the server tails it
         ranks = browser.js("return [...document.querySelectorAll('#ranks tr[data-rank]')].map(r => r.innerText)")
         assert len(ranks) == 2 and all("local-" in r for r in ranks), ranks
         # An update arrives by push: the curve grows without a reload.
@@ -184,7 +189,10 @@ def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
         url = wait_url(err, proc, err)
         token = url.split("token=", 1)[1]
         base = f"http://127.0.0.1:{port}"
-        status, doc = fetch(f"{base}/api/run/{run_dir.name}")
+        # Loopback too: nothing without the token (any local user could read the runs, and grow what it keeps).
+        assert fetch(f"{base}/api/run/{run_dir.name}")[0] == 403
+        assert fetch(f"{base}/api/runs", token="wrong")[0] == 403
+        status, doc = fetch(f"{base}/api/run/{run_dir.name}", token=token)
         assert status == 200, doc
         assert doc["state"] == "succeeded" and not doc["active"] and doc["step"] == ITERS and doc["iters"] == ITERS
         assert [p[0] for p in doc["loss"]] == list(range(1, ITERS + 1))
@@ -202,17 +210,18 @@ def test_a_finished_run_replays_from_its_files(live_run: LiveRun) -> None:
         assert doc["checkpoints"] and doc["checkpoints"][-1]["step"] == ITERS
         assert doc["split"] == {"local-a": 0.5, "local-b": 0.5}
         assert {i["kind"] for i in doc["incidents"]} <= {"straggler"}  # the pacing may be reported, nothing else
-        _, runs = fetch(f"{base}/api/runs")
+        _, runs = fetch(f"{base}/api/runs", token=token)
         assert [(r["run_id"], r["state"]) for r in runs["runs"]] == [(run_dir.name, "succeeded")]
-        status, fleet = fetch(f"{base}/api/fleet")
+        status, fleet = fetch(f"{base}/api/fleet", token=token)
         assert status == 200 and [n["node"] for n in fleet["nodes"]] == ["local-a", "local-b"]
-        assert fetch(f"{base}/api/run/nope")[0] == 404
+        assert fetch(f"{base}/api/run/nope", token=token)[0] == 404
         # stopping needs the token; a finished run cannot be stopped
         assert fetch(f"{base}/api/run/{run_dir.name}/stop", method="POST")[0] == 403
         assert fetch(f"{base}/api/run/{run_dir.name}/stop", method="POST",
                      headers={"X-Dashboard-Token": token})[0] == 409
-        with urllib.request.urlopen(f"{base}/run/{run_dir.name}", timeout=10) as resp:
+        with urllib.request.urlopen(f"{base}/run/{run_dir.name}?token={token}", timeout=10) as resp:
             assert b"uPlot.iife.min.js" in resp.read()
+            assert resp.headers["Set-Cookie"] == f"dashboard-token-{port}={token}; Path=/; HttpOnly; SameSite=Strict"
         assert stop(proc, signal.SIGINT) == 0, tail(err)
     finally:
         stop(proc)
@@ -238,7 +247,7 @@ def test_the_stop_button_stops_a_run_another_coordinator_launched(tmp_path: Path
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not run_id:
             assert job.poll() is None, tail(tmp_path / "launch.log")
-            _, doc = fetch(f"{base}/api/runs")
+            _, doc = fetch(f"{base}/api/runs", token=url.split("token=", 1)[1])
             run_id = next((r["run_id"] for r in doc["runs"] if r["active"] and r["step"] >= 2), "")
             time.sleep(0.5)
         assert run_id, tail(tmp_path / "launch.log")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator.run.rundir import read_event_docs
 from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
 from tests.testbed import Host, TestBed
@@ -62,10 +63,9 @@ class Job:
         return found[-1] if found else Path("/nonexistent")
 
     def events(self) -> list[dict]:
-        path = self.run_dir() / "events.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # The coordinator appends to events.jsonl while we read: its last line may be half-written (torn).
+        docs, _ = read_event_docs(self.run_dir() / "events.jsonl")
+        return docs
 
     def wait_for(self, pred: Callable[[list[dict]], object], timeout: float = 180.0) -> object:
         deadline = time.monotonic() + timeout
@@ -353,7 +353,8 @@ def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run
     no_rank_left(run_id)
 
 
-def test_stop_ends_a_running_job_cleanly(testbed: TestBed, run_cli: RunCli, tmp_path: Path, jobs: list[Job]) -> None:
+def test_after_a_kill_9_of_the_coordinator_a_launch_refuses_its_orphans_and_stop_ends_them_with_their_steps(
+        testbed: TestBed, run_cli: RunCli, tmp_path: Path, jobs: list[Job]) -> None:
     hosts, inv = setup(testbed, tmp_path, 2)
     job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400))
     jobs.append(job)
@@ -361,10 +362,22 @@ def test_stop_ends_a_running_job_cleanly(testbed: TestBed, run_cli: RunCli, tmp_
     run_id = job.run_dir().name
     os.killpg(job.proc.pid, signal.SIGKILL)
     job.proc.wait()
-    proc = run_cli("stop", run_id, "--run-dir", str(tmp_path / "runs"), timeout=120)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    # The orphaned ranks are found: a new launch on the same nodes refuses, naming the run and what to do.
+    other = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "short.yaml", iters=2)), "--json",
+                    "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
+    assert other.returncode == 2, other.stdout[-2000:] + other.stderr[-3000:]
+    assert run_id in other.stderr and f"coordinator attach {run_id}" in other.stderr
+    assert f"coordinator stop {run_id}" in other.stderr and "Traceback" not in other.stderr
+    docs, _ = read_event_docs(tmp_path / "runs" / run_id / "events.jsonl")  # job.run_dir() is the refused one's
+    steps_before = max(e["step"] for e in docs if e.get("event") == "step")
+    proc = run_cli("stop", run_id, "--run-dir", str(tmp_path / "runs"), env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())
     assert summary["state"] == "stopped"
+    # The steps are what the nodes prove (events, checkpoints), never 0 for a run that trained.
+    assert summary["steps"] >= steps_before >= 3, summary
+    assert f"stopped run {run_id} at step {summary['steps']}" in proc.stdout
     no_rank_left(run_id)
     for h in hosts:
         assert testbed.exec(h, ["sh", "-c", f"ls -d /tmp/mlxc-{run_id}-* 2>/dev/null || true"]).stdout.strip() == ""
@@ -459,6 +472,14 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run] = list((tmp_path / "runs").iterdir())
     assert (run / "summary.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = (run / "summary.json").read_bytes()
+    files = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    # `stop` on a run that ended says so and rewrites nothing: the job error's message, cause and remedy stay.
+    stopped = run_cli("stop", run.name, "--run-dir", str(tmp_path / "runs"), env=env, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.stdout.strip().splitlines() == [f"run {run.name} already ended: failed at step 0"], stopped.stdout
+    assert (run / "summary.json").read_bytes() == written
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == files
     summary = json.loads((run / "summary.json").read_text())
     [job] = [i for i in summary["incidents"] if i["kind"] == "job_error"]
     assert job["action"] == "stop" and job["evidence"]["code"] == "data_not_utf8", json.dumps(job, indent=1)
@@ -487,3 +508,32 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
     model_check("model /srv/model: no *.safetensors weights")
     proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
     assert proc.returncode == 1 and "preflight failed" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_ring_that_cannot_connect_at_start_up_is_relaunched_without_quarantine(testbed: TestBed, tmp_path: Path,
+                                                                                jobs: list[Job]) -> None:
+    """Rank 0 frozen before it listens (a peer slow to start on a loaded machine): rank 1, which connects first
+    in a ring of two, gives up with `[ring] Couldn't connect (error: 111)`. That names no fault of rank 1's node:
+    the attempt is relaunched on the same nodes and nobody is quarantined."""
+    hosts, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=6))
+    jobs.append(job)
+    run_dir = job.wait_for(lambda _: job.run_dir() if job.run_dir().exists() else None)
+    rank0 = f"worker.train --config /srv/work/runs/{run_dir.name}/{hosts[0].name}/run.json"  # type: ignore[union-attr]
+    deadline = time.monotonic() + 240
+    while not (pids := testbed.exec(hosts[0], ["pgrep", "-f", rank0]).stdout.split()):
+        assert time.monotonic() < deadline and job.proc.poll() is None, "rank 0 never started"
+        time.sleep(0.02)
+    testbed.exec(hosts[0], ["kill", "-STOP", *pids], check=True)  # the first attempt's only: a relaunch runs free
+    rc, summary = job.finish(timeout=400)
+    refused = [i for i in summary["incidents"] if i["kind"] == "error" and "Couldn't connect" in
+               i["evidence"].get("message", "")]
+    assert refused and refused[0]["node"] == hosts[1].name, json.dumps(summary["incidents"], indent=1)[:4000]
+    assert refused[0]["action"] == "stop" and refused[0]["evidence"]["explanation"]["code"] == "ring_connect"
+    assert summary["quarantined"] == [] and not [i for i in summary["incidents"] if i["action"] == "quarantine"]
+    state = tmp_path / "state" / "mlx-coordinator" / "quarantine.json"
+    assert not state.exists() or json.loads(state.read_text())["entries"] == []
+    assert summary["state"] == "succeeded" and summary["steps"] == 6 and summary["attempts"] == 2, summary["message"]
+    assert sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
+    assert rc == 0
+    no_rank_left(summary["run_id"])

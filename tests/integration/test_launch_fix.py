@@ -99,3 +99,35 @@ def test_launch_fix_without_a_source_names_the_flag(testbed: TestBed, run_cli: R
     proc = run_cli("launch", "-i", str(inv), str(pb), "--fix-source", "h1")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "coordinator: error: --fix-source goes with --fix"
+
+
+def test_launch_fix_checks_its_sync_source_before_setup_changes_any_node(testbed: TestBed, run_cli: RunCli,
+                                                                         tmp_path: Path) -> None:
+    """Bare nodes (no venv: setup would install) and no model anywhere: --fix refuses before setup runs, and
+    before anything is made at all for a --fix-source that names neither a node nor a dir."""
+    hosts = testbed.add_hosts(2)
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts, python=f"{VENV}/bin/python", workdir="/srv/work")
+    pb = write_playbook(tmp_path / "pb.yaml", iters=1)
+    # pip may not reach an index: a setup that ran anyway would fail to download, not install for minutes.
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PIP_NO_INDEX": "1"}
+    runs = tmp_path / "runs"
+
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(runs), "--fix", "--fix-source",
+                   str(tmp_path / "nowhere"), env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert proc.stderr.strip() == (f"coordinator: error: --fix-source {tmp_path}/nowhere: not a node of the inventory, "
+                                   "and not a dir holding model/, data/ (lacks model/, data/)"), proc.stderr[-3000:]
+    assert "connecting" not in proc.stdout and not runs.exists()
+
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(runs), "--fix", env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    said = " ".join(proc.stdout.split())
+    assert "--fix: setup on h1, h2; judged again after setup: " in said, said[-3000:]
+    assert proc.stderr.strip().endswith(
+        "coordinator: error: --fix: no source for sync (checked before setup changed any node): no node has a copy "
+        "that passes the model check, and this machine lacks /srv/model, /srv/data; name one with --fix-source NODE "
+        "or --fix-source DIR (holding model/, data/)"), proc.stderr[-3000:]
+    assert "--fix setup " not in said and "--fix: wheels for" not in said, said[-3000:]
+    for h in hosts:
+        assert not (h.srv / "venvs").exists() and not (h.srv / "work" / ".coordinator" / "wheelhouse").exists()
+    assert not (tmp_path / "cache" / "mlx-coordinator").exists()

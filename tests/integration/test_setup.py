@@ -10,7 +10,11 @@ and every test after the first, reads it from the cache without the network.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,3 +193,108 @@ def test_setup_apply_without_network_is_a_usage_error(macs: TestBed, run_cli: Ru
     cp = run_cli("setup", "-i", str(inv), "--apply", timeout=60)
     assert cp.returncode == 2
     assert cp.stderr.strip() == "coordinator: error: --apply goes with --network (software setup applies unless --check)"
+
+
+# --- the wheel cache is verified; a failed install leaves the node as it was -------------------------------------
+
+
+def corrupt(path: Path) -> None:
+    """Flip bytes in the middle of a file, keeping its size (what a bad disk or a torn copy leaves)."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 256):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def cached_wheelhouse(run_cli: RunCli, inv: Path) -> tuple[Path, str]:
+    """The coordinator's own cache of the bed's platform (downloaded once per machine, as the tests above use it)
+    and its name `<platform>/<pins>`."""
+    from coordinator.fleet.nodesetup import (
+        Platform,
+        coordinator_pins,
+        default_wheelhouse_root,
+        ensure_wheelhouse,
+        wheelhouse_name,
+    )
+
+    cp = run_cli("setup", "-i", str(inv), "--check", "--json", timeout=120)
+    [key] = {n["platform"] for n in json.loads(cp.stdout)["nodes"]}
+    platform, pins, root = Platform("linux", "x86_64", (3, 11), (2, 36), "cpu"), coordinator_pins(), default_wheelhouse_root()
+    assert key == platform.key, key
+    asyncio.run(ensure_wheelhouse(platform, pins, root))
+    return root / wheelhouse_name(platform, pins), wheelhouse_name(platform, pins)
+
+
+def test_a_corrupted_wheel_is_named_removed_and_fetched_again_and_the_nodes_copy_is_checked_too(
+        bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    host = bed.host("fresh")
+    inv = bed.write_inventory(tmp_path / "inv.yaml", [host], python="/srv/venvs/cache/bin/python",
+                              workdir="/srv/work-cache")
+    good, name = cached_wheelhouse(run_cli, inv)
+    copy = tmp_path / "wheelhouse"
+    shutil.copytree(good, copy / name)
+    [bad] = (copy / name).glob("mlx_cpu-*.whl")
+    corrupt(bad)
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+
+    # Offline (no index, and no mirror that holds it): one line naming the wheel, the cache and what to do; the
+    # node is not touched.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cp = run_cli("setup", "-i", str(inv), "--json", "--wheelhouse", str(copy), "--find-links", str(empty), env=env,
+                 timeout=SETUP_TIMEOUT)
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    message = node_results(cp.stdout)["fresh"]["message"]
+    assert message.startswith(f"the wheel cache {copy / name} held {bad.name} (sha256 "), message
+    assert "removed, and fetching again failed (pip download for linux-x86_64-cp311-glibc2.36-cpu failed: " in message
+    assert f"run setup again, or delete {copy / name} to download the whole platform again" in message
+    assert "\n" not in message and "Traceback" not in cp.stdout + cp.stderr
+    assert not bad.exists() and not (host.srv / "venvs" / "cache").exists()
+
+    # The node's own copy of another wheel is bad too (the same size: a name-and-size check would keep it).
+    remote = host.srv / "work-cache" / ".coordinator" / "wheelhouse" / name
+    remote.mkdir(parents=True)
+    [lm] = (good).glob("mlx_lm-*.whl")
+    shutil.copy(lm, remote / lm.name)
+    corrupt(remote / lm.name)
+
+    # With a source again (a local mirror here, as --find-links; PyPI otherwise): fetched again, the node's copy
+    # sent again, installed.
+    cp = run_cli("setup", "-i", str(inv), "--json", "--wheelhouse", str(copy), "--find-links", str(good), env=env,
+                 timeout=SETUP_TIMEOUT)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert f"wheel cache {copy / name}: {bad.name} (missing): removed, fetching again" in " ".join(cp.stderr.split())
+    assert (copy / name / bad.name).read_bytes() == (good / bad.name).read_bytes()
+    assert (remote / lm.name).read_bytes() == lm.read_bytes()
+    assert node_results(cp.stdout)["fresh"]["status"] == "changed"
+    r = bed.ssh(host, "/srv/venvs/cache/bin/python -c 'import mlx.core, mlx_lm'")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_failed_install_removes_the_venv_it_made_and_names_the_cause_and_the_log(
+        bed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
+    """A wheel bad at its source (its recorded hash is the bad file's: the check passes, pip fails on it): one line
+    naming the wheel and pip's error, the venv this run made removed, pip's whole output in the named log."""
+    host = bed.host("fresh")
+    inv = bed.write_inventory(tmp_path / "inv.yaml", [host], python="/srv/venvs/broken/bin/python",
+                              workdir="/srv/work-broken")
+    good, name = cached_wheelhouse(run_cli, inv)
+    copy = tmp_path / "wheelhouse"
+    shutil.copytree(good, copy / name)
+    [bad] = (copy / name).glob("mlx_lm-*.whl")
+    corrupt(bad)
+    marker = json.loads((copy / name / ".complete").read_text())
+    marker["wheels"][bad.name] = hashlib.sha256(bad.read_bytes()).hexdigest()
+    (copy / name / ".complete").write_text(json.dumps(marker))
+
+    cp = run_cli("setup", "-i", str(inv), "--json", "--wheelhouse", str(copy), env={"XDG_STATE_HOME": str(tmp_path)},
+                 timeout=SETUP_TIMEOUT)
+    assert cp.returncode == 1, cp.stdout + cp.stderr
+    message = node_results(cp.stdout)["fresh"]["message"]
+    assert re.search(rf"^`pip install mlx\[cpu\]==[^`]*` failed: {re.escape(bad.name)}: "
+                     r"(zipfile\.BadZipFile|zlib\.error): ", message), message
+    assert "; removed the venv /srv/venvs/broken this run had created (the node is as it was); full log: " in message
+    log = Path(message.rsplit("full log: ", 1)[1])
+    assert log.parent == tmp_path / "mlx-coordinator" / "setup-logs" and "Traceback" in log.read_text()
+    assert "\n" not in message and "Traceback" not in cp.stdout + cp.stderr
+    assert not (host.srv / "venvs" / "broken").exists()

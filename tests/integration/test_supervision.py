@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from coordinator.run.supervision import request_stop
 from tests.integration.conftest import RunCli
 from tests.integration.test_faults import (
     REPO,
@@ -192,4 +194,56 @@ def test_sighup_with_detach_on_hangup_leaves_the_run_to_attach(testbed: TestBed,
     attached = json.loads(proc.stdout)
     assert attached["state"] == "succeeded" and attached["steps"] == 40
     assert_nothing_quarantined(attached, tmp_path)
+    no_rank_left(run_id)
+
+
+def test_a_stop_racing_the_end_of_the_run_keeps_its_true_outcome(testbed: TestBed, tmp_path: Path,
+                                                                  jobs: list[Job]) -> None:
+    """The stop request is there when the coordinator looks, but every rank has already finished: the run
+    succeeded (summary.json and the exit code), it was not stopped."""
+    hosts, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=20))
+    jobs.append(job)
+    job.rank_pid_at_step(0, 2)
+    run_dir = job.run_dir()
+    os.kill(job.proc.pid, signal.SIGSTOP)  # the coordinator alone: mlx.launch and the ranks go on
+    try:
+        deadline = time.monotonic() + 120
+        files = [(h, f"/srv/work/runs/{run_dir.name}/{h.name}/events/rank{r}.jsonl") for r, h in enumerate(hosts)]
+        while not all('"event":"finished"' in testbed.exec(h, ["cat", f]).stdout for h, f in files):
+            assert time.monotonic() < deadline, "the ranks did not finish"
+            time.sleep(0.2)
+        request_stop(run_dir)
+    finally:
+        os.kill(job.proc.pid, signal.SIGCONT)
+    rc, summary = job.finish()
+    assert summary["state"] == "succeeded" and summary["steps"] == 20, json.dumps(summary, indent=1)[:3000]
+    assert rc == 0
+    assert json.loads((run_dir / "summary.json").read_text())["state"] == "succeeded"
+    assert_nothing_quarantined(summary, tmp_path)
+    no_rank_left(run_dir.name)
+
+
+def test_sigterm_to_attach_records_the_steps_the_nodes_prove(testbed: TestBed, tmp_path: Path,
+                                                              jobs: list[Job]) -> None:
+    _, inv = setup(testbed, tmp_path, 2)
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400))
+    jobs.append(job)
+    job.rank_pid_at_step(0, 3)
+    job.rank_pid_at_step(1, 3)
+    run_id = job.run_dir().name
+    os.killpg(job.proc.pid, signal.SIGKILL)  # the coordinator dies; mlx.launch and the ranks go on
+    job.proc.wait()
+    job.proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "attach", run_id, "--run-dir", str(job.runs), "--json"], cwd=REPO,
+        env=job.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lock = job.runs / run_id / "lock"
+    job.wait_for(lambda _: lock.exists() and f'"pid": {job.proc.pid}' in lock.read_text())
+    os.kill(job.proc.pid, signal.SIGTERM)  # before it has read the nodes' events again, most likely
+    rc, summary = job.finish(timeout=120)
+    assert rc == 143 and summary["state"] == "stopped", json.dumps(summary, indent=1)[:3000]
+    written = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())
+    proven = max(e["step"] for e in job.events() if e.get("event") == "step")
+    assert written["steps"] >= proven >= 3, (written["steps"], proven)
+    assert_nothing_quarantined(summary, tmp_path)
     no_rank_left(run_id)

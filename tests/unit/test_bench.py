@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,99 @@ def test_calibrate_runs_the_bench_and_caches(tiny_model: Path, tmp_path: Path) -
 ])
 def test_fast_quartile(times: list[float], expected: float) -> None:
     assert fast_quartile(times) == expected
+
+
+# --- the first step's heartbeat: a cold compile never looks hung --------------------------------------------------
+
+
+def test_ticker_says_a_long_first_step_is_still_running_every_interval() -> None:
+    from worker.bench import Ticker
+
+    now = [100.0]
+    lines: list[str] = []
+    ticker = Ticker("bench batch=1 first step", lines.append, lambda: now[0], every=10.0)
+    for t in (100.5, 105.0, 109.9):
+        now[0] = t
+        ticker.poll()
+    assert lines == []  # nothing before the first interval
+    now[0] = 110.0
+    ticker.poll()
+    ticker.poll()  # polled twice at one moment: one line
+    assert lines == ["bench batch=1 first step: still running, 10s"]
+    now[0] = 135.0  # the poller was late: one line now, the next a full interval later
+    ticker.poll()
+    now[0] = 144.0
+    ticker.poll()
+    now[0] = 145.0
+    ticker.poll()
+    assert lines[1:] == ["bench batch=1 first step: still running, 35s", "bench batch=1 first step: still running, 45s"]
+
+
+def test_heartbeat_lines_come_while_the_first_step_runs() -> None:
+    """`ticking` polls from a thread while the (scripted) compiling step blocks: the step moves the driven clock
+    on 10 s at a time and waits for each heartbeat line before going on, so every line is emitted during the step,
+    at least every interval of its time."""
+    from worker.bench import Ticker, ticking
+
+    now = [0.0]
+    lines: list[str] = []
+    arrived = threading.Condition()
+
+    def log(line: str) -> None:
+        with arrived:
+            lines.append(line)
+            arrived.notify_all()
+
+    ticker = Ticker("bench batch=1 first step", log, lambda: now[0], every=10.0)
+
+    def long_first_step() -> str:
+        for beat in range(1, 4):
+            with arrived:
+                now[0] = 10.0 * beat  # ten more seconds of compiling (driven time)
+                # A hang guard, not a timing claim: the line for this moment comes while the step still runs.
+                assert arrived.wait_for(lambda: len(lines) == beat, timeout=60), lines  # noqa: B023
+        return "stepped"
+
+    assert ticking(ticker, long_first_step, poll_s=0.001) == "stepped"
+    assert lines == [f"bench batch=1 first step: still running, {s}s" for s in (10, 20, 30)]
+
+
+def test_first_step_announcement_names_the_cold_kernel_cache(tmp_path: Path) -> None:
+    from worker.bench import describe_first_step, kernel_cache_dir
+
+    cache = kernel_cache_dir("0.32.4", str(tmp_path))
+    assert cache == tmp_path / "mlx" / "0.32.4"
+    cold = describe_first_step(1, cache, cold=True)
+    assert "compiling MLX's kernels" in cold and str(cache) in cold and "one-time" in cold
+    assert "one-time" in describe_first_step(4, cache, cold=False)
+
+
+def test_nodes_of_one_machine_are_calibrated_together_in_lockstep(tiny_model: Path, tmp_path: Path) -> None:
+    """The local demo's shape: two `connection: local` nodes. Their benches run in lockstep over the real
+    LocalTransport (each waits on stdin, the coordinator releases both), both sweep the same batches, and being
+    interchangeable they come back with one curve: the even split, every time."""
+    from coordinator.planning.colocate import compute_bench_groups
+
+    nodes = [Node(name=n, host="127.0.0.1", connection=Connection.LOCAL, python=sys.executable,
+                  workdir=str(tmp_path / n)) for n in ("a", "b")]
+    spec = BenchSpec(model=str(tiny_model), seq_len=32, method="lora", num_layers=-1, max_batch=2)
+    fingerprint = NodeFingerprint(chip="test", model_id=None, memory_bytes=1, cpu_count=2, gpu_cores=None,
+                                  os_version="linux", mlx_version="0.32.4")
+    lines: list[tuple[str, str]] = []
+
+    async def go() -> dict[str, Any]:
+        async with Fleet(nodes) as fleet:
+            await fleet.connect_all()
+            return await calibrate(fleet, spec, fingerprints={"a": fingerprint, "b": fingerprint}, model_digest="tiny",
+                                   recalibrate=False, cache_dir=tmp_path / "cache", time_budget=10,
+                                   progress=lambda n, line: lines.append((n, line)),
+                                   groups=compute_bench_groups(nodes, {}))
+
+    result = asyncio.run(go())
+    a, b = result["a"], result["b"]
+    assert isinstance(a, NodeCalibration) and isinstance(b, NodeCalibration), result
+    assert a.curve == b.curve and [p.batch for p in a.curve] == [1, 2]
+    assert compute_plan([a, b], 4, seq_len=32).batch == {"a": 2, "b": 2}
+    assert any(n == "a" and "together with b" in line for n, line in lines)
+    assert not any("lockstep" in line and line.startswith("bench lockstep") for _, line in lines)  # the gate's own
+    assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 2

@@ -746,7 +746,8 @@ def test_model_three_nodes_majority_names_the_odd_file() -> None:
     members[1] = members[1].but(worker=_hashes(model={**MODEL_FILES, "model.safetensors": BAD}))
     run_case(members, playbook(backend="ring"), [
         ("s1", "model", F, ("differs from the majority (s0, s2)", "differ: model/model.safetensors"),
-         (f"rsync -a --delete s0:{MODEL_DIR}/ s1:{MODEL_DIR}/",)),
+         # rsync copies between two remote hosts only when run on one of them: on the good node, over ssh
+         (f"ssh s0.local rsync -a --delete {MODEL_DIR}/ s1.local:{MODEL_DIR}/",)),
         ("s0", "model", P, ("identical on 2/3 nodes",), ()),
         ("s2", "model", P, ("identical on 2/3 nodes",), ()),
     ])
@@ -757,9 +758,10 @@ def test_model_three_nodes_majority_names_the_odd_file() -> None:
 
 
 @pytest.mark.parametrize(("change", "in_summary", "in_remedy"), [
-    ({"data": {"train.jsonl": DATA_FILES["train.jsonl"]}}, "missing: data/valid.jsonl", f"s0:{DATA_DIR}/ s2:{DATA_DIR}/"),
-    ({"model": {**MODEL_FILES, "extra.bin": sha("x")}}, "extra: model/extra.bin", f"s0:{MODEL_DIR}/"),
-    ({"data": {**DATA_FILES, "train.jsonl": BAD}}, "differ: data/train.jsonl", f"s0:{DATA_DIR}/"),
+    ({"data": {"train.jsonl": DATA_FILES["train.jsonl"]}}, "missing: data/valid.jsonl",
+     f"ssh s0.local rsync -a --delete {DATA_DIR}/ s2.local:{DATA_DIR}/"),
+    ({"model": {**MODEL_FILES, "extra.bin": sha("x")}}, "extra: model/extra.bin", f"{MODEL_DIR}/ s2.local:"),
+    ({"data": {**DATA_FILES, "train.jsonl": BAD}}, "differ: data/train.jsonl", f"{DATA_DIR}/ s2.local:"),
 ])
 def test_model_majority_diff_kinds(change: dict[str, Any], in_summary: str, in_remedy: str) -> None:
     members = trio()
@@ -896,10 +898,15 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.but(worker={"params": 42_000_000_000}), {},
                  (W, ("~87.7 GiB needed", "96.0 GiB usable (little headroom)"), ("grad_checkpoint",)),
                  id="lora-42b-little-headroom"),
-    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {"strategy": "dp"},
                  (F, ("~102.6 GiB needed (50.00B params", "of 96.0 GiB usable"), ("grad_checkpoint: true",)),
                  id="lora-50b-does-not-fit"),
-    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}), {"method": "full"},
+    # auto: a pipeline over the fleet holds what this node's replica cannot: judged by its stage's need.
+    pytest.param(MBP_M.but(worker={"params": 50_000_000_000}), {},
+                 (P, ("of 96.0 GiB usable; as pipeline stage of blocks 0-",), ()),
+                 id="lora-50b-a-pipeline-stage-by-auto"),
+    pytest.param(member("m4", NODEV, "192.168.20.1", worker={"params": 8_000_000_000}),
+                 {"method": "full", "strategy": "dp"},
                  (F, ("~64.9 GiB needed (8.00B params, full", "of 36.0 GiB usable", "GPU watchdog"),
                   ("use LoRA", "on an Ultra")), id="full-8b-on-48gb"),
     # keep_checkpoints 1: two 40 GB full checkpoints (the kept one + the one being written) fit the 89 GB free.
@@ -916,11 +923,11 @@ RESOURCE_CASES = [
     pytest.param(MBP_M.edited("pmset_batt", "'AC Power'", "'Battery Power'"), {},
                  (W, ("on battery (100%)",), ("AC power",)), id="on-battery"),
     pytest.param(MBP_M.edited(*_df(100_000)), {},
-                 (F, ("0.1 GiB free under /Users/me/mlx-work", "checkpoints need 0.3 GiB"),
+                 (F, ("97.7 MiB free under /Users/me/mlx-work", "checkpoints need 314.7 MiB"),
                   ("free disk space on /System/Volumes/Data",)), id="disk-too-small-for-checkpoints"),
     # keep_checkpoints (2) + the one being written: 3 x ~0.1 GiB; under twice that is tight.
     pytest.param(MBP_M.edited(*_df(500_000)), {},
-                 (W, ("only 0.5 GiB free under /Users/me/mlx-work",), ("free disk space",)), id="disk-tight"),
+                 (W, ("only 488.3 MiB free under /Users/me/mlx-work",), ("free disk space",)), id="disk-tight"),
     pytest.param(MBP_M.but(worker={"config": {}}), {},
                  (W, ("model size unknown",), ("config.json",)), id="model-size-unknown"),
 ]
@@ -983,7 +990,8 @@ def test_resources_on_an_nvidia_node_budget_the_gpus_memory_not_host_ram() -> No
     ])
     # The same node without nvidia-smi trains on the CPU, in host RAM: it does not fit.
     cpu = gpu.with_section("nvidia_smi", None)
-    run_case((cpu, mac), playbook(backend="ring"), [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
+    run_case((cpu, mac), playbook(backend="ring", train={"strategy": "dp"}),
+             [("gpu1", "resources", F, ("of 21.2 GiB usable",), ())])
     busy = gpu.edited("nvidia_smi", "81559, 0, 0,", "81559, 60000, 100,")
     run_case((busy, mac), playbook(backend="ring"), [
         ("gpu1", "resources", W, ("58.6 GiB of GPU 0's 79.6 GiB already in use by other processes",), ("nvidia-smi",)),
@@ -1202,7 +1210,7 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
     _, results = preflight(members, playbook(backend="ring", model=hostile))
     assert results[("s1", "model")].remedy == (
         "copy the good files: coordinator sync -i INVENTORY -p playbook.yaml --from s0 --limit s1 "
-        f"(or: rsync -a --delete 's0:{hostile}/' 's1:{hostile}/')")
+        f"(or: ssh s0.local rsync -a --delete '{hostile}/' 's1.local:{hostile}/')")
     _, results = preflight((MBP_M, STUDIO_M.but(node={"identity": "~/.ssh/my key"})), playbook(),
                            connect={"studio": TransportError("studio", "denied", kind="auth")})
     assert "`ssh-copy-id -i \"$HOME\"/'.ssh/my key' studio.local`" in results[("studio", "ssh")].remedy
@@ -1214,3 +1222,62 @@ def test_remedies_quote_every_value_they_paste_into_a_shell_line() -> None:
                            playbook())
     assert results[("mbp", "software")].remedy.endswith(", or by hand: '/opt/py;id' -m pip install mlx==0.32.1 "
                                                         "mlx-lm==0.31.0")
+
+
+def test_resources_judges_a_pipeline_stage_not_a_replica() -> None:
+    # A node that cannot hold a replica passes when the strategy gives it a stage.
+    members = (MBP_M.but(worker={"params": 50_000_000_000}), STUDIO_M.but(worker={"params": 50_000_000_000}))
+    _, results = preflight(members, playbook(train={"method": "lora"}))
+    r = results[("mbp", "resources")]
+    assert r.status is Status.PASS and "of 96.0 GiB usable; as pipeline stage of blocks 0-" in r.summary
+    assert r.evidence["pipeline_stage"]["need"] <= r.evidence["pipeline_stage"]["budget"]
+    _, results = preflight(members, playbook(train={"method": "lora", "strategy": "dp"}))
+    assert results[("mbp", "resources")].status is F  # dp forced: a replica it is
+
+
+def test_thunderbolt_on_the_loopback_is_not_applicable() -> None:
+    """The local demo: two Linux nodes of one machine at 127.0.0.1. A pass would vouch for a cable that does not
+    exist; the check says it does not apply, and why. A loopback that does not answer still fails."""
+    a = M("a", linux_sections(), "127.0.0.1")
+    b = M("b", linux_sections(), "127.0.0.1")
+    run_case((a, b), playbook(backend="ring"), [
+        ("a", "thunderbolt", S, ("not applicable", "loopback (127.0.0.1)"), ()),
+        ("b", "thunderbolt", S, ("not applicable",), ()),
+    ])
+    run_case((a.but(down={"b": "connection refused"}), b), playbook(backend="ring"), [
+        ("a", "thunderbolt", F, ("cannot reach b",), ("`ips:`",)),
+    ])
+
+
+def test_model_absent_from_every_node_offers_a_source_that_can_work() -> None:
+    """Nobody has the model: `sync --from GOOD_NODE` (no such node) and an rsync to a local node (not an SSH host)
+    cannot work; the remedy is a dir on this machine for `launch --fix --fix-source DIR`, or getting the model."""
+    nothing = _hashes(missing=(MODEL_DIR,))
+    _, results = preflight((MBP_M.but(worker=nothing), STUDIO_M.but(worker=nothing)), playbook())
+    for node in ("mbp", "studio"):
+        r = results[(node, "model")]
+        assert r.status == F and f"model dir {MODEL_DIR} is missing" in r.summary
+        assert "no node has a complete copy" in r.remedy
+        assert "--fix --fix-source DIR" in r.remedy and "holding model/ and data/" in r.remedy
+        assert f"--local-dir {MODEL_DIR}" in r.remedy
+        assert "GOOD_NODE" not in r.remedy and "rsync" not in r.remedy
+
+
+def test_model_missing_on_one_node_names_the_node_that_has_it() -> None:
+    _, results = preflight((MBP_M, STUDIO_M.but(worker=_hashes(missing=(MODEL_DIR,)))), playbook())
+    remedy = results[("studio", "model")].remedy
+    assert remedy.startswith("coordinator sync -i INVENTORY -p playbook.yaml --from mbp --limit studio")
+    assert f"ssh mbp.local rsync -a --delete {MODEL_DIR}/ studio.local:{MODEL_DIR}/" in remedy
+    assert "GOOD_NODE" not in remedy
+
+
+def test_model_rsync_between_local_nodes_is_not_offered_and_a_local_end_has_no_host() -> None:
+    """Two `connection: local` nodes are one machine (one dir): sync alone. A local good node and an SSH one: the
+    rsync runs here, the local end a plain path."""
+    a = MBP_M.but(node={"connection": "local"})
+    b = STUDIO_M.but(node={"connection": "local"}, worker=_hashes(missing=(MODEL_DIR,)))
+    _, results = preflight((a, b), playbook())
+    assert results[("studio", "model")].remedy == (
+        "coordinator sync -i INVENTORY -p playbook.yaml --from mbp --limit studio")
+    _, results = preflight((a, STUDIO_M.but(worker=_hashes(missing=(MODEL_DIR,)))), playbook())
+    assert f"(or: rsync -a --delete {MODEL_DIR}/ studio.local:{MODEL_DIR}/; " in results[("studio", "model")].remedy

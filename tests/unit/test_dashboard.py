@@ -15,8 +15,17 @@ import pytest
 
 from coordinator.errors import ConfigError
 from coordinator.run.rundir import parse_meta, parse_summary
-from coordinator.views.dashboard.model import RunFold, run_view, step_time_stats
-from coordinator.views.dashboard.server import DashboardServer, DashboardState, is_loopback, open_run
+from coordinator.views.dashboard.model import RunFold, run_row, run_view, step_time_stats
+from coordinator.views.dashboard.server import (
+    CACHED_RUNS,
+    RECENT_RUNS,
+    DashboardServer,
+    DashboardState,
+    TrackedRun,
+    compute_evictions,
+    is_loopback,
+    open_run,
+)
 
 DEMO = Path(__file__).parent.parent / "fixtures" / "rundirs" / "smoke-20261125-015050-658d"
 
@@ -94,16 +103,28 @@ def test_loopback_addresses() -> None:
 # --- the server, in-process ------------------------------------------------------------------------------------
 
 
-async def http(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None,
-               host: str = "127.0.0.1") -> tuple[int, bytes]:
+TOKEN = "t0k"
+
+
+async def http_head(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+                    host: str = "127.0.0.1", token: str | None = TOKEN) -> tuple[int, str, bytes]:
+    """(status, the response's head, body); `token` in the query (None: none)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if token is not None:
+        path += ("&" if "?" in path else "?") + f"token={token}"
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     writer.write(f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}\r\n".encode())
     await writer.drain()
     data = await reader.read()
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return int(head.split()[1]), head.decode("latin-1"), body
+
+
+async def http(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+               host: str = "127.0.0.1", token: str | None = TOKEN) -> tuple[int, bytes]:
+    status, _, body = await http_head(port, path, method=method, headers=headers, host=host, token=token)
+    return status, body
 
 
 def live_copy(tmp_path: Path, lines: int) -> Path:
@@ -136,9 +157,8 @@ def test_endpoints_serve_the_demo_run_and_the_pages(tmp_path: Path) -> None:
             assert (await http(server.port, "/api/fleet", method="DELETE"))[0] == 405
             assert server.url == f"http://127.0.0.1:{server.port}/?token=t0k"
             # DNS rebinding: another name for 127.0.0.1 reads nothing without the token
-            assert (await http(server.port, "/api/runs", host="evil.example"))[0] == 403
-            assert (await http(server.port, "/api/runs?token=t0k", host="evil.example"))[0] == 200
-            assert (await http(server.port, "/api/runs", host="[::1]"))[0] == 200
+            assert (await http(server.port, "/api/runs", host="evil.example", token=None))[0] == 403
+            assert (await http(server.port, "/api/runs", host="evil.example"))[0] == 200
 
     asyncio.run(main())
 
@@ -152,10 +172,14 @@ def test_stop_needs_the_token_and_calls_the_stop_path(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token="t0k", stop=stop) as server:
-            assert (await http(server.port, f"/api/run/{run.name}/stop", method="POST"))[0] == 403
-            assert (await http(server.port, f"/api/run/{run.name}/stop?token=bad", method="POST"))[0] == 403
+            assert (await http(server.port, f"/api/run/{run.name}/stop", method="POST", token=None))[0] == 403
+            assert (await http(server.port, f"/api/run/{run.name}/stop", method="POST", token="bad"))[0] == 403
+            # The page's cookie is not enough to stop: a page of another port of this host would send it too.
+            cookie = {"Cookie": f"{server.cookie}=t0k"}
+            assert (await http(server.port, f"/api/run/{run.name}/stop", method="POST", token=None,
+                               headers=cookie))[0] == 403
             status, _ = await http(server.port, f"/api/run/{run.name}/stop", method="POST",
-                                   headers={"X-Dashboard-Token": "t0k"})
+                                   headers={"X-Dashboard-Token": "t0k"}, token=None)
             assert status == 202
             for _ in range(100):
                 if stopped:
@@ -166,15 +190,31 @@ def test_stop_needs_the_token_and_calls_the_stop_path(tmp_path: Path) -> None:
     assert stopped == [run]
 
 
-def test_any_bind_but_loopback_needs_the_token_for_every_page(tmp_path: Path) -> None:
+def test_every_request_needs_the_token_on_loopback_too_and_the_printed_url_sets_its_cookie(tmp_path: Path) -> None:
+    """Any local user can reach 127.0.0.1: without the token nothing is served, a page, a stream or a run's
+    document (which would make the server open and keep what it names). The printed URL's page sets the token's
+    cookie (HttpOnly, SameSite=Strict, one name per port), which the browser's own page loads then carry."""
+    shutil.copytree(DEMO, tmp_path / "runs" / DEMO.name)
+
     async def main() -> None:
-        server = DashboardServer(DashboardState(tmp_path), host="127.0.0.1", port=0, token="t0k")
-        server.require_token = True  # as on 0.0.0.0 (the test talks to loopback only)
-        async with server:
-            assert (await http(server.port, "/api/runs"))[0] == 403
-            assert (await http(server.port, "/?token=t0k"))[0] == 200
-            assert (await http(server.port, "/api/runs", headers={"X-Dashboard-Token": "t0k"}))[0] == 200
-        assert DashboardServer(DashboardState(tmp_path), host="0.0.0.0").require_token
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token=TOKEN) as server:
+            for path in ("/", "/runs", f"/run/{DEMO.name}", "/static/app.js", "/api/runs", "/api/fleet",
+                         f"/api/run/{DEMO.name}", f"/api/stream?run={DEMO.name}"):
+                for host in ("127.0.0.1", "localhost", "[::1]"):
+                    status, body = await http(server.port, path, host=host, token=None)
+                    assert status == 403 and b"needs its token" in body, (path, host, body)
+                assert (await http(server.port, path, token="wrong"))[0] == 403
+            assert not server.state.watchers
+            status, head, _ = await http_head(server.port, "/")
+            assert status == 200
+            assert f"Set-Cookie: dashboard-token-{server.port}=t0k; Path=/; HttpOnly; SameSite=Strict" in head
+            cookie = {"Cookie": f"other=1; dashboard-token-{server.port}=t0k"}
+            for path in ("/runs", f"/run/{DEMO.name}", "/static/app.js", "/api/runs"):
+                assert (await http(server.port, path, headers=cookie, token=None))[0] == 200, path
+            assert (await http(server.port, "/api/runs", headers={"X-Dashboard-Token": TOKEN}, token=None))[0] == 200
+            # another dashboard's cookie (another port) is not this one's
+            other = {"Cookie": f"dashboard-token-{server.port + 1}=t0k"}
+            assert (await http(server.port, "/api/runs", headers=other, token=None))[0] == 403
 
     asyncio.run(main())
 
@@ -184,12 +224,12 @@ def test_an_appended_event_is_pushed_to_the_stream(tmp_path: Path) -> None:
     later = (DEMO / "events.jsonl").read_text().splitlines(True)[60:90]
 
     async def main() -> dict[str, Any]:
-        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0) as server:
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token=TOKEN) as server:
             status, body = await http(server.port, f"/api/run/{run.name}")
             snapshot = json.loads(body)
             assert status == 200 and snapshot["active"]
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /api/stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            writer.write(b"GET /api/stream?token=t0k HTTP/1.1\r\nHost: localhost\r\n\r\n")
             await reader.readuntil(b"event: hello\n")
             with (run / "events.jsonl").open("a") as fh:
                 fh.write("".join(later))
@@ -207,6 +247,97 @@ def test_an_appended_event_is_pushed_to_the_stream(tmp_path: Path) -> None:
                                                           - {e["step"] for e in records(run / "events.jsonl")[:60]
                                                              if e["event"] == "step"})
     assert data["view"]["active"] and data["view"]["ranks"][0]["verdict"] in ("ok", "hung")
+
+
+def make_runs(root: Path, count: int) -> list[str]:
+    """`count` running runs (meta.json, no summary), oldest first (their meta.json a second apart)."""
+    ids = []
+    for i in range(count):
+        run = root / f"r-{i:04d}"
+        run.mkdir(parents=True)
+        (run / "meta.json").write_text(json.dumps({"run_id": run.name, "nodes": ["n0"],
+                                                   "ranks": [{"rank": 0, "node": "n0", "batch_size": 4}]}))
+        (run / "events.jsonl").write_text("")
+        os.utime(run / "meta.json", (1_000_000 + i, 1_000_000 + i))
+        ids.append(run.name)
+    return ids
+
+
+def test_what_the_dashboard_watches_is_bounded_whatever_the_pages_asked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run page of a big run root asked for over HTTP, one after the other: the server keeps the newest
+    RECENT_RUNS, the run an open stream views, and an LRU of CACHED_RUNS others; a tick polls the first two only,
+    so its cost does not grow with the pages ever asked for; the runs page lists the newest; a run evicted is
+    opened again on demand."""
+    ids = make_runs(tmp_path / "runs", RECENT_RUNS + CACHED_RUNS + 60)
+    polls: list[str] = []
+    real_poll = TrackedRun.poll
+
+    def counted(run: TrackedRun) -> dict[str, Any] | None:
+        polls.append(run.path.name)
+        return real_poll(run)
+
+    async def main() -> None:
+        async with DashboardServer(DashboardState(tmp_path / "runs"), port=0, token=TOKEN) as server:
+            state = server.state
+            viewed = ids[0]  # the oldest run, viewed in a browser all along
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(f"GET /api/stream?run={viewed}&token={TOKEN} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            await reader.readuntil(b"event: hello\n")
+            assert state.watchers == {viewed: 1}
+            for run_id in ids:
+                status, body = await http(server.port, f"/api/run/{run_id}")
+                assert status == 200 and json.loads(body)["run_id"] == run_id
+                assert len(state.runs) <= RECENT_RUNS + CACHED_RUNS + 1
+            newest = ids[-RECENT_RUNS:]
+            assert state.recent == newest[::-1]
+            assert set(state.runs) == {viewed, *newest, *ids[-RECENT_RUNS - CACHED_RUNS:-RECENT_RUNS]}
+            polls.clear()
+            monkeypatch.setattr(TrackedRun, "poll", counted)
+            state.tick(0.0)
+            assert sorted(polls) == sorted([viewed, *newest]), "a tick polls the viewed and the newest runs only"
+            monkeypatch.setattr(TrackedRun, "poll", real_poll)
+            status, body = await http(server.port, "/api/runs")
+            assert [r["run_id"] for r in json.loads(body)["runs"]] == newest[::-1]
+            writer.close()  # the browser leaves: the oldest run is no longer kept
+            for _ in range(200):
+                if not state.watchers:
+                    break
+                await asyncio.sleep(0.01)
+            assert not state.watchers and viewed not in state.runs
+            status, body = await http(server.port, f"/api/run/{viewed}")
+            assert status == 200 and json.loads(body)["run_id"] == viewed and viewed in state.runs
+
+    asyncio.run(main())
+
+
+def test_a_new_run_is_picked_up_though_its_meta_json_comes_after_its_dir(tmp_path: Path) -> None:
+    """The root is listed again only when its mtime changes (a new dir), but a launch writes meta.json after it
+    made the dir: a young dir without one keeps the next listings coming until it has one."""
+    [old] = make_runs(tmp_path, 1)
+    state = DashboardState(tmp_path)
+    state.list_runs(force=True)
+    assert state.recent == [old]
+
+    def list_now() -> None:
+        state._listed_at = float("-inf")  # past LIST_EVERY_S (no clock in a unit test)
+        state.list_runs()
+
+    (tmp_path / "new").mkdir()
+    list_now()
+    assert state.recent == [old]
+    (tmp_path / "new" / "meta.json").write_text(json.dumps({"run_id": "new", "nodes": ["n0"],
+                                                           "ranks": [{"rank": 0, "node": "n0", "batch_size": 4}]}))
+    list_now()  # the root's mtime did not change: the listing comes because "new" was unsettled
+    assert state.recent == ["new", old]
+
+
+def test_compute_evictions() -> None:
+    order = ["a", "b", "c", "d", "e"]  # least recently used first
+    assert compute_evictions(order, {"a"}, 2) == ["b", "c"]
+    assert compute_evictions(order, set(), 5) == []
+    assert compute_evictions(order, set(order), 0) == []
+    assert compute_evictions(order, {"e"}, 0) == ["a", "b", "c", "d"]
 
 
 def test_a_busy_port_is_a_config_error(tmp_path: Path) -> None:
@@ -256,6 +387,16 @@ def test_left_out_comes_from_the_summary_once_it_has_one_else_from_meta() -> Non
     ended = run_view(fold, meta=meta, summary=parse_summary({"format": 3, "run_id": "r", "state": "succeeded",
                                                               "left_out": [], "message": "done"}), iters=None, now=1.0)
     assert not ended["degraded"] and ended["left_out"] == [] and ended["message"] == "done"
+
+
+def test_an_ended_runs_step_is_its_summarys() -> None:
+    meta = parse_meta({"run_id": "r", "ranks": [{"rank": 0, "node": "a"}]})
+    fold = RunFold.from_meta("r", meta)
+    fold.feed([{"event": "step", "rank": 0, "node": "a", "t": 2.0, "step": 3}])
+    assert run_view(fold, meta=meta, summary=None, iters=None, now=3.0)["step"] == 3
+    stopped = parse_summary({"format": 3, "run_id": "r", "state": "stopped", "steps": 174})
+    assert run_view(fold, meta=meta, summary=stopped, iters=None, now=3.0)["step"] == 174
+    assert run_row(fold, summary=stopped, meta=meta, iters=None, now=3.0)["step"] == 174
 
 
 def test_preflight_verdicts_take_each_nodes_worst_finding() -> None:

@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 
 from coordinator.errors import ConfigError, TransportError
-from coordinator.models import LintResult, Status
+from coordinator.models import LintResult, PreflightReport, Status
 from coordinator.planning.sync import NodeState, compute_plan
 from coordinator.preflight.fix import (
+    DirState,
     FixOptions,
     FixPlan,
     FixTool,
     SyncSource,
+    check_sync_source_before_setup,
     choose_sync_source,
     compute_fix_plan,
     compute_sync_outcomes,
@@ -27,6 +29,7 @@ from coordinator.preflight.fix import (
     describe_left,
     fix_options,
     fixable_by,
+    parse_dir_states,
     resolve_requested,
 )
 from tests.factsutil import DATA_FILES, MODEL_FILES, STUDIO, hashes_answer, sha
@@ -123,6 +126,65 @@ def test_no_copy_anywhere_syncs_from_this_machine_or_says_how_to_name_a_source()
                               "--fix-source NODE or --fix-source DIR (holding model/, data/)")
     named = SyncSource("--fix-source", node="studio")
     assert choose_sync_source(report, plan.sync, requested=named, local_dirs=local, local_present=True) == named
+
+
+LOCAL = [("model", "/Users/me/models/llama-1b"), ("data", "/Users/me/data/chat")]
+GONE = "python interpreter not found: /Users/me/venvs/mlx/bin/python"
+FILES = {"model": DirState.FILES, "data": DirState.FILES}
+
+
+def before_setup(report: PreflightReport, plan: FixPlan, node_dirs: dict[str, dict[str, DirState] | None], *,
+                 provided: tuple[str, ...] = (), requested: SyncSource | None = None, local: bool = False) -> None:
+    check_sync_source_before_setup(report, plan, requested=requested, local_dirs=LOCAL, local_present=local,
+                                   node_dirs=node_dirs, provided=provided)
+
+
+def test_without_any_possible_source_fix_refuses_before_setup_changes_a_node() -> None:
+    """Every node lacks its python (setup) and its model dir (seen with python3): sync will be needed after
+    setup, and nothing can be its source. Refused now, not after setup installed everything."""
+    members = tuple(m.but(worker_text=GONE, worker_rc=127) for m in fleet3())
+    report, _ = preflight(members, playbook(**RING))
+    plan = compute_fix_plan(report)
+    assert plan.setup == ("mbp", "studio", "third") and plan.sync == ()
+    bare = {"model": DirState.MISSING, "data": DirState.FILES}
+    with pytest.raises(ConfigError) as err:
+        before_setup(report, plan, {"mbp": bare, "studio": bare, "third": bare})
+    assert str(err.value).startswith("--fix: no source for sync (checked before setup changed any node): no node "
+                                     "has a copy that passes the model check, and this machine lacks ")
+    # ... and what makes a source possible lets setup go on: a node that will have every dir (sync may then
+    # not even be needed), a dir assets: fill, a node not seen (never refused on a guess), a named source, the
+    # playbook's dirs on this machine.
+    before_setup(report, plan, {"mbp": bare, "studio": FILES, "third": bare})
+    before_setup(report, plan, {"mbp": bare, "studio": bare, "third": bare}, provided=("model",))
+    before_setup(report, plan, {"mbp": bare, "studio": None, "third": bare})
+    before_setup(report, plan, {"mbp": bare, "studio": bare, "third": bare}, requested=SyncSource("x", node="mbp"))
+    before_setup(report, plan, {"mbp": bare, "studio": bare, "third": bare}, local=True)
+    # assets: never fill an existing empty dir
+    empty = {"model": DirState.EMPTY, "data": DirState.FILES}
+    with pytest.raises(ConfigError):
+        before_setup(report, plan, {"mbp": empty, "studio": empty, "third": empty}, provided=("model",))
+
+
+def test_a_sync_planned_now_needs_a_source_before_setup_runs_elsewhere() -> None:
+    """studio needs setup; mbp and third (with their python) have no model: they need sync whatever setup does,
+    and studio, once set up, would be their only possible source."""
+    nothing = hashes(missing=["/Users/me/models/llama-1b", "/Users/me/data/chat"])
+    members = fleet3(mbp=MBP_M.but(worker=nothing), studio=STUDIO_M.but(worker_text=GONE, worker_rc=127),
+                     third=THIRD.but(worker=nothing))
+    report, _ = preflight(members, playbook(**RING))
+    plan = compute_fix_plan(report)
+    assert plan.setup == ("studio",) and plan.sync == ("mbp", "third")
+    with pytest.raises(ConfigError, match="checked before setup changed any node"):
+        before_setup(report, plan, {"studio": {"model": DirState.EMPTY, "data": DirState.FILES}})
+    before_setup(report, plan, {"studio": FILES})
+
+
+@pytest.mark.parametrize(("answer", "states"), [
+    ({"model": "files", "data": "missing"}, {"model": DirState.FILES, "data": DirState.MISSING}),
+    ({"model": "what"}, None), (None, None),
+])
+def test_parse_dir_states(answer: dict[str, str] | None, states: dict[str, DirState] | None) -> None:
+    assert parse_dir_states(answer) == states
 
 
 def test_copies_that_disagree_without_a_majority_need_a_named_source() -> None:

@@ -15,7 +15,7 @@ from coordinator.config.inventory import InventoryFormat, detect_inventory_forma
 from coordinator.config.inventory.ansible import expand_host_pattern
 from coordinator.config.yamlsrc import parse_yaml
 from coordinator.errors import ConfigError
-from coordinator.models import Connection, Node
+from coordinator.models import Connection, Inventory, Node, parse_limit
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD = REPO / "tests" / "fixtures" / "config" / "good"
@@ -230,3 +230,21 @@ def test_yamlsrc_errors(text: str, line: int, message: str) -> None:
         parse_yaml(text, "f.yaml")
     assert str(info.value).startswith(f"f.yaml:{line}: ")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "names"), [(None, None), ("a", ["a"]), (" a , b ", ["a", "b"])])
+def test_parse_limit(text: str | None, names: list[str] | None) -> None:
+    assert parse_limit(text) == names
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "--limit '' names no node"), (",", "--limit ',' names no node"), ("  ", "--limit '  ' names no node"),
+    ("a,,b", "--limit 'a,,b' has an empty name between commas"), ("a,", "--limit 'a,' has an empty name"),
+])
+def test_a_limit_naming_nobody_is_an_error_not_the_whole_fleet(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_limit(text)
+    inv = Inventory((Node("a", "h"),))
+    with pytest.raises(ConfigError, match="--limit names no node; known: a"):
+        inv.limit([])
+    assert inv.limit(None) is inv

@@ -17,7 +17,7 @@ from coordinator.models import Connection, Node
 from coordinator.run.chaos import KINDS, Chaos
 from coordinator.run.launch import spawn_launcher
 from coordinator.run.launchfiles import RankPlan, build_launcher_argv, build_rank_script, build_run_config, build_ssh_config
-from worker.runconfig import parse_run_config
+from worker.runconfig import Layout, parse_run_config
 
 PLAYBOOKS = sorted((Path(__file__).resolve().parents[2] / "playbooks").glob("*.yaml"))
 
@@ -139,8 +139,10 @@ def test_run_config_of_every_playbook_is_what_the_worker_parses(path: Path) -> N
     nodes = [Node(name="mac", host="10.0.0.1"), Node(name="lin", host="127.0.0.1", connection=Connection.LOCAL)]
     ranks = [RankPlan(0, nodes[0], 3), RankPlan(1, nodes[0], 2), RankPlan(2, nodes[1], 1)]
     chaos = [Chaos(kind=k, rank=i % 3, step=i + 1, factor=2.0) for i, k in enumerate(KINDS)]
-    for resume, scratch, drills in ((False, False, []), (True, True, chaos)):
-        config = build_run_config(pb, ranks, "r-1", resume=resume, chaos=drills, restart_from_scratch=scratch)
+    for resume, scratch, drills, layout in ((False, False, [], None), (True, True, chaos, Layout(kind="fsdp"))):
+        config = build_run_config(pb, ranks, "r-1", resume=resume, chaos=drills, restart_from_scratch=scratch,
+                                  layout=layout)
+        assert config.layout == (layout or Layout())
         written = replace(config, run_dir=Path("~/mlx-work/runs/r-1/mac")).to_json()
         parsed = parse_run_config(json.loads(json.dumps(written)))
         expanded = replace(config, model=os.path.expanduser(config.model), data=os.path.expanduser(config.data),
@@ -184,6 +186,38 @@ def test_train_memory_headroom_reaches_the_ranks_run_json_and_defaults_to_the_wo
                           "memory_headroom": -0.5})
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("kill:rank=0,step=11", "--chaos 'kill:rank=0,step=11': step 11 is never reached: the run trains 10 step(s) "
+                            "(train.iters); the drill would run without its fault"),
+    ("slow:rank=0,step=11,factor=2", "step 11 is never reached"),
+    ("kill:rank=0,step=3,factor=2", "factor applies to slow only (a kill has none)"),
+])
+def test_a_chaos_drill_that_cannot_fire_is_refused(spec: str, message: str) -> None:
+    from coordinator.errors import ConfigError
+    from coordinator.run.chaos import parse_chaos
+
+    with pytest.raises(ConfigError) as info:
+        parse_chaos(spec, world_size=2, iters=10)
+    assert message in str(info.value)
+    assert parse_chaos("stall:rank=1,step=10", world_size=2, iters=10).step == 10  # the last step is reached
+
+
+@pytest.mark.parametrize(("spec", "bounds", "reason"), [
+    (Chaos("kill", 2, 5), {"world_size": 2}, "rank 2 is not a rank of this run (ranks 0..1)"),
+    (Chaos("kill", 1, 5), {"world_size": 2, "iters": 5}, None),
+    (Chaos("nan", 0, 5), {"after_step": 5}, "step 5 is never reached: this attempt resumes after step 5 "
+                                            "(a nan acts at its step only)"),
+    (Chaos("hang", 0, 6), {"after_step": 5}, None),
+    # slow and lie act from their step on: a resume past it still runs them
+    (Chaos("slow", 0, 1, 3.0), {"after_step": 40, "iters": 100}, None),
+    (Chaos("lie", 0, 10), {"after_step": 40}, None),
+])
+def test_compute_unreachable(spec: Chaos, bounds: dict[str, int], reason: str | None) -> None:
+    from coordinator.run.chaos import compute_unreachable
+
+    assert compute_unreachable(spec, **bounds) == reason
+
+
 def test_train_clear_cache_reaches_the_ranks_run_json() -> None:
     pb = load_playbook(PLAYBOOKS[0])
     pb = pb.model_copy(update={"train": pb.train.model_copy(update={"clear_cache": True})})
@@ -192,3 +226,29 @@ def test_train_clear_cache_reaches_the_ranks_run_json() -> None:
     assert config.clear_cache is True
     assert parse_run_config(json.loads(json.dumps(config.to_json()))).clear_cache is True
     assert config.digest() == build_run_config(load_playbook(PLAYBOOKS[0]), ranks, "r-1", resume=False).digest()
+
+
+def test_a_pipeline_plan_is_the_layout_the_worker_parses() -> None:
+    """The planner's pipeline (planning.pipeline) becomes run.json's layout: one stage per rank in ring order,
+    contiguous blocks, every rank the global batch, the micro-batches and schedule; the worker parses it back."""
+    from coordinator.config.playbook import parse_playbook
+    from coordinator.planning.estimate import GiB, ModelShape
+    from coordinator.planning.pipeline import LayerTiming, PipelineJob, StageNode, compute_layer_split
+    from coordinator.run.launchfiles import build_layout
+    from worker.runconfig import Layout, StageSpec
+
+    shape = ModelShape(params=1_000_000_000, hidden=2048, layers=12, vocab=32000, intermediate=8192, heads=16)
+    job = PipelineJob(shape, "full", seq_len=512, global_batch=8, micro_batches=4)
+    nodes = [StageNode(n, 1000 * GiB, LayerTiming(n, 2, s)) for n, s in (("a", 1.0), ("b", 1.0), ("c", 2.0))]
+    pipe = compute_layer_split(job, nodes)
+    assert build_layout(None) == Layout()
+    layout = build_layout(pipe)
+    assert layout == Layout("pipeline", (StageSpec(0, 0, 5), StageSpec(1, 5, 10), StageSpec(2, 10, 12)), 4, "1f1b")
+    pb = parse_playbook({"name": "p", "model": "/m", "data": "/d", "train": {
+        "method": "full", "strategy": "pipeline", "batch_size": 8, "micro_batches": 4}}, path="p.yaml")
+    plan = pipe.as_plan()
+    assert plan.batch == {"a": 8, "b": 8, "c": 8} and plan.mode == "pipeline"
+    ranks = [RankPlan(i, Node(name=n, host=f"10.0.0.{i + 1}"), plan.batch[n]) for i, n in enumerate(plan.batch)]
+    config = build_run_config(pb, ranks, "r-1", resume=False, layout=layout)
+    parsed = parse_run_config(json.loads(json.dumps(replace(config, run_dir=Path("/w/r-1/a")).to_json())))
+    assert parsed.layout == layout

@@ -17,12 +17,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top. A module may import its own layer and those before it, never one after it.
-LAYERS = ("coordinator.errors coordinator.models", "coordinator.config", "coordinator.facts", "coordinator.planning",
-          "coordinator.fleet", "coordinator.preflight", "coordinator.run", "coordinator.views", "coordinator.cli")
+LAYERS = ("coordinator.errors coordinator.models coordinator.units", "coordinator.config", "coordinator.facts",
+          "coordinator.planning", "coordinator.fleet", "coordinator.preflight", "coordinator.run", "coordinator.views",
+          "coordinator.cli")
 
 # The pure core: decisions and parsing, no network, no processes, no event loop.
-PURE_LAYERS = ("coordinator.errors", "coordinator.models", "coordinator.config", "coordinator.facts",
-               "coordinator.planning", "coordinator.preflight.checks", "coordinator.preflight.lint",
+PURE_LAYERS = ("coordinator.errors", "coordinator.models", "coordinator.units", "coordinator.config",
+               "coordinator.facts", "coordinator.planning", "coordinator.preflight.checks", "coordinator.preflight.lint",
                "coordinator.preflight.fix", "coordinator.run.monitor", "coordinator.run.signatures",
                "coordinator.run.launchfiles", "coordinator.run.replay")
 IO_LIBRARIES = ("asyncssh", "subprocess", "asyncio")

@@ -23,6 +23,9 @@ from coordinator.run.monitor import (
     Verdict,
     WorkerState,
     classify_errors,
+    describe_incident,
+    describe_recovery,
+    last_error_line,
     rank_rate,
     rank_verdict,
 )
@@ -487,10 +490,54 @@ def test_the_launchers_exit_with_ranks_unfinished_is_the_failure_once_the_grace_
     # The line events.jsonl gets, word for word as before the enums: plain strings, not enum members.
     assert inc.to_json() == {"kind": "launcher_exit", "node": "coordinator", "rank": None, "step": 0,
                              "detected_after_s": round(FINISH_GRACE_S + 0.5, 3),
-                             "evidence": {"rc": 0, "log_tail": "Traceback ..."}, "action": "stop",
+                             "evidence": {"rc": 0, "log_tail": "Traceback ...", "message":
+                                          "mlx.launch ended with status 0 (it exits 0 whatever its ranks did) "
+                                          "while 2 of 2 rank(s) had not finished, and no rank reported why"},
+                             "action": "stop",
                              "t": 2.5 + FINISH_GRACE_S}
     assert type(inc.to_json()["kind"]) is str and type(inc.to_json()["action"]) is str
     assert json.dumps(inc.to_json()).startswith('{"kind": "launcher_exit", "node": "coordinator"')
+
+
+NCCL_LOG = ("\x1b[31mworker.train rank 1\r\n  File \"x.py\", line 3\r\n"
+            "RuntimeError: [nccl] NCCL error: invalid usage (run with NCCL_DEBUG=INFO for details)\r\n")
+
+
+def test_a_launch_whose_ranks_never_took_a_step_is_the_jobs_no_relaunch_loop() -> None:
+    """Issue 27: both ranks on one GPU, NCCL `invalid usage` on both, nothing stepped: the coordinator relaunched
+    the same launch twice. A launch in which no rank finished a step is the job's: `job_fault`, in words."""
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.launcher_exited(0, 2.0)
+    assert mon.after_launcher_exit(8.0) is AfterLauncherExit.FAILED
+    inc = mon.launcher_failed(8.0, log_tail=NCCL_LOG)
+    assert mon.job_fault() is inc and mon.culprits() == []
+    assert inc.evidence["fault"] == "job" and inc.evidence["explanation"]["code"] == "nccl_setup"
+    assert inc.evidence["message"] == (
+        "mlx.launch ended with status 0 (it exits 0 whatever its ranks did) before any rank finished a step: the "
+        "ranks could not start (RuntimeError: [nccl] NCCL error: invalid usage (run with NCCL_DEBUG=INFO for details))")
+    assert describe_incident(inc).startswith("launcher_exit on coordinator: mlx.launch ended with status 0")
+    # after a step the same exit is no job fault: a relaunch may help (a machine that died with its ranks' words)
+    later = Monitor.create(PLAN, iters=5, now=0.0)
+    started(later)
+    later.observe(ev("a", 0, 1.0, event="step", step=1, loss=2.0))
+    later.launcher_exited(0, 2.0)
+    assert "fault" not in later.launcher_failed(8.0, log_tail="").evidence and later.job_fault() is None
+
+
+def test_recovery_and_incident_lines_are_words() -> None:
+    assert describe_recovery({"attempt": 1, "culprits": [], "nodes": ["gpu-box/gpu0", "gpu-box/gpu1"],
+                              "failed_step": None, "first_step_after_s": None}) == (
+        "relaunch 1 on the same nodes (no node was at fault), on gpu-box/gpu0, gpu-box/gpu1, after step 0; "
+        "no step completed after it")
+    assert describe_recovery({"attempt": 2, "culprits": ["gpu-box/gpu1"], "nodes": ["gpu-box/gpu0"],
+                              "failed_step": 7, "first_step_after_s": 12.34}) == (
+        "relaunch 2 without gpu-box/gpu1, on gpu-box/gpu0, after step 7; first step 12.3s after the fault was detected")
+    for text in (describe_recovery({"attempt": 1}), describe_incident(Monitor.create(PLAN, 5, now=0.0)
+                                                                      .launcher_failed(1.0, log_tail=""))):
+        assert "None" not in text and "nobody" not in text
+    assert last_error_line("ok\nValueError: bad\n  File \"x\"\n") == "ValueError: bad"
+    assert last_error_line("all fine\n") == ""
 
 
 def test_an_adopted_launchers_exit_status_is_unknown_and_only_its_first_exit_counts() -> None:
@@ -566,6 +613,50 @@ def test_an_event_claiming_a_rank_as_a_float_is_that_rank_and_a_string_is_spoofe
     assert [i.kind for i in spoofed] == [IncidentKind.SPOOFED]
 
 
+def test_a_pipelines_stages_never_vote_on_digests_or_checkpoints() -> None:
+    """Each stage holds its own blocks: their digests and checkpoint manifests differ by design. With one rank per
+    replica group nothing is compared (and every fully reported step counts as consistent); data parallel ranks
+    that disagree the same way are a stop."""
+    plan = [PlannedRank(0, "a", 6), PlannedRank(1, "b", 6), PlannedRank(2, "c", 6)]
+
+    def run(groups: tuple[tuple[int, ...], ...] | None) -> Monitor:
+        mon = Monitor.create(plan, iters=9, now=0.0, replica_groups=groups)
+        for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+            mon.observe(ev(node, rank, 0.1, event="started", pid=rank + 10))
+        for rank, node in ((0, "a"), (1, "b"), (2, "c")):
+            mon.observe(ev(node, rank, 1.0, event="digest", step=2, params_sha256=f"p{rank}", optimizer_sha256=f"o{rank}"))
+            mon.observe(ev(node, rank, 1.1, event="checkpoint", step=2, sha256=f"m{rank}", path="x"))
+        return mon
+
+    piped = run(((0,), (1,), (2,)))
+    assert piped.incidents == [] and piped.last_consistent_step == 2
+    dp = run(None)
+    assert {i.kind for i in dp.incidents} == {IncidentKind.INCONSISTENT, IncidentKind.CHECKPOINT_MISMATCH}
+    assert dp.last_consistent_step is None
+
+
+def test_every_rank_dying_silently_before_its_first_step_is_a_job_error() -> None:
+    """An abort in NCCL's set-up kills every rank without an error event: quarantining one node per relaunch would
+    only repeat it. Nobody is a culprit; once a step happened, or a peer wrote an echo, it is a node's fault."""
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.observe(Observation("proc", "b", 1.1, 1, {"alive": False, "pid": 11, "state": "gone"}))
+    ticks(mon, 1.2, 3.5, nodes=("a", "b"))
+    assert mon.settled(3.5)
+    judged = mon.resolve()
+    assert judged[-1] is mon.job_error and mon.culprits() == []
+    ev_ = mon.job_error.evidence
+    assert ev_["reason"] == "every rank died while starting" and ev_["ranks"] == [0, 1]
+    assert ev_["message"].startswith("every rank's process died before its first step")
+    # a rank that stepped, or a peer that only echoed: the crash is the node's
+    later = Monitor.create(PLAN, iters=5, now=0.0)
+    started(later)
+    later.observe(ev("b", 1, 0.5, event="error", message="RuntimeError: [ring] connection to a peer was lost"))
+    later.observe(Observation("proc", "a", 1.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert later.classify() is None
+
+
 # --- verdicts and rates: the one judgement every view shows ---------------------------------------------------------
 
 
@@ -616,3 +707,115 @@ def test_a_ranks_rate_is_the_median_of_its_last_steps() -> None:
     for step in range(5, 5 + RATE_STEPS):
         mon.observe(ev("a", 0, step, event="step", step=step, tok_s=100.0))
     assert rank_rate(mon.ranks[0]) == 100.0  # only the last RATE_STEPS count
+
+
+# --- the record: a stop racing the end, the steps a run proves -----------------------------------------------
+
+
+def finished_both(mon: Monitor, at: float) -> None:
+    mon.observe(ev("a", 0, at, event="finished", step=2))
+    mon.observe(ev("b", 1, at, event="finished", step=2))
+
+
+def test_a_stop_that_came_when_every_rank_had_finished_is_no_stop() -> None:
+    mon = Monitor.create(PLAN, iters=2, now=0.0)
+    started(mon)
+    mon.stopped = True  # the request was seen first; the ranks' `finished` lines are read after it
+    assert mon.outcome() is RunState.STOPPED
+    mon.observe(ev("a", 0, 2.0, event="finished", step=2))
+    assert mon.outcome() is RunState.STOPPED  # one rank still running: the stop stopped it
+    mon.observe(ev("b", 1, 2.0, event="finished", step=2))
+    assert mon.outcome() is RunState.SUCCEEDED
+
+
+def test_a_stop_after_a_job_error_keeps_the_job_error() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="error", message="UnicodeDecodeError: byte 0xe9 in position 3"))
+    mon.observe(ev("b", 1, 1.1, event="error", message="UnicodeDecodeError: byte 0xe9 in position 3"))
+    mon.resolve()
+    assert mon.job_error is not None
+    mon.stopped = True
+    assert mon.outcome() is RunState.FAILED
+
+
+def test_after_a_stop_the_teardowns_echoes_are_no_incidents_but_an_own_error_is() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.stopped = True
+    assert mon.observe(ev("a", 0, 1.0, event="error", message="terminated by SIGTERM")) == []
+    [inc] = mon.observe(ev("b", 1, 1.0, event="error", message="OSError: disk full"))
+    assert inc.kind == "error" and mon.outcome() is RunState.STOPPED
+
+
+def test_the_proven_step_is_the_highest_any_event_or_complete_checkpoint_shows() -> None:
+    mon = Monitor.create(PLAN, iters=500, now=0.0)
+    assert mon.proven_step() == 0
+    mon.observe(ev("a", 0, 0.1, event="started", pid=10, resumed_from=100))
+    mon.observe(ev("b", 1, 0.1, event="started", pid=11, resumed_from=100))
+    assert mon.proven_step() == 100  # the checkpoint it resumed from
+    for step in (101, 102):
+        mon.observe(ev("a", 0, step - 100.0, event="step", step=step, loss=2.0))
+    mon.observe(ev("b", 1, 1.0, event="step", step=101, loss=2.0))
+    assert (mon.step(), mon.proven_step()) == (101, 102)  # rank 1's step 102 is not read yet
+    mon.observe(Observation("checkpoints", "b", 2.0, data={"step": 174}))
+    mon.observe(Observation("checkpoints", "a", 2.0, data={"step": None}))  # no checkpoint there
+    mon.observe(Observation("checkpoints", "x", 2.0, data={"step": 900}))  # not a node of this run
+    mon.observe(Observation("checkpoints", "b", 2.0, data={"step": True}))  # not a step
+    assert mon.proven_step() == 174 and mon.checkpoint_dirs == {"b": 174}
+
+
+# --- start-up races -------------------------------------------------------------------------------------------
+
+REFUSED = "RuntimeError: [ring] Couldn't connect (error: 111)"
+
+
+def test_a_ring_connect_refused_before_the_first_step_is_a_start_up_race_not_a_culprit() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0, heartbeat_timeout=10.0)
+    [inc] = mon.observe(ev("b", 1, 15.0, event="error", message=REFUSED, phase="load"))
+    assert (inc.kind, inc.node, inc.action) == ("error", "b", "stop")
+    assert inc.evidence["startup_race"] and inc.evidence["explanation"]["code"] == "ring_connect"
+    assert mon.own_errors == {}  # never compared as the job's either
+    # mlx.launch then kills rank 0, which dies before its error event: collateral, not a culprit.
+    mon.observe(ev("a", 0, 15.2, event="started", pid=10))
+    mon.observe(Observation("proc", "a", 15.5, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    assert mon.culprits() == [] and mon.startup_race() == inc
+    assert mon.outcome() is RunState.FAILED
+    mon.observe(Observation("tick", "a", 16.0))
+    mon.observe(Observation("tick", "b", 16.0))
+    assert not mon.settled(16.5) and mon.settled(17.1)
+    assert mon.resolve() and mon.job_error is None and mon.culprits() == []
+
+
+def test_every_rank_refused_at_start_up_is_a_race_not_a_job_error() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    mon.observe(ev("a", 0, 15.0, event="error", message=REFUSED))
+    mon.observe(ev("b", 1, 15.1, event="error", message=REFUSED.replace("111", "113")))
+    assert mon.resolve() == [] and mon.job_error is None and mon.startup_race() is not None
+
+
+def test_a_crash_before_the_refusal_is_the_culprit_and_no_race() -> None:
+    # The peer that was not listening died first (its import crashed): that node is the culprit.
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    mon.observe(ev("a", 0, 1.0, event="started", pid=10))
+    mon.observe(Observation("proc", "a", 2.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.observe(ev("b", 1, 15.0, event="error", message=REFUSED))
+    assert mon.culprits() == ["a"] and mon.startup_race() is None
+
+
+def test_a_connect_error_after_the_first_step_blames_no_node_and_is_no_race() -> None:
+    mon = Monitor.create(PLAN, iters=5, now=0.0)
+    started(mon)
+    mon.observe(ev("a", 0, 1.0, event="step", step=1, loss=2.0))
+    mon.observe(ev("b", 1, 1.0, event="step", step=1, loss=2.0))
+    [inc] = mon.observe(ev("b", 1, 2.0, event="error", message=REFUSED))
+    assert inc.action == "stop" and "startup_race" not in inc.evidence and mon.startup_race() is None
+
+
+def test_start_up_races_are_relaunched_beside_the_restart_budget_up_to_a_few() -> None:
+    from coordinator.run.job import STARTUP_RETRIES, restarts_spent
+
+    assert STARTUP_RETRIES == 2
+    # max_restarts 0 (give up once spent >= 0): the first two races are still retried, the third ends the run.
+    assert [restarts_spent(n, n + 1) >= 0 for n in range(3)] == [False, False, True]
+    assert restarts_spent(2, 0) == 2 and restarts_spent(3, 1) == 2

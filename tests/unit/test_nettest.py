@@ -419,3 +419,29 @@ def test_run_nettest_on_local_nodes(tmp_path: Path) -> None:
         assert by_pair[key].status is Status.FAIL and "broken" in (by_pair[key].error or "")
     assert set(report.node_errors) == {"broken"}
     assert not report.ok()
+
+
+def test_nccl_between_the_gpus_of_a_node_is_judged_from_the_workers_line() -> None:
+    from coordinator.fleet.nettest import NettestReport, evaluate_gpu_bus
+    from worker.gpunettest import bus_bandwidth
+
+    algbw, busbw = bus_bandwidth(2**30, 10, 0.05, 2)  # 10 all-reduces of 1 GiB in 50 ms over 2 GPUs
+    assert algbw == 2**30 * 200 and busbw == algbw  # 2(n-1)/n = 1 for two ranks
+    assert bus_bandwidth(1, 1, 1.0, 4)[1] == 1.5
+    line = json.dumps({"devices": ["GPU-a", "GPU-b"], "bytes": 2**28, "iters": 20, "seconds": 0.1,
+                       "algbw_bytes_per_s": 5.4e10, "busbw_bytes_per_s": 3.29e11})
+    ok = evaluate_gpu_bus("box", ["GPU-a", "GPU-b"], "warning from a profile\n" + line)
+    assert ok.status == "pass" and ok.busbw_bps == 3.29e11 and "329.0 GB/s" in ok.summary
+    bad = evaluate_gpu_bus("box", ["GPU-a", "GPU-b"], json.dumps({"error": "RuntimeError: [nccl] invalid usage"}))
+    assert bad.status == "fail" and bad.error == "RuntimeError: [nccl] invalid usage"
+    assert evaluate_gpu_bus("box", [], None, "connection lost").summary == "not measured: connection lost"
+    report = NettestReport((), 1.0, {}, (ok, bad))
+    assert report.counts() == {"pass": 1, "warn": 0, "fail": 1} and not report.ok()
+    assert report.to_json()["gpus"][0]["busbw_bytes_per_s"] == 3.29e11
+
+
+def test_the_gpu_test_needs_two_devices_and_says_so_in_json(capsys) -> None:
+    from worker.gpunettest import main
+
+    assert main(["--devices", "GPU-a"]) == 1
+    assert json.loads(capsys.readouterr().out) == {"error": "ValueError: --devices needs at least two GPUs"}

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +22,21 @@ from coordinator.facts.build import build_node_facts
 from coordinator.facts.model import NetInterface, NodeFacts, ParseError, Software
 from coordinator.fleet.netsetup import NETMASK, compute_cables, plan_network, render_command
 from coordinator.fleet.nodesetup import (
+    _INSTALL,
     NodeState,
     Pins,
     Platform,
     SetupError,
     build_download_argv,
+    compute_bad_wheels,
     compute_platform,
+    describe_install_failure,
     parse_node_state,
+    parse_pip_failure,
     plan_node,
     requirements,
     venv_dir_for,
+    verify_wheelhouse,
     wanted_dists,
 )
 from coordinator.fleet.transport import LocalTransport, sftp_path
@@ -124,6 +133,103 @@ def test_download_argv_is_for_the_node_not_the_coordinator() -> None:
     assert argv[-3:] == ["mlx[cpu]==0.32.4", "mlx-lm==0.32.2", "pip"]
     offline = build_download_argv("/py", compute_platform(LINUX), PINS, Path("/d"), find_links=[Path("/mirror")])
     assert "--find-links /mirror --no-index" in " ".join(offline)
+    # A cache being repaired is a source besides the index, never a reason for --no-index
+    repair = build_download_argv("/py", compute_platform(LINUX), PINS, Path("/d"), cached=[Path("/old")])
+    assert "--find-links /old" in " ".join(repair) and "--no-index" not in repair
+
+
+# --- pip's failures, the wheel cache's check ---------------------------------------------------------------------
+
+PIP = Path(__file__).parent.parent / "fixtures" / "pip"
+
+
+def test_a_pip_traceback_is_reduced_to_the_wheel_and_its_error() -> None:
+    out = (PIP / "install-corrupt-wheel.txt").read_text()
+    assert len(out.splitlines()) > 30
+    assert parse_pip_failure(out) == ("wheel-0.43.0-py3-none-any.whl: zipfile.BadZipFile: Bad CRC-32 for file "
+                                      "'wheel/cli/pack.py'")
+    # pip processes every wheel before it installs any: with several, the one that fails is the one whose CRC
+    # check fails (found on the node), never a guess
+    several = out.replace("Processing ", "Processing /srv/a-1-py3-none-any.whl\nProcessing ", 1)
+    assert parse_pip_failure(several).startswith("zipfile.BadZipFile: ")
+    assert parse_pip_failure(several, ["b-2-py3-none-any.whl"]).startswith("b-2-py3-none-any.whl: zipfile.BadZipFile")
+
+
+def test_pips_own_errors_are_its_error_lines() -> None:
+    assert parse_pip_failure((PIP / "install-no-match.txt").read_text()) == (
+        "Could not find a version that satisfies the requirement nosuchpkg==1.0 (from versions: none); "
+        "No matching distribution found for nosuchpkg==1.0")
+    assert parse_pip_failure("Killed\n") == "Killed"
+    assert parse_pip_failure("") == "no output"
+
+
+def test_compute_bad_wheels() -> None:
+    recorded = {"a.whl": "1" * 64, "b.whl": "2" * 64, "c.whl": "3" * 64, "d.whl": "4" * 64}
+    found: dict[str, str | None] = {"a.whl": "1" * 64, "b.whl": "f" * 64, "d.whl": None, "extra.whl": "5" * 64}
+    assert compute_bad_wheels(recorded, found) == [
+        ("b.whl", "sha256 ffffffffffff... is not the 222222222222... recorded at download"),
+        ("c.whl", "missing"), ("d.whl", "unreadable")]
+    assert compute_bad_wheels(recorded, {k: v for k, v in recorded.items()}) == []
+
+
+def make_wheel(path: Path) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("m/__init__.py", "x = 1\n" * 4000)
+    return path
+
+
+def test_the_install_script_names_the_wheel_pip_failed_on_in_pips_order(tmp_path: Path) -> None:
+    """The node's install script, run here: pip (a stand-in that fails as pip does on a bad wheel) names no wheel;
+    the script finds it by CRC, in pip's install order, and stops there. A bad wheel of a package pip did not
+    reach is not blamed."""
+    house = tmp_path / "wheels"
+    house.mkdir()
+    for name in ("aaa-1-py3-none-any.whl", "mdurl-0.1.2-py3-none-any.whl", "mlx_lm-0.32.2-py3-none-any.whl",
+                 "zzz-1-py3-none-any.whl"):
+        make_wheel(house / name)
+    for name in ("mlx_lm-0.32.2-py3-none-any.whl", "zzz-1-py3-none-any.whl"):
+        data = bytearray((house / name).read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        (house / name).write_bytes(bytes(data))
+    pip = tmp_path / "python"
+    pip.write_text("#!/bin/sh\necho 'Installing collected packages: mdurl, mlx-lm, zzz'\n"
+                   "echo 'Traceback (most recent call last):'\necho 'zlib.error: Error -3'\nexit 2\n")
+    pip.chmod(0o755)
+    args = {"python": str(pip), "venv": None, "install": ["mlx-lm==0.32.2"], "wheelhouse": str(house)}
+    r = subprocess.run([sys.executable, "-c", _INSTALL, json.dumps(args)], capture_output=True, text=True, check=False)
+    assert r.returncode == 1
+    why = json.loads(r.stdout.strip().splitlines()[-1])
+    assert why["broken"] == ["mlx_lm-0.32.2-py3-none-any.whl"] and why["failed"] == "pip install mlx-lm==0.32.2"
+    assert why["removed"] is None  # no venv was made by this run: nothing removed
+    assert describe_install_failure("n1", why, tmp_path / "logs").startswith(
+        "`pip install mlx-lm==0.32.2` failed: mlx_lm-0.32.2-py3-none-any.whl: zlib.error: Error -3; full log: "
+        f"{tmp_path}/logs/install-n1-")
+    # the wheels the coordinator's hashes name are checked first: a copy that differs stops it before anything
+    args["hashes"] = {"aaa-1-py3-none-any.whl": "0" * 64}
+    r = subprocess.run([sys.executable, "-c", _INSTALL, json.dumps(args)], capture_output=True, text=True, check=False)
+    why = json.loads(r.stdout.strip().splitlines()[-1])
+    assert why["failed"] == "verify" and why["output"].endswith(": aaa-1-py3-none-any.whl")
+    assert not (house / "aaa-1-py3-none-any.whl").exists()  # removed: the next setup sends it again
+
+
+def test_verify_wheelhouse_checks_the_recorded_hashes_and_gives_an_old_cache_its_hashes(tmp_path: Path) -> None:
+    platform = compute_platform(LINUX)
+    house = tmp_path / "h"
+    house.mkdir()
+    wheel = make_wheel(house / "m-1-py3-none-any.whl")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    # an older coordinator's marker: no hashes; its wheels pass a zip CRC check, then the marker records them
+    (house / ".complete").write_text(json.dumps({"requirements": [], "wheels": "0123456789abcdef"}))
+    assert verify_wheelhouse(house, platform, PINS) == ({wheel.name: digest}, [])
+    assert json.loads((house / ".complete").read_text())["wheels"] == {wheel.name: digest}
+    data = bytearray(wheel.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    wheel.write_bytes(bytes(data))
+    hashes, bad = verify_wheelhouse(house, platform, PINS)
+    assert hashes == {wheel.name: digest} and [w for w, _ in bad] == [wheel.name]
+    # and an old marker over a bad wheel: the CRC check finds it
+    (house / ".complete").write_text(json.dumps({"requirements": [], "wheels": "0123456789abcdef"}))
+    assert verify_wheelhouse(house, platform, PINS)[1] == [(wheel.name, "fails its zip CRC check")]
 
 
 @pytest.mark.parametrize(("python", "venv"), [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.facts import linux
-from coordinator.facts.model import CudaDevice, Disk, Gpu, Memory, NetInterface, NetLink, ParseError
+from coordinator.facts.model import CgroupMemory, CudaDevice, Disk, Gpu, Memory, NetInterface, NetLink, ParseError
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
 
@@ -48,6 +48,9 @@ CASES: dict[str, tuple[Callable[[str], object], object]] = {
         Memory(total_bytes=24684092 * KiB, available_bytes=24400868 * KiB, free_percent=98.85),
     ),
     "nproc/debian-12-2cpu.txt": (linux.parse_nproc, 2),
+    "cgroup_memory/debian-12-v1-unlimited.txt": (linux.parse_cgroup_memory, CgroupMemory(None)),
+    "cgroup_memory/debian-12-v1-capped-768mib.txt": (
+        linux.parse_cgroup_memory, CgroupMemory(768 * MiB, "v1", "/mlxc-capture-x")),
     "loadavg/debian-12.txt": (linux.parse_loadavg, (0.27, 0.08, 0.03)),
     "ip_addr/debian-12-eth0.txt": (
         linux.parse_ip_addr,
@@ -179,6 +182,15 @@ def test_os_release_quoting_and_fallbacks() -> None:
     assert linux.parse_os_release('NAME="Plain"\n') == ("Plain", "")
 
 
+def test_cgroup_memory_takes_the_lowest_level() -> None:
+    # v2 (the kernel's cgroup-v2.rst: `memory.max` is a byte count or "max"): a parent's limit binds its children.
+    text = "v2 /user.slice/user-1000.slice/session-3.scope max\nv2 /user.slice/user-1000.slice 8589934592\n" \
+           "v2 /user.slice max\nv2 / max\n"
+    assert linux.parse_cgroup_memory(text) == CgroupMemory(8 * 1024**3, "v2", "/user.slice/user-1000.slice")
+    assert linux.parse_cgroup_memory("") == CgroupMemory(None)  # no memory controller: no limit known
+    assert linux.parse_cgroup_memory("v2 / max\n") == CgroupMemory(None)
+
+
 def test_meminfo_without_memavailable() -> None:
     assert linux.parse_meminfo("MemTotal:        1024 kB\nMemFree:          512 kB\n") == Memory(1024 * KiB)
 
@@ -220,6 +232,8 @@ GARBAGE: list[tuple[str, Callable[[str], object], str]] = [
     ("meminfo", linux.parse_meminfo, "cat: /proc/meminfo: No such file or directory\n"),
     ("meminfo-no-total", linux.parse_meminfo, "MemFree:   5 kB\n"),
     ("nproc", linux.parse_nproc, "sh: nproc: not found\n"),
+    ("cgroup_memory", linux.parse_cgroup_memory, "v1 /a 9G\n"),
+    ("cgroup_memory-no-path", linux.parse_cgroup_memory, "v2 max\n"),
     ("nproc-zero", linux.parse_nproc, "0\n"),
     ("ip_addr", linux.parse_ip_addr, "sh: ip: not found\n"),
     ("ip_addr-inet6", linux.parse_ip_addr, "1: lo    inet6 ::1/128 scope host \\       valid_lft forever\n"),
@@ -249,7 +263,8 @@ def test_garbage_raises_parse_error(parse: Callable[[str], object], text: str) -
         parse(text)
 
 
-LINUX_DIRS = ("os_release", "meminfo", "nproc", "loadavg", "ip_addr", "infiniband", "nvidia_smi", "sys_class_net")
+LINUX_DIRS = ("os_release", "meminfo", "cgroup_memory", "nproc", "loadavg", "ip_addr", "infiniband", "nvidia_smi",
+              "sys_class_net")
 
 
 def test_every_linux_capture_has_an_expectation() -> None:

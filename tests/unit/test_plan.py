@@ -14,6 +14,7 @@ import pytest
 
 from coordinator.facts.probe import Section, pythonpath_prepend, shell_path
 from coordinator.models import Node
+from coordinator.planning.pipeline import LayerTiming, TimingSource
 from coordinator.planning.plan import (
     CurvePoint,
     NodeCalibration,
@@ -35,8 +36,10 @@ from coordinator.run.calibrate import (
     calibration_to_json,
     compute_cache_key,
     fingerprint_from_facts,
+    layer_timing_from_bench,
     parse_bench_stdout,
     parse_cache_record,
+    parse_layer_cache_record,
 )
 from coordinator.run.launchfiles import build_rank_script
 from tests.factsutil import capture, facts_from, linux_sections, profile_sections, worker_answer
@@ -325,7 +328,8 @@ def test_cache_key_is_stable_and_covers_every_input() -> None:
             {"max_batch": 32}, {"memory_fraction": 0.7}, {"env": (("MLX_ENABLE_TF32", "0"),)},
             {"data": "~/data"}, {"packing": "off"}, {"global_batch": 16}, {"seed": 1}, {"optimizer": "sgd"},
             {"learning_rate": 1e-4}, {"lora": (16, 20.0, 0.0)}, {"train_embeddings": True}, {"world_size": 2},
-            {"clear_cache": True}, {"memory_headroom": None}, {"memory_headroom": 0.2})),
+            {"clear_cache": True}, {"memory_headroom": None}, {"memory_headroom": 0.2}, {"blocks": 2},
+            {"blocks": 2, "micro_batch": 4})),
         compute_cache_key("m4max", FP, SPEC, "sha256:abc", "another-worker"),  # a new step is measured again
     ]
     assert key not in variants
@@ -376,6 +380,9 @@ def test_build_bench_argv() -> None:
     assert "--clear-cache" not in argv and "--clear-cache" in build_bench_argv(node, "/w", replace(SPEC, clear_cache=True), 45.0)
     unbounded = build_bench_argv(node, "/w", replace(SPEC, memory_headroom=None), 45.0)
     assert unbounded[unbounded.index("--memory-headroom") + 1] == "none"
+    assert "--blocks" not in argv
+    blocks = build_bench_argv(node, "/w", replace(SPEC, blocks=2, micro_batch=3), 45.0)
+    assert blocks[-4:] == ["--blocks", "2", "--micro-batch", "3"]
     with_data = build_bench_argv(node, "/w", replace(SPEC, data="~/data", packing="on", global_batch=12), 45.0)
     assert with_data[with_data.index("--data"):with_data.index("--data") + 6] == [
         "--data", "~/data", "--packing", "on", "--global-batch", "12"]
@@ -483,3 +490,24 @@ def test_dpo_pairs_are_planned_on_the_curve_in_pairs() -> None:
     assert per_example_calibration(cal, 1) is cal
     with pytest.raises(PlanError, match="cannot hold one example"):
         per_example_calibration(NodeCalibration("b", (CurvePoint(1, 5.0, 1),), 1.0, None), 2)
+
+
+def test_per_block_timing_from_the_bench_and_its_cache() -> None:
+    obj = {"blocks": 2, "micro_batch": 4, "block_s": 0.125, "embed_s": 0.01, "head_s": 0.2, "peak_memory": 2**30}
+    assert layer_timing_from_bench("max", obj) == LayerTiming("max", 4, 0.125, 0.01, 0.2, TimingSource.BLOCKS)
+    fused = layer_timing_from_bench("max", {**obj, "block_fused_s": 0.075})
+    assert fused.last_layer_s == 0.075
+    with pytest.raises(CalibrationError, match="max: bench failed: out of memory"):
+        layer_timing_from_bench("max", {"error": "out of memory"})
+    # A worker without the per-block mode answers with a whole-model curve: said, not misread.
+    with pytest.raises(CalibrationError, match=r"timed no blocks \(blocks None\): its worker has no per-block mode"):
+        layer_timing_from_bench("max", {"curve": [{"batch": 1, "tokens_per_s": 10.0, "peak_memory": 1}]})
+    with pytest.raises(CalibrationError, match="'block_s' is not a number"):
+        layer_timing_from_bench("max", {**obj, "block_s": "fast"})
+    with pytest.raises(CalibrationError, match="not a usable timing: max: layer_s must be a non-negative"):
+        layer_timing_from_bench("max", {**obj, "block_s": -1.0})
+    key = "k" * 32
+    record = json.dumps(build_cache_record(key, "max", obj))
+    assert parse_layer_cache_record("max", key, record) == layer_timing_from_bench("max", obj)
+    assert parse_layer_cache_record("max", "other", record) is None  # another key: a miss
+    assert parse_layer_cache_record("max", key, "{not json") is None

@@ -388,3 +388,27 @@ def test_a_replaced_machine_is_not_left_out(tmp_path: Path) -> None:
     known.write_text(f"10.0.0.2 {old_key.export_public_key('openssh').decode().strip()}\n")
     with pytest.raises(LaunchError, match="would start degraded"):
         usable_inventory(inv, pb, store, Shown(), JobOptions())
+
+
+def test_a_quarantined_gpu_is_left_out_of_its_machines_rank_nodes(tmp_path: Path) -> None:
+    """One rank per GPU (planning.gpuranks): the rank that failed is `box/gpu1`; its entry leaves that GPU out of
+    the next launch's rank nodes (job.per_gpu_ranks runs usable_inventory over them), the machine's other GPU
+    stays, and the degraded-start gate applies as for a node."""
+    from coordinator.facts.linux import parse_nvidia_smi
+    from coordinator.facts.model import NodeFacts
+    from coordinator.planning.gpuranks import build_rank_nodes
+
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text("nodes: []\n")
+    box = Node("box", "10.0.0.5")
+    smi = "".join(f"{i}, NVIDIA H100 80GB HBM3, GPU-{i}, 81559, 0, 0, 580.159.04, 9.0\n" for i in range(2))
+    ranks = build_rank_nodes(Inventory((box,), str(inv_path)), "nccl", {"box": NodeFacts(node="box",
+                                                                                       gpu=parse_nvidia_smi(smi))})
+    store = QuarantineStore(tmp_path / "q.json")
+    store.add(entry(ranks.nodes[1], inventory_key(str(inv_path)), t=time.time()))
+    pb = Playbook(name="t", model="/m", data="/d")
+    assert usable_inventory(Inventory((box,), str(inv_path)), pb, store, Shown(), JobOptions())[0].names() == ["box"]
+    with pytest.raises(LaunchError, match="would start degraded on 1 of 2 node"):
+        usable_inventory(ranks, pb, store, Shown(), JobOptions())
+    usable, left = usable_inventory(ranks, pb, store, Shown(), JobOptions(allow_degraded=True))
+    assert usable.names() == ["box/gpu0"] and [lo.node for lo in left] == ["box/gpu1"]

@@ -206,7 +206,7 @@ def test_relaunch_after_a_crash() -> None:
         ("local-a", "finished", 2), ("local-b", "quarantined after attempt 1", 1)]
     page = render_html(r, render_plots(r, dpi=40))
     assert "attempt 2" in " ".join(s.label(2) for s in r.series)
-    for text in ("Attempts", "Relaunch 1: without local-b on local-a, after step 1; first step 3.2 s after detection",
+    for text in ("Attempts", "Relaunch 1 without local-b, on local-a, after step 1; first step 3.2s after the fault was detected",
                  "differing manifests", "Quarantined after this run",
                  "slow &lt;b&gt;"):
         assert text in page, text

@@ -315,3 +315,16 @@ def test_a_map_output_row_is_read_by_its_index_and_a_torn_line_is_none() -> None
     assert parse_output_row('[1, 2]') is None
     assert parse_output_row('{"index": true}') is None
     assert parse_output_row('{"index": "5"}') is None
+
+
+def test_readers_of_events_jsonl_skip_a_torn_last_line(tmp_path: Path) -> None:
+    """The coordinator appends to events.jsonl while others read it: a last line without its newline is being
+    written (or was torn by a writer that died) and is left out, not counted as bad."""
+    from coordinator.run.rundir import complete_lines, read_event_docs
+
+    assert complete_lines('{"a": 1}\n{"b"') == ['{"a": 1}'] and complete_lines('{"a": 1}\n') == ['{"a": 1}']
+    assert complete_lines("") == [] and complete_lines('{"a"') == []
+    path = tmp_path / "events.jsonl"
+    assert read_event_docs(path) == ([], 0)
+    path.write_text('{"event": "step", "step": 1}\nnot json\n{"event": "step", "st')
+    assert read_event_docs(path) == ([{"event": "step", "step": 1}], 1)

@@ -42,6 +42,9 @@ def test_different_errors_keep_different_signatures() -> None:
     ("KeyError: 'text'", "data_format", "job"),
     ("FileNotFoundError: No safetensors found in /srv/model", "model_weights", "job"),
     ("OSError: Can't load tokenizer for '/srv/model'", "model_tokenizer", "job"),
+    ("RuntimeError: [ring] Couldn't connect (error: 111)", "ring_connect", "peer"),
+    ("RuntimeError: [jaccl] Couldn't connect (error: 60)", "ring_connect", "peer"),
+    ("RuntimeError: [ring] Couldn't bind socket (error: 98)", "ring_connect", "peer"),
 ])
 def test_known_failures_have_a_cause_and_a_remedy(line: str, code: str, blame: str) -> None:
     known = explain_error(line)
@@ -58,4 +61,4 @@ def test_unknown_failures_and_echoes_have_no_explanation() -> None:
 def test_every_entry_of_the_table_is_distinct() -> None:
     codes = [e.code for _, e in KNOWN_ERRORS]
     assert len(codes) == len(set(codes))
-    assert {e.blame for _, e in KNOWN_ERRORS} <= {"job", "node", "either"}
+    assert {e.blame for _, e in KNOWN_ERRORS} <= {"job", "node", "either", "peer"}

@@ -151,7 +151,10 @@ def test_events_fold_into_per_rank_progress_incidents_and_heartbeats() -> None:
     assert status.incident_counts == {"error": 1, "straggler": 1}
     assert [i.kind for i in status.incidents] == ["error", "straggler"]
     done = build_run_status("r1", META, {"state": "failed"}, ev, NOW)
-    assert not done.active and done.state == "failed"
+    assert not done.active and done.state == "failed" and done.step == 4
+    # An ended run's step is its record's (summary.json: what the nodes prove), whatever reached events.jsonl.
+    stopped = build_run_status("r1", META, {"state": "stopped", "steps": 174}, ev, NOW)
+    assert stopped.step == 174 and stopped.to_json()["step"] == 174
 
 
 def test_events_fold_reads_numbers_under_the_event_contract() -> None:

@@ -182,3 +182,104 @@ def test_attach_adopts_what_the_launch_decided_for_the_whole_run_from_meta_json(
     adopted = _adopt(Fleet([node]), run_dir, read_meta(run_dir), Inventory((node,)), pb, None)
     assert adopted.left_out == launched.left_out and adopted.drill and adopted.restart_from_scratch
     assert adopted.remote_tmp == launched.remote_tmp
+
+
+# --- the run's record: written once, by who knows --------------------------------------------------------------
+
+
+def test_a_summary_written_after_the_attempt_started_is_the_runs_end(tmp_path: Path) -> None:
+    from coordinator.run.control import ended_summary
+
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    (run_dir / "meta.json").write_text('{"run_id": "r1"}')
+    assert ended_summary(run_dir) is None  # running, or its coordinator died before it could write one
+    (run_dir / "summary.json").write_text('{"run_id": "r1", "state": "failed", "steps": 7, "message": "job error"}')
+    os.utime(run_dir / "meta.json", ns=(1_000, 1_000))
+    os.utime(run_dir / "summary.json", ns=(2_000, 2_000))
+    ended = ended_summary(run_dir)
+    assert ended is not None and (ended.state, ended.steps, ended.message) == ("failed", 7, "job error")
+    # A `--resume` started a new attempt after that summary: the run has not ended again yet.
+    os.utime(run_dir / "meta.json", ns=(3_000, 3_000))
+    assert ended_summary(run_dir) is None
+
+
+# --- orphans: ranks nobody supervises ---------------------------------------------------------------------------
+
+
+def test_ranks_of_a_run_whose_coordinator_is_gone_are_orphans_a_supervised_run_is_not() -> None:
+    from coordinator.run.supervision import LiveRank, OrphanRun, describe_orphans, find_orphans
+
+    ranks = [LiveRank("h1", 10, "dead-1"), LiveRank("h2", 11, "dead-1"), LiveRank("h2", 12, "dead-1"),
+             LiveRank("h1", 20, "live-1"), LiveRank("h3", 30, "elsewhere"), LiveRank("h1", 40, "mine")]
+    orphans = find_orphans(ranks, own_run_id="mine", holders={"live-1": holder(run_id="live-1"), "mine": holder()},
+                           known={"dead-1": 4242, "live-1": 99, "mine": None})
+    assert [(o.run_id, o.nodes) for o in orphans] == [("dead-1", ("h1", "h2")), ("elsewhere", ("h3",)),
+                                                      ("mine", ("h1",))]
+    assert "pid 4242" in orphans[0].why and "no run dir" in orphans[1].why
+    text = describe_orphans([OrphanRun("dead-1", ("h1", "h2"), "its coordinator is gone")], Path("/x/runs"))
+    assert "h1, h2 run ranks of run dead-1" in text
+    assert "`coordinator attach dead-1 --run-dir /x/runs`" in text and "`coordinator stop dead-1 --run-dir /x/runs`" in text
+    assert "--run-dir" not in describe_orphans(orphans[:1], Path("runs"))
+    assert find_orphans([], own_run_id="mine", holders={}, known={}) == []
+
+
+def test_the_nodes_answer_about_its_ranks_is_read_strictly() -> None:
+    from coordinator.run.supervision import LiveRank, parse_live_ranks
+
+    out = 'noise\n{"ranks": [{"pid": 7, "run_id": "r1", "config": "/w/runs/r1/h1/run.json"}, {"pid": "x"}]}\n'
+    assert parse_live_ranks("h1", out) == [LiveRank("h1", 7, "r1")]
+    assert parse_live_ranks("h1", "") == [] and parse_live_ranks("h1", "Traceback ...") == []
+
+
+def test_worker_ranks_finds_this_users_trainers_in_the_process_table(tmp_path: Path) -> None:
+    from worker.ranks import parse_ps, read_run_id
+
+    table = ("  101  501 /usr/bin/python3 -m worker.train --config /Users/me/mlx-work/runs/r1/h1/run.json\n"
+             "  102  501 /opt/py -m worker.train --config /srv/my work/runs/r 2/h1/run.json\n"
+             "  103    0 /usr/bin/python3 -m worker.train --config /root/runs/r3/h1/run.json\n"
+             "  104  501 grep worker.train --config\n"
+             "  105  501 python -m worker.follow --run-dir /w/runs/r1/h1\n"
+             "garbage\n")
+    assert parse_ps(table, 501) == [(101, "/Users/me/mlx-work/runs/r1/h1/run.json"),
+                                    (102, "/srv/my work/runs/r 2/h1/run.json")]
+    config = tmp_path / "run.json"
+    config.write_text('{"run_id": "r1", "world_size": 2}')
+    assert read_run_id(str(config)) == "r1"
+    config.write_text('{"run_id": ')  # half-written: not this node's run (yet)
+    assert read_run_id(str(config)) is None and read_run_id(str(tmp_path / "gone.json")) is None
+
+
+# --- torn last lines ----------------------------------------------------------------------------------------------
+
+
+def test_a_torn_last_line_is_never_read_until_it_is_complete(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.jsonl"
+    path.write_text('{"event": "step", "step": 1}\n{"event": "step", "st')
+    tail = Tail(str(path))
+    assert read_events(tail, 0, {}, {}) == [{"src": "event", "rank": 0, "event": {"event": "step", "step": 1}}]
+    with path.open("a") as fh:
+        fh.write('ep": 2}\n')
+    assert read_events(tail, 0, {}, {}) == [{"src": "event", "rank": 0, "event": {"event": "step", "step": 2}}]
+
+
+def test_follow_once_reports_the_files_and_the_newest_complete_checkpoint_then_exits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.follow import main
+
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank0.jsonl").write_text(
+        '{"event": "started", "pid": 1}\n{"event": "step", "step": 1}\n{"event": "step", "step": 2}\n{"event": "st')
+    ckpts = tmp_path / "checkpoints"
+    for name, manifest in (("step-000002", True), ("step-000004", True), ("step-000006", False),
+                           ("step-000008.tmp-12", True), ("step-000009.invalid-sha256-mismatch", True)):
+        (ckpts / name).mkdir(parents=True)
+        if manifest:
+            (ckpts / name / "manifest.sha256").write_text("x  weights.safetensors\n")
+    assert main(["--run-dir", str(tmp_path), "--ranks", "0,1", "--once", "--skip", "0=1"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out == [{"src": "event", "rank": 0, "event": {"event": "step", "step": 1}},
+                   {"src": "event", "rank": 0, "event": {"event": "step", "step": 2}},
+                   {"src": "checkpoints", "step": 4}]
+    assert main(["--run-dir", str(tmp_path / "nothing"), "--ranks", "0", "--once"]) == 0
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == [{"src": "checkpoints", "step": None}]

@@ -1,5 +1,6 @@
 """How the ranks of a run share the work (`RunConfig.layout`): one `Strategy` per rank, the trainer's only way to
-the model. `dp`: every rank a full replica (`worker.parallel.dp`); `pipeline`: each rank a contiguous range of
+the model. `dp`: every rank a full replica (`worker.parallel.dp`); `fsdp`: parameters, gradients and optimizer state sharded
+over the ranks (`worker.parallel.fsdp`); `pipeline`: each rank a contiguous range of
 layers (`worker.parallel.pipeline`). See `worker.parallel.base` for the interface."""
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ def make_strategy(config: RunConfig, log: EventLog) -> Strategy:
         from worker.parallel.dp import DataParallel
 
         return DataParallel(config, log)
+    if kind == "pipeline":
+        from worker.parallel.pipeline import Pipeline
+
+        return Pipeline(config, log)
+    if kind == "fsdp":
+        from worker.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config, log)
     raise TrainingError(f"layout kind {kind!r} is not implemented by this worker")
 
 

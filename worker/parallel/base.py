@@ -15,6 +15,7 @@ step loop, the data position, state.json. A strategy may import the flat worker 
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from worker.chaos import arrays_sha256
+from worker.checkpoint import OPTIMIZER, STATE, WEIGHTS
 from worker.comm import Comm
+from worker.errors import TrainingError
 from worker.events import EventKind, EventLog
 from worker.objectives import Micro
 from worker.runconfig import RunConfig
@@ -46,6 +49,16 @@ def load_arrays(path: Path) -> dict[str, mx.array]:
     if not isinstance(loaded, dict):
         raise TypeError(f"{path} did not load as a dict of arrays")
     return loaded
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
+    """(weights, optimizer state, state.json) of a checkpoint dir."""
+    weights = load_arrays(path / WEIGHTS)
+    opt_state = load_arrays(path / OPTIMIZER)
+    state = json.loads((path / STATE).read_text(encoding="utf-8"))
+    if state.get("format") != STATE_FORMAT:
+        raise TrainingError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+    return weights, opt_state, state
 
 
 def mismatch(got: Mapping[str, mx.array], want: Mapping[str, mx.array], what: str) -> str:
@@ -104,6 +117,11 @@ class Strategy(ABC):
 
     def started_fields(self) -> dict[str, Any]:
         """Fields this strategy adds to the `started` event (none for dp, whose event predates strategies)."""
+        return {}
+
+    def state_fields(self) -> dict[str, Any]:
+        """Fields this strategy adds to its checkpoints' state.json (none for dp: its copies stay byte-identical
+        to those written before strategies existed)."""
         return {}
 
     # -- steps ----------------------------------------------------------------------------------------------------

@@ -25,9 +25,6 @@ import mlx.core as mx
 from mlx.utils import tree_map_with_path
 
 from worker.checkpoint import (
-    OPTIMIZER,
-    STATE,
-    WEIGHTS,
     Checkpoint,
     checkpoints_dir,
     list_checkpoints,
@@ -43,7 +40,7 @@ from worker.events import EventKind
 from worker.memory import StepMemory
 from worker.modelsetup import apply_method, make_optimizer
 from worker.objectives import DpoObjective, Micro, SftObjective
-from worker.parallel.base import STATE_FORMAT, ResumeState, Strategy, load_arrays, mismatch
+from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
 from worker.step import Local, StepResult, TrainStep, decide_packing, flatten
 
 REPLICA_RTOL = 1e-5
@@ -90,9 +87,13 @@ class DataParallel(Strategy):
             self.packing = decide_packing(cfg.packing, self.model, self.train_set, max_seq_length=cfg.max_seq_length,
                                           global_batch=cfg.global_batch, seed=cfg.seed)
             self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
+        self.prepare_model()
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def prepare_model(self) -> None:
+        """The model once set up, before the optimizer sees it (fsdp shards it here; dp keeps it whole)."""
 
     def check_start(self) -> None:
         """All ranks must start from the same trainable state (same files, same seed): compare cheap
@@ -241,12 +242,3 @@ class DataParallel(Strategy):
         self.optimizer.learning_rate = self.config.learning_rate
         mx.eval(self.model.parameters(), self.optimizer.state)
 
-
-def read_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict[str, Any]]:
-    """(weights, optimizer state, state.json) of a checkpoint dir."""
-    weights = load_arrays(path / WEIGHTS)
-    opt_state = load_arrays(path / OPTIMIZER)
-    state = json.loads((path / STATE).read_text(encoding="utf-8"))
-    if state.get("format") != STATE_FORMAT:
-        raise TrainingError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-    return weights, opt_state, state

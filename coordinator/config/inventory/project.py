@@ -30,6 +30,8 @@ class NodeSettings(Strict):
     identity: PathString | None = None
     known_hosts: PathString | None = None
     env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    # NVIDIA GPUs to use, one rank each (default: every GPU nvidia-smi lists, with the nccl backend).
+    gpus: Annotated[int, Field(ge=1)] | None = None
 
 
 class DefaultsSpec(NodeSettings):
@@ -68,7 +70,7 @@ def build_node(spec: NodeSpec, defaults: NodeSettings | None, source: str | None
             raise ValueError("missing required key 'host' (only `connection: local` nodes may omit it)")
         host = LOCAL_HOST
     kwargs: dict[str, Any] = {}
-    for key in ("user", "port", "python", "workdir", "identity", "known_hosts"):
+    for key in ("user", "port", "python", "workdir", "identity", "known_hosts", "gpus"):
         value = getattr(spec, key)
         if value is None:
             value = getattr(base, key)

@@ -14,6 +14,14 @@ from coordinator.facts.model import FactError, FactErrorKind, NodeFacts
 from coordinator.facts.topology import Link, compute_links, reach_peers
 from coordinator.models import CheckResult, ConnectInfo, Node, Status
 from coordinator.models import majority as majority  # re-exported: the checks use it
+from coordinator.planning.estimate import model_shape
+from coordinator.planning.pipeline import StagePlan
+from coordinator.planning.strategy import (
+    StrategyDecision,
+    StrategyError,
+    compute_strategy,
+    node_budget,
+)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -126,6 +134,40 @@ class CheckContext:
             if not problems and f.hashes is not None:
                 manifests[name] = m
         return manifests, {name: manifest_digest(m) for name, m in manifests.items()}
+
+    @cached_property
+    def strategy_decision(self) -> StrategyDecision | None:
+        """The playbook's strategy (auto or pipeline) resolved by memory, when every node's memory and the model's
+        size are known; None otherwise (or when nothing fits: the strategy lint says so)."""
+        pb = self.playbook
+        if pb is None or pb.kind != "train" or pb.train.strategy not in ("auto", "pipeline"):
+            return None
+        configs = [f for f in self.facts.values() if f.model_config is not None]
+        shape = model_shape(configs[0].model_config, configs[0].model_params) if configs else None
+        budgets = {n.name: node_budget(self.facts[n.name]) if n.name in self.facts else None for n in self.nodes}
+        known = {n: b for n, b in budgets.items() if b is not None}
+        if shape is None or len(known) != len(budgets):
+            return None
+        try:
+            return compute_strategy(pb.train.strategy, shape, pb.train, known, backend=self.backend)
+        except StrategyError:
+            return None
+
+    @cached_property
+    def pipeline_stages(self) -> dict[str, StagePlan]:
+        """node -> its stage, when the strategy resolves to a pipeline the worker runs; {} otherwise. The
+        resources check then judges a node by its stage's need, not a replica's (until the worker runs
+        pipelines, such a plan is refused by the lint `strategy`: a replica's need is the truth)."""
+        decision = self.strategy_decision
+        if decision is None or decision.pipeline is None:
+            return {}
+        return {s.node: s for s in decision.pipeline.stages}
+
+    @cached_property
+    def left_out_by_strategy(self) -> frozenset[str]:
+        """Nodes the strategy leaves out (dp on the nodes whose replica fits): the run does not use them."""
+        decision = self.strategy_decision
+        return frozenset(n.node for n in decision.left_out) if decision is not None else frozenset()
 
     @cached_property
     def python_minors(self) -> dict[str, str]:

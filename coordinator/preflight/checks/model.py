@@ -19,8 +19,9 @@ from collections.abc import Mapping
 
 from coordinator.config.playbook import Playbook
 from coordinator.facts.model import NodeFacts
-from coordinator.models import CheckResult, Node, Status
+from coordinator.models import CheckResult, Connection, Node, Status
 from coordinator.preflight.checks.context import CheckContext, fact_error_result, majority, manifest_digest, node_manifest
+from coordinator.units import format_bytes
 
 
 def diff_manifests(mine: Mapping[str, str], ref: Mapping[str, str]) -> dict[str, list[str]]:
@@ -115,34 +116,69 @@ def _check_copies(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResul
     }
 
     def copy_from(good: str, paths: list[str] | None = None) -> str:
-        """`coordinator sync` from the good node, then the rsync equivalent for the dirs that hold the bad files
-        (both dirs when we cannot tell)."""
+        """`coordinator sync` from the good node, and the rsync equivalent for the dirs that hold the bad files
+        (both dirs when we cannot tell), addressed as the inventory addresses the nodes (`user@host`): run here when
+        one end is this machine (`connection: local`), on the good node when both are remote (rsync does not copy
+        between two remote hosts), none when both are this machine (one dir)."""
         labels = sorted({p.split("/", 1)[0] for p in paths}) if paths else list(labels_all)
         # Quoted: the dirs come from the playbook and are pasted into a shell by whoever follows the remedy.
         sync = (f"coordinator sync -i INVENTORY -p {shlex.quote(pb.path or 'PLAYBOOK')} --from {shlex.quote(good)} "
                 f"--limit {shlex.quote(node.name)}")
-        rsync = "; ".join(f"rsync -a --delete {shlex.quote(f'{good}:{dirs[lb]}/')} {shlex.quote(f'{node.name}:{dirs[lb]}/')}"
-                          for lb in labels if dirs.get(lb))
-        return f"{sync} (or: {rsync})"
+        src, dst = by_name.get(good), node
+        local = (src is not None and src.connection == Connection.LOCAL, dst.connection == Connection.LOCAL)
+        if src is None or all(local):
+            return sync
 
+        def one(path: str) -> str:
+            there = shlex.quote(f"{dst.ssh_target}:{path}/")
+            if local[0]:
+                return f"rsync -a --delete {shlex.quote(path + '/')} {there}"
+            if local[1]:
+                return f"rsync -a --delete {shlex.quote(f'{src.ssh_target}:{path}/')} {shlex.quote(path + '/')}"
+            return f"ssh {shlex.quote(src.ssh_target)} rsync -a --delete {shlex.quote(path + '/')} {there}"
+
+        rsync = "; ".join(one(dirs[lb]) for lb in labels if dirs.get(lb))
+        return f"{sync} (or: {rsync})" if rsync else sync
+
+    def get_copy(good: list[str]) -> str:
+        """From a node with a good copy when there is one; when no node has one (the model simply absent), from a
+        dir on this machine (`launch --fix --fix-source DIR`) or by getting the model first: `sync --from` a node
+        that lacks it too cannot work."""
+        if good:
+            return copy_from(good[0])
+        holding = " and ".join(f"{lb}/" for lb in labels_all)
+        return (f"no node has a complete copy: put it in a dir on this machine (holding {holding}) and run "
+                f"`coordinator launch -i INVENTORY {shlex.quote(pb.path or 'PLAYBOOK')} --fix --fix-source DIR`, or "
+                f"get the model onto one node first ({', '.join(f'{lb} at {dirs[lb]}' for lb in labels_all)}), e.g. "
+                f"`huggingface-cli download MODEL_ID --local-dir {shlex.quote(dirs.get('model', 'DIR'))}` there, then "
+                f"`coordinator sync -i INVENTORY -p {shlex.quote(pb.path or 'PLAYBOOK')} --from THAT_NODE`")
+
+    by_name = {n.name: n for n in ctx.nodes}
     labels_all = labels
-    copy = copy_from("GOOD_NODE")
+    manifests_all, digests_all = ctx.fleet_manifests
     if problems:
-        return CheckResult("model", node.name, Status.FAIL, "; ".join(problems), copy, evidence)
+        # A complete copy elsewhere: the majority's when there is one, else any.
+        ref, _ = majority(digests_all)
+        good = sorted((n for n in digests_all if n != node.name), key=lambda n: (digests_all[n] != ref, n))
+        if ctx.manifest is not None:
+            good = [n for n in good if not any(diff_manifests(manifests_all[n], ctx.manifest).values())]
+        return CheckResult("model", node.name, Status.FAIL, "; ".join(problems), get_copy(good), evidence)
     if ctx.manifest is not None:
         diff = diff_manifests(mine, ctx.manifest)
         if any(diff.values()):
             evidence["diff"] = diff
+            good = sorted(n for n, m in manifests_all.items()
+                          if n != node.name and not any(diff_manifests(m, ctx.manifest).values()))
             return CheckResult("model", node.name, Status.FAIL, f"differs from the reference manifest: {_describe(diff)}",
-                               copy, evidence)
+                               get_copy(good), evidence)
         return CheckResult("model", node.name, Status.PASS,
-                           f"{len(mine)} files ({total / 1e9:.2f} GB) match the reference manifest", evidence=evidence)
+                           f"{len(mine)} files ({format_bytes(total)}) match the reference manifest", evidence=evidence)
     manifests, digests = ctx.fleet_manifests
     ref_digest, odd = majority(digests)
     if node.name not in odd:
         agree = sum(1 for d in digests.values() if d == digests.get(node.name))
         return CheckResult("model", node.name, Status.PASS,
-                           f"{len(mine)} files ({total / 1e9:.2f} GB) identical on {agree}/{len(digests)} nodes",
+                           f"{len(mine)} files ({format_bytes(total)}) identical on {agree}/{len(digests)} nodes",
                            evidence=evidence)
     if ref_digest is not None:
         ref_node = next(n for n, d in digests.items() if d == ref_digest)

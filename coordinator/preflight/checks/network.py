@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
 import statistics
 from typing import Any
@@ -207,6 +208,26 @@ def check_thunderbolt(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckR
     if warns:
         return CheckResult("thunderbolt", node.name, Status.WARN, "; ".join(warns), "; ".join(remedies), evidence)
     peers = len(ctx.reach_peers.get(node.name, ()))
-    kind = "Thunderbolt 5 links and " if is_mac and ctx.backend in ("jaccl", "jaccl-ring") else ""
     which = f"all {peers} peer(s)" if peers == len(ctx.nodes) - 1 else f"its {peers} nearest ring neighbours"
+    if _on_loopback(ctx, node):
+        # Nodes of one machine talk over its loopback: no cable, no link speed, nothing a pass would vouch for.
+        return CheckResult("thunderbolt", node.name, Status.SKIP, f"not applicable: the data plane is this machine's "
+                           f"loopback ({node.data_ip}); no link to check", evidence=evidence)
+    kind = "Thunderbolt 5 links and " if is_mac and ctx.backend in ("jaccl", "jaccl-ring") else ""
     return CheckResult("thunderbolt", node.name, Status.PASS, f"{kind}data plane reaches {which}", evidence=evidence)
+
+
+def _on_loopback(ctx: CheckContext, node: Node) -> bool:
+    """This node and every peer it must reach have loopback data-plane addresses (the local demo)."""
+    names = [node.name, *ctx.reach_peers.get(node.name, ())]
+    by_name = {n.name: n for n in ctx.nodes}
+    return all(_is_loopback(by_name[n].data_ip) for n in names if n in by_name)
+
+
+def _is_loopback(address: str) -> bool:
+    if address.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -9,19 +9,19 @@ from coordinator.facts.model import NodeFacts
 from coordinator.facts.probe import shell_path
 from coordinator.models import CheckResult, Node, Status
 from coordinator.planning.estimate import (
-    GiB,
     checkpoint_bytes,
     estimate_training_memory,
     model_shape,
     usable_memory,
 )
 from coordinator.preflight.checks.context import CheckContext, fact_error_result
+from coordinator.units import format_bytes, format_count
 
 WATCHDOG_PARAMS = 4_000_000_000
 
 
 def _gb(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
+    return format_bytes(n)
 
 
 def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckResult:
@@ -39,6 +39,11 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
     # CUDA_VISIBLE_DEVICES=0), not in host RAM: the budget is that GPU's memory.
     gpu = facts.gpu.devices[0] if facts.gpu is not None and facts.gpu.cuda else None
     budget, where = total, "memory"
+    # A rank inherits its SSH session's cgroup: on Linux a memory limit below RAM is what it can use.
+    cgroup = facts.cgroup_memory.limit_bytes if facts.cgroup_memory is not None and not is_mac else None
+    if cgroup is not None and cgroup < total:
+        budget, where = cgroup, f"memory (cgroup {facts.cgroup_memory.path if facts.cgroup_memory else ''} limit)"
+        evidence["cgroup_memory_limit"] = cgroup
     if gpu is not None and gpu.memory_total_bytes:
         budget, where = gpu.memory_total_bytes, f"GPU memory ({gpu.name})"
         evidence.update({"gpu": gpu.name, "gpu_memory_total": gpu.memory_total_bytes,
@@ -62,9 +67,20 @@ def check_resources(ctx: CheckContext, node: Node, facts: NodeFacts) -> CheckRes
                          "breakdown": {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
                                        "activations": est.activations, "reference": est.reference},
                          "batch_per_rank": per_rank})
-        need = f"~{_gb(est.total)} needed ({shape.params / 1e9:.2f}B params, {t.method}, batch {per_rank}/rank, " \
+        need = f"~{_gb(est.total)} needed ({format_count(shape.params)} params, {t.method}, batch {per_rank}/rank, " \
                f"seq {t.max_seq_length}) of {_gb(usable)} usable" + (f" {where}" if gpu is not None else "")
-        if est.total > usable:
+        stage = ctx.pipeline_stages.get(node.name)
+        if est.total > usable and stage is not None:
+            # The strategy trains as a pipeline (docs/strategy.md): this node holds its stage, not a replica.
+            evidence["pipeline_stage"] = {"first_layer": stage.first_layer, "last_layer": stage.last_layer,
+                                          "need": stage.need, "budget": stage.budget}
+            evidence["fit"] = (f"a replica needs {need}; as pipeline stage of blocks {stage.first_layer}-"
+                               f"{stage.last_layer - 1} ~{_gb(stage.need)} of {_gb(stage.budget)}")
+        elif est.total > usable and node.name in ctx.left_out_by_strategy:
+            # The strategy trains on the nodes that hold a replica (lint `strategy`): this one sits the run out.
+            warns.append(f"{need}: left out of the run by train.strategy {t.strategy} (see the strategy finding)")
+            remedies.append("use LoRA, grad_checkpoint: true or a smaller batch to train on this node too")
+        elif est.total > usable:
             fails.append(need)
             remedies.append("use LoRA, grad_checkpoint: true, a smaller batch_size or max_seq_length, or a node with "
                             "more memory (calibration will cap this node's share)")

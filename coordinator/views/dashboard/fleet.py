@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from coordinator import models
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Inventory, PreflightReport
 from coordinator.views.dashboard.server import DashboardServer, DashboardState
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from coordinator.run.supervision import Supervision
 
 
-DEFAULT_PROBE_INTERVAL = 10.0
+DEFAULT_PROBE_INTERVAL = models.DEFAULT_DASHBOARD_PROBE_INTERVAL
 
 
 T = TypeVar("T")

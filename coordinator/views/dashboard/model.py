@@ -260,7 +260,9 @@ def run_view(fold: RunFold, *, meta: RunMeta | None, summary: SummaryFile | None
     if meta is not None and meta.faults is not None:
         heartbeat_timeout = meta.faults.heartbeat_timeout  # the run's own, over the playbook's copy
     doc: dict[str, Any] = {
-        "run_id": fold.run_id, "active": active, "state": state, "step": fold.step, "iters": iters,
+        # An ended run's steps are its record's (summary.json: what the nodes prove), not the events that reached us.
+        "run_id": fold.run_id, "active": active, "state": state, "iters": iters,
+        "step": summary.steps if summary is not None and summary.steps is not None else fold.step,
         "tokens_per_s": _r(tok, 1), "predicted_tokens_per_s": _r(predicted, 1), "rate_unit": RATE_UNIT,
         "eta_s": _r(eta_s(fold, iters, now), 1) if active else None, "now": now,
         "degraded": bool(left_out), "left_out": left_out, "split": split_shares(fold),

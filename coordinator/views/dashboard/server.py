@@ -10,8 +10,14 @@ One truth: everything shown comes from the run directories (events.jsonl tailed 
 meta.json, summary.json, playbook.yaml), the fleet probe of `coordinator status`, and the quarantine file. No
 state is stored anywhere else; a restarted dashboard shows the same thing.
 
-Security: binds 127.0.0.1 by default. A token is made at start and printed in the URL; on any other address every
-request needs it (`?token=` or the `X-Dashboard-Token` header), and the stop action needs it everywhere.
+What it watches is bounded, whatever the number of pages ever asked for: the newest RECENT_RUNS run dirs (the runs
+page) and the runs a browser is viewing now (an open stream names its run) are kept and tailed; any other run asked
+for is opened on demand and kept in an LRU of CACHED_RUNS, polled only when asked for again, and evicted beyond it.
+
+Security: binds 127.0.0.1 by default. A token is made at start and printed in the URL; every request needs it, on
+loopback too (any local user could otherwise read the runs and make the server open what it likes): `?token=`, the
+`X-Dashboard-Token` header, or the cookie the server sets when the printed URL is opened (so the browser's own page
+loads carry it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ipaddress
 import json
 import secrets
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -32,6 +39,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import yaml
 
+from coordinator import models
 from coordinator.errors import ConfigError
 from coordinator.run.monitor import FaultPolicy
 from coordinator.run.rundir import (
@@ -46,12 +54,14 @@ from coordinator.run.rundir import (
 )
 from coordinator.views.dashboard.model import DEFAULT_HEARTBEAT_TIMEOUT, RunFold, empty_delta, run_row, run_view
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8050
+DEFAULT_HOST = models.DEFAULT_DASHBOARD_HOST
+DEFAULT_PORT = models.DEFAULT_DASHBOARD_PORT
 TICK_S = 0.25  # how often active runs' events.jsonl are looked at: an event shows within TICK_S + a push
-LIST_EVERY_S = 2.0  # how often the run root is listed for new runs
+LIST_EVERY_S = 2.0  # how often the run root is looked at for new runs (its mtime: one stat)
+RELIST_EVERY_S = 30.0  # how often it is listed anyway (a resumed run's meta.json rewritten makes it recent again)
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
-RECENT_RUNS = 30
+RECENT_RUNS = 30  # the runs page: the newest run dirs, kept and tailed
+CACHED_RUNS = 16  # other runs asked for (an old run's page): kept least-recently-used, polled only when asked
 MAX_REQUEST = 16 * 1024
 STATIC = {  # name -> content type: only these files are served
     "index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
@@ -199,39 +209,79 @@ def open_run(path: Path) -> TrackedRun | None:
 FleetFn = Callable[[], Mapping[str, Any]]
 
 
+def compute_evictions(order: list[str], keep: set[str], cap: int) -> list[str]:
+    """The runs to forget: of those in `order` (least recently used first) that are not in `keep`, all but the
+    `cap` most recently used."""
+    others = [run_id for run_id in order if run_id not in keep]
+    return others[: max(0, len(others) - cap)]
+
+
 @dataclass
 class DashboardState:
     """The run root tailed, and the subscribers (SSE streams) the deltas go to. `fleet` returns the fleet page's
-    document (the probe runs elsewhere; see `coordinator.views.dashboard.fleet`)."""
+    document (the probe runs elsewhere; see `coordinator.views.dashboard.fleet`).
+
+    `runs` holds the newest RECENT_RUNS (`recent`), the runs an open stream views (`watchers`), and at most
+    CACHED_RUNS others, least recently used first; `tick` polls the first two only."""
 
     run_root: Path
     fleet: FleetFn = field(default=lambda: {"nodes": [], "warnings": []})
-    runs: dict[str, TrackedRun] = field(default_factory=dict)
+    runs: OrderedDict[str, TrackedRun] = field(default_factory=OrderedDict)
+    recent: list[str] = field(default_factory=list)
+    watchers: Counter[str] = field(default_factory=Counter)
     subscribers: set[asyncio.Queue[str]] = field(default_factory=set)
     fleet_version: int = 0
     _listed_at: float = float("-inf")
+    _relisted_at: float = float("-inf")
+    _root_mtime: int = -1
+    _unsettled: bool = False
 
     def list_runs(self, force: bool = False) -> None:
-        """Pick up new run directories (the newest RECENT_RUNS with a meta.json)."""
+        """Pick up new run directories (the newest RECENT_RUNS with a meta.json); the ones that fell out of them
+        join the LRU of the rest."""
         now = time.monotonic()
         if not force and now - self._listed_at < LIST_EVERY_S:
             return
         self._listed_at = now
         try:
+            # A new run dir changes the root's mtime: a root of thousands of runs is not stat'ed every 2 s.
+            mtime = self.run_root.stat().st_mtime_ns
+            if (not force and mtime == self._root_mtime and not self._unsettled
+                    and now - self._relisted_at < RELIST_EVERY_S):
+                return
+            self._root_mtime, self._relisted_at = mtime, now
             children = [c for c in self.run_root.iterdir() if c.is_dir()]
         except OSError:
             return
         dated: list[tuple[float, Path]] = []
+        # A run dir is made before its meta.json is written: one seen without it (or with one not readable yet)
+        # while young is looked at again at the next listing, not 30 s later.
+        unsettled = False
+        wall = time.time()
         for child in children:
-            with contextlib.suppress(OSError):
+            try:
                 dated.append(((child / META).stat().st_mtime, child))
-        for _, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
+            except OSError:
+                with contextlib.suppress(OSError):
+                    unsettled = unsettled or wall - child.stat().st_mtime < RELIST_EVERY_S
+        recent = []
+        for written, child in sorted(dated, reverse=True)[:RECENT_RUNS]:
             if child.name not in self.runs and (run := open_run(child)) is not None:
                 run.poll()  # read up to now: pushes carry what is appended from here on
                 self.runs[child.name] = run
+            if child.name in self.runs:
+                recent.append(child.name)
+            else:
+                unsettled = unsettled or wall - written < RELIST_EVERY_S
+        self.recent, self._unsettled = recent, unsettled
+        self._evict()
+
+    def _evict(self) -> None:
+        for run_id in compute_evictions(list(self.runs), set(self.recent) | set(self.watchers), CACHED_RUNS):
+            del self.runs[run_id]
 
     def run(self, run_id: str) -> TrackedRun | None:
-        """A run by id (the directory name), read up to now."""
+        """A run by id (the directory name), read up to now; kept as the most recently used."""
         self.list_runs()
         run = self.runs.get(run_id)
         if run is None and "/" not in run_id and run_id not in ("", ".", ".."):
@@ -239,13 +289,33 @@ class DashboardState:
             if run is not None:
                 self.runs[run_id] = run
         if run is not None:
+            self.runs.move_to_end(run_id)
+            self._evict()
             run.poll()
         return run
 
+    def watch(self, run_id: str) -> None:
+        """A stream views `run_id`: it is kept and tailed until `unwatch`."""
+        if self.run(run_id) is not None:
+            self.watchers[run_id] += 1
+
+    def unwatch(self, run_id: str) -> None:
+        if self.watchers[run_id] > 0:
+            self.watchers[run_id] -= 1
+        if self.watchers[run_id] <= 0:
+            del self.watchers[run_id]
+            self._evict()
+
+    def watched(self) -> list[str]:
+        """The runs `tick` polls: the newest ones and those a stream views (never the LRU of the rest)."""
+        return [run_id for run_id in self.runs if run_id in self.watchers or run_id in self.recent]
+
     def runs_doc(self, now: float) -> dict[str, Any]:
+        """The runs page: the newest RECENT_RUNS run dirs."""
         self.list_runs()
         rows = []
-        for run in self.runs.values():
+        for run_id in self.recent:
+            run = self.runs[run_id]
             run.poll()
             rows.append(run.row(now))
         rows.sort(key=lambda r: r.get("started_t") or 0.0, reverse=True)
@@ -255,7 +325,8 @@ class DashboardState:
         """One look at the files: the SSE messages to push (a `run` delta per changed run, then one `runs`)."""
         self.list_runs()
         messages: list[str] = []
-        for run_id, run in list(self.runs.items()):
+        for run_id in self.watched():
+            run = self.runs[run_id]
             if run.summary is not None and run.size_seen >= 0:
                 continue  # finished and read: its files no longer change
             before = run.offset
@@ -280,12 +351,14 @@ def sse(event: str, data: Mapping[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), default=str)}\n\n"
 
 
-def host_name(req: Request) -> str:
-    """The Host header without its port ('[::1]:8050' -> '::1'); '' when absent."""
-    host = req.headers.get("host", "")
-    if host.startswith("["):
-        return host[1:].split("]", 1)[0]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+def cookies(req: Request) -> dict[str, str]:
+    """The Cookie header's name=value pairs."""
+    out = {}
+    for part in req.headers.get("cookie", "").split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep:
+            out[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -328,7 +401,6 @@ class DashboardServer:
         self.host = host
         self.port = port
         self.token = token or secrets.token_urlsafe(16)
-        self.require_token = not is_loopback(host)
         self.stop_fn = stop
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -389,8 +461,16 @@ class DashboardServer:
             if messages:
                 self.state.publish(messages)
 
-    def _authorized(self, req: Request) -> bool:
-        given = req.headers.get("x-dashboard-token") or (req.query.get("token") or [""])[0]
+    @property
+    def cookie(self) -> str:
+        """The token's cookie name: one per port, as two dashboards of one host share its cookies."""
+        return f"dashboard-token-{self.port}"
+
+    def _authorized(self, req: Request, *, cookie: bool = True) -> bool:
+        """The token given with the request. The cookie only where `cookie`: not for the stop action, which a
+        page of another port of this host (the same site, to the browser) could otherwise post with it."""
+        given = (req.headers.get("x-dashboard-token") or (req.query.get("token") or [""])[0]
+                 or (cookies(req).get(self.cookie, "") if cookie else ""))
         return hmac.compare_digest(given.encode(), self.token.encode())
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -402,7 +482,7 @@ class DashboardServer:
             if req is None:
                 await respond(writer, 400, {"error": "bad request"})
             else:
-                await self._route(req, writer)
+                await self._route(req, reader, writer)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -412,14 +492,11 @@ class DashboardServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _route(self, req: Request, writer: asyncio.StreamWriter) -> None:
-        if self.require_token and not self._authorized(req):
+    async def _route(self, req: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._authorized(req):
+            # Loopback too: any local user (or a web page that rebinds its DNS name to 127.0.0.1) could otherwise
+            # read the fleet and the runs, and make the server open and keep whatever it names.
             await respond(writer, 403, {"error": "this dashboard needs its token: open the URL it printed"})
-            return
-        if not self.require_token and not self._authorized(req) and not is_loopback(host_name(req)):
-            # Served without a token on loopback only: a page of another site that rebinds its DNS name to
-            # 127.0.0.1 arrives with its own Host, and must not read the fleet and runs.
-            await respond(writer, 403, {"error": "use the URL the dashboard printed (Host must be a loopback name)"})
             return
         path, now = req.path, time.time()
         if req.method == "POST" and path.startswith("/api/run/") and path.endswith("/stop"):
@@ -427,7 +504,10 @@ class DashboardServer:
         elif req.method != "GET":
             await respond(writer, 405, {"error": f"{req.method} not allowed"})
         elif path in ("/", "/runs") or path.startswith("/run/"):
-            await respond_bytes(writer, 200, STATIC["index.html"], _static("index.html"))
+            # The printed URL's token becomes a cookie, so that the page's own navigations (/runs, /run/ID, a
+            # reload) carry it; HttpOnly and SameSite=Strict: no script and no other site sends or reads it.
+            await respond_bytes(writer, 200, STATIC["index.html"], _static("index.html"),
+                                headers={"Set-Cookie": f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict"})
         elif path.startswith("/static/") and path[len("/static/"):] in STATIC:
             name = path[len("/static/"):]
             await respond_bytes(writer, 200, STATIC[name], _static(name), cache=True)
@@ -442,12 +522,12 @@ class DashboardServer:
             else:
                 await respond(writer, 200, run.view(now, full=True))
         elif path == "/api/stream":
-            await self._stream(writer)
+            await self._stream(reader, writer, (req.query.get("run") or [""])[0])
         else:
             await respond(writer, 404, {"error": f"no page {path}"})
 
     async def _stop(self, req: Request, run_id: str, writer: asyncio.StreamWriter) -> None:
-        if not self._authorized(req):
+        if not self._authorized(req, cookie=False):
             await respond(writer, 403, {"error": "stopping a run needs the dashboard's token"})
             return
         run = self.state.run(run_id)
@@ -474,20 +554,32 @@ class DashboardServer:
         finally:
             self.stopping.discard(run.fold.run_id)
 
-    async def _stream(self, writer: asyncio.StreamWriter) -> None:
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, run_id: str) -> None:
+        """The live stream; `run_id` (`?run=`, the run page's) is kept and tailed while the stream is open. It
+        ends when the browser closes it (seen at once, not at the next write: a page left keeps nothing)."""
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                      b"Connection: keep-alive\r\nX-Accel-Buffering: no\r\n\r\n")
         queue: asyncio.Queue[str] = asyncio.Queue()
         self.state.subscribers.add(queue)
+        if run_id:
+            self.state.watch(run_id)
+        closed = asyncio.ensure_future(reader.read(1))  # b"" at the browser's end (an SSE client sends nothing)
         try:
             writer.write(sse("hello", {"now": time.time()}).encode())
             await writer.drain()
             while True:
-                msg = await queue.get()
-                writer.write(msg.encode())
+                got = asyncio.ensure_future(queue.get())
+                await asyncio.wait((got, closed), return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return
+                writer.write(got.result().encode())
                 await writer.drain()
         finally:
+            closed.cancel()
             self.state.subscribers.discard(queue)
+            if run_id:
+                self.state.unwatch(run_id)
 
 
 def _static(name: str) -> bytes:
@@ -495,11 +587,12 @@ def _static(name: str) -> bytes:
 
 
 async def respond_bytes(writer: asyncio.StreamWriter, status: int, content_type: str, body: bytes, *,
-                        cache: bool = False) -> None:
+                        cache: bool = False, headers: Mapping[str, str] | None = None) -> None:
     reason = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found",
               405: "Method Not Allowed", 409: "Conflict"}.get(status, "OK")
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"Cache-Control: {'max-age=3600' if cache else 'no-store'}\r\nConnection: close\r\n\r\n")
+            f"Cache-Control: {'max-age=3600' if cache else 'no-store'}\r\n{extra}Connection: close\r\n\r\n")
     writer.write(head.encode() + body)
     await writer.drain()
 
@@ -508,5 +601,5 @@ async def respond(writer: asyncio.StreamWriter, status: int, doc: Mapping[str, A
     await respond_bytes(writer, status, "application/json", json.dumps(doc, default=str).encode())
 
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "DashboardServer", "DashboardState", "TrackedRun", "is_loopback",
-           "open_run", "read_request", "sse"]
+__all__ = ["CACHED_RUNS", "DEFAULT_HOST", "DEFAULT_PORT", "RECENT_RUNS", "DashboardServer", "DashboardState",
+           "TrackedRun", "compute_evictions", "is_loopback", "open_run", "read_request", "sse"]

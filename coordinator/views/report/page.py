@@ -9,6 +9,7 @@ import html
 import time
 from collections.abc import Sequence
 
+from coordinator.run.monitor import describe_recovery
 from coordinator.views.report.files import RunFiles
 from coordinator.views.report.model import CheckpointRow, Report, build_report
 from coordinator.views.report.plots import Plot, render_plots
@@ -172,9 +173,9 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
         out.append(table(["attempt", "nodes", "started", "resumed from", "first step", "last step"], rows,
                           numeric=(0, 4, 5)))
         for rec in r.recoveries:
-            out.append(f"<p>Relaunch {esc(rec.attempt)}: without {esc(', '.join(rec.culprits) or 'nobody')}"
-                       f" on {esc(', '.join(rec.nodes))}, after step {esc(rec.failed_step)};"
-                       f" first step {esc(rec.first_step_after_s)} s after detection.</p>")
+            text = describe_recovery({"attempt": rec.attempt, "culprits": rec.culprits, "nodes": rec.nodes,
+                                      "failed_step": rec.failed_step, "first_step_after_s": rec.first_step_after_s})
+            out.append(f"<p>{esc(text[0].upper() + text[1:])}.</p>")
 
     # checkpoints
     out.append("<h2>Checkpoints</h2>")

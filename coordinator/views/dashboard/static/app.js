@@ -173,6 +173,7 @@ async function stopRun() {
 // --- routing and the live stream ---------------------------------------------------------------------------
 async function load() {
   const p = dash.page = page();
+  connect(p.name === "run" ? p.id : "");
   try {
     if (p.name === "fleet") renderFleet(await getJSON("/api/fleet"));
     else if (p.name === "runs") renderRuns(await getJSON("/api/runs"));
@@ -187,8 +188,14 @@ document.addEventListener("click", (e) => {
 });
 window.addEventListener("popstate", load);
 
-function connect() {
-  const es = new EventSource(q("/api/stream"));
+// One stream, naming the run page's run: the server tails the runs that someone views (and the newest ones), so
+// a page of an old run is followed while it is open and forgotten after.
+let stream = null;
+function connect(run) {
+  if (stream && stream.run === run) return;
+  if (stream) stream.close();
+  const es = stream = new EventSource(q(run ? `/api/stream?run=${encodeURIComponent(run)}` : "/api/stream"));
+  es.run = dash.watching = run;
   const seen = () => { dash.updates += 1; $("#updates").textContent = dash.updates; };
   es.addEventListener("hello", () => { $("#live").textContent = "live"; });
   es.addEventListener("run", (e) => { seen(); if (dash.page.name === "run") applyRunDelta(JSON.parse(e.data)); });
@@ -201,4 +208,3 @@ function connect() {
 // Ages tick in the browser between pushes (a dead rank's heartbeat age keeps growing with no event at all).
 setInterval(() => { if (dash.page && dash.page.name === "run" && dash.run && dash.run.active) renderRunTables(dash.run); }, 1000);
 load();
-connect();

@@ -1,0 +1,274 @@
+"""Several GPUs of one host (issue 27): what was measured on the lent 2x H100 machine, as one script.
+
+    python3 benchmarks/bench_gpus.py stream  --out DIR   # the Stream(gpu, 1) trap: nccl all_sum on the CPU stream
+    python3 benchmarks/bench_gpus.py fsdp    --out DIR --model DIR [--steps 3]   # dp vs nn.fully_shard, full FT
+    python3 benchmarks/bench_gpus.py launch  --out DIR --root DIR --what lora1,lora2,full2,kill [--iters 20]
+
+`stream` and `fsdp` start one process per GPU themselves (CUDA_VISIBLE_DEVICES = its GPU, MLX_RANK,
+MLX_WORLD_SIZE, NCCL_HOST_IP 127.0.0.1, a free NCCL_PORT: what mlx.launch gives nccl ranks) and write
+DIR/<mode>.json. `launch` runs `coordinator launch` on a one-node local inventory (backend nccl) on bench_train's M
+model (953.8M parameters, batch 8 x 512, long rows, bf16): `lora1` with `gpus: 1`, `lora2` and `full2` on both GPUs
+(one rank per GPU), `kill` a LoRA run on both GPUs whose rank 1 is killed at step 6 (`--chaos kill:rank=1,step=6`,
+evaluation every 4 steps so rank 1 evaluates before it dies) and resumed by the coordinator. Each run's
+summary.json and the ranks' step events give tokens/s (the run's total real tokens per step / the step's time,
+median after 3 warm-up steps) and per-rank peak memory; DIR/launch.json collects them.
+NCCL_NVLS_ENABLE=0 is set for every process (the lent machine's rule: NVLink multicast stays off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(mode: str, extra: list[str], world: int = 2, timeout: float = 400.0) -> list[dict[str, Any]]:
+    """Run `mode` as `world` ranks, one GPU each; their last stdout JSON lines, by rank."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank), "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(world),
+               "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": port, "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, __file__, mode, "--as-rank", *extra], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        out.append(json.loads(lines[-1]) if lines else {"rc": p.returncode, "stderr": stderr[-1500:]})
+    return out
+
+
+# --- stream: the trap and its fix ------------------------------------------------------------------------------
+
+
+def stream_rank() -> dict[str, Any]:
+    import mlx.core as mx
+
+    group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
+    out: dict[str, Any] = {"rank": group.rank()}
+    for label, kwargs in (("backend's stream (worker.comm now)", {}), ("stream=mx.cpu (mlx-lm's evaluate)",
+                                                                     {"stream": mx.cpu})):
+        try:
+            y = mx.distributed.all_sum(mx.array([1.0, 2.0]), group=group, **kwargs)
+            mx.eval(y)
+            out[label] = f"ok {y.tolist()}"
+        except Exception as exc:  # noqa: BLE001 -- recorded, that is the measurement
+            out[label] = f"{type(exc).__name__}: {exc}"
+    # the worker's own Comm on rank 1: what evaluation's loss sums use
+    from worker.comm import Comm
+
+    comm = Comm(group)
+    out["worker.comm all_sum + gather_floats"] = [comm.all_sum(mx.array([float(group.rank())])).tolist(),
+                                                  comm.gather_floats([0.5 + group.rank()])]
+    return out
+
+
+# --- fsdp: dp vs nn.fully_shard on a full fine-tune ------------------------------------------------------------
+
+
+def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+    from mlx_lm.utils import load
+
+    group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
+    rank, world = group.rank(), group.size()
+    result: dict[str, Any] = {"rank": rank, "world": world}
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    tokens = mx.random.randint(0, vocab, (batch * world, seq + 1), key=mx.random.key(0))
+    mine = tokens[rank * batch:(rank + 1) * batch]
+
+    def loss_fn(model: Any, x: mx.array) -> mx.array:
+        logits = model(x[:, :-1])
+        return nn.losses.cross_entropy(logits.astype(mx.float32), x[:, 1:], reduction="sum")
+
+    for strategy in ("dp", "fsdp", "dp+ckpt", "fsdp+ckpt"):
+        if strategy == "dp+ckpt":  # from here on every block is gradient-checkpointed (a class patch: for good)
+            from mlx_lm.tuner.trainer import grad_checkpoint
+
+            grad_checkpoint(load(model_dir)[0].model.layers[0])
+        mx.clear_cache()
+        model, _ = load(model_dir)
+        model.unfreeze()
+        if strategy.startswith("fsdp"):  # the worker's own sharding (worker.parallel.fsdp)
+            from worker.parallel.fsdp import shard_model
+
+            result["wrapped"] = len(shard_model(model, group))
+        mx.eval(model.parameters())
+        params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+        opt = optim.Adam(learning_rate=1e-5)
+        opt.init(model.trainable_parameters())  # the state exists before the first step: every step counts it
+        mx.eval(opt.state)
+        count = mx.array(float(batch * seq * world))
+        grad_fn = nn.value_and_grad(model, loss_fn)
+        losses, peaks = [], []
+        for _ in range(steps):
+            mx.synchronize()
+            mx.reset_peak_memory()  # the step's own peak: weights, optimizer state, gradients, activations
+            loss, grads = grad_fn(model, mine)
+            loss = mx.distributed.all_sum(loss, group=group) / count
+            # dp: all_sum every gradient; fsdp: the sharded ones arrive reduced (sum_scatter / N) through the
+            # gather's vjp, the replicated rest (norms) are all_summed.
+            sharded = strategy.startswith("fsdp")
+            grads = tree_map_with_path(
+                lambda path, g, sharded=sharded: g if sharded and ".module." in path
+                else mx.distributed.all_sum(g, group=group) / world, grads)
+            grads = tree_map(lambda g: g * (1.0 / (batch * seq)), grads)  # world / global tokens
+            opt.update(model, grads)
+            mx.eval(loss, model.parameters(), opt.state)
+            losses.append(loss.item())
+            peaks.append(mx.get_peak_memory())
+            del grads, loss  # not alive through the next step
+        result[strategy] = {"losses": losses, "peak_bytes": peaks, "active_bytes": mx.get_active_memory(),
+                            "local_trainable_params": params}
+        del model, opt
+    return result
+
+
+# --- launch: coordinator runs on the 2-GPU host ----------------------------------------------------------------
+
+
+def events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    path = run_dir / "events" / f"rank{rank}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iters: int, gpus: int | None,
+               chaos: str | None, eval_every: int, split: str, strategy: str = "dp") -> dict[str, Any]:
+    inv = root / f"inv-{name}.yaml"
+    inv.write_text("defaults:\n  connection: local\nnodes:\n  - name: h100\n"
+                   f"    workdir: {json.dumps(str(root / 'node'))}\n" + (f"    gpus: {gpus}\n" if gpus else ""))
+    pb = root / f"pb-{name}.yaml"
+    pb.write_text(f"name: gpus-{name}\nkind: train\nmodel: {json.dumps(str(model))}\ndata: {json.dumps(str(data))}\n"
+                  f"backend: {os.environ.get('BENCH_BACKEND', 'nccl')}\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
+                  f"  method: {method}\n  strategy: {strategy}\n  iters: {iters}\n  batch_size: 8\n  learning_rate: 1.0e-5\n"
+                  "  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
+                  f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
+                  "faults:\n  max_restarts: 2\n  min_nodes: 1\n"
+                  "calibration:\n  time_budget: 8\n  max_batch: 8\n")
+    cmd = [sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json", "--run-dir",
+           str(root / "runs"), "--skip-preflight"] + (["--chaos", chaos] if chaos else [])
+    tic = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(root / "xdg-cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+    out: dict[str, Any] = {"name": name, "command": " ".join(cmd), "process_s": round(time.perf_counter() - tic, 1),
+                           "rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
+    try:
+        summary = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        out["stdout_tail"] = proc.stdout[-2000:]
+        return out
+    out["summary"] = {k: summary.get(k) for k in ("state", "steps", "tokens_per_s", "predicted_tokens_per_s",
+                                                   "split", "attempts", "recoveries", "incidents", "message",
+                                                   "quarantined", "resumed_from")}
+    ranks = []
+    for node in summary.get("nodes") or []:
+        run_dir = Path(node["run_dir"])
+        for rank in range(4):
+            evs = events(run_dir, rank)
+            if not evs:
+                continue
+            steps = [e for e in evs if e.get("event") == "step"]
+            rates = [e["total_tokens"] / e["step_time_s"] for e in steps[3:] if e.get("step_time_s")]
+            ranks.append({"node": node.get("node") or node.get("name"), "rank": rank,
+                          "steps": len(steps), "evals": [e.get("val_loss") for e in evs if e.get("event") == "eval"],
+                          "total_tok_per_s_median": statistics.median(rates) if rates else None,
+                          "peak_memory": max((e.get("peak_memory") or 0 for e in steps), default=None),
+                          "losses": [e.get("loss") for e in steps][:iters],
+                          "errors": [e.get("message") for e in evs if e.get("event") == "error"]})
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    out["ranks"] = ranks
+    return out
+
+
+def launch(args: argparse.Namespace) -> dict[str, Any]:
+    import bench_train as bt
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    size = bt.SIZES[args.size]
+    words = bt.make_words(size.vocab - bt.BASE_VOCAB, seed=0)
+    env = bt.bench_env(root)
+    model = bt.build_model(root, size, words, "bfloat16", env)
+    data = bt.build_data(root, size, "long", max(args.iters, 40), words)
+    results: dict[str, Any] = {"size": args.size, "iters": args.iters}
+    # Calibrated where the split is the point (two GPUs measured each on its own device); `equal` elsewhere, which
+    # skips a calibration per run (its cache is per rank node) inside the lease's minutes.
+    plan = {"lora1": ("lora", 1, None, args.iters, "equal", "dp"),
+            "lora2": ("lora", None, None, args.iters, "calibrated", "dp"),
+            "full1": ("full", 1, None, args.iters, "equal", "dp"),
+            "full2": ("full", None, None, args.iters, "equal", "dp"),
+            "fsdp2": ("full", None, None, args.iters, "equal", "fsdp"),
+            "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp"),
+            "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp")}
+    for name in filter(None, args.what.split(",")):  # "" builds the model and data only
+        method, gpus, chaos, eval_every, split, strategy = plan[name]
+        bt.log(f"launch {name}")
+        results[name] = launch_one(root, name, model, data, method, args.iters if not chaos else 12, gpus, chaos,
+                                   eval_every, split, strategy)
+        write(Path(args.out) / "launch.json", results)
+    return results
+
+
+def write(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["stream", "fsdp", "launch"])
+    p.add_argument("--as-rank", action="store_true")
+    p.add_argument("--out", default="bench-gpus-out")
+    p.add_argument("--model")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4, help="rows per rank (fsdp)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--root", default="/tmp/bench-gpus")
+    p.add_argument("--what", default="lora1,lora2,full2,kill")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--size", default="M")
+    args = p.parse_args()
+    if args.as_rank:
+        result = stream_rank() if args.mode == "stream" else fsdp_rank(args.model, args.steps, args.batch, args.seq)
+        print(json.dumps(result), flush=True)
+        return 0
+    if args.mode == "launch":
+        launch(args)
+        return 0
+    extra = [] if args.mode == "stream" else ["--model", args.model, "--steps", str(args.steps), "--batch",
+                                              str(args.batch), "--seq", str(args.seq)]
+    result = spawn(args.mode, extra)
+    write(Path(args.out) / f"{args.mode}.json", result)
+    print(json.dumps(result, indent=1)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Pipeline training on the test bed (issue 24): the 1F1B schedule against one micro-batch per step, the computed
+layer split against an equal one with a half-speed node, and each stage's peak memory against the plan.
+
+Three SSH hosts of the test bed (tests/testbed.py: network namespaces, real sshd, the real `coordinator launch`,
+mlx.launch's ring backend) are made into three "machines" with cgroup v1 (benchmarks/cgroups.py): each host's
+sshd, and so every rank it starts, gets a CPU quota (`cpu.cfs_quota_us` per 100000 us: --quota-us, default 40% of
+a core each, so three hosts fit in two cores with room to spare) and a high `cpu.shares`; in the "unequal" runs
+the last host gets half of that quota. The job is a full fine-tune of a tiny llama built offline (hidden
+--hidden, --layers blocks) on generated rows longer than max_seq_length (every row a full --seq-len-token row).
+
+Runs (one each per round, --rounds):
+  1. `schedule M`: equal hosts, `layer_split` pinned equal, `micro_batches` M (default 8);
+  2. `schedule 1`: the same with one micro-batch per step (what mlx-train runs: one stage works at a time);
+  3. `computed`: the slow last host, `strategy: pipeline` with the split computed from `worker.bench --blocks`;
+  4. `equal`: the slow last host, `layer_split` pinned equal.
+Steady-state tokens/s of a run: the median over steps after --warmup-steps of rank 0's `step` event
+(total_tokens / step_time_s), read from the run's events.jsonl. The measured bubble: T1 / P is the time a step's
+work would take with every stage busy all the time (one micro-batch per step keeps one stage busy at a time: T1),
+so 1 - (T1 / P) / TM is the idle share of the step of M micro-batches (an estimate: it assumes a micro-batch of
+B/M rows costs 1/M of one of B rows; tokens/s is inversely the step time, so it is 1 - rate_M / (P x rate_1)).
+Peak memory: each node's `peak_memory_bytes` in summary.json against its stage's `need_bytes` in plan.json
+(`strategy.rows`).
+
+    sudo .venv/bin/python benchmarks/bench_pipeline.py [--rounds 1] [--micro-batches 8] [--quota-us 40000]
+        [--layers 6] [--hidden 128] [--seq-len 128] [--batch 24] [--iters 8] [--warmup-steps 3]
+
+Needs root (namespaces, sshd, cgroups) and the worker's pipeline strategy (worker/parallel/pipeline). The test bed,
+the cgroups and the temp dir are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import yaml  # noqa: E402
+from cgroups import HostCgroups, remove_stale  # noqa: E402
+
+SMOKE = ROOT / "playbooks" / "data" / "smoke"
+
+
+def log(msg: str) -> None:
+    print(f"[bench_pipeline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_data(dest: Path, rows: int, words: int) -> None:
+    """Rows of `words` words from the smoke set's sentences: longer than max_seq_length, so every row is full."""
+    base = " ".join(json.loads(line)["text"] for line in (SMOKE / "train.jsonl").read_text().splitlines()).split()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train.jsonl", rows), ("valid.jsonl", 8)):
+        with (dest / name).open("w") as fh:
+            for i in range(n):
+                start = (i * 37) % len(base)
+                fh.write(json.dumps({"text": " ".join((base * 2)[start:start + words])}) + "\n")
+
+
+def write_playbook(path: Path, args: argparse.Namespace, *, micro_batches: int, split: list[int] | None) -> Path:
+    train: dict[str, Any] = {
+        "method": "full", "strategy": "pipeline", "iters": args.iters, "batch_size": args.batch,
+        "max_seq_length": args.seq_len, "micro_batches": micro_batches, "packing": "off", "save_every": 10_000,
+        "steps_per_eval": 10_000, "val_batches": 1, "learning_rate": 1e-4}
+    if split is not None:
+        train["layer_split"] = split
+    doc = {"name": path.stem, "kind": "train", "model": "/srv/model", "data": "/srv/data", "train": train,
+           "calibration": {"time_budget": 20}, "faults": {"max_restarts": 0, "consistency_every": 0},
+           "heartbeat_timeout": 60}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def run(inv: Path, pb: Path, tmp: Path, warmup: int, *, recalibrate: bool) -> dict[str, Any]:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
+    proc = subprocess.run([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                           "--run-dir", str(tmp / "runs"), *(["--recalibrate"] if recalibrate else [])], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=1800, check=False)
+    try:
+        summary: dict[str, Any] = json.loads(proc.stdout)
+    except ValueError:
+        raise SystemExit(f"no summary (rc {proc.returncode}):\n{proc.stderr[-3000:]}") from None
+    if summary.get("state") != "succeeded":
+        raise SystemExit(f"run failed: {json.dumps(summary)[:3000]}\n{proc.stderr[-3000:]}")
+    run_dir = tmp / "runs" / summary["run_id"]
+    rates = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("event") == "step" and ev.get("rank") == 0 and (ev.get("step") or 0) > warmup:
+            total, wall = ev.get("total_tokens"), ev.get("step_time_s")
+            if isinstance(total, int | float) and isinstance(wall, int | float) and wall > 0:
+                rates.append(total / wall)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    rows = {r["node"]: r for r in plan["strategy"]["rows"]}
+    peaks = {n["node"]: n.get("peak_memory_bytes") for n in summary["nodes"]}
+    return {"tokens_per_s": statistics.median(rates) if rates else None, "steps": len(rates),
+            "split": [r["last_layer"] - r["first_layer"] for r in plan["strategy"]["rows"]],
+            "predicted_tokens_per_s": plan["strategy"].get("predicted_tokens_per_s"),
+            "memory": {n: {"peak": peaks.get(n), "plan": r["need_bytes"]} for n, r in rows.items()}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--quota-us", type=int, default=40_000)
+    ap.add_argument("--shares", type=int, default=262144)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_pipeline.py", *sys.argv[1:]])
+    from tests.testbed import TestBed, cleanup_stale
+    from worker.tinymodel import build_tiny_model
+
+    cleanup_stale()
+    remove_stale()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    equal = [args.layers // 3 + (1 if i < args.layers % 3 else 0) for i in range(3)]
+    results: dict[str, list[dict[str, Any]]] = {"schedule M": [], "schedule 1": [], "computed": [], "equal": []}
+    load_start, started = os.getloadavg(), time.monotonic()
+    try:
+        write_data(tmp / "data", 240, args.seq_len * 2)
+        with TestBed(tmp=tmp / "bed") as bed, HostCgroups(f"{bed.tag}-{os.getpid()}") as cg:
+            hosts = bed.add_hosts(["a", "b", "slow"])
+            for host in hosts:
+                build_tiny_model(host.srv / "model", tmp / "data", layers=args.layers, hidden=args.hidden, seed=0,
+                                 max_positions=max(2048, args.seq_len))
+                shutil.copytree(tmp / "data", host.srv / "data")
+                assert host.pid is not None
+                cg.place(host.name, host.pid, cpus=None, quota_us=args.quota_us, shares=args.shares)
+            inv = bed.write_inventory(tmp / "inv.yaml", hosts)
+            pbs = {"schedule M": write_playbook(tmp / "sched-m.yaml", args, micro_batches=args.micro_batches,
+                                                split=equal),
+                   "schedule 1": write_playbook(tmp / "sched-1.yaml", args, micro_batches=1, split=equal),
+                   "computed": write_playbook(tmp / "computed.yaml", args, micro_batches=args.micro_batches,
+                                              split=None),
+                   "equal": write_playbook(tmp / "equal.yaml", args, micro_batches=args.micro_batches, split=equal)}
+            slow_quota = str(args.quota_us // 2)
+            full_quota = str(args.quota_us)
+            for r in range(args.rounds):
+                for name in ("schedule M", "schedule 1", "computed", "equal"):
+                    quota = slow_quota if name in ("computed", "equal") else full_quota
+                    (cg.hosts["slow"].dirs["cpu"] / "cpu.cfs_quota_us").write_text(quota)
+                    log(f"round {r + 1}/{args.rounds}: {name} (slow host quota {quota} us)")
+                    # A quota is no hardware the calibration cache knows: the per-block timing is measured
+                    # again whenever the slow host's quota changed (the computed split's run).
+                    results[name].append(run(inv, pbs[name], tmp, args.warmup_steps, recalibrate=name == "computed"))
+                    log(json.dumps(results[name][-1]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(render(results, command, args, load_start, os.getloadavg(), time.monotonic() - started))
+    return 0
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs if r[key] is not None)
+
+
+def render(results: dict[str, list[dict[str, Any]]], command: str, args: argparse.Namespace,
+           load_start: tuple[float, ...], load_end: tuple[float, ...], total_s: float) -> str:
+    m, p = args.micro_batches, 3
+    sched_m, sched_1 = _median(results["schedule M"], "tokens_per_s"), _median(results["schedule 1"], "tokens_per_s")
+    computed, equal = _median(results["computed"], "tokens_per_s"), _median(results["equal"], "tokens_per_s")
+    bubble = 1 - sched_m / (p * sched_1) if sched_1 and sched_m else None
+    lines = ["### Pipeline: schedule, split and memory on three capped hosts", "", f"Command: `sudo {command}`", "",
+             f"Machine: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}; load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at "
+             f"end; total {total_s:.0f} s. Hosts a, b, slow at cfs quota {args.quota_us} us / 100000 us each (slow "
+             f"at half of it in the split runs). Full fine-tune of a tiny llama (hidden {args.hidden}, "
+             f"{args.layers} blocks), batch {args.batch} x {args.seq_len} tokens, {args.rounds} round(s).", "",
+             "| run | split | tokens/s (median of steady steps) | predicted tokens/s |", "|---|---|---|---|"]
+    for name, runs in results.items():
+        for r in runs:
+            pred = r["predicted_tokens_per_s"]
+            lines.append(f"| {name} | {'/'.join(map(str, r['split']))} | {r['tokens_per_s'] or 0:,.0f} | "
+                         f"{'-' if pred is None else f'{pred:,.0f}'} |")
+    lines += ["", f"- Schedule: {m} micro-batches / one per step = {sched_m / sched_1:.2f}x (goal >= 2.0x); measured "
+              f"bubble ~{100 * (bubble or 0):.0f}% against (P-1)/(M+P-1) = {100 * (p - 1) / (m + p - 1):.0f}% "
+              "(goal: within 5 points).",
+              f"- Unequal nodes: computed split / equal split = {computed / equal:.2f}x (goal >= 1.25x).", "",
+              "| run | node | peak memory | plan | peak / plan |", "|---|---|---|---|---|"]
+    for name in ("schedule M", "computed"):
+        for node, mem in results[name][0]["memory"].items():
+            if mem["peak"]:
+                lines.append(f"| {name} | {node} | {mem['peak'] / 2**20:.0f} MiB | {mem['plan'] / 2**20:.0f} MiB | "
+                             f"{mem['peak'] / mem['plan']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""The pipeline planner (coordinator/planning/pipeline.py): stage memory, the exact bottleneck split, a pinned
+split, bubble and prediction. Values in, values out; the split is checked against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from coordinator.config.playbook import TrainConfig
+from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory
+from coordinator.planning.pipeline import (
+    LayerTiming,
+    PipelineJob,
+    StageNode,
+    block_params,
+    check_layer_split,
+    compute_layer_split,
+    compute_stage_memory,
+    stage_block_params,
+    stage_time,
+)
+from coordinator.planning.plan import CurvePoint, NodeCalibration, PlanError
+from coordinator.planning.strategy import (
+    FleetNode,
+    NodeBudget,
+    StrategyError,
+    compute_strategy_choice,
+    per_rank_need,
+    pipeline_job,
+)
+
+SHAPE = ModelShape(params=1_000_000_000, hidden=2048, layers=12, vocab=32000, intermediate=8192, heads=16)
+FULL = PipelineJob(SHAPE, "full", seq_len=512, global_batch=8, micro_batches=4)
+BIG = 1000 * GiB
+
+
+def timed(node: str, layer_s: float, *, embed_s: float = 0.0, head_s: float = 0.0) -> LayerTiming:
+    return LayerTiming(node, micro_batch=2, layer_s=layer_s, embed_s=embed_s, head_s=head_s)
+
+
+def test_stage_memory_ends_hold_embedding_head_and_logits_and_in_flight_falls_along_the_pipe() -> None:
+    block, embed = stage_block_params(SHAPE), SHAPE.vocab * SHAPE.hidden
+    # The counted 1B parameters less embedding, head and norm are more than the config's block arithmetic: the
+    # stages together hold at least a replica's weights.
+    assert block == (1_000_000_000 - 2 * embed - 2048) // 12 > block_params(SHAPE)
+    first = compute_stage_memory(FULL, 0, 4, index=0, stages=3)
+    middle = compute_stage_memory(FULL, 4, 8, index=1, stages=3)
+    last = compute_stage_memory(FULL, 8, 12, index=2, stages=3)
+    assert first.weights == 2 * (4 * block + embed)
+    assert middle.weights == 2 * 4 * block
+    assert last.weights == 2 * (4 * block + embed + SHAPE.hidden)
+    assert first.grads == middle.grads == last.grads == 2 * 4 * block  # the embedding does not train by default
+    assert first.optimizer == 4 * 4 * block
+    # 1F1B: stage i holds min(P - i, M) micro-batches of 2 rows; the last adds one micro-batch's logits.
+    one = estimate_training_memory(SHAPE, method="full", batch_per_rank=2, seq_len=512, layers_trained=4)
+    logits = 10 * 2 * 512 * SHAPE.vocab
+    per_mb = one.activations - logits
+    assert first.activations == 3 * per_mb
+    assert middle.activations == 2 * per_mb
+    assert last.activations == per_mb + logits
+
+
+def test_stage_memory_lora_trains_only_the_last_n_blocks() -> None:
+    job = PipelineJob(SHAPE, "lora", seq_len=512, global_batch=8, micro_batches=4, trained_from=8)
+    early = compute_stage_memory(job, 0, 6, index=0, stages=2)
+    late = compute_stage_memory(job, 6, 12, index=1, stages=2)
+    assert early.grads == early.optimizer == 0 and early.activations == 0  # nothing below block 8 trains
+    assert late.grads == 4 * 4 * SHAPE.lora_params_per_layer(8)
+
+
+@pytest.mark.parametrize(("label", "speeds", "extras", "budget_blocks", "split"), [
+    ("equal nodes: equal blocks", (1.0, 1.0, 1.0), (0.0, 0.0), None, (4, 4, 4)),
+    ("a half-speed node takes fewer blocks", (1.0, 1.0, 2.0), (0.0, 0.0), None, (5, 5, 2)),
+    ("the embedding's and head's cost moves blocks inward", (1.0, 1.0, 1.0), (1.0, 2.0), None, (4, 5, 3)),
+    ("a fast node that holds 2 blocks takes 2", (2.0, 2.0, 0.5), (0.0, 0.0), (99, 99, 2), (5, 5, 2)),
+    ("unknown timings balance blocks", None, (0.0, 0.0), None, (4, 4, 4)),
+])
+def test_split_table(label: str, speeds: tuple[float, ...] | None, extras: tuple[float, float],
+                     budget_blocks: tuple[int, ...] | None, split: tuple[int, ...]) -> None:
+    names = ("a", "b", "c")
+    budgets = [BIG] * 3
+    if budget_blocks is not None:
+        # Exactly enough for that many blocks at that position (the last stage holds blocks 10..12).
+        budgets = [BIG if k == 99 else compute_stage_memory(FULL, 12 - k, 12, index=i, stages=3).total
+                   for i, k in enumerate(budget_blocks)]
+    nodes = [StageNode(n, b, None if speeds is None else timed(n, s, embed_s=extras[0], head_s=extras[1]))
+             for n, b, s in zip(names, budgets, speeds or (1.0,) * 3, strict=True)]
+    plan = compute_layer_split(FULL, nodes)
+    assert plan.layer_split == split, label
+    # Contiguous, from block 0 to the last.
+    assert [s.first_layer for s in plan.stages] == [0, *(s.last_layer for s in plan.stages[:-1])]
+    assert plan.stages[-1].last_layer == 12
+    assert all(s.need <= s.budget for s in plan.stages)
+
+
+def _brute(job: PipelineJob, nodes: list[StageNode]) -> tuple[float, float] | None:
+    p, layers = len(nodes), job.shape.layers
+    best: tuple[float, float] | None = None
+    for cuts in itertools.combinations(range(1, layers), p - 1):
+        bounds = (0, *cuts, layers)
+        ok, times = True, []
+        for i, n in enumerate(nodes):
+            a, b = bounds[i], bounds[i + 1]
+            if compute_stage_memory(job, a, b, index=i, stages=p).total > n.budget:
+                ok = False
+                break
+            times.append(stage_time(n.timing, b - a, index=i, stages=p))
+        if ok:
+            key = (max(times), sum(times))
+            best = key if best is None or key < best else best
+    return best
+
+
+def test_split_is_the_exact_optimum_on_random_fleets() -> None:
+    rng = random.Random(24)
+    per_block = compute_stage_memory(FULL, 0, 1, index=1, stages=3).total
+    checked = 0
+    for _ in range(60):
+        p = rng.randint(1, 4)
+        nodes = [StageNode(f"n{i}", int(per_block * rng.uniform(2, 14)),
+                           timed(f"n{i}", rng.choice([0.5, 1.0, 1.5, 2.0, 3.0]), embed_s=rng.choice([0.0, 1.0]),
+                                 head_s=rng.choice([0.0, 2.5])))
+                 for i in range(p)]
+        expected = _brute(FULL, nodes)
+        if expected is None:
+            with pytest.raises(PlanError):
+                compute_layer_split(FULL, nodes)
+            continue
+        plan = compute_layer_split(FULL, nodes)
+        times = [s.stage_s for s in plan.stages]
+        assert (max(times), sum(times)) == pytest.approx(expected)
+        checked += 1
+    assert checked > 20  # most random fleets fit: the comparison ran
+
+
+def test_nothing_fits_names_every_node() -> None:
+    per_block = compute_stage_memory(FULL, 0, 1, index=1, stages=2).total
+    nodes = [StageNode("ultra", 3 * per_block), StageNode("max", 3 * per_block)]
+    with pytest.raises(PlanError, match=r"no split of 12 blocks over 2 stage\(s\) fits \(ultra .* holds at most "
+                                        r"\d+ block\(s\) as stage 0; max .* as stage 1"):
+        compute_layer_split(FULL, nodes)
+    with pytest.raises(PlanError, match="13 stages but the model has 12 blocks"):
+        compute_layer_split(FULL, [StageNode(f"n{i}", BIG) for i in range(13)])
+    with pytest.raises(PlanError, match="9 micro-batches but a global batch of 8: every micro-batch needs an example"):
+        compute_layer_split(PipelineJob(SHAPE, "full", seq_len=512, global_batch=8, micro_batches=9),
+                            [StageNode("a", BIG)])
+
+
+def test_pinned_split_is_validated_with_the_numbers() -> None:
+    nodes = [StageNode("a", BIG, timed("a", 1.0)), StageNode("b", BIG, timed("b", 1.0))]
+    plan = check_layer_split(FULL, nodes, [7, 5])
+    assert plan.pinned and plan.layer_split == (7, 5)
+    with pytest.raises(PlanError, match=r"layer_split \[7, 4\] sums to 11 but the model has 12 blocks"):
+        check_layer_split(FULL, nodes, [7, 4])
+    with pytest.raises(PlanError, match=r"has 3 entries for 2 node\(s\) \(a, b\)"):
+        check_layer_split(FULL, nodes, [4, 4, 4])
+    with pytest.raises(PlanError, match="whole number >= 1"):
+        check_layer_split(FULL, nodes, [12, 0])
+    small = compute_stage_memory(FULL, 0, 6, index=1, stages=2).total
+    with pytest.raises(PlanError, match=r"layer_split \[4, 8\] does not fit: b 8 blocks need ~[\d.]+ GiB of "):
+        check_layer_split(FULL, [nodes[0], StageNode("b", small)], [4, 8])
+
+
+def test_bubble_step_time_and_rate() -> None:
+    nodes = [StageNode(n, BIG, timed(n, 0.1)) for n in "abc"]
+    plan = compute_layer_split(FULL, nodes)
+    assert plan.bubble == pytest.approx(2 / 6)  # (P - 1) / (M + P - 1), P 3, M 4
+    # Equal stages of 0.4 s: fill 3 x 0.4, then 3 more micro-batches paced by 0.4 s.
+    assert plan.step_s == pytest.approx(6 * 0.4)
+    assert plan.tokens_per_s == pytest.approx(8 * 512 / 2.4)
+    assert plan.layout() == {"kind": "pipeline", "micro_batches": 4, "schedule": "1f1b", "stages": [
+        {"rank": 0, "first_layer": 0, "last_layer": 4}, {"rank": 1, "first_layer": 4, "last_layer": 8},
+        {"rank": 2, "first_layer": 8, "last_layer": 12}]}
+    untimed = compute_layer_split(FULL, [StageNode(n, BIG) for n in "abc"])
+    assert untimed.step_s is None and untimed.tokens_per_s is None
+
+
+# ------------------------------------------------------------------------------------------------- the choice
+
+TRAIN = TrainConfig(method="full", batch_size=4, max_seq_length=512, micro_batches=4)
+
+
+def curve(node: str, tokens_per_s: float) -> NodeCalibration:
+    """A flat curve: every batch of 1..4 rows at `tokens_per_s`."""
+    return NodeCalibration(node, tuple(CurvePoint(b, tokens_per_s, GiB) for b in (1, 2, 4)), 1.0, None, seq_len=512)
+
+
+def fleet_node(node: str, budget: int, *, layer_s: float, solo_rate: float | None = None) -> FleetNode:
+    return FleetNode(node, NodeBudget(budget), calibration=None if solo_rate is None else curve(node, solo_rate),
+                     timing=LayerTiming(node, micro_batch=1, layer_s=layer_s))
+
+
+REPLICA = per_rank_need(SHAPE, TRAIN, world_size=1, budget=NodeBudget(BIG))[0]
+STAGE = compute_stage_memory(pipeline_job(SHAPE, TRAIN), 0, 1, index=0, stages=3).total  # one block on stage 0
+
+
+@pytest.mark.parametrize(("label", "fleet", "chosen"), [
+    ("every node holds a replica and dp is fastest",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=6000), fleet_node("max", BIG, layer_s=0.01, solo_rate=6000),
+      fleet_node("mini", BIG, layer_s=0.01, solo_rate=6000)], "dp on every node"),
+    ("only the ultra holds a replica, the others are slow: solo",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=9000), fleet_node("max", 4 * STAGE, layer_s=1.0),
+      fleet_node("mini", 4 * STAGE, layer_s=1.0)], "solo on ultra"),
+    ("only the ultra holds a replica, the others are as fast: a pipeline over all",
+     [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=3000), fleet_node("max", 8 * STAGE, layer_s=0.01),
+      fleet_node("mini", 8 * STAGE, layer_s=0.01)], "pipeline over ultra, max, mini"),
+    ("nobody holds a replica; a slow node is better left out",
+     [fleet_node("ultra", REPLICA // 2 + 4 * STAGE, layer_s=0.01), fleet_node("max", REPLICA // 2 + 4 * STAGE,
+                                                                              layer_s=0.01),
+      fleet_node("mini", 3 * STAGE, layer_s=0.5)], "pipeline over ultra, max"),
+])
+def test_auto_weighs_the_plans_by_predicted_tokens_per_s(label: str, fleet: list[FleetNode], chosen: str) -> None:
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.label == chosen, (label, choice.reasons())
+    lines = choice.reasons()
+    assert lines[0].startswith(f"chosen: {chosen}: ~")
+    assert len(lines) == len(choice.candidates)
+    fitting = [c for c in choice.candidates if c.fits and c.tokens_per_s is not None]
+    assert choice.chosen.tokens_per_s == max(c.tokens_per_s or 0.0 for c in fitting)
+
+
+def test_auto_says_why_each_plan_does_not_fit_and_refuses_with_every_number() -> None:
+    fleet = [fleet_node("ultra", 8 * STAGE, layer_s=0.01), fleet_node("max", 8 * STAGE, layer_s=0.02)]
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.label == "pipeline over ultra, max" and choice.chosen.pipeline is not None
+    refused = next(c for c in choice.candidates if c.label == "dp on every node")
+    assert not refused.fits and refused.note.startswith("a replica per node: ultra needs ~")
+    with pytest.raises(StrategyError, match=r"train.strategy dp: nothing fits \(usable memory: ultra [\d.]+ GiB, max "
+                                            r"[\d.]+ GiB\): does not fit: dp on every node: a replica per node"):
+        compute_strategy_choice("dp", SHAPE, TRAIN, fleet, backend="ring")
+    tiny = [fleet_node(n, STAGE // 2, layer_s=0.01) for n in ("a", "b")]
+    with pytest.raises(StrategyError, match=r"does not fit: pipeline over a, b: no split of 12 blocks over 2 stage"):
+        compute_strategy_choice("auto", SHAPE, TRAIN, tiny, backend="ring")
+    with pytest.raises(StrategyError, match=r"\[nccl\] has no send/recv"):
+        compute_strategy_choice("pipeline", SHAPE, TRAIN, fleet, backend="nccl")
+
+
+def test_a_pinned_layer_split_is_the_pipeline_weighed() -> None:
+    fleet = [fleet_node("ultra", BIG, layer_s=0.01), fleet_node("max", BIG, layer_s=0.01)]
+    pinned = TrainConfig(method="full", batch_size=4, max_seq_length=512, strategy="pipeline", layer_split=(7, 5))
+    choice = compute_strategy_choice("pipeline", SHAPE, pinned, fleet, backend="ring")
+    assert choice.chosen.pipeline is not None and choice.chosen.pipeline.layer_split == (7, 5)
+    assert "blocks 7/5 (pinned)" in choice.chosen.note
+    wrong = TrainConfig(method="full", batch_size=4, max_seq_length=512, strategy="pipeline", layer_split=(7, 4))
+    with pytest.raises(StrategyError, match=r"layer_split \[7, 4\] sums to 11 but the model has 12 blocks"):
+        compute_strategy_choice("pipeline", SHAPE, wrong, fleet, backend="ring")
+
+
+def test_the_plan_table_and_its_json() -> None:
+    from coordinator.planning.strategy import TABLE_HEADER, format_table
+    from coordinator.views.jsonout import StrategyOut
+
+    fleet = [fleet_node("ultra", BIG, layer_s=0.01, solo_rate=3000), fleet_node("max", 8 * STAGE, layer_s=0.01),
+             fleet_node("mini", 8 * STAGE, layer_s=0.01)]
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    pipe = choice.chosen.pipeline
+    assert pipe is not None
+    header, *rows = choice.table()
+    assert header == TABLE_HEADER == ("node", "layers", "memory need / budget", "predicted stage time", "bubble",
+                                      "predicted tokens/s")
+    assert [r[0] for r in rows] == ["ultra", "max", "mini"]
+    assert rows[0][1] == f"0-{pipe.stages[0].last_layer - 1} ({pipe.stages[0].layers})"
+    # P 3, M 4: bubble 2/6; every stage runs at the pipeline's rate.
+    assert all(r[4] == "33%" and r[5] == f"{choice.chosen.tokens_per_s:,.0f}" for r in rows)
+    doc = choice.to_json()
+    StrategyOut.model_validate(doc)
+    assert doc["layout"] == pipe.layout() and doc["strategy"] == "pipeline" and doc["bubble"] == pipe.bubble
+    assert [r["node"] for r in doc["rows"]] == ["ultra", "max", "mini"]
+    lines = format_table(choice.table())
+    assert lines[0].startswith("node   layers") and len(lines) == 4
+
+
+def test_a_curve_stands_in_for_a_node_that_holds_the_model_and_mixed_timings_balance_blocks() -> None:
+    from coordinator.planning.pipeline import TimingSource, timing_from_curve
+
+    t = timing_from_curve(curve("ultra", 1024.0), SHAPE.layers, 2, 512)  # 2 rows x 512 at 1024 tokens/s: 1 s
+    assert (t.layer_s, t.source) == (pytest.approx(1 / 12), TimingSource.CURVE)
+    with pytest.raises(PlanError, match="a model of 0 blocks"):
+        timing_from_curve(curve("ultra", 1024.0), 0, 2, 512)
+    # One node measured, one not: seconds and "one per block" do not compare, so the split balances blocks and
+    # no rate is predicted.
+    fleet = [fleet_node("ultra", BIG, layer_s=5.0), FleetNode("max", NodeBudget(BIG))]
+    choice = compute_strategy_choice("pipeline", SHAPE, TRAIN, fleet, backend="ring")
+    assert choice.chosen.pipeline is not None and choice.chosen.pipeline.layer_split == (6, 6)
+    assert choice.chosen.tokens_per_s is None and choice.table()[1][3] == "-"
+
+
+def test_the_last_stage_runs_its_blocks_at_the_fused_rate() -> None:
+    t = LayerTiming("a", 2, layer_s=0.3, head_s=0.5, last_layer_s=0.2)
+    assert stage_time(t, 4, index=0, stages=2) == pytest.approx(1.2)
+    assert stage_time(t, 4, index=1, stages=2) == pytest.approx(0.8 + 0.5)
+    with pytest.raises(PlanError, match="last_layer_s must be a non-negative"):
+        LayerTiming("a", 2, layer_s=0.3, last_layer_s=-1.0)

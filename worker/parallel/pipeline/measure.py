@@ -1,0 +1,114 @@
+"""Per-block timing for the pipeline planner (`worker.bench --blocks K --micro-batch MB`): K transformer blocks
+loaded ALONE, as a stage loads them (`stage.load_stage`: only their tensors are read), so a node that cannot hold
+the whole model is measured too; and the two pieces only the end stages run, the embeddings and the head.
+
+What is timed is what a stage executes per micro-batch of MB rows of `seq_len` tokens (random activations and
+token ids: a block's cost does not depend on the values):
+* `block_s`: a non-last stage's cost per block: its forward (whose output is sent), then its backward (the vjp
+  with the output gradient as cotangent, which recomputes the forward), divided by K;
+* `block_fused_s`: the last stage's cost per block: forward and backward in one pass (the backward alone);
+* `embed_s`: the first stage's embedding lookup (frozen in every method a pipeline trains: no backward);
+* `head_s`: the last stage's final norm, lm_head and loss, forward and backward (to the input gradient).
+Each is the first quartile of its timed repetitions (noise only ever slows a call), after one warm-up call (the
+one-time compile of a new shape). `peak_memory`: the peak while timing the K blocks, their optimizer state
+included (one update is applied after the timing, outside it), i.e. a stage of K blocks at this micro-batch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from worker.parallel.pipeline.layout import StageRange
+from worker.parallel.pipeline.stage import Chunk, Stage, load_stage
+from worker.runconfig import LoraSpec
+from worker.step import flatten
+
+MIN_REPEATS = 3
+MAX_REPEATS = 50
+
+
+def _timed(fn: Callable[[], Any], window: float, clock: Callable[[], float]) -> tuple[float, int]:
+    """(first quartile of the call's seconds, calls timed): one warm-up call, then at least MIN_REPEATS calls and
+    more until `window` seconds were timed (at most MAX_REPEATS)."""
+    mx.eval(fn())
+    times: list[float] = []
+    while len(times) < MIN_REPEATS or (sum(times) < window and len(times) < MAX_REPEATS):
+        tic = clock()
+        mx.eval(fn())
+        times.append(clock() - tic)
+    return sorted(times)[(len(times) - 1) // 4], len(times)
+
+
+def _chunk(stage: Stage, rows: int, width: int, vocab: int) -> Chunk:
+    ids = mx.random.randint(0, vocab, (rows, width))
+    targets = mx.random.randint(0, vocab, (rows, width))
+    scored = mx.ones((rows, width), mx.bool_)
+    return Chunk(ids, targets, scored, None, mx.array(rows * width, mx.int32), mx.array(rows * width, mx.int32))
+
+
+def measure_blocks(model_dir: Path, *, blocks: int, micro_batch: int, seq_len: int, method: str,
+                   num_layers: int | None, lora: LoraSpec, seed: int, grad_checkpoint: bool, window: float,
+                   optimizer: str = "adam", learning_rate: float = 1e-5,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """The per-block answer (see the module docstring). The K blocks timed are the model's LAST K (the ones a
+    method with `num_layers` trains first); raises ValueError when the model has fewer than K blocks."""
+    from mlx_lm.utils import load_config
+
+    from worker.modelsetup import make_optimizer
+
+    config = load_config(model_dir)
+    vocab = int(config["vocab_size"])
+    width = seq_len - 1  # a row of seq_len tokens feeds seq_len - 1 positions
+    common: dict[str, Any] = {"seed": seed, "method": method, "num_layers": num_layers, "lora": lora,
+              "grad_checkpoint": grad_checkpoint}
+    probe_total = _depth(model_dir)
+    if not 1 <= blocks <= probe_total:
+        raise ValueError(f"--blocks {blocks}: the model has {probe_total} blocks")
+    head_s, embed_s, x, chunk = _ends(model_dir, probe_total, micro_batch, width, vocab, common, window, clock)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    stage, count = load_stage(model_dir, StageRange(1, 3, probe_total - blocks, probe_total), **common)
+    opt = make_optimizer(optimizer, learning_rate)
+    opt.init(stage.model.trainable_parameters())
+    mx.eval(opt.state)
+    weights_bytes = sum(int(v.nbytes) for v in flatten(stage.model.parameters()).values())
+    dy = mx.random.normal((micro_batch, width, stage.hidden)).astype(stage.dtype)
+    forward_s, _ = _timed(lambda: stage.forward(x, chunk), window, clock)
+    backward_s, repeats = _timed(lambda: stage.backward(x, chunk, dy), window, clock)
+    grads, _ = stage.backward(x, chunk, dy)
+    opt.update(stage.model, grads)
+    mx.eval(stage.model.parameters(), opt.state)
+    peak = int(mx.get_peak_memory())
+    return {
+        "blocks": blocks, "micro_batch": micro_batch, "seq_len": seq_len,
+        "block_s": (forward_s + backward_s) / blocks, "block_fused_s": backward_s / blocks,
+        "embed_s": embed_s, "head_s": head_s, "peak_memory": peak, "blocks_weight_bytes": weights_bytes,
+        "model_layers": probe_total, "timed_layers": [probe_total - blocks, probe_total], "method": method,
+        "num_layers": count, "dtype": str(stage.dtype), "hidden": stage.hidden, "repeats": repeats,
+    }
+
+
+def _ends(model_dir: Path, total: int, rows: int, width: int, vocab: int, common: dict[str, Any], window: float,
+          clock: Callable[[], float]) -> tuple[float, float, mx.array, Chunk]:
+    """(head_s, embed_s, an activation and a chunk of the micro-batch's shape): the head timed as a last stage
+    with no block, the embeddings as the first stage's lookup. Both stages are released on return."""
+    head, _ = load_stage(model_dir, StageRange(1, 2, total, total), **common)
+    chunk = _chunk(head, rows, width, vocab)
+    x = mx.random.normal((rows, width, head.hidden)).astype(head.dtype)
+    head_s, _ = _timed(lambda: head.loss_backward(x, chunk)[0::2], window, clock)
+    first, _ = load_stage(model_dir, StageRange(0, 2, 0, 0), **common)  # the embeddings, no block
+    embed_s, _ = _timed(lambda: first.model.model.embed_tokens(chunk.inputs), window, clock)
+    return head_s, embed_s, x, chunk
+
+
+def _depth(model_dir: Path) -> int:
+    """The model's number of transformer blocks, from its lazily built skeleton (nothing is read or allocated)."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    config = load_config(model_dir)
+    model_class, args_class = _get_classes(config=config)
+    return len(model_class(args_class.from_dict(config)).model.layers)

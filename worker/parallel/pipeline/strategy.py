@@ -1,0 +1,341 @@
+"""Pipeline parallel (`layout: {"kind": "pipeline", ...}`): rank r holds blocks [first_layer, last_layer) of the
+model (`worker.parallel.pipeline.stage`), stage order is rank order, and activations and their gradients travel
+between ring neighbours only (`mx.distributed.send`/`recv`, which the ring backend allows between ranks i and
+i±1 and nowhere else).
+
+A step: every stage builds the same global batch (the data order and the rows are functions of the config), cuts
+it into `micro_batches` pipeline micro-batches per accumulation micro-batch, and runs its actions of the schedule
+(`worker.parallel.pipeline.schedule`, 1F1B by default): receive the input, forward, send the output; receive the
+output's gradient, backward (the vjp with it as cotangent), send the input's gradient. The last stage computes the
+SFT loss SUM of each micro-batch and differentiates it directly. Each stage sums its parameter gradients over the
+micro-batches, scales them by 1 / (scored targets of the global batch), as the data-parallel step does, and
+updates its own parameters: the result is one process's step over the same rows (up to float summation order).
+No collective runs per micro-batch; one all_sum per step carries the loss and the squared gradient norm for the
+step event.
+
+Checkpoints: every stage writes its own shard, `<run_dir>/checkpoints/stage-<rank>/step-NNNNNN/` (the
+`worker.checkpoint` layout), with its trainable parameters and optimizer state under the MODEL's layer numbers
+(`model.layers.<global>.`), and its stage in state.json. Resume: each stage restores its own shard at the newest
+step every stage holds a valid shard of; resuming onto another split is refused (not yet implemented)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import mlx.core as mx
+from mlx.utils import tree_map, tree_map_with_path
+
+from worker.checkpoint import checkpoints_dir, list_checkpoints, scan_checkpoints, set_aside_invalid, step_dir_name
+from worker.comm import scalar
+from worker.data import build_batch, load_datasets
+from worker.errors import ResumeRefused, TrainingError
+from worker.events import EventKind
+from worker.modelsetup import count_parameters, make_optimizer
+from worker.objectives import Micro, SftObjective
+from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
+from worker.parallel.pipeline.layout import StageRange, to_global, to_local
+from worker.parallel.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    build_schedule,
+)
+from worker.parallel.pipeline.stage import Chunk, Stage, chunks_of, load_stage
+from worker.step import PACK_MIN_SAVING, Local, StepResult, WeightMismatch, flatten, packing_saving, padded_width
+
+RESUME_CANDIDATES = 8  # newest valid shards per stage compared when the stages agree on a resume step
+
+
+class Pipeline(Strategy):
+    """This rank's stage of a pipeline (see the module docstring)."""
+
+    kind: ClassVar[str] = "pipeline"
+    stage: Stage
+
+    # -- set-up ------------------------------------------------------------------------------------------------
+
+    @property
+    def where(self) -> StageRange:
+        spec = self.config.layout.stage(self.rank)
+        return StageRange(self.rank, self.config.world_size, spec.first_layer, spec.last_layer)
+
+    def load(self) -> None:
+        from mlx_lm.utils import load_config, load_tokenizer
+
+        cfg = self.config
+        model_dir = Path(cfg.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model dir {cfg.model} does not exist (nothing is downloaded by workers)")
+        self.stage, self.num_layers = load_stage(model_dir, self.where, seed=cfg.seed, method=cfg.fine_tune_type,
+                                                 num_layers=cfg.num_layers, lora=cfg.lora,
+                                                 grad_checkpoint=cfg.grad_checkpoint)
+        self.model = self.stage.model
+        tokenizer = cast(Callable[..., Any], load_tokenizer)(
+            model_dir, None, eos_token_ids=load_config(model_dir).get("eos_token_id"))
+        self.train_set, self.valid_set = load_datasets(Path(cfg.data), tokenizer, mask_prompt=cfg.mask_prompt)
+        self.model.train()
+        self.packing = decide_pipeline_packing(cfg.packing, self.train_set, max_seq_length=cfg.max_seq_length,
+                                               global_batch=cfg.global_batch, seed=cfg.seed)
+        self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
+        self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
+        self.optimizer.init(self.model.trainable_parameters())
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    def check_start(self) -> None:
+        """Every stage runs the same training settings over the same model depth, with the activations' width
+        and dtype its neighbours expect (a mismatch would otherwise show as a hang or garbage in a recv)."""
+        digest = bytes.fromhex(self.config.digest())[:8]
+        mine = [self.stage.total_layers, self.stage.hidden, _DTYPE_CODES.index(self.stage.dtype), *digest]
+        gathered = self.comm.gather_ints(mine)
+        for r, theirs in enumerate(gathered):
+            if theirs != gathered[0]:
+                raise TrainingError(f"pipeline stage {r} disagrees with stage 0 on (model layers, hidden size, "
+                                    f"activation dtype, config digest): {theirs[:3]} vs {gathered[0][:3]}"
+                                    + (" and the training settings differ" if theirs[3:] != gathered[0][3:] else ""))
+
+    def describe(self) -> tuple[int, int, str]:
+        trainable, total = count_parameters(self.model)
+        w, cfg = self.where, self.config
+        what = "full training" if cfg.fine_tune_type == "full" else f"{cfg.fine_tune_type} adapters"
+        extras = ", ".join(x for x, keep in (("embeddings", w.is_first), ("final norm and lm_head", w.is_last))
+                           if keep)
+        return trainable, total, (f"pipeline stage {w.index}/{w.stages}: layers [{w.first}, {w.last}) of "
+                                  f"{self.stage.total_layers}{' with ' + extras if extras else ''}; {what} on "
+                                  f"the last {self.num_layers} of the model's layers")
+
+    def started_fields(self) -> dict[str, Any]:
+        w, layout = self.where, self.config.layout
+        return {"strategy": self.kind, "stage": w.index, "stages": w.stages, "first_layer": w.first,
+                "last_layer": w.last, "model_layers": self.stage.total_layers,
+                "micro_batches": layout.micro_batches, "schedule": layout.schedule,
+                "digest_peers": list(self.digest_peers())}
+
+    def state_fields(self) -> dict[str, Any]:
+        w = self.where
+        return {"stage": {"index": w.index, "stages": w.stages, "first_layer": w.first, "last_layer": w.last,
+                          "model_layers": self.stage.total_layers}}
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+
+    def rows(self) -> tuple[int, int]:
+        return 0, self.config.global_batch  # every stage computes every row
+
+    def _chunks(self, micros: Sequence[Micro]) -> list[Chunk]:
+        parts = self.config.layout.micro_batches
+        return [c for m in micros for c in chunks_of(m.inputs, self.objective.packing, parts)]
+
+    def _recv(self, chunk: Chunk, source: int) -> mx.array:
+        x = mx.distributed.recv((chunk.rows, int(chunk.inputs.shape[1]), self.stage.hidden), self.stage.dtype,
+                                source, group=self.comm.group, stream=mx.cpu)
+        mx.eval(x)
+        return x
+
+    def _send(self, x: mx.array, dest: int) -> None:
+        if x.dtype != self.stage.dtype:
+            raise TrainingError(f"stage {self.rank} would send {x.dtype} activations, its neighbours expect "
+                                f"{self.stage.dtype}")
+        mx.eval(mx.distributed.send(x, dest, group=self.comm.group, stream=mx.cpu))
+
+    def step(self, build: Callable[[], Sequence[Micro]], *, after_local: Callable[[Local], Local] | None = None,
+             before_apply: Callable[[float], None] | None = None) -> StepResult:
+        clock = time.perf_counter
+        tic = clock()
+        micros = list(build())
+        chunks = self._chunks(micros)
+        weight = mx.sum(mx.stack([c.weight for c in chunks]))
+        tokens = mx.sum(mx.stack([c.tokens for c in chunks]))
+        mx.eval(weight, tokens)
+        total_weight = sum(m.total_weight for m in micros)
+        if int(scalar(weight)) != total_weight:
+            raise WeightMismatch(f"the loss scores {int(scalar(weight))} targets, the host counted {total_weight}")
+        grads, loss_sum = self._run_schedule(chunks)
+        local = Local(grads, loss_sum, weight, tokens, None, _grad_sq(grads))
+        if after_local is not None:
+            local = after_local(local)
+        mx.eval(local.grads, local.loss_sum, local.grad_sq)
+        if before_apply is not None:
+            before_apply(tic)
+        compute_s = clock() - tic
+        inverse = mx.array(1.0 / max(total_weight, 1), mx.float32)
+        # As the data-parallel step: in float32 and cast back, one rounding; then the local update.
+        scaled = tree_map(lambda g: (g.astype(mx.float32) * inverse).astype(g.dtype), local.grads)
+        stage_sq = _grad_sq(scaled)
+        self.optimizer.update(self.model, scaled)
+        # The one collective of the step, for the report: the loss (only the last stage has it) and the squared
+        # norm of the whole model's gradient (each stage has its part).
+        summed = self.comm.all_sum(mx.stack([local.loss_sum * inverse, stage_sq]))
+        loss, norm = summed[0], mx.sqrt(summed[1])
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm)
+        if self.config.clear_cache:
+            mx.clear_cache()
+        elapsed = clock() - tic
+        return StepResult(micros, local, loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
+
+    def _run_schedule(self, chunks: Sequence[Chunk]) -> tuple[Any, mx.array]:
+        """Run this stage's actions over `chunks`; (the gradient SUM of its parameters, its loss sum: 0 but on
+        the last stage)."""
+        where = self.where
+        prev, nxt = self.rank - 1, self.rank + 1
+        inputs: dict[int, mx.array] = {}
+        outputs: dict[int, mx.array] = {}
+        received: dict[int, mx.array] = {}
+        to_send: dict[int, mx.array] = {}
+        grads: Any = None
+        loss_sum = mx.array(0.0, mx.float32)
+        for action in build_schedule(self.config.layout.schedule, where.index, where.stages, len(chunks)):
+            m, chunk = action.micro, chunks[action.micro]
+            if action.kind == RECV_ACT:
+                inputs[m] = self._recv(chunk, prev)
+            elif action.kind == FORWARD:
+                if where.is_first:
+                    inputs[m] = chunk.inputs
+                if not where.is_last:  # the last stage's forward runs inside its backward (one pass, no recompute)
+                    outputs[m] = self.stage.forward(inputs[m], chunk)
+                    mx.eval(outputs[m])
+            elif action.kind == SEND_ACT:
+                self._send(outputs.pop(m), nxt)
+            elif action.kind == RECV_GRAD:
+                received[m] = self._recv(chunk, nxt)
+            elif action.kind == BACKWARD:
+                if where.is_last:
+                    loss, g, dx = self.stage.loss_backward(inputs.pop(m), chunk)
+                    loss_sum = loss_sum + loss
+                else:
+                    g, dx = self.stage.backward(inputs.pop(m), chunk, received.pop(m))
+                grads = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
+                mx.eval(grads, loss_sum, *([dx] if dx is not None else []))
+                if dx is not None:
+                    to_send[m] = dx
+            elif action.kind == SEND_GRAD:
+                self._send(to_send.pop(m), prev)
+        return grads, loss_sum
+
+    def eval_sums(self, global_rows: Sequence[int]) -> mx.array | None:
+        """The validation loss of one global batch through the stages (forward only, micro-batch by micro-batch:
+        each stage passes a micro-batch on and takes the next); the sums are on the last stage."""
+        where = self.where
+        rows = list(global_rows)
+        if not rows:
+            return None
+        inputs = build_batch([self.valid_set[i] for i in rows], self.config.max_seq_length)
+        sums = mx.zeros((2,), mx.float32)
+        for chunk in chunks_of(inputs, False, self.config.layout.micro_batches):
+            x = chunk.inputs if where.is_first else self._recv(chunk, self.rank - 1)
+            if where.is_last:
+                sums = sums + mx.stack([self.stage.loss(x, chunk), chunk.weight.astype(mx.float32)])
+                mx.eval(sums)
+            else:
+                y = self.stage.forward(x, chunk)
+                mx.eval(y)
+                self._send(y, self.rank + 1)
+        return sums if where.is_last else None
+
+    # -- consistency -----------------------------------------------------------------------------------------------
+
+    def digest_peers(self) -> tuple[int, ...]:
+        return (self.rank,)  # every stage holds other layers: no replica to agree with
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return checkpoints_dir(self.config.run_dir) / f"stage-{self.rank}"
+
+    @property
+    def is_writer(self) -> bool:
+        return True  # every stage writes its own shard
+
+    def writer(self) -> int:
+        return self.rank
+
+    def checkpoint_arrays(self) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        first = self.where.first
+        weights = to_global(self.trainable(), first)
+        opt_state = to_global(flatten(self.optimizer.state), first)
+        return ({k: v for k, v in weights.items() if isinstance(v, mx.array)},
+                {k: v for k, v in opt_state.items() if isinstance(v, mx.array)})
+
+    def restore(self) -> ResumeState | None:
+        cfg = self.config
+        root = self.checkpoint_root
+        if not cfg.resume:
+            existing = [r for r, (n,) in enumerate(self.comm.gather_ints([len(list_checkpoints(root))])) if n]
+            if existing:
+                raise TrainingError(f"stages {existing} already have checkpoints ({root} here): set resume, or "
+                                    "use a new run id")
+            return None
+        verdicts = scan_checkpoints(root)
+        invalid = [v for v in verdicts if not v.valid]
+        for v in invalid:
+            self.on_invalid(v.step, v.path, v.reason)
+        valid = [v.step for v in verdicts if v.valid][:RESUME_CANDIDATES]
+        gathered = self.comm.gather_ints([len(invalid), *valid, *[-1] * (RESUME_CANDIDATES - len(valid))])
+        common = set.intersection(*({s for s in row[1:] if s >= 0} for row in gathered))
+        if invalid:
+            moved = [str(set_aside_invalid(root, v.step, v.code)) for v in invalid]
+            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
+                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
+        if not common:
+            some = any(row[0] or any(s >= 0 for s in row[1:]) for row in gathered)
+            if some and not cfg.restart_from_scratch:
+                raise ResumeRefused(
+                    "no step has a valid shard on every pipeline stage (valid steps per stage: "
+                    + "; ".join(f"stage {r}: {[s for s in row[1:] if s >= 0]}" for r, row in enumerate(gathered))
+                    + "): refusing to start from step 0 over them (restart_from_scratch starts over)")
+            self.log.emit(EventKind.WARNING, code="no_checkpoint",
+                          message="resume requested but the stages hold no common valid checkpoint: starting at "
+                                  "step 0" + (" (restart_from_scratch)" if some else ""))
+            return None
+        best = max(common)
+        path = root / step_dir_name(best)
+        weights, opt_state, state = read_checkpoint(path)
+        if state.get("stage") != self.state_fields()["stage"]:
+            raise TrainingError(f"{path} holds stage {state.get('stage')}, this run's stage is "
+                                f"{self.state_fields()['stage']}: resuming onto another split is not supported yet")
+        w_tmpl, o_tmpl = self.checkpoint_arrays()
+        if problem := mismatch(weights, w_tmpl, "weights") or mismatch(opt_state, o_tmpl, "optimizer state"):
+            raise TrainingError(f"{path} does not fit this stage: {problem}")
+        first = self.where.first
+        local_w, local_o = to_local(weights, first), to_local(opt_state, first)
+        self.model.load_weights(list(local_w.items()), strict=False)
+        self.optimizer.state = tree_map_with_path(lambda p, _: local_o[p], self.optimizer.state)
+        self.optimizer.learning_rate = cfg.learning_rate  # the config's wins, as in dp
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        if state.get("config_digest") != cfg.digest():
+            self.log.emit(EventKind.WARNING, code="config_changed",
+                          message="the checkpoint was written under other training settings (config digest "
+                                  "differs); continuing with the current ones")
+        return ResumeState(step=int(state["step"]), data_position=int(state["data_position"]), checkpoint=path,
+                           state=state)
+
+
+_DTYPE_CODES = [mx.float32, mx.bfloat16, mx.float16]
+
+
+def _grad_sq(grads: Any) -> mx.array:
+    return sum((mx.sum(mx.square(g.astype(mx.float32))) for g in flatten(grads).values()), mx.array(0.0, mx.float32))
+
+
+def decide_pipeline_packing(setting: str, dataset: Any, *, max_seq_length: int, global_batch: int, seed: int,
+                            sample: int = 1024) -> tuple[bool, str, int]:
+    """`worker.step.decide_packing` for a stage, which cannot run the whole model to check that packing is exact:
+    it need not, since a stage builds the block-diagonal mask itself and the families it computes
+    (`stage.FAMILIES`) have rotary positions only, the case packing is exact for. `auto` packs when that saves at
+    least PACK_MIN_SAVING of the computed positions; `on` always; `off` never."""
+    from worker.data import stream_rows
+
+    rows = [dataset[i] for i in stream_rows(0, min(len(dataset), sample), len(dataset), seed)]
+    lengths = [len(t) for t, _ in rows]
+    width = padded_width(lengths or [1], max_seq_length)
+    if setting == "off":
+        return False, "train.packing is off", width
+    saving = packing_saving(lengths, max_seq_length, global_batch, width)
+    if setting == "auto" and saving < PACK_MIN_SAVING:
+        return False, f"packing would save {saving:.0%} of the computed positions (< {PACK_MIN_SAVING:.0%})", width
+    return True, f"packed into sequences of {width} positions: saves {saving:.0%} of the computed positions", width
