@@ -7,16 +7,22 @@ mlx-lm first: ABBA), so the machine's drift over minutes favours neither. Everyt
 from configs (worker.tinymodel, numpy-drawn weights, a WordPiece tokenizer over the generated vocabulary) and the
 data is generated as mlx-lm's data dir layout (train.jsonl, valid.jsonl of {"text": ...}).
 
-    .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short] [--methods lora,full]
-        [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16] [--calibration-budget 10]
-        [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
+    .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short,variable]
+        [--methods lora,full] [--ranks 1,2] [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16]
+        [--calibration-budget 10] [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
 
 Sizes (vocab 32,000 words for S and M, tied embeddings, worker.tinymodel's llama layout):
     tiny  hidden 64, 2 layers, 4 heads (2 kv), ffn 128, ~1,000-token vocab; batch 4, max_seq_length 128
     S     hidden 1024, 12 layers, 16 heads (4 kv), ffn 2816: 168.1M parameters; batch 8, max_seq_length 512
     M     hidden 2048, 22 layers, 32 heads (8 kv), ffn 4864: 953.8M parameters; batch 8, max_seq_length 512
 Shapes: `long`: every row 15/16 to 16/16 of max_seq_length tokens (BOS and EOS included); `short`: lengths spread
-uniformly over 16 .. max_seq_length/4 tokens. Every word of the generated vocabulary is one token.
+uniformly over 16 .. max_seq_length/4 tokens; `variable`: chat-like, lognormal lengths (median 110 tokens at
+max_seq_length 512, scaled with it; sigma 0.8; 8 tokens at least; about 3% of rows reach max_seq_length, where the
+tail is cut), the data real fine-tunes have. Every word of the generated vocabulary is one token.
+
+Ranks: `1` (default) compares ours with mlx-lm on one rank; `2` runs ours alone on two local nodes (one rank each,
+over a loopback ring, split calibrated): its figure is the calibration's prediction against the run's median,
+collective included (mlx-lm is not run: its CLI has no split to predict).
 
 Ours: `python -m coordinator launch -i <1-node local inventory> <playbook> --json --run-dir ...` with `split:
 calibrated`, so the calibration's prediction for the plan exists (`predicted_tokens_per_s` in summary.json).
@@ -42,8 +48,9 @@ outside the timed steps). Same environment: TOKENIZERS_PARALLELISM as each tool 
 XDG_STATE_HOME in the benchmark's temp dir (the calibration cache and any kernel cache start empty and are shared
 by all the runs of this benchmark; calibration is measured once per cell unless --recalibrate).
 
-Goals (issue 15): ours >= 1.0x mlx-lm's tokens/s on long rows and >= 1.3x on short variable rows; peak memory
-<= 1.05x mlx-lm's; the calibration's prediction within +-15% of the run's median (summary.json). The table says
+Goals (issues 15, 25): ours >= 1.0x mlx-lm's tokens/s on long and variable rows and >= 1.3x on short rows; peak
+memory <= 1.05x mlx-lm's; the calibration's prediction within +-15% of the run's median (summary.json), on every
+cell, the 2-rank one included. The table says
 met/missed per cell; nothing here fails on a missed goal.
 
 Output: Markdown (settings, the command, per-cell table, per-round figures) on stdout, progress on stderr, and with
@@ -52,7 +59,8 @@ tool that fails is recorded in its cell (`error`, with the tail of its output) a
 code is 1 if any run failed, 2 for bad arguments. Temp files (models, data, runs) are removed at the end unless
 --keep DIR. Needs no root: the node is `connection: local`.
 
---ci: the CI-sized form (tiny, both shapes, both methods, 8 iters, 1 round, warm-up 2, calibration budget 2 s):
+--ci: the CI-sized form (tiny; long rows with both methods, short and variable rows with LoRA, and one 2-rank cell
+(variable, LoRA); 8 iters, 1 round, warm-up 2, calibration budget 2 s):
 tests/unit/test_bench_train.py runs it and checks the JSON contract. On the NVIDIA GPU machine the device tool
 lends, see benchmarks/device_train.sh for the exact commands (wheels, install, S and M).
 """
@@ -83,7 +91,7 @@ DRIVER = ROOT / "benchmarks" / "mlx_lm_driver.py"
 TAIL_CHARS = 2000
 
 # Goals (issue 15).
-GOAL_TOKENS_RATIO = {"long": 1.0, "short": 1.3}
+GOAL_TOKENS_RATIO = {"long": 1.0, "short": 1.3, "variable": 1.0}
 GOAL_MEMORY_RATIO = 1.05
 GOAL_PREDICTION = 0.15
 
@@ -113,7 +121,13 @@ SIZES = {
     "S": ModelSize("S", 1024, 12, 16, 4, 2816, 32000, 8, 512),
     "M": ModelSize("M", 2048, 22, 32, 8, 4864, 32000, 8, 512),
 }
-SHAPES = ("long", "short")
+SHAPES = ("long", "short", "variable")
+# `variable`: chat-like lengths, lognormal (issue 25): median VARIABLE_MEDIAN of max_seq_length 512 (scaled with
+# max_seq_length), sigma VARIABLE_SIGMA, never below VARIABLE_MIN tokens; the tail is capped at max_seq_length
+# (about 3% of rows at sigma 0.8), as a real chat set's longest conversations are truncated to it.
+VARIABLE_MEDIAN = 110 / 512
+VARIABLE_SIGMA = 0.8
+VARIABLE_MIN = 8
 METHODS = ("lora", "full")
 # worker.tinymodel's fixed tokens before the data words: 7 specials, 94 printable ASCII characters, 94 `##` ones.
 BASE_VOCAB = 7 + 94 + 94
@@ -155,7 +169,26 @@ def row_lengths(shape: str, rows: int, seq_len: int, seed: int) -> list[int]:
     if shape == "short":
         high = max(16, seq_len // 4)
         return [rng.randint(min(16, high), high) for _ in range(rows)]
+    if shape == "variable":
+        return variable_lengths(rows, seq_len, rng)
     raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+def variable_lengths(rows: int, seq_len: int, rng: random.Random) -> list[int]:
+    """`rows` chat-like token lengths: lognormal around a median of VARIABLE_MEDIAN x seq_len (110 tokens at 512)
+    with sigma VARIABLE_SIGMA, rounded, clipped to [VARIABLE_MIN, seq_len]. Deterministic for a given `rng` state
+    (random.lognormvariate draws from `rng.random()` only)."""
+    mu = math.log(max(VARIABLE_MIN, VARIABLE_MEDIAN * seq_len))
+    return [min(seq_len, max(VARIABLE_MIN, round(rng.lognormvariate(mu, VARIABLE_SIGMA)))) for _ in range(rows)]
+
+
+def mean_length(shape: str, seq_len: int) -> float:
+    """The expected token length of a row of `shape` (for sizing the data; the clipping of `variable` ignored)."""
+    if shape == "long":
+        return seq_len - seq_len // 32
+    if shape == "short":
+        return (16 + max(16, seq_len // 4)) / 2
+    return min(seq_len, max(VARIABLE_MIN, VARIABLE_MEDIAN * seq_len) * math.exp(VARIABLE_SIGMA**2 / 2))
 
 
 def make_rows(words: Sequence[str], lengths: Sequence[int], seed: int) -> list[str]:
@@ -181,7 +214,7 @@ def make_rows(words: Sequence[str], lengths: Sequence[int], seed: int) -> list[s
 def train_rows_needed(size: ModelSize, shape: str, iters: int) -> int:
     """Enough rows for `iters` batches without repeating, for every vocabulary word to occur, and at least four
     batches."""
-    mean = (size.seq_len - size.seq_len // 32) if shape == "long" else (16 + max(16, size.seq_len // 4)) / 2
+    mean = mean_length(shape, size.seq_len)
     cover = math.ceil(1.2 * (size.vocab - BASE_VOCAB) / max(1.0, mean - 2))
     return max(size.batch * iters, cover, 4 * size.batch)
 
@@ -204,13 +237,16 @@ def wall_rates(steps: Sequence[tuple[int, float, float]]) -> list[tuple[int, flo
 
 
 def ours_figures(events: Sequence[Mapping[str, Any]], warmup: int) -> dict[str, Any]:
-    """Our run's figures from rank 0's events: steady tok/s (tokens / step_time_s), wall tok/s, peak memory,
-    trainable parameters (the `started` event)."""
+    """Our run's figures from rank 0's events: steady tok/s (the step's tokens over all ranks / step_time_s),
+    wall tok/s, peak memory (rank 0's), trainable parameters (the `started` event)."""
     steps = sorted((e for e in events if e.get("event") == "step" and e.get("rank", 0) == 0),
                    key=lambda e: int(e["step"]))
-    per_step = [(int(e["step"]), float(e["tokens"]) / float(e["step_time_s"]))
-                for e in steps if e.get("step_time_s") and e.get("tokens")]
-    wall = wall_rates([(int(e["step"]), float(e.get("tokens") or 0), float(e["t"])) for e in steps])
+    def tokens(e: Mapping[str, Any]) -> float:
+        return float(e.get("total_tokens") or e.get("tokens") or 0)  # every rank's tokens (a 2-rank cell)
+
+    per_step = [(int(e["step"]), tokens(e) / float(e["step_time_s"])) for e in steps
+                if e.get("step_time_s") and tokens(e)]
+    wall = wall_rates([(int(e["step"]), tokens(e), float(e["t"])) for e in steps])
     started = next((e for e in events if e.get("event") == "started" and e.get("rank", 0) == 0), {})
     peaks = [int(e["peak_memory"]) for e in steps if e.get("peak_memory")]
     return {
@@ -296,9 +332,24 @@ def evaluate_goals(shape: str, tok_ratio: float | None, mem_ratio: float | None,
     }
 
 
-def round_order(rnd: int) -> tuple[str, str]:
-    """ABBA: odd rounds ours first, even rounds mlx-lm first."""
+def round_order(rnd: int, ranks: int = 1) -> tuple[str, ...]:
+    """ABBA: odd rounds ours first, even rounds mlx-lm first. A 2-rank cell runs ours only: its figure is the
+    prediction against the run (mlx-lm's CLI has no calibrated split to compare with)."""
+    if ranks > 1:
+        return ("ours",)
     return ("ours", "mlx_lm") if rnd % 2 == 1 else ("mlx_lm", "ours")
+
+
+def plan_cells(sizes: Sequence[str], shapes: Sequence[str], methods: Sequence[str], ranks: Sequence[int],
+               ci: bool = False) -> list[tuple[str, str, str, int]]:
+    """(size, shape, method, ranks) of every cell, in run order. `ci` keeps the CI-sized form short: every method
+    on the first shape, the first method on the others, and one 2-rank cell (the last shape, first method)."""
+    cells = [(size, shape, method, n) for size in sizes for n in ranks for shape in shapes for method in methods]
+    if ci:
+        one = [c for c in cells if c[3] == 1 and (c[1] == shapes[0] or c[2] == methods[0])]
+        two = [c for c in cells if c[3] > 1 and c[1] == shapes[-1] and c[2] == methods[0]]
+        cells = one + two[:1]
+    return cells
 
 
 # --- I/O: building, running ---------------------------------------------------------------------------------------
@@ -366,18 +417,20 @@ def build_model_here(spec: Mapping[str, Any]) -> None:
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def write_inventory(root: Path) -> Path:
-    path = root / "inventory.yaml"
-    path.write_text(
-        "# One local node: the benchmark's machine, no SSH (mlx.launch starts the one rank on 127.0.0.1).\n"
-        "defaults:\n  connection: local\n"
-        f"nodes:\n  - name: bench\n    workdir: {json.dumps(str(root / 'node'))}\n",
-        encoding="utf-8")
+def write_inventory(root: Path, ranks: int = 1) -> Path:
+    """One local node per rank: the benchmark's machine, no SSH (mlx.launch starts the ranks on 127.0.0.1, over
+    a loopback ring when there are two), each with its own workdir."""
+    path = root / ("inventory.yaml" if ranks == 1 else f"inventory-{ranks}.yaml")
+    nodes = "".join(f"  - name: bench{'' if i == 0 else f'-{i}'}\n"
+                    f"    workdir: {json.dumps(str(root / ('node' if i == 0 else f'node-{i}')))}\n"
+                    for i in range(ranks))
+    path.write_text("# Local nodes on the benchmark's machine, no SSH.\ndefaults:\n  connection: local\n"
+                    f"nodes:\n{nodes}", encoding="utf-8")
     return path
 
 
 def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSize, method: str, iters: int,
-                   calibration_budget: float, clear_cache: bool = False) -> Path:
+                   calibration_budget: float, clear_cache: bool = False, memory_headroom: str | None = None) -> Path:
     path = root / f"playbook-{cell}.yaml"
     path.write_text(
         f"name: bench-{cell}\n"
@@ -399,6 +452,8 @@ def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSi
         f"  steps_per_eval: {iters}\n"
         "  val_batches: 1\n"
         + ("  clear_cache: true\n" if clear_cache else "")
+        + (f"  memory_headroom: {'null' if memory_headroom == 'none' else memory_headroom}\n"
+           if memory_headroom is not None else "")
         + "calibration:\n"
         f"  time_budget: {calibration_budget}\n"
         f"  max_batch: {size.batch}\n",
@@ -439,7 +494,8 @@ def run_ours(root: Path, inventory: Path, playbook: Path, env: Mapping[str, str]
     events_path = Path(node["run_dir"]) / "events" / "rank0.jsonl"
     events = [json.loads(line) for line in events_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     # Weights and optimizer state are not measured, and M's fill the device's 64 GiB disk within a few runs.
-    shutil.rmtree(Path(node["run_dir"]) / "checkpoints", ignore_errors=True)
+    for each in summary["nodes"]:
+        shutil.rmtree(Path(each["run_dir"]) / "checkpoints", ignore_errors=True)
     figures = ours_figures(events, warmup)
     figures.update({"summary_tokens_per_s": summary.get("tokens_per_s"),
                     "predicted_tokens_per_s": summary.get("predicted_tokens_per_s"),
@@ -518,9 +574,10 @@ def render(results: Mapping[str, Any]) -> str:
     lines = [f"### Training: ours vs `mlx_lm lora` ({results['started']})", "",
              "```sh", results["command"], "```", "",
              f"Commit {results['commit']}; {results['machine']}. {results['settings_text']}", "",
-             "| size | shape | method | ours tok/s | mlx-lm tok/s | ratio (goal) | wall tok/s ratio | ours peak MiB "
-             "| mlx-lm peak MiB | mem ratio (<= 1.05) | predicted / run median tok/s | error (+-15%) | trainable |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| size | shape | method | ranks | ours tok/s | mlx-lm tok/s | ratio (goal) | wall tok/s ratio "
+             "| ours peak MiB | mlx-lm peak MiB | mem ratio (<= 1.05) | predicted / run median tok/s | error (+-15%) "
+             "| trainable |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for cell in results["cells"]:
         s = cell.get("summary")
         if not s:
@@ -530,7 +587,8 @@ def render(results: Mapping[str, Any]) -> str:
         trainable = {x.get("trainable_params") for x in cell["runs"] if x.get("trainable_params")}
         same = "same" if s["same_trainable"] else ("DIFFERENT" if s["same_trainable"] is False else "-")
         lines.append(
-            f"| {cell['size']} | {cell['shape']} | {cell['method']} | {fmt(o['tokens_per_s'])} | "
+            f"| {cell['size']} | {cell['shape']} | {cell['method']} | {cell.get('ranks', 1)} | "
+            f"{fmt(o['tokens_per_s'])} | "
             f"{fmt(m['tokens_per_s'])} | **{fmt(r['tokens_per_s'], '.2f', 'x')}** (>= {goal}x: {g['tokens_per_s']}) | "
             f"{fmt(r['wall_tokens_per_s'], '.2f', 'x')} | {mib(o['peak_memory'])} | {mib(m['peak_memory'])} | "
             f"{fmt(r['peak_memory'], '.2f', 'x')} ({g['peak_memory']}) | "
@@ -543,7 +601,7 @@ def render(results: Mapping[str, Any]) -> str:
             what = (f"error: {run['error'][:300]}" if run.get("error") else
                     f"{fmt(run.get('tokens_per_s'))} tok/s, wall {fmt(run.get('wall_tokens_per_s'))}, "
                     f"peak {mib(run.get('peak_memory'))} MiB, {fmt(run.get('process_s'))} s")
-            lines.append(f"- {cell['size']}/{cell['shape']}/{cell['method']} round {run['round']} "
+            lines.append(f"- {cell['tag']} round {run['round']} "
                          f"({run['position']}) {run['tool']}: {what}")
     return "\n".join(lines) + "\n"
 
@@ -568,6 +626,9 @@ class Options:
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     clear_cache: bool = False
+    ranks: list[int] = field(default_factory=lambda: [1])
+    memory_headroom: str | None = None
+    ci: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -584,15 +645,20 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.add_argument("--recalibrate", action="store_true", help="calibrate again for every run of ours")
     p.add_argument("--clear-cache", action="store_true",
                    help="ours with train.clear_cache (mx.clear_cache() after every step, as mlx-lm's trainer does)")
+    p.add_argument("--memory-headroom", default=None,
+                   help="ours with this train.memory_headroom (a number, or none: unbounded); default: the playbook's")
     p.add_argument("--skip-preflight", action="store_true",
                    help="pass --skip-preflight to `coordinator launch` (preflight still runs and is shown; a "
                         "finding on an unfamiliar machine then does not stop the measurement)")
     p.add_argument("--json", dest="json_path", type=Path, help="write the raw results here (after every run)")
     p.add_argument("--keep", type=Path, help="keep models, data and runs in this directory (created)")
-    p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, both shapes and methods, 8 iters")
+    p.add_argument("--ranks", default="1", help="comma-separated rank counts: 1 (ours vs mlx-lm) and/or 2 (ours "
+                   "on two local ranks over ring: the prediction vs the run)")
+    p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, 4 one-rank cells and a 2-rank one, "
+                   "8 iters")
     args = p.parse_args(argv)
     if args.ci:
-        args.sizes, args.shapes, args.methods = "tiny", "long,short", "lora,full"
+        args.sizes, args.shapes, args.methods, args.ranks = "tiny", ",".join(SHAPES), "lora,full", "1,2"
         args.iters, args.rounds, args.warmup, args.calibration_budget = 8, 1, 2, 2.0
 
     def pick(text: str, known: Sequence[str], what: str) -> list[str]:
@@ -605,7 +671,8 @@ def parse_args(argv: Sequence[str]) -> Options:
     opts = Options(pick(args.sizes, list(SIZES), "sizes"), pick(args.shapes, SHAPES, "shapes"),
                    pick(args.methods, METHODS, "methods"), args.iters, args.rounds, args.warmup, args.dtype,
                    args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep,
-                   clear_cache=args.clear_cache)
+                   clear_cache=args.clear_cache, ranks=[int(r) for r in pick(args.ranks, ["1", "2"], "ranks")],
+                   ci=args.ci, memory_headroom=args.memory_headroom)
     if opts.iters < 2 or opts.rounds < 1 or opts.warmup < 0 or opts.calibration_budget <= 0:
         p.error("--iters >= 2, --rounds >= 1, --warmup >= 0 and --calibration-budget > 0 are required")
     if opts.warmup >= opts.iters:
@@ -656,7 +723,8 @@ def run(opts: Options) -> int:
         settings = (f"iters {opts.iters}, rounds {opts.rounds} (ABBA), warm-up {opts.warmup} steps, "
                     f"dtype {opts.dtype}, adam lr 1e-5, all layers, calibration budget {opts.calibration_budget} s"
                     f"{' (recalibrated every run)' if opts.recalibrate else ''}"
-                    f"{'; ours with train.clear_cache' if opts.clear_cache else ''}")
+                    f"{'; ours with train.clear_cache' if opts.clear_cache else ''}"
+                    f"{'' if opts.memory_headroom is None else '; ours with memory_headroom ' + opts.memory_headroom}")
         results: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": opts.command,
             "commit": git_commit(), "machine": machine, "versions": versions, "settings_text": settings,
@@ -669,32 +737,36 @@ def run(opts: Options) -> int:
             "cells": [],
         }
         log(f"{machine}; work dir {root}")
-        inventory = write_inventory(root)
+        inventories = {n: write_inventory(root, n) for n in opts.ranks}
         cells: list[dict[str, Any]] = []
-        for name in opts.sizes:
+        models: dict[str, Path] = {}
+        datas: dict[tuple[str, str], Path] = {}
+        for name, shape, method, ranks in plan_cells(opts.sizes, opts.shapes, opts.methods, opts.ranks, opts.ci):
             size = SIZES[name]
             words = make_words(size.vocab - BASE_VOCAB)
-            log(f"building model {name} ({size.parameters():,} parameters, {opts.dtype})")
-            model = build_model(root, size, words, opts.dtype, env)
-            for shape in opts.shapes:
-                data = build_data(root, size, shape, opts.iters, words)
-                for method in opts.methods:
-                    tag = f"{name}-{shape}-{method}"
-                    cells.append({"size": name, "shape": shape, "method": method, "runs": [],
-                                  "playbook": str(write_playbook(root, tag, model, data, size, method, opts.iters,
-                                                                 opts.calibration_budget, opts.clear_cache)),
-                                  "mlx_lm_argv": mlx_lm_argv(model, data, size, method, opts.iters,
-                                                             root / f"adapters-{tag}"),
-                                  "tag": tag})
+            if name not in models:
+                log(f"building model {name} ({size.parameters():,} parameters, {opts.dtype})")
+                models[name] = build_model(root, size, words, opts.dtype, env)
+            if (name, shape) not in datas:
+                datas[name, shape] = build_data(root, size, shape, opts.iters, words)
+            model, data = models[name], datas[name, shape]
+            tag = f"{name}-{shape}-{method}" + (f"-{ranks}r" if ranks > 1 else "")
+            cells.append({"size": name, "shape": shape, "method": method, "ranks": ranks, "runs": [],
+                          "playbook": str(write_playbook(root, tag, model, data, size, method, opts.iters,
+                                                         opts.calibration_budget, opts.clear_cache,
+                                                         opts.memory_headroom)),
+                          "mlx_lm_argv": mlx_lm_argv(model, data, size, method, opts.iters, root / f"adapters-{tag}"),
+                          "tag": tag})
         results["cells"] = cells
         for rnd in range(1, opts.rounds + 1):
             for cell in cells:
-                for position, tool in enumerate(round_order(rnd), 1):
+                for position, tool in enumerate(round_order(rnd, cell["ranks"]), 1):
                     log(f"round {rnd}/{opts.rounds} {cell['tag']}: {tool}")
                     record: dict[str, Any] = {"tool": tool, "round": rnd, "position": position}
                     try:
                         if tool == "ours":
-                            record.update(run_ours(root, inventory, Path(cell["playbook"]), env, opts.warmup,
+                            record.update(run_ours(root, inventories[cell["ranks"]], Path(cell["playbook"]), env,
+                                                opts.warmup,
                                                 opts.recalibrate, opts.skip_preflight))
                         else:
                             record.update(run_mlx_lm(root, cell["mlx_lm_argv"], trainable_for(cell),

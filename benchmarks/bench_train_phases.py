@@ -2,7 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_train_phases.py [--size small|tiny|S] [--shape long|short]
         [--method lora|full] [--dtype bfloat16|float32] [--iters 4] [--packing auto|on|off]
-        [--memory-limit-mb N] [--clear-cache default|never|every-step] [--keep DIR]
+        [--memory-limit-mb N] [--clear-cache default|never|every-step] [--memory-headroom H|none]
+        [--tools ours,mlx_lm] [--keep DIR]
 
 Both tools train the same random-weight llama model on the same generated data (benchmarks/bench_train.py's
 builders and settings: adam lr 1e-5, all layers, one validation batch, evaluation and saving at the last step;
@@ -20,8 +21,9 @@ deferred freeing rather than what the step needs. `--clear-cache`: `default` lea
 trainer calls `mx.clear_cache()` after every step: `mlx_lm lora` leaves TrainingArgs' clear_cache_threshold at 0
 whatever --clear-cache-threshold says; ours never does), `never` and `every-step`
 make both do the same (how far the host runs ahead of the device, and so how much is in flight, depends on
-whether its allocations come from the cache). docs/benchmarks-history.md (issue 15, peak memory) has the
-results.
+whether its allocations come from the cache). `--memory-headroom`: ours' `train.memory_headroom` (worker.memory:
+a step's run-ahead bounded to this share of its working set; `none`: unbounded, ours before issue 25); default:
+the playbook's default. docs/benchmarks-history.md (issues 15 and 25, peak memory) has the results.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def prepare(root: Path, size: bt.ModelSize, shape: str, dtype: str, iters: int) 
 
 
 def run_ours(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: Path, method: str, iters: int,
-             packing: str, clear_cache: str) -> str:
+             packing: str, clear_cache: str, headroom: str | None = None) -> str:
     import mlx.core as mx
 
     import worker.step as step_mod
@@ -105,6 +107,7 @@ def run_ours(phases: Phases, root: Path, size: bt.ModelSize, model: Path, data: 
         "method": method, "optimizer": "adam", "learning_rate": 1e-5, "max_seq_length": size.seq_len,
         "save_every": iters, "steps_per_eval": iters, "val_batches": 1, "num_layers": -1, "seed": 0,
         "consistency_every": iters, "packing": packing,
+        **({} if headroom is None else {"memory_headroom": None if headroom == "none" else float(headroom)}),
         "ranks": [{"rank": 0, "node": "local", "batch_size": size.batch}]})
     trainer_cls = train_mod.Trainer
     phases.wrap(trainer_cls, "load", "load (probe included)")
@@ -187,7 +190,8 @@ def one(opts: argparse.Namespace) -> int:
     phases = Phases()
     mx.reset_peak_memory()
     if opts.one == "ours":
-        note = run_ours(phases, root, size, model, data, opts.method, opts.iters, opts.packing, opts.clear_cache)
+        note = run_ours(phases, root, size, model, data, opts.method, opts.iters, opts.packing, opts.clear_cache,
+                        opts.memory_headroom)
     else:
         note = run_mlx_lm(phases, root, size, model, data, opts.method, opts.iters, opts.clear_cache)
     print(json.dumps({"note": note, "rows": phases.rows}))
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--memory-limit-mb", type=float, default=None)
     p.add_argument("--clear-cache", choices=("default", "never", "every-step"), default="default")
+    p.add_argument("--memory-headroom", default=None, help="ours' train.memory_headroom (a number, or none)")
+    p.add_argument("--tools", default="ours,mlx_lm", help="which tools to run, in this order")
     p.add_argument("--keep", type=str, default=None, help="work dir to keep (models are reused)")
     p.add_argument("--one", choices=("ours", "mlx_lm"), default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -217,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         passed = ["--size", opts.size, "--shape", opts.shape, "--method", opts.method, "--dtype", opts.dtype,
                   "--iters", str(opts.iters), "--packing", opts.packing, "--clear-cache", opts.clear_cache]
         passed += ["--memory-limit-mb", str(opts.memory_limit_mb)] if opts.memory_limit_mb else []
+        passed += ["--memory-headroom", opts.memory_headroom] if opts.memory_headroom is not None else []
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(root / "cache")}
-        for tool in ("ours", "mlx_lm"):
+        for tool in [t for t in opts.tools.split(",") if t]:
             cmd = [sys.executable, __file__, *passed, "--keep", str(root), "--one", tool]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -226,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"{tool} ({opts.size} {opts.shape} {opts.method} {opts.dtype}, memory limit "
-                  f"{opts.memory_limit_mb or 'none'}, clear cache {opts.clear_cache}; {out['note']})")
+                  f"{opts.memory_limit_mb or 'none'}, clear cache {opts.clear_cache}"
+                  f"{'' if tool != 'ours' else ', memory headroom ' + str(opts.memory_headroom or 'default')}; "
+                  f"{out['note']})")
             print(f"  {'phase':28s} {'active MiB':>10s} {'PEAK MiB':>9s} {'after MiB':>9s} {'s':>6s}")
             for name, before, peak, after, secs in out["rows"]:
                 print(f"  {name:28s} {before:10.1f} {peak:9.1f} {after:9.1f} {secs:6.2f}")

@@ -6,6 +6,7 @@
 #   bash benchmarks/device_train.sh stage-a           # THERE, device call 1 (carry benchmarks/out/whl-a)
 #   bash benchmarks/device_train.sh run SIZES [ARGS]  # THERE, device call 2.. (carry benchmarks/out/whl-b)
 #   bash benchmarks/device_train.sh phases [ARGS]     # THERE, instead of `run`: bench_train_phases.py's memory matrix
+#   bash benchmarks/device_train.sh headroom [ARGS]   # THERE: the same per train.memory_headroom (none, 0.05, 0.1, 0.25)
 #
 # What the device machine is and what that implies (/work/.library/device/README.md and KINDS.md, 2026-11):
 # - x86_64, one H100 (nvidia-h100-x1) or H200; nothing can be fetched there: every missing Python package travels
@@ -42,6 +43,12 @@
 #   2. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   3. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods lora
 #   4. carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --iters 20 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight --methods full
+# Issue 25 (memory parity, variable-length rows), after call 1, one call each:
+#   carry ["benchmarks/out/whl-b"]  command: METHODS=lora bash benchmarks/device_train.sh headroom --iters 8
+#   carry ["benchmarks/out/whl-b"]  command: METHODS=full bash benchmarks/device_train.sh headroom --iters 8
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods full --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   (then M the same way with --iters 20, one method per call; `--memory-headroom none` gives ours unbounded)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
@@ -178,6 +185,27 @@ run_phases() {
     done
 }
 
+run_headroom() {
+    # bench_train_phases.py per step, ours under each train.memory_headroom (none = unbounded, ours before issue 25)
+    # and mlx-lm as shipped, LoRA and full (METHODS="lora" for one), S long rows: each step's peak and time with
+    # and without the bound.
+    install
+    local out="${OUT:-$REPO/benchmarks/out}"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO"
+    set -o pipefail
+    for method in ${METHODS:-lora full}; do
+        echo "### $method, mlx-lm"
+        python3 benchmarks/bench_train_phases.py --size S --method "$method" --tools mlx_lm \
+            --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/headroom.log" | tail -20
+        for headroom in none 0.05 0.1 0.25; do
+            echo "### $method, ours, memory_headroom $headroom"
+            python3 benchmarks/bench_train_phases.py --size S --method "$method" --tools ours \
+                --memory-headroom "$headroom" --keep /tmp/phases-keep "$@" 2>&1 | tee -a "$out/headroom.log" | tail -20
+        done
+    done
+}
+
 cd "$REPO"
 case "${1:-}" in
     wheelhouse) wheelhouse ;;
@@ -186,5 +214,6 @@ case "${1:-}" in
     install) install ;;
     run) shift; run_bench "$@" ;;
     phases) shift; run_phases "$@" ;;
-    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS]" ;;
+    headroom) shift; run_headroom "$@" ;;
+    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS] | headroom [ARGS]" ;;
 esac

@@ -92,6 +92,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
+from worker.runconfig import DEFAULT_HEADROOM
+
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
 MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
 MAX_STEPS = 20
@@ -537,6 +539,7 @@ class _Trainer:
         from mlx_lm.utils import load, load_model, maybe_set_recommended_wired_limit
 
         from worker.data import load_datasets
+        from worker.memory import StepMemory
         from worker.modelsetup import apply_method, make_optimizer
         from worker.objectives import SftObjective
         from worker.runconfig import LoraSpec
@@ -579,7 +582,8 @@ class _Trainer:
         # The run's path for its world: one rank takes the whole step as one compiled graph, several take it in two
         # around the all_sum (timed here without the collective itself, which no single node can measure).
         self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x,
-                                 world_size=args.world_size, clear_cache=args.clear_cache)
+                                 world_size=args.world_size,
+                                 memory=StepMemory(args.memory_headroom, args.clear_cache))
 
     def micro(self, rows: int, k: int) -> Any:
         """The k-th batch of `rows` rows of the run's order, built as the run builds it."""
@@ -701,6 +705,16 @@ def _positive(value: float, flag: str) -> None:
         raise BenchError(f"{flag} must be a positive number of seconds, got {value}")
 
 
+def _headroom(text: str) -> float | None:
+    """--memory-headroom: a number >= 0, or `none` (no bound)."""
+    if text == "none":
+        return None
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be >= 0 or none, got {text}")
+    return value
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="worker.bench", description="Measure training tokens/s per batch size.")
     parser.add_argument("--model", required=True, help="model directory on this node (config.json + safetensors)")
@@ -712,6 +726,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mask-prompt", action="store_true")
     parser.add_argument("--packing", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--clear-cache", action="store_true", help="mx.clear_cache() after every step (train.clear_cache)")
+    parser.add_argument("--memory-headroom", type=_headroom, default=DEFAULT_HEADROOM,
+                        help="a step's run-ahead bound over its working set (train.memory_headroom; none: unbounded)")
     parser.add_argument("--global-batch", type=int, default=0, help="the run's global batch (packing decision)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1, help="ranks of the run: the step's path depends on it")

@@ -20,6 +20,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                       exact on the model
     clear_cache       (false)      mx.clear_cache() after every step (mlx-lm's trainer does): lower peak memory,
                       slower steps
+    memory_headroom   (0.1)        a step holds at most its working set x (1 + this) (worker.memory: MLX's eval
+                      waits for queued work above it); null: no bound
     train_embeddings  (false)      full on all layers only: also train embeddings, lm_head and the final norm
                       (mlx-lm's full trains the transformer layers only, and so do we by default)
     num_layers        null | -1 | N (null): the last N transformer layers are adapted (lora/dora) or trained
@@ -83,6 +85,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+DEFAULT_HEADROOM = 0.10  # train.memory_headroom: the run-ahead a step may hold beyond its working set (worker.memory)
 
 METHODS = ("lora", "dora", "full", "dpo")
 FINE_TUNE_TYPES = ("lora", "dora", "full")
@@ -196,6 +200,7 @@ class RunConfig:
     mask_prompt: bool = False
     packing: str = "auto"
     clear_cache: bool = False
+    memory_headroom: float | None = DEFAULT_HEADROOM
     train_embeddings: bool = False
     num_layers: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
@@ -281,7 +286,7 @@ class RunConfig:
             "iters": self.iters, "learning_rate": self.learning_rate, "optimizer": self.optimizer,
             "max_seq_length": self.max_seq_length, "grad_accumulation": self.grad_accumulation,
             "grad_checkpoint": self.grad_checkpoint, "mask_prompt": self.mask_prompt, "packing": self.packing,
-            "clear_cache": self.clear_cache,
+            "clear_cache": self.clear_cache, "memory_headroom": self.memory_headroom,
             "train_embeddings": self.train_embeddings, "num_layers": self.num_layers,
             "lora": self.lora.mlx_lm_parameters(), "save_every": self.save_every,
             "steps_per_eval": self.steps_per_eval, "val_batches": self.val_batches, "seed": self.seed,
@@ -305,7 +310,8 @@ class RunConfig:
 
 _TOP_KEYS = {
     "run_id", "model", "data", "method", "iters", "learning_rate", "optimizer", "max_seq_length",
-    "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "clear_cache", "train_embeddings", "num_layers", "lora",
+    "grad_accumulation", "grad_checkpoint", "mask_prompt", "packing", "clear_cache", "memory_headroom",
+    "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
     "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence", "layout",
 }
@@ -328,6 +334,15 @@ def _float(d: Mapping[str, Any], key: str, default: float | None, *, positive: b
     if positive and not value > 0:
         raise ConfigError(f"{key} must be > 0, got {value}")
     return float(value)
+
+
+def _headroom(d: Mapping[str, Any]) -> float | None:
+    if d.get("memory_headroom", DEFAULT_HEADROOM) is None:
+        return None
+    value = _float(d, "memory_headroom", DEFAULT_HEADROOM)
+    if value < 0:
+        raise ConfigError(f"memory_headroom must be >= 0 or null, got {value}")
+    return value
 
 
 def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -550,6 +565,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         mask_prompt=_bool(raw, "mask_prompt", False),
         packing=_choice(raw, "packing", "auto", PACKING),
         clear_cache=_bool(raw, "clear_cache", False),
+        memory_headroom=_headroom(raw),
         train_embeddings=_bool(raw, "train_embeddings", False),
         num_layers=num_layers,
         lora=_parse_lora(raw.get("lora")),

@@ -40,6 +40,8 @@ from mlx.nn.losses import cross_entropy
 from mlx.nn.utils import value_and_grad as nn_value_and_grad
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from worker.memory import StepMemory, batch_size_of
+
 ALL_REDUCE_BYTES = 32 * 1024**2  # gradient buckets per all_sum call (as mlx's average_gradients)
 PACK_MIN_SAVING = 0.10  # pack only when it saves at least this share of the computed positions
 PACK_EXACT_RTOL = 2e-4  # packed vs unpacked loss on the real model, relative (float32 rounding of attention)
@@ -405,14 +407,17 @@ class TrainStep:
     them; 1: no collective at all). `compiled=False` runs the same functions eagerly (debugging, tests).
 
     Built after the model, the optimizer state and any checkpoint are in place: the compiled functions capture
-    the state trees (model, optimizer, random) as implicit inputs and outputs, as mlx-lm's trainer does."""
+    the state trees (model, optimizer, random) as implicit inputs and outputs, as mlx-lm's trainer does.
+
+    `memory` (worker.memory): the step's memory bound (`train.memory_headroom`) and `train.clear_cache`, applied
+    around every step inside its time (calibration takes the same step, so it measures their cost); default: no
+    bound, and `clear_cache` alone."""
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
-                 world_size: int, compiled: bool = True, stats: bool = False, clear_cache: bool = False) -> None:
+                 world_size: int, compiled: bool = True, stats: bool = False, clear_cache: bool = False,
+                 memory: StepMemory | None = None) -> None:
         self.model, self.optimizer = model, optimizer
-        # `train.clear_cache`: give MLX's buffer cache back after every step, inside the step's time (the next
-        # step allocates again: that is its cost, and calibration, which takes the same step, measures it).
-        self.clear_cache = clear_cache
+        self.memory = memory if memory is not None else StepMemory(headroom=None, clear_cache=clear_cache)
         self.world_size = world_size
         self.stats = stats  # the loss has extra sums (DPO): they need the general path
         self.all_sum = all_sum
@@ -516,6 +521,15 @@ class TrainStep:
         `before_apply(started)` runs just before compute_s is taken (chaos/debug slowdowns)."""
         tic = clock()
         micros = list(build())
+        self.memory.begin(batch_size_of([a for m in micros for a in m.inputs]))
+        try:
+            return self._run(micros, tic, after_local, before_apply, clock)
+        except BaseException:
+            self.memory.release()  # a failed measuring step must not leave every later eval waiting on each op
+            raise
+
+    def _run(self, micros: list[Any], tic: float, after_local: Callable[[Local], Local] | None,
+             before_apply: Callable[[float], None] | None, clock: Callable[[], float]) -> StepResult:
         if self.world_size == 1 and len(micros) == 1 and after_local is None and not self.stats:
             return self._run_whole(micros, tic, before_apply, clock)
         local = self.local([m.inputs for m in micros])
@@ -536,8 +550,7 @@ class TrainStep:
             # SFT every count is known on the host.
             extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
-        if self.clear_cache:
-            mx.clear_cache()
+        self.memory.end()
         return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)
 
     def _run_whole(self, micros: list[Any], tic: float, before_apply: Callable[[float], None] | None,
@@ -545,8 +558,7 @@ class TrainStep:
         """`run` for one rank and one micro-batch: one compiled graph, one evaluation."""
         loss, norm, loss_sum, weight, tokens = self._whole(*micros[0].inputs)
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, weight, tokens)
-        if self.clear_cache:
-            mx.clear_cache()
+        self.memory.end()
         _check_weight(weight, micros[0].weight)
         if before_apply is not None:
             before_apply(tic)

@@ -79,6 +79,7 @@ from worker.comm import Comm, scalar
 from worker.data import eval_batches
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
+from worker.memory import peak_memory
 from worker.modelsetup import adapter_config, trainable_text
 from worker.objectives import Micro, stats_fields
 from worker.parallel import Strategy, make_strategy
@@ -261,7 +262,7 @@ class Trainer:
             **record,
             "step": step, "loss": loss, "tokens": my_tokens, "total_tokens": total_tokens,
             "tok_s": my_tokens / elapsed if elapsed > 0 else None, "step_time_s": elapsed,
-            "peak_memory": int(mx.get_peak_memory()), "grad_norm": scalar(norm_arr),
+            "peak_memory": peak_memory(), "grad_norm": scalar(norm_arr),
             "lr": scalar(mx.array(self.optimizer.learning_rate)), "data_position": self.position,
             "epoch": self.position // len(self.train_set),
             "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),

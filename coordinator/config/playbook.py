@@ -324,6 +324,9 @@ class TrainConfig(_Strict):
     # Free MLX's buffer cache after every step (mx.clear_cache, as mlx-lm's trainer does): a lower peak (on an H100,
     # S full 4.3 instead of 8.0 GB) for a slower step (every buffer is allocated again). docs/calibration.md.
     clear_cache: bool = False
+    # A step holds at most its working set x (1 + this): MLX's eval waits for queued work above it, so the run-ahead
+    # that raised our peak above mlx-lm's is bounded without emptying the cache (worker/memory.py). null: unbounded.
+    memory_headroom: Annotated[float, BeforeValidator(to_number), Field(ge=0)] | None = 0.1
     optimizer: Optimizer = "adam"
     # dp: a full replica per rank; pipeline: each node a contiguous range of blocks (docs/strategy.md); fsdp: weights,
     # grads and Adam state sharded across ranks (full fine-tunes only; not run by the worker in this version); auto:

@@ -134,6 +134,7 @@ class BenchSpec:
     lora: tuple[int, float, float] = (8, 20.0, 0.0)  # rank, scale, dropout
     train_embeddings: bool = False
     clear_cache: bool = False
+    memory_headroom: float | None = 0.1  # train.memory_headroom (worker/memory.py); None: unbounded
     world_size: int = 1  # the run's ranks: one takes the step as one compiled graph, several in two
     # Pipeline stages: > 0 times `blocks` transformer blocks alone (plus the embedding and the head) at
     # `micro_batch` rows (`worker.bench --blocks K --micro-batch MB`), so a node that cannot hold the whole model
@@ -175,7 +176,8 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
         "memory_fraction": spec.memory_fraction,
         "batches": [spec.data, spec.mask_prompt, spec.packing, spec.global_batch, spec.seed],
         "step": [spec.optimizer, spec.learning_rate, list(spec.lora), spec.train_embeddings, spec.world_size > 1,
-                 *([True] if spec.clear_cache else [])],  # only when set: the keys of cached curves stay
+                 *([True] if spec.clear_cache else []),  # only when set: the keys of cached curves stay
+                 {"memory_headroom": spec.memory_headroom}],
         # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
         "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
         **({"blocks": [spec.blocks, spec.micro_batch]} if spec.blocks else {}),  # only when set: old keys stay
@@ -209,6 +211,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         "--lora-rank", str(spec.lora[0]), "--lora-scale", f"{spec.lora[1]:g}", "--lora-dropout", f"{spec.lora[2]:g}",
         *(["--train-embeddings"] if spec.train_embeddings else []),
         *(["--clear-cache"] if spec.clear_cache else []),
+        "--memory-headroom", "none" if spec.memory_headroom is None else f"{spec.memory_headroom:g}",
         "--time-budget", f"{time_budget:g}",
         "--one-time-budget", f"{one_time_budget:g}",
         "--max-batch", str(spec.max_batch),

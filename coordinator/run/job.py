@@ -217,7 +217,7 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
                      global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
                      learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
                      train_embeddings=t.train_embeddings, clear_cache=t.clear_cache, env=tuple(sorted(pb.job_env().items())),
-                     world_size=world_size)
+                     world_size=world_size, memory_headroom=t.memory_headroom)
 
 
 async def calibrate_and_plan(

@@ -117,6 +117,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         run_id=run_id, model=pb.model, data=pb.data, method=t.method, iters=t.iters,
         learning_rate=t.learning_rate, optimizer=t.optimizer, max_seq_length=t.max_seq_length,
         grad_accumulation=t.grad_accumulation, grad_checkpoint=t.grad_checkpoint, packing=t.packing, clear_cache=t.clear_cache,
+        memory_headroom=t.memory_headroom,
         train_embeddings=t.train_embeddings, num_layers=t.num_layers,
         lora=LoraSpec(rank=t.lora.rank, scale=t.lora.scale, dropout=t.lora.dropout),
         dpo=DpoSpec(beta=t.dpo.beta, reference=t.dpo.reference, fine_tune_type=t.dpo.fine_tune_type)

@@ -169,6 +169,23 @@ def test_chaos_spec_parses_into_the_workers_record() -> None:
         parse_chaos("kill:rank=2", world_size=2)
 
 
+def test_train_memory_headroom_reaches_the_ranks_run_json_and_defaults_to_the_workers() -> None:
+    from worker.runconfig import DEFAULT_HEADROOM, ConfigError
+
+    ranks = [RankPlan(0, Node(name="mac", host="10.0.0.1"), 2)]
+    plain = load_playbook(PLAYBOOKS[0])
+    assert plain.train.memory_headroom == DEFAULT_HEADROOM
+    assert build_run_config(plain, ranks, "r-1", resume=False).memory_headroom == DEFAULT_HEADROOM
+    for value in (None, 0.25):
+        pb = plain.model_copy(update={"train": plain.train.model_copy(update={"memory_headroom": value})})
+        config = build_run_config(pb, ranks, "r-1", resume=False)
+        assert parse_run_config(json.loads(json.dumps(config.to_json()))).memory_headroom == value
+        assert config.digest() == build_run_config(plain, ranks, "r-1", resume=False).digest()  # not the math
+    with pytest.raises(ConfigError, match="memory_headroom"):
+        parse_run_config({**build_run_config(plain, ranks, "r-1", resume=False).to_json(), "run_dir": "/r",
+                          "memory_headroom": -0.5})
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("kill:rank=0,step=11", "--chaos 'kill:rank=0,step=11': step 11 is never reached: the run trains 10 step(s) "
                             "(train.iters); the drill would run without its fault"),

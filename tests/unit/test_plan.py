@@ -328,7 +328,8 @@ def test_cache_key_is_stable_and_covers_every_input() -> None:
             {"max_batch": 32}, {"memory_fraction": 0.7}, {"env": (("MLX_ENABLE_TF32", "0"),)},
             {"data": "~/data"}, {"packing": "off"}, {"global_batch": 16}, {"seed": 1}, {"optimizer": "sgd"},
             {"learning_rate": 1e-4}, {"lora": (16, 20.0, 0.0)}, {"train_embeddings": True}, {"world_size": 2},
-            {"clear_cache": True}, {"blocks": 2}, {"blocks": 2, "micro_batch": 4})),
+            {"clear_cache": True}, {"memory_headroom": None}, {"memory_headroom": 0.2}, {"blocks": 2},
+            {"blocks": 2, "micro_batch": 4})),
         compute_cache_key("m4max", FP, SPEC, "sha256:abc", "another-worker"),  # a new step is measured again
     ]
     assert key not in variants
@@ -374,8 +375,11 @@ def test_build_bench_argv() -> None:
     assert tail == ["-m", "worker.bench", "--model", "~/models/qwen", "--seq-len", "2048", "--method", "lora",
                     "--num-layers", "16", "--grad-checkpoint", "--seed", "0", "--world-size", "1", "--optimizer", "adam",
                     "--learning-rate", "1e-05", "--lora-rank", "8", "--lora-scale", "20", "--lora-dropout", "0",
-                    "--time-budget", "45", "--one-time-budget", "300", "--max-batch", "64", "--memory-fraction", "0.8"]
+                    "--memory-headroom", "0.1", "--time-budget", "45", "--one-time-budget", "300", "--max-batch", "64",
+                    "--memory-fraction", "0.8"]
     assert "--clear-cache" not in argv and "--clear-cache" in build_bench_argv(node, "/w", replace(SPEC, clear_cache=True), 45.0)
+    unbounded = build_bench_argv(node, "/w", replace(SPEC, memory_headroom=None), 45.0)
+    assert unbounded[unbounded.index("--memory-headroom") + 1] == "none"
     assert "--blocks" not in argv
     blocks = build_bench_argv(node, "/w", replace(SPEC, blocks=2, micro_batch=3), 45.0)
     assert blocks[-4:] == ["--blocks", "2", "--micro-batch", "3"]

@@ -556,3 +556,72 @@ def test_train_step_clear_cache_gives_the_cache_back_after_each_step(tiny: Path,
         assert len(cleared) - before == (1 if clear else 0)
         losses.append(scalar(done.loss))
     assert losses[0] == losses[1] and math.isclose(losses[0], losses[2], rel_tol=1e-5)
+
+
+def test_step_memory_limit_is_the_working_set_plus_headroom() -> None:
+    from worker.memory import batch_size_of, compute_limit
+
+    assert compute_limit(1000, 0.1) == 1100 and compute_limit(1000, 0.0) == 1000
+    assert batch_size_of([mx.zeros((4, 64)), mx.zeros((4, 2))]) == 264 and batch_size_of([]) == 0
+
+
+def test_step_memory_bounds_steps_by_the_working_set_measured_per_larger_shape(tiny: Path) -> None:
+    """`train.memory_headroom`: the first step (and the first of every larger batch shape) runs with nothing in
+    flight and sets MLX's memory limit to its peak x (1 + headroom); a smaller shape measures nothing; the steps'
+    results equal the unbounded ones; the process peak keeps the peaks from before the measuring steps' resets;
+    `release` gives MLX its limit back; no headroom (null) sets nothing."""
+    import mlx.optimizers as optim
+
+    from worker.memory import StepMemory, batch_size_of, compute_limit, peak_memory
+    from worker.objectives import Micro
+    from worker.step import TrainStep
+
+    _, tok = load_tiny(tiny)
+    default_limit = mx.get_memory_limit()
+
+    def micro(n: int, width: int) -> Micro:
+        rows = rows_of(tok, n)
+        weight, tokens = sft_weight(rows, width)
+        return Micro(build_batch(rows, width), weight, weight, tokens, tokens, n)
+
+    small, large = micro(2, 32), micro(4, 64)
+    sizes = {id(small): batch_size_of(small.inputs), id(large): batch_size_of(large.inputs)}
+    assert sizes[id(small)] < sizes[id(large)]
+    losses: dict[float | None, list[float]] = {}
+    for headroom in (None, 0.25):
+        model, _ = load_tiny(tiny)
+        mx.random.seed(0)
+        apply_method(model, "lora", None, LoraSpec(rank=4))
+        opt = optim.Adam(learning_rate=1e-2)
+        opt.init(model.trainable_parameters())
+        memory = StepMemory(headroom)
+        step = TrainStep(model, opt, token_loss_sum, all_sum=lambda x: x, world_size=1, memory=memory)
+        measured = []
+        for batch in (small, small, large, small, large):
+            before = peak_memory()
+            losses.setdefault(headroom, []).append(scalar(step.run(lambda b=batch: [b]).loss))
+            assert peak_memory() >= before  # the resets made here never lower the process's peak
+            measured.append(memory.measured_size)
+            if headroom is not None:
+                assert memory.limit == compute_limit(memory.working_set, headroom) == mx.get_memory_limit()
+        if headroom is None:
+            assert measured == [0] * 5 and mx.get_memory_limit() == default_limit
+        else:
+            s, g = sizes[id(small)], sizes[id(large)]
+            assert measured == [s, s, g, g, g]  # once for the small shape, once more for the larger one
+            assert 0 < memory.working_set <= peak_memory()
+            memory.release()
+            assert mx.get_memory_limit() == default_limit
+    for a, b in zip(losses[None], losses[0.25], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5)
+    # A step that fails while it measures gives MLX its limit back (else every later eval would wait on each op).
+    memory = StepMemory(0.1)
+    failing = TrainStep(model, opt, token_loss_sum, all_sum=lambda x: x, world_size=1, memory=memory)
+
+    def boom(local: Any) -> Any:
+        assert mx.get_memory_limit() == 1  # measuring: nothing in flight
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.run(lambda: [large], after_local=boom)
+    assert mx.get_memory_limit() == default_limit

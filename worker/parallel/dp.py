@@ -37,6 +37,7 @@ from worker.data import load_datasets, rank_slice
 from worker.dpo import load_preference_datasets
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
+from worker.memory import StepMemory
 from worker.modelsetup import apply_method, make_optimizer
 from worker.objectives import DpoObjective, Micro, SftObjective
 from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
@@ -117,7 +118,7 @@ class DataParallel(Strategy):
         if self._step is None:
             self._step = TrainStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
                                    world_size=self.comm.size, stats=bool(self.objective.stats),
-                                   clear_cache=self.config.clear_cache)
+                                   memory=StepMemory(self.config.memory_headroom, self.config.clear_cache))
         return self._step.run(build, after_local=after_local, before_apply=before_apply)
 
     def eval_sums(self, global_rows: Sequence[int]) -> mx.array | None:
