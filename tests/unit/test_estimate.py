@@ -41,3 +41,17 @@ def test_unfused_attention_adds_the_quadratic_scores() -> None:
     fused = estimate_training_memory(shape(), method="lora", batch_per_rank=1, seq_len=4096)
     cpu = estimate_training_memory(shape(), method="lora", batch_per_rank=1, seq_len=4096, fused_attention=False)
     assert cpu.activations - fused.activations == 1 * 32 * 4096 * 4096 * 16  # 1 B x heads x seq^2 x layers
+
+
+def test_a_float32_checkpoint_needs_four_bytes_per_weight_grad_and_moment() -> None:
+    # The worker trains in the checkpoint's dtype and MLX's Adam keeps its moments in it: a float32 model (the
+    # test bed's tiny llama) needs twice a bf16 one's weights, grads and optimizer state.
+    cfg = {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 1000, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2}
+    bf16, fp32 = model_shape(cfg, 10_000), model_shape({**cfg, "torch_dtype": "float32"}, 10_000)
+    assert bf16 is not None and fp32 is not None and (bf16.dtype_bytes, fp32.dtype_bytes) == (2, 4)
+    kw = {"method": "full", "batch_per_rank": 1, "seq_len": 8}
+    a, b = estimate_training_memory(bf16, **kw), estimate_training_memory(fp32, **kw)  # type: ignore[arg-type]
+    assert (a.weights, a.grads, a.optimizer) == (20_000, 20_000, 40_000)
+    assert (b.weights, b.grads, b.optimizer) == (40_000, 40_000, 80_000)
+    assert b.activations == a.activations
