@@ -32,7 +32,7 @@ a tiny llama of hidden --size-hidden that `strategy: dp` fits and the most a pip
 real short `coordinator launch` (--size-iters steps) at that size, and the dp size one block up is launched too and
 must be refused. The figure is the ratio of the two sizes' parameter counts.
 
-    sudo .venv/bin/python benchmarks/bench_pipeline.py --mode size [--caps 700,600,500] [--size-hidden 128]
+    sudo .venv/bin/python benchmarks/bench_pipeline.py --mode size [--caps 700,600,500] [--size-hidden 256]
 
 Needs root (namespaces, sshd, cgroups) and the worker's pipeline strategy (worker/parallel/pipeline). The test bed,
 the cgroups and the temp dir are removed at the end.
@@ -134,9 +134,10 @@ def size_playbook(path: Path, args: argparse.Namespace, strategy: str) -> Path:
     return path
 
 
-def launch(inv: Path, pb: Path, tmp: Path) -> dict[str, Any]:
-    """One `coordinator launch`: its exit code, end state, the plan it ran and its last output lines."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
+def launch(inv: Path, pb: Path, tmp: Path, key: str) -> dict[str, Any]:
+    """One `coordinator launch`: its exit code, end state, the plan it ran and its last output lines. Each launch
+    has its own state dir: a node that crashed in one (a cap's OOM kill) is not quarantined for the next."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / f"state-{key}")}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
                            "--run-dir", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -148,6 +149,8 @@ def launch(inv: Path, pb: Path, tmp: Path) -> dict[str, Any]:
     except ValueError:
         return out
     out["state"] = summary.get("state")
+    out["message"] = summary.get("message")
+    out["incidents"] = [str(i)[:300] for i in summary.get("incidents", [])][:3]
     out["steps"] = max((n.get("step") or 0 for n in summary.get("nodes", [])), default=0)
     out["peaks"] = {n["node"]: n.get("peak_memory_bytes") for n in summary.get("nodes", [])}
     plan_path = tmp / "runs" / str(summary.get("run_id")) / "plan.json"
@@ -238,7 +241,7 @@ def size_main(args: argparse.Namespace, command: str) -> int:
             for key, pb in (("dp", dp_pb), ("dp_next", dp_pb), ("pipeline", pipe_pb)):
                 build(result[key]["layers"])
                 log(f"launch {key}: {result[key]['layers']} blocks")
-                result[key]["launch"] = launch(inv, pb, tmp)
+                result[key]["launch"] = launch(inv, pb, tmp, key)
                 log(json.dumps(result[key]["launch"])[:600])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -280,7 +283,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("speed", "size"), default="speed")
     ap.add_argument("--caps", default="700,600,500", help="size: each host's memory cap in MiB")
-    ap.add_argument("--size-hidden", type=int, default=128)
+    ap.add_argument("--size-hidden", type=int, default=256)
     ap.add_argument("--size-batch", type=int, default=6)
     ap.add_argument("--size-seq-len", type=int, default=64)
     ap.add_argument("--size-micro-batches", type=int, default=3)

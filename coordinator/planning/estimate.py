@@ -196,12 +196,18 @@ def estimate_training_memory(
     )
 
 
+RUNTIME_BYTES = 128 * 2**20
+
+
 def usable_memory(total_bytes: int, *, is_macos: bool) -> int:
     """What a training process can really use. On macOS the GPU may wire only part of unified memory by
     default (about 2/3 up to 36 GB, 3/4 above, unless `iogpu.wired_limit_mb` raises it)."""
     if is_macos:
         return int(total_bytes * (0.67 if total_bytes <= 36 * GiB else 0.75))
-    return int(total_bytes * 0.9)
+    # The training process's own runtime (the interpreter, MLX, mlx_lm and the worker imported: ~80 MiB resident on
+    # Linux x86, python 3.11, mlx 0.32; the tokenizer, data and allocator pools on top) is in none of the estimate's
+    # terms: it binds only under a small limit (a cgroup cap below ~1.3 GiB), where 10% would not cover it.
+    return max(0, min(int(total_bytes * 0.9), total_bytes - RUNTIME_BYTES))
 
 
 def checkpoint_bytes(shape: ModelShape, *, method: str, layers_trained: int | None = None) -> int:

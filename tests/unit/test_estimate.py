@@ -3,7 +3,7 @@ docs/calibration.md). Shapes in, bytes out."""
 
 from __future__ import annotations
 
-from coordinator.planning.estimate import ModelShape, estimate_training_memory, model_shape
+from coordinator.planning.estimate import RUNTIME_BYTES, ModelShape, estimate_training_memory, model_shape, usable_memory
 
 # Llama-3.2-1B-like: 16 layers, hidden 2048, MLP 8192, 32 heads (8 kv), vocab 128256.
 CFG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -55,3 +55,11 @@ def test_a_float32_checkpoint_needs_four_bytes_per_weight_grad_and_moment() -> N
     assert (a.weights, a.grads, a.optimizer) == (20_000, 20_000, 40_000)
     assert (b.weights, b.grads, b.optimizer) == (40_000, 40_000, 80_000)
     assert b.activations == a.activations
+
+
+def test_a_small_linux_limit_leaves_room_for_the_process_runtime() -> None:
+    # 10% of a 500 MiB cgroup cap is less than the interpreter and MLX themselves hold: the budget leaves them out.
+    mib, gib = 2**20, 2**30
+    assert usable_memory(500 * mib, is_macos=False) == 500 * mib - RUNTIME_BYTES
+    assert usable_memory(16 * gib, is_macos=False) == int(16 * gib * 0.9)
+    assert usable_memory(16 * gib, is_macos=True) == int(16 * gib * 0.67)
