@@ -24,6 +24,16 @@ Peak memory: each node's `peak_memory_bytes` in summary.json against its stage's
     sudo .venv/bin/python benchmarks/bench_pipeline.py [--rounds 1] [--micro-batches 8] [--quota-us 40000]
         [--layers 6] [--hidden 128] [--seq-len 128] [--batch 24] [--iters 8] [--warmup-steps 3]
 
+Size (--mode size): the issue's size goal, "the largest model the 3-node capped bed fully fine-tunes is >= 2.5x
+the largest that dp fits there". The three hosts get unequal cgroup v1 memory caps (--caps, MiB; what
+tests/integration/test_pipeline_bed.py sets) and no CPU quota. Their budgets are read by the real probe (the cgroup
+limit fact, `node_budget`), and the planner (`compute_strategy`, memory alone, as preflight) finds the most blocks of
+a tiny llama of hidden --size-hidden that `strategy: dp` fits and the most a pipeline fits. Each is then proved by a
+real short `coordinator launch` (--size-iters steps) at that size, and the dp size one block up is launched too and
+must be refused. The figure is the ratio of the two sizes' parameter counts.
+
+    sudo .venv/bin/python benchmarks/bench_pipeline.py --mode size [--caps 700,600,500] [--size-hidden 256]
+
 Needs root (namespaces, sshd, cgroups) and the worker's pipeline strategy (worker/parallel/pipeline). The test bed,
 the cgroups and the temp dir are removed at the end.
 """
@@ -111,8 +121,183 @@ def run(inv: Path, pb: Path, tmp: Path, warmup: int, *, recalibrate: bool) -> di
             "memory": {n: {"peak": peaks.get(n), "plan": r["need_bytes"]} for n, r in rows.items()}}
 
 
+def size_playbook(path: Path, args: argparse.Namespace, strategy: str) -> Path:
+    """A full fine-tune with few rows per rank and short rows: the weights, grads and Adam state dominate the need."""
+    train: dict[str, Any] = {
+        "method": "full", "strategy": strategy, "iters": args.size_iters, "batch_size": args.size_batch,
+        "max_seq_length": args.size_seq_len, "micro_batches": args.size_micro_batches, "packing": "off",
+        "save_every": 10_000, "steps_per_eval": 10_000, "val_batches": 1, "learning_rate": 1e-4}
+    # No calibration: the size is a matter of memory (the split by speed is the other runs' subject).
+    doc = {"name": path.stem, "kind": "train", "model": "/srv/model", "data": "/srv/data", "train": train,
+           "split": "equal", "faults": {"max_restarts": 0, "consistency_every": 0}, "heartbeat_timeout": 120}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def launch(inv: Path, pb: Path, tmp: Path, key: str) -> dict[str, Any]:
+    """One `coordinator launch`: its exit code, end state, the plan it ran and its last output lines. Each launch
+    has its own state dir: a node that crashed in one (a cap's OOM kill) is not quarantined for the next."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / f"state-{key}")}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                           "--run-dir", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1800, check=False)
+    out: dict[str, Any] = {"rc": proc.returncode, "wall_s": round(time.monotonic() - started, 1),
+                           "tail": (proc.stdout + proc.stderr)[-1500:]}
+    try:
+        summary = json.loads(proc.stdout)
+    except ValueError:
+        return out
+    out["state"] = summary.get("state")
+    out["message"] = summary.get("message")
+    out["incidents"] = [str(i)[:300] for i in summary.get("incidents", [])][:3]
+    out["steps"] = max((n.get("step") or 0 for n in summary.get("nodes", [])), default=0)
+    out["peaks"] = {n["node"]: n.get("peak_memory_bytes") for n in summary.get("nodes", [])}
+    plan_path = tmp / "runs" / str(summary.get("run_id")) / "plan.json"
+    if plan_path.is_file():
+        strategy = json.loads(plan_path.read_text()).get("strategy") or {}
+        out["strategy"] = strategy.get("strategy") or strategy.get("name")
+        out["split"] = [r["last_layer"] - r["first_layer"] for r in strategy.get("rows", [])]
+    return out
+
+
+def largest(requested: str, cfg: dict[str, Any], train: Any, budgets: dict[str, Any], most: int) -> int:
+    """The most blocks (of `cfg`'s model) the planner fits with `requested`; 0 when not even one block fits."""
+    from coordinator.planning.estimate import model_shape
+    from coordinator.planning.strategy import StrategyError, compute_strategy
+
+    def fits(layers: int) -> bool:
+        shape = model_shape({**cfg, "num_hidden_layers": layers}, None)
+        assert shape is not None
+        try:
+            compute_strategy(requested, shape, train, budgets, backend="ring")
+        except StrategyError:
+            return False
+        return True
+
+    # The need grows with the blocks: bisect for the last size that fits.
+    lo, hi = 0, most + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def size_main(args: argparse.Namespace, command: str) -> int:
+    import asyncio
+
+    from coordinator.config.inventory import load_inventory
+    from coordinator.config.playbook import load_playbook
+    from coordinator.planning.estimate import model_shape
+    from coordinator.planning.strategy import node_budget
+    from coordinator.preflight.pipeline import collect
+    from tests.testbed import TestBed, cleanup_stale
+    from worker.tinymodel import build_tiny_model
+
+    caps = [int(c) * 2**20 for c in args.caps.split(",")]
+    cleanup_stale()
+    remove_stale()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-size-"))
+    load_start, started = os.getloadavg(), time.monotonic()
+    result: dict[str, Any] = {"caps_mib": [c // 2**20 for c in caps], "hidden": args.size_hidden}
+    try:
+        write_data(tmp / "data", 120, args.size_seq_len * 2)
+        with TestBed(tmp=tmp / "bed") as bed, HostCgroups(f"{bed.tag}-{os.getpid()}") as cg:
+            hosts = bed.add_hosts(["a", "b", "c"][:len(caps)])
+            inv = bed.write_inventory(tmp / "inv.yaml", hosts)
+
+            def build(layers: int) -> dict[str, Any]:
+                for host in hosts:
+                    shutil.rmtree(host.srv / "model", ignore_errors=True)
+                    build_tiny_model(host.srv / "model", tmp / "data", layers=layers, hidden=args.size_hidden,
+                                     seed=0, max_positions=max(512, args.size_seq_len))
+                    if not (host.srv / "data").exists():
+                        shutil.copytree(tmp / "data", host.srv / "data")
+                cfg: dict[str, Any] = json.loads((hosts[0].srv / "model" / "config.json").read_text())
+                return cfg
+
+            cfg = build(2)
+            for host, cap in zip(hosts, caps, strict=True):
+                assert host.pid is not None
+                cg.place(host.name, host.pid, cpus=None, memory_bytes=cap)
+            dp_pb = size_playbook(tmp / "size-dp.yaml", args, "dp")
+            pipe_pb = size_playbook(tmp / "size-pipeline.yaml", args, "pipeline")
+            # The budgets as launch sees them: the real probe over SSH (each rank inherits its sshd's cgroup).
+            facts = asyncio.run(collect(load_inventory(str(inv)), None)).facts
+            budgets = {h.name: node_budget(facts[h.name]) for h in hosts}
+            assert all(b is not None for b in budgets.values()), budgets
+            result["usable_mib"] = {n: round(b.usable / 2**20) for n, b in budgets.items() if b is not None}
+            train = load_playbook(dp_pb).train
+            dp_layers = largest("dp", cfg, train, budgets, args.size_max_layers)
+            pipe_layers = largest("pipeline", cfg, load_playbook(pipe_pb).train, budgets, args.size_max_layers)
+            if dp_layers == 0 or pipe_layers in (0, args.size_max_layers):
+                raise SystemExit(f"size search out of range: dp {dp_layers}, pipeline {pipe_layers} blocks "
+                                 f"(--size-max-layers {args.size_max_layers})")
+            # --size-scale < 1 launches below the planner's largest (the planner's own sizes OOM'd: see
+            # docs/benchmarks.md); dp one block above its largest is refused by the planner either way.
+            scaled = (max(1, int(dp_layers * args.size_scale)), max(1, int(pipe_layers * args.size_scale)))
+            result["planner_layers"] = {"dp": dp_layers, "pipeline": pipe_layers}
+            for key, layers in (("dp", scaled[0]), ("pipeline", scaled[1]), ("dp_next", dp_layers + 1)):
+                shape = model_shape({**cfg, "num_hidden_layers": layers}, None)
+                assert shape is not None
+                result[key] = {"layers": layers, "params": shape.params}
+            log(f"planner: dp fits {dp_layers} blocks, a pipeline {pipe_layers} (usable {result['usable_mib']} MiB)")
+            for key, pb in (("dp", dp_pb), ("dp_next", dp_pb), ("pipeline", pipe_pb)):
+                build(result[key]["layers"])
+                log(f"launch {key}: {result[key]['layers']} blocks")
+                result[key]["launch"] = launch(inv, pb, tmp, key)
+                log(json.dumps(result[key]["launch"])[:600])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(render_size(result, command, args, load_start, os.getloadavg(), time.monotonic() - started))
+    ok = (result["dp"]["launch"].get("state") == "succeeded" and result["pipeline"]["launch"].get("state") ==
+          "succeeded" and result["dp_next"]["launch"]["rc"] != 0)
+    return 0 if ok else 1
+
+
+def render_size(result: dict[str, Any], command: str, args: argparse.Namespace, load_start: tuple[float, ...],
+                load_end: tuple[float, ...], total_s: float) -> str:
+    lines = ["### Pipeline: the largest full fine-tune on three memory-capped hosts", "", f"Command: `sudo {command}`",
+             "", f"Machine: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}; load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at "
+             f"end; total {total_s:.0f} s. Caps {'/'.join(map(str, result['caps_mib']))} MiB (cgroup v1 "
+             f"memory.limit_in_bytes on each host's sshd), probed usable "
+             f"{'/'.join(str(v) for v in result['usable_mib'].values())} MiB. Tiny llama of hidden {args.size_hidden}, "
+             f"full fine-tune, batch {args.size_batch} x {args.size_seq_len} tokens, {args.size_micro_batches} "
+             f"micro-batches in the pipeline, {args.size_iters} steps.", "",
+             "| run | blocks | parameters | launch | steps | plan | wall |", "|---|---|---|---|---|---|---|"]
+    for key in ("dp", "dp_next", "pipeline"):
+        r = result[key]
+        la = r["launch"]
+        state = la.get("state") or ("refused" if la["rc"] != 0 else "?")
+        plan = la.get("strategy") or "-"
+        if la.get("split"):
+            plan += " " + "/".join(map(str, la["split"]))
+        lines.append(f"| {key} | {r['layers']} | {r['params'] / 1e6:.2f} M | {state} (rc {la['rc']}) | "
+                     f"{la.get('steps', 0)} | {plan} | {la['wall_s']:.0f} s |")
+    ratio = result["pipeline"]["params"] / result["dp"]["params"]
+    planned = result["planner_layers"]
+    lines += ["", f"- Planner's largest: dp {planned['dp']} blocks, pipeline {planned['pipeline']} blocks; launched "
+              f"at {args.size_scale:g} of them."]
+    lines += ["", f"- Size: the largest pipeline / the largest dp = {ratio:.2f}x the parameters "
+              f"({result['pipeline']['layers']} vs {result['dp']['layers']} blocks; goal >= 2.5x)."]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("speed", "size"), default="speed")
+    ap.add_argument("--caps", default="700,600,500", help="size: each host's memory cap in MiB")
+    ap.add_argument("--size-hidden", type=int, default=256)
+    ap.add_argument("--size-batch", type=int, default=6)
+    ap.add_argument("--size-seq-len", type=int, default=64)
+    ap.add_argument("--size-micro-batches", type=int, default=3)
+    ap.add_argument("--size-iters", type=int, default=3)
+    ap.add_argument("--size-max-layers", type=int, default=400)
+    ap.add_argument("--size-scale", type=float, default=1.0,
+                    help="size: launch dp and the pipeline at this share of the planner's largest sizes")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--quota-us", type=int, default=40_000)
@@ -126,6 +311,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     command = shlex.join([".venv/bin/python", "benchmarks/bench_pipeline.py", *sys.argv[1:]])
+    if args.mode == "size":
+        return size_main(args, command)
     from tests.testbed import TestBed, cleanup_stale
     from worker.tinymodel import build_tiny_model
 

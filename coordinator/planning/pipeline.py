@@ -158,14 +158,15 @@ def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int,
     per_block = stage_block_params(shape)
     frozen_params = blocks * per_block + (embed if index == 0 else 0) + (
         embed + shape.hidden if index == stages - 1 else 0)
+    b = shape.dtype_bytes  # the checkpoint's dtype: weights, grads and Adam's two moments are held in it
     if job.kind == "full":
         trainable = trained * per_block
         if job.train_embeddings:
             trainable += (embed if index == 0 else 0) + (embed + shape.hidden if index == stages - 1 else 0)
-        weights, grads, optimizer = 2 * frozen_params, 2 * trainable, 4 * trainable
+        weights, grads, optimizer = b * frozen_params, b * trainable, 2 * b * trainable
     else:
         adapters = shape.lora_params_per_layer(job.lora_rank) * trained
-        weights, grads, optimizer = 2 * frozen_params + 4 * adapters, 4 * adapters, 8 * adapters
+        weights, grads, optimizer = b * frozen_params + 4 * adapters, 4 * adapters, 8 * adapters
     in_flight = min(stages - index, job.micro_batches)
     rows = job.micro_batch_rows
     acts = in_flight * layers_activation_bytes(shape, job.kind, rows, job.seq_len, trained,
@@ -173,7 +174,7 @@ def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int,
     if index == stages - 1:
         acts += logit_bytes(shape, job.kind, rows, job.seq_len)
     return MemoryEstimate(weights=weights, grads=grads, optimizer=optimizer, activations=int(acts),
-                          reference=2 * frozen_params if job.with_reference else 0)
+                          reference=b * frozen_params if job.with_reference else 0)
 
 
 def stage_time(timing: LayerTiming | None, blocks: int, *, index: int, stages: int) -> float:
