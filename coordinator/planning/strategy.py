@@ -257,6 +257,10 @@ class CandidateKind(StrEnum):
 
 
 KIND_ORDER = tuple(CandidateKind)
+# How much faster (predicted) than dp on every node another plan must be for auto to choose it: calibration's own
+# spread between two measurements of one machine is of this order (docs/calibration.md), and a plan that leaves
+# nodes idle or cuts the model across them should not be picked on noise.
+CHOICE_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -286,11 +290,12 @@ class StrategyChoice:
     requested: str
     chosen: Candidate
     candidates: tuple[Candidate, ...]
+    why: str = ""  # why the chosen plan is not the one with the best predicted rate ("" when it is)
 
     def reasons(self) -> list[str]:
-        """One line per candidate, the chosen one first."""
+        """One line per candidate, the chosen one first (then why, when it is not the fastest predicted)."""
         rest = [c for c in self.candidates if c is not self.chosen]
-        return [self.chosen.line(chosen=True), *(c.line(chosen=False) for c in rest)]
+        return [self.chosen.line(chosen=True), *(c.line(chosen=False) for c in rest), *([self.why] if self.why else [])]
 
     def table(self) -> list[tuple[str, ...]]:
         """The chosen plan as a table (header first): node, layers, memory need / budget, predicted stage time
@@ -448,7 +453,15 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
     # The best predicted rate; where none is measured, the preferred kind (ties: the earlier candidate).
     chosen = (max(rated, key=lambda c: c.tokens_per_s or 0.0) if rated
               else min(fitting, key=lambda c: KIND_ORDER.index(c.kind)))
-    return StrategyChoice(requested, chosen, tuple(candidates))
+    why = ""
+    if everyone in rated and chosen is not everyone and \
+            (chosen.tokens_per_s or 0.0) < (everyone.tokens_per_s or 0.0) * (1 + CHOICE_MARGIN):
+        # Leaving nodes idle (or re-cutting the model) on a prediction inside calibration's own noise would make the
+        # plan flip between runs: another plan must beat dp on every node clearly.
+        why = (f"{chosen.label} predicts {chosen.tokens_per_s:,.0f} tokens/s, within {CHOICE_MARGIN:.0%} of dp on "
+               f"every node ({everyone.tokens_per_s:,.0f}): not enough to leave the plan that uses every node")
+        chosen = everyone
+    return StrategyChoice(requested, chosen, tuple(candidates), why)
 
 
 def pipeline_unsupported(train: TrainConfig) -> str:

@@ -504,7 +504,9 @@ def test_model_fails_on_the_node_whose_file_differs(testbed: TestBed, run_cli: R
     assert model["status"] == "fail", out.dump()
     assert model["summary"] == "differs from the majority (a, b): differ: model/model.safetensors"
     assert model["evidence"]["diff"] == {"differ": ["model/model.safetensors"], "missing": [], "extra": []}
-    assert "rsync -a --delete a:/srv/model/ c:/srv/model/" in model["remedy"]
+    # rsync cannot copy between two remote hosts: the remedy runs it on the good node, to the other's address.
+    a, c = testbed.host("a"), testbed.host("c")
+    assert f"ssh root@{a.ip} rsync -a --delete /srv/model/ root@{c.ip}:/srv/model/" in model["remedy"]
     assert f"coordinator sync -i INVENTORY -p {playbook} --from a --limit c" in model["remedy"]
     for name in ("a", "b"):
         assert out.check(name, "model")["summary"].endswith("identical on 2/3 nodes"), out.dump()
@@ -622,7 +624,7 @@ def test_hostile_paths_are_never_run_by_a_shell(testbed: TestBed, run_cli: RunCl
     token = secrets.token_hex(4)
     markers = {k: f"pwned-{token}-{k}" for k in ("model", "data", "python", "home", "workdir", "tmp")}
     model = f"/srv/model; touch /srv/{markers['model']}"
-    data = f"/srv/data$(touch /srv/{markers['data']})"
+    data = f"/srv/data`touch /srv/{markers['data']}`"
     bad_python = f"/srv/$(touch /srv/{markers['python']})/bin/python"
     home_python = f"~/`touch /srv/{markers['home']}`/python"
     workdir = f"/srv/work'; touch /srv/{markers['workdir']}; touch /tmp/{markers['tmp']}; '"
@@ -631,6 +633,12 @@ def test_hostile_paths_are_never_run_by_a_shell(testbed: TestBed, run_cli: RunCl
         prepare_srv(testbed, h)
     inventory = write_inventory(testbed, testbed.tmp / "inv.yaml", hosts, {
         "a": {"python": bad_python}, "b": {"workdir": workdir}, "c": {"python": home_python}})  # fmt: skip
+    # `$(...)` in a dir is refused by the playbook check before anything reaches a node (a `$` is never expanded
+    # there); the other shell syntax goes to the nodes as data.
+    dollar = f"/srv/data$(touch /srv/{markers['data']})"
+    refused = run_cli("preflight", "-i", str(inventory), "-p",
+                      str(write_playbook(testbed.tmp / "dollar.yaml", model=model, data=dollar)))
+    assert refused.returncode == 2 and "environment variables are not expanded" in refused.stderr, refused
     out = preflight(run_cli, inventory, write_playbook(testbed.tmp / "pb.yaml", model=model, data=data))
     assert out.code == 1, out.dump()
     for h in hosts:

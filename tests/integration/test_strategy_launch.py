@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.planning.estimate import usable_memory
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 from worker.tinymodel import build_tiny_model
@@ -91,8 +92,9 @@ def test_capped_nodes_refuse_dp_with_their_cgroup_numbers_and_fit_a_pipeline(tes
     assert strategy["status"] == "fail", strategy
     assert strategy["summary"].startswith("train.strategy dp: dp does not fit ("), strategy
     for name, cap in caps.items():
-        # Each node's usable memory is 0.9 x its cgroup cap, not 0.9 x the machine's RAM.
-        assert re.search(rf"{name}: {0.9 * cap / 2**30:.1f} GiB usable, dp needs ~[\d.]+ GiB", strategy["summary"])
+        # Each node's usable memory comes from its cgroup cap (less the process's runtime), not the machine's RAM.
+        usable = usable_memory(cap, is_macos=False)
+        assert re.search(rf"{name}: {usable / 2**30:.1f} GiB usable, dp needs ~[\d.]+ GiB", strategy["summary"])
     [chosen] = [r for r in json.loads(auto.stdout)["lint"] if r["id"] == "strategy"]
     assert chosen["summary"].startswith("pipeline (chosen by auto): "), chosen
     stages = re.findall(r"(\S+) (\d+) blocks ~([\d.]+) GiB of ([\d.]+) GiB", chosen["summary"])
@@ -101,8 +103,9 @@ def test_capped_nodes_refuse_dp_with_their_cgroup_numbers_and_fit_a_pipeline(tes
 
 
 def test_auto_trains_solo_on_the_node_that_holds_the_model(testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
-    """Two hosts, one capped below a replica's need: preflight warns that it sits the run out (no failure), and
-    launch weighs the plans and trains on the other alone ("solo"), its plan in plan.json."""
+    """Two hosts, one capped below a replica's need, and a job no pipeline runs (`train_embeddings`: the stages
+    would each hold a copy of the tied embedding): preflight warns that the small host sits the run out (no
+    failure), and launch weighs the plans and trains on the other alone ("solo"), its plan in plan.json."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from cgroups import HostCgroups
 
@@ -118,7 +121,7 @@ def test_auto_trains_solo_on_the_node_that_holds_the_model(testbed: TestBed, run
     pb.write_text(yaml.safe_dump({
         "name": "solo", "kind": "train", "model": "/srv/model", "data": "/srv/data",
         "train": {"method": "full", "iters": 2, "batch_size": 8, "max_seq_length": 1024, "save_every": 2,
-                  "steps_per_eval": 100, "val_batches": 1},
+                  "steps_per_eval": 100, "val_batches": 1, "train_embeddings": True},
         "split": "equal"}, sort_keys=False))  # no bench: unmeasured, the fitting plans go in their fixed order
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
     runs = tmp_path / "runs"
