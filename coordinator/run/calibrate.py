@@ -384,8 +384,9 @@ def build_cache_record(key: str, node: str, bench: Mapping[str, Any]) -> dict[st
     return {"schema": CACHE_SCHEMA, "key": key, "node": node, "saved_at": time.time(), "bench": dict(bench)}
 
 
-def parse_cache_record(node: str, key: str, text: str) -> NodeCalibration | None:
-    """A cached calibration, or None when the record is unreadable, from another schema or key (a miss)."""
+def cached_bench(key: str, text: str) -> dict[str, Any] | None:
+    """The bench answer a cache record holds, or None when the record is unreadable, from another schema or key (a
+    miss)."""
     try:
         record = json.loads(text)
     except ValueError:
@@ -393,7 +394,12 @@ def parse_cache_record(node: str, key: str, text: str) -> NodeCalibration | None
     if not isinstance(record, dict) or record.get("schema") != CACHE_SCHEMA or record.get("key") != key:
         return None
     bench = record.get("bench")
-    if not isinstance(bench, dict):
+    return bench if isinstance(bench, dict) else None
+
+
+def parse_cache_record(node: str, key: str, text: str) -> NodeCalibration | None:
+    """A cached calibration, or None (a miss: `cached_bench`, or a bench answer that no longer parses)."""
+    if (bench := cached_bench(key, text)) is None:
         return None
     try:
         return calibration_from_bench(node, bench, cached=True)
@@ -690,14 +696,7 @@ async def calibrate_layers(
 
 def parse_layer_cache_record(node: str, key: str, text: str) -> LayerTiming | None:
     """A cached per-block timing, or None (a miss) as `parse_cache_record`."""
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or record.get("schema") != CACHE_SCHEMA or record.get("key") != key:
-        return None
-    bench = record.get("bench")
-    if not isinstance(bench, dict):
+    if (bench := cached_bench(key, text)) is None:
         return None
     try:
         return layer_timing_from_bench(node, bench)
