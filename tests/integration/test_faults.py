@@ -413,7 +413,10 @@ def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, 
     # The window is a step count here (straggler_min_s 0): how many seconds 30 tiny steps take depends on the
     # machine, and the default 5 s minimum is not what this test is about.
     faults = {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1, "straggler_min_s": 0}
-    pb = write_playbook(tmp_path / "pb.yaml", iters=30, split="calibrated",
+    # dp forced: under auto a calibrated plan on these two hosts (one machine's two cores) may rightly be "solo".
+    train = {"method": "lora", "iters": 30, "batch_size": 6, "learning_rate": 1e-3, "max_seq_length": 64,
+             "save_every": 2, "steps_per_eval": 100, "val_batches": 1, "strategy": "dp"}
+    pb = write_playbook(tmp_path / "pb.yaml", split="calibrated", train=train,
                         calibration={"time_budget": 30, "max_batch": 8}, faults=faults)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
                    "--chaos", "slow:rank=1,step=1,factor=8", env=env, timeout=400)
