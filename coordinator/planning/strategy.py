@@ -46,6 +46,7 @@ from coordinator.planning.pipeline import (
     compute_layer_split,
 )
 from coordinator.planning.plan import NodeCalibration, Plan, PlanError, compute_plan
+from coordinator.units import format_bytes
 
 Strategy = Literal["dp", "pipeline", "fsdp"]
 
@@ -307,7 +308,7 @@ class StrategyChoice:
             rate: float | None = c.tokens_per_s if pipe is not None else (
                 c.dp.node_tokens_per_s(row.node) if c.dp is not None else None)
             out.append((row.node, f"{row.first_layer}-{row.last_layer - 1} ({row.last_layer - row.first_layer})",
-                        f"{_gb(row.need)} / {_gb(row.budget)}",
+                        f"{format_bytes(row.need)} / {format_bytes(row.budget)}",  # a tiny model's need is no 0.0 GiB
                         "-" if row.time_s is None else f"{row.time_s * 1000:,.1f} ms",
                         f"{pipe.bubble:.0%}" if pipe is not None else "-",
                         "-" if rate is None else f"{rate:,.0f}"))
