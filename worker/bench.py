@@ -16,13 +16,16 @@ dataset (`--data`) in the run's order (`worker.data.stream_rows` with the run's 
 the run pads or packs them (`worker.objectives.SftObjective`; packing decided by the same `decide_packing`). Without
 `--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
 
-For batch 1, 2, 4, 8, ... (and finally --max-batch itself): the point's batches are the first CANDIDATES batches
-of that many rows of the run's order; one warm-up step per distinct batch shape (each compiles, a one-time cost),
-then at least 3 timed steps cycling through them (more while they are fast). Rows vary in length, so a step is
-judged per real token: tokens/s = 1 / the first quartile of (step time / real tokens) (noise only ever slows a
-step); rows/s and tokens per row likewise; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
-around the point. A point whose per-token times spread by more than NOISY_SPREAD ((q3 - q1) / median) gets one
-more window of steps; if it is still that noisy it is reported with `noisy: true` (the coordinator says so).
+For batch 1, 2, 4, 8, ... (and finally --max-batch itself), a point samples THE RUN'S STEPS OVER THE DATA
+(`plan_sample`: the run's steps spread over its first epoch, each with the slice of every rank of --world-size),
+groups their batches by shape (a step's time follows its batch's shape, not its real tokens), gives each timed shape
+(`choose_shapes`) one warm-up step (it compiles: a one-time cost) and then timed steps on its own batches (at least
+2 per shape, more while they are fast), and predicts (`predict_point`) the run's mean step time (each step as long
+as its slowest rank's slice) and the rate the run reports: the median over steps of real tokens / step time. A
+shape's time is the first quartile of its steps (noise only ever slows a step). tokens/s = this rank's share of
+that median; rows/s = batch / the mean step; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
+around the point. A point whose steps spread by more than NOISY_SPREAD ((q3 - q1) / median of each step over its
+shape's median) gets one more window of steps; if it is still that noisy it is reported with `noisy: true`.
 
 The sweep stops at the first of: throughput below FALL_RATIO x the best so far at two points in a row (past the
 knee: `throughput_fell`; one low point may be noise, so the next batch is measured too);
@@ -46,7 +49,8 @@ Waiting is charged to the one-time allowance; stdin at its end releases every wa
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
-                "spread", "noisy"}], "best_batch", "packing": [bool, why],
+                "spread", "noisy", "shapes", "timed_shapes", "sampled_steps"}], "best_batch", "packing": [bool, why],
+     "tokens_per_row" (the data's: the run's first FILL_ROWS rows),
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",

@@ -168,3 +168,25 @@ def test_the_plan_predicts_each_points_median_rate_with_the_datas_fill() -> None
     # Without the data's fill (an older bench): the points' mean.
     assert calibration_from_bench("n", bench_output([(1, 500.0, 0.06), (2, 900.0, 0.07)], None)).fill == \
         pytest.approx((31 + 32) / 2 / 128)
+
+
+def test_the_cache_key_changes_when_the_data_does() -> None:
+    """A curve is measured on the data's length distribution, so new rows at the same path are measured again:
+    the launch keys calibration on the manifest of the model AND data dirs (`job.model_digest(facts, ("model",
+    "data"))`), which the probe hashes on every launch, --skip-preflight included."""
+    from coordinator.facts.model import DirHashes, FileHash, NodeFacts
+    from coordinator.run.calibrate import BenchSpec, NodeFingerprint, compute_cache_key
+    from coordinator.run.job import model_digest
+
+    def facts(data_sha: str) -> dict[str, NodeFacts]:
+        model = DirHashes("m", True, (FileHash("model.safetensors", 10, "a" * 64),))
+        data = DirHashes("d", True, (FileHash("train.jsonl", 10, data_sha * 64),))
+        return {"n": NodeFacts(node="n", hashes=(model, data))}
+
+    spec = BenchSpec(model="m", seq_len=128, method="lora", data="d")
+    fingerprint = NodeFingerprint("chip", "id", 1 << 30, 8, None, "os", "0.32.4")
+    keys = {compute_cache_key("n", fingerprint, spec, model_digest(facts(sha), ("model", "data")))
+            for sha in ("b", "c")}
+    assert len(keys) == 2
+    same = {compute_cache_key("n", fingerprint, spec, model_digest(facts("b"), ("model", "data"))) for _ in range(2)}
+    assert len(same) == 1
