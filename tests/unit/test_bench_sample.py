@@ -190,3 +190,38 @@ def test_the_cache_key_changes_when_the_data_does() -> None:
     assert len(keys) == 2
     same = {compute_cache_key("n", fingerprint, spec, model_digest(facts("b"), ("model", "data"))) for _ in range(2)}
     assert len(same) == 1
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_sample_of_steps_predicts_a_bimodal_sets_epoch(packing: bool) -> None:
+    """Generalises beyond the lognormal set: a bimodal one (70% one-line rows, 30% half to full length), 512 steps
+    of 8 rows, padded (a shape per padded width: 6 timed, the others interpolated) or packed. Step time: a fixed
+    cost, one per position and an attention term quadratic in the width (so interpolation is not exact). The
+    point's sample (`plan_sample`: 64 of the 512 steps) predicts the whole epoch's mean step and median rate."""
+    from worker.data import build_batch
+
+    rng = random.Random(11)
+    n, batch, seq = 4096, 8, 512
+    lengths = [rng.randint(8, 64) if rng.random() < 0.7 else rng.randint(256, 512) for _ in range(n)]
+
+    def shape_of(j: int) -> tuple[Shape, int]:
+        rows = [([1] * k, 0) for k in lengths[j:j + batch]]
+        arrays = pack_rows(rows, seq, seq - 1).arrays() if packing else build_batch(rows, seq)
+        return tuple(tuple(a.shape) for a in arrays), sum(min(k, seq) for k in lengths[j:j + batch])
+
+    def seconds(shape: Shape) -> float:
+        rows, width = shape[0]
+        return 0.05 + 1e-5 * rows * width + 2e-8 * rows * width * width
+
+    epoch = [shape_of(j) for j in range(0, n, batch)]
+    sample = [SampledStep((epoch[p // batch][0],), epoch[p // batch][1]) for (p,) in plan_sample(n, batch, batch, 1)]
+    counts: dict[Shape, int] = {}
+    for step in sample:
+        counts[step.shapes[0]] = counts.get(step.shapes[0], 0) + 1
+    timed = {shape: seconds(shape) for shape in choose_shapes(counts)}
+    predicted = predict_point(sample, timed, batch)
+    run_median = statistics.median(tokens / seconds(shape) for shape, tokens in epoch)
+    run_mean = statistics.fmean(seconds(shape) for shape, _ in epoch)
+    assert len(sample) == 64 and (packing or len(counts) > len(timed))
+    assert predicted.median_tokens_per_s == pytest.approx(run_median, rel=0.08)
+    assert predicted.mean_step_s == pytest.approx(run_mean, rel=0.08)
