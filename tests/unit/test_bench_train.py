@@ -141,7 +141,7 @@ def test_rounds_alternate_abba() -> None:
 def test_cells_cross_every_setting_and_ci_keeps_one_two_rank_cell() -> None:
     full = bt.plan_cells(["tiny"], ["long", "variable"], ["lora", "full"], [1, 2])
     assert len(full) == 8 and {c[3] for c in full} == {1, 2}
-    ci = bt.plan_cells(["tiny"], list(bt.SHAPES), ["lora", "full"], [1, 2], ci=True)
+    ci = bt.plan_cells(["tiny"], list(bt.CI_SHAPES), ["lora", "full"], [1, 2], ci=True)
     assert ci == [("tiny", "long", "lora", 1), ("tiny", "long", "full", 1), ("tiny", "short", "lora", 1),
                   ("tiny", "variable", "lora", 1), ("tiny", "variable", "lora", 2)]
 
@@ -203,7 +203,7 @@ def test_ci_form_meets_the_json_contract(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["versions"]["mlx"] and results["versions"]["mlx_lm"] and results["commit"]
     cells = {(c["size"], c["shape"], c["method"], c["ranks"]) for c in results["cells"]}
-    assert cells == set(bt.plan_cells(["tiny"], list(bt.SHAPES), ["lora", "full"], [1, 2], ci=True))
+    assert cells == set(bt.plan_cells(["tiny"], list(bt.CI_SHAPES), ["lora", "full"], [1, 2], ci=True))
     for cell in results["cells"]:
         tools = sorted(r["tool"] for r in cell["runs"])
         assert tools == (["mlx_lm", "ours"] if cell["ranks"] == 1 else ["ours"]), cell["runs"]
