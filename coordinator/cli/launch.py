@@ -128,7 +128,8 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
                       + (f"; resumed from step {resumed['step']}" if resumed else "") + message_note(summary))
         throughput = describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s, steps=summary.steps,
-                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s)
+                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s,
+                                         predicted_compute=summary.predicted_compute_tokens_per_s)
         console.print(f"throughput: {throughput}", markup=False, highlight=False)
         print_incidents(console, summary)
 

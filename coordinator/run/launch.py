@@ -158,12 +158,15 @@ class RunSummary(SummaryBase):
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
+    # The prediction without the gradient exchange, where the prediction holds a measured one (Plan.collective)
+    predicted_compute_tokens_per_s: float | None = None
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
+                "compute_tokens_per_s": self.compute_tokens_per_s,
+                "predicted_compute_tokens_per_s": self.predicted_compute_tokens_per_s, "attempts": self.attempts,
                 "recoveries": self.recoveries, "resumed_from": self.resumed_from}
 
 
@@ -712,7 +715,8 @@ def _which(name: str) -> str | None:
 
 
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
-              predicted_tokens_per_s: float | None = None) -> RunSummary:
+              predicted_tokens_per_s: float | None = None,
+              predicted_compute_tokens_per_s: float | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
     # Each rank's rate and verdict as every view shows them (coordinator.run.replay): the run has ended.
     judged = judge_monitor(mon, now=None, predicted=predicted_tokens_per_s)
@@ -734,7 +738,9 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       run_dir=str(launch.run_dir), message=message, iters=mon.iters,
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
                                               if predicted_tokens_per_s else None),
-                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None)
+                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None,
+                      predicted_compute_tokens_per_s=(round(predicted_compute_tokens_per_s, 2)
+                                                      if predicted_compute_tokens_per_s else None))
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

@@ -124,12 +124,43 @@ class StrategyOut(_Out):
     reasons: list[str]  # one line per candidate, the chosen first
 
 
+class CollectiveOut(_Out):
+    """One exchange of the run's gradients between its ranks (planning.collective.CollectiveCost), measured by a
+    timed all_sum between the nodes during calibration."""
+
+    seconds: float = Field(description="one all_sum of the run's gradient bytes: the median of the timed ones, the "
+                                       "slowest rank's")
+    bytes: int = Field(description="the trainable gradients' bytes plus the loss (what one step all_sums)")
+    ranks: int
+    backend: str
+    source: Literal["measured", "derived"]
+    small_seconds: float | None = Field(description="a one-element all_sum: the exchange's latency term")
+    samples: int
+    nodes: list[str]
+    cached: bool
+    bandwidth_bytes_per_s: float | None = Field(description="the ring model's effective bandwidth read from the "
+                                                            "two sizes (null: latency-bound)")
+    latency_s: float | None = Field(description="the ring model's per-hop latency")
+
+
+class PlanStepOut(_Out):
+    """The predicted step in parts: step = the slowest node's compute + the gradient exchange."""
+
+    predicted_s: float
+    compute_s: float
+    collective: CollectiveOut | None = Field(description="null: no exchange in the prediction (one rank, a fixed "
+                                                         "split, a pipeline, or not measured)")
+    collective_share: float = Field(description="the exchange's share of the predicted step, 0..1")
+
+
 class CalibrateOut(_Out):
     """`calibrate --json` for a training playbook (calibrate.calibration_to_json; plan.json has the same rows).
     `strategy` where the playbook's `train.strategy` (auto, pipeline) was weighed."""
 
     nodes: list[CalibratedNodeOut]
     split: dict[str, float]
+    predicted_tokens_per_s: float = Field(description=_PREDICTED + ", the gradient exchange included")
+    step: PlanStepOut
     units: dict[str, str] = Field(description="the unit of each rate: a node's `tokens_per_s` is real tokens/s, "
                                               "its curve's is padded positions/s")
     strategy: StrategyOut | None = None
@@ -235,7 +266,11 @@ class RunSummaryOut(_SummaryOut):
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
     compute_tokens_per_s: float | None = Field(description=(
         "real tokens/s without the gradient all_sum: the median over steps of the ranks' tokens per second of "
-        "compute (until each enters the collective); what calibration predicts"))
+        "compute (until each enters the collective)"))
+    predicted_compute_tokens_per_s: float | None = Field(default=None, description=(
+        "the prediction without the gradient exchange (the slowest node's calibrated compute), where the "
+        "prediction holds a measured all_sum (docs/calibration.md); null where it has none: one rank, a fixed "
+        "split, or an exchange not measured"))
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None
