@@ -3,11 +3,17 @@ node side's pure parts (worker/collbench.py): values in, values out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
+from coordinator.errors import CoordinatorError
+from coordinator.fleet.transport import Fleet
+from coordinator.models import Connection, Node
 from coordinator.planning.collective import (
     CollectiveCost,
     CollectiveError,
@@ -31,6 +37,8 @@ from coordinator.planning.plan import (
     describe_step,
     with_collective,
 )
+from coordinator.run.calibrate import NodeFingerprint
+from coordinator.run.collective import measure_collective
 from worker.collbench import parse_elements, plan_buckets, samples_for
 
 MB = 1_000_000
@@ -205,3 +213,41 @@ def test_end_of_run_line_holds_the_run_to_the_prediction_with_the_exchange() -> 
     assert "the machine was busier than while calibrating" in busy and "-45% of the 2,000 predicted" in busy
     # without a measured exchange the old words stay: the prediction leaves it out
     assert "which the prediction leaves out" in describe_prediction(900, 2000, steps=30, ranks=2)
+
+
+# --- the measurement over real local ranks --------------------------------------------------------------------------
+
+
+def test_measure_collective_times_the_exchange_between_real_ranks_and_caches_it(tmp_path: Path) -> None:
+    """Two local nodes over a loopback ring: worker.collbench's ranks join, time the run's exchange, rank 0
+    answers; the answer is cached under its key (read back as cached), `recalibrate` measures again, and a backend
+    that cannot be started this way is a value, not an exception."""
+    nodes = [Node(name=n, host="localhost", connection=Connection.LOCAL, python=sys.executable,
+                  workdir=str(tmp_path / n)) for n in ("a", "b")]
+    hostfile = Hostfile("ring", (HostEntry("127.0.0.1", ("127.0.0.1",)), HostEntry("127.0.0.1", ("127.0.0.1",))))
+    fingerprint = NodeFingerprint(chip="test", model_id=None, memory_bytes=1, cpu_count=2, gpu_cores=None,
+                                  os_version="linux", mlx_version="0.32.4")
+    grads = GradientSize((("float32", 1000), ("bfloat16", 10)))
+    said: list[str] = []
+
+    async def go(backend: Hostfile, recalibrate: bool) -> CollectiveCost | CoordinatorError:
+        async with Fleet(nodes) as fleet:
+            await fleet.connect_all()
+            return await measure_collective(fleet, nodes, backend, grads,
+                                            fingerprints={"a": fingerprint, "b": fingerprint}, env={},
+                                            cache_dir=tmp_path / "cache", recalibrate=recalibrate,
+                                            progress=said.append, budget_s=0.2)
+
+    first = asyncio.run(go(hostfile, False))
+    assert isinstance(first, CollectiveCost), first
+    assert (first.source, first.ranks, first.nbytes, first.nodes, first.cached) == (
+        CostSource.MEASURED, 2, 4 * 1001 + 2 * 10, ("a", "b"), False)
+    assert first.samples >= 3 and first.small_s is not None
+    assert any("timing the gradient all_sum (4,024 bytes) between a, b over ring" in s for s in said)
+    assert len(list((tmp_path / "cache").glob("collective-*.json"))) == 1
+    again = asyncio.run(go(hostfile, False))
+    assert isinstance(again, CollectiveCost) and again.cached and again.seconds == first.seconds
+    fresh = asyncio.run(go(hostfile, True))
+    assert isinstance(fresh, CollectiveCost) and not fresh.cached
+    refused = asyncio.run(go(Hostfile("mpi", hostfile.hosts), False))
+    assert isinstance(refused, CollectiveError) and "mpi" in str(refused)
