@@ -160,12 +160,13 @@ class RunSummary(SummaryBase):
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
+    stages: dict[str, Any] | None = None  # the final attempt's stages and memory (coordinator.run.stages.StageView)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
                 "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
-                "recoveries": self.recoveries, "resumed_from": self.resumed_from}
+                "recoveries": self.recoveries, "resumed_from": self.resumed_from, "stages": self.stages}
 
 
 _WRITE_FILES = (
@@ -740,7 +741,8 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       run_dir=str(launch.run_dir), message=message, iters=mon.iters,
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
                                               if predicted_tokens_per_s else None),
-                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None)
+                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None,
+                      stages=judged.stages.to_json())
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

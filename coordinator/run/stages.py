@@ -139,6 +139,28 @@ def parse_run_layout(value: Any) -> RunLayout | None:
                      predicted_bubble=coerce_float(value.get("predicted_bubble")))
 
 
+def recorded_layout(layout: RunLayout | None, ranks: Sequence[tuple[int, str]],
+                    strategy: Mapping[str, Any] | None) -> RunLayout | None:
+    """The attempt's layout as its run directory records it: meta.json's (`layout`), else, for a meta.json written
+    before it had one, rebuilt from plan.json's `strategy` (its `layout` is the worker's, its `rows` the plan's);
+    None when neither says (a dp run: the worker's default)."""
+    if layout is not None:
+        return layout
+    raw = strategy.get("layout") if strategy is not None else None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("kind"), str):
+        return None
+    stages = []
+    listed = raw.get("stages")
+    for s in listed if isinstance(listed, list) else []:
+        if isinstance(s, Mapping) and None not in (rank := coerce_int(s.get("rank")),
+                                                   first := coerce_int(s.get("first_layer")),
+                                                   last := coerce_int(s.get("last_layer"))):
+            stages.append(StageSpec(rank=rank or 0, first_layer=first or 0, last_layer=last or 0))
+    worker = Layout(kind=raw["kind"], stages=tuple(stages), micro_batches=coerce_int(raw.get("micro_batches")) or 1,
+                    schedule=raw["schedule"] if isinstance(raw.get("schedule"), str) else "1f1b")
+    return build_run_layout(worker, ranks, strategy)
+
+
 # --- measurements ---------------------------------------------------------------------------------------------------
 
 
@@ -298,4 +320,4 @@ def build_stage_view(layout: RunLayout | None, fold: StageFold, ranks: Sequence[
 
 
 __all__ = ["STAGE_STEPS", "LayoutRank", "RankMeasured", "RankStage", "RunLayout", "StageFold", "StageView",
-           "build_run_layout", "build_stage_view", "parse_run_layout"]
+           "build_run_layout", "build_stage_view", "parse_run_layout", "recorded_layout"]
