@@ -32,8 +32,8 @@ from coordinator.views.jsonout import validate_output
 from coordinator.views.liveview import build_table, plain_progress_line
 from coordinator.views.report import build_page, build_report, read_run_files
 from coordinator.views.status import build_report as build_status
-from coordinator.views.statuswatch import RunWatcher
 from coordinator.views.statusview import render_run_table, render_status_table
+from coordinator.views.statuswatch import RunWatcher
 from worker.events import parse_event
 from worker.runconfig import Layout, StageSpec
 
