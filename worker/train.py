@@ -343,6 +343,7 @@ class Trainer:
         # Nobody reports (or moves on) before every node's copy is complete.
         self.hb.set(phase=Phase.SYNC)
         self.comm.barrier()
+        self.strategy.checkpoint_done(step)
         self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
                       writer=self.strategy.writer())
         self.last_checkpoint = path

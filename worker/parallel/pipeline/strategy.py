@@ -64,6 +64,7 @@ from worker.parallel.pipeline.shards import (
     build_manifest,
     evaluate_steps,
     plan_recut,
+    prune_other_shards,
     read_shard_names,
     scan_shards,
 )
@@ -307,6 +308,13 @@ class Pipeline(Strategy):
 
     def writer(self) -> int:
         return self.rank
+
+    def checkpoint_done(self, step: int) -> None:
+        """The checkpoint of `step` is complete (every stage passed the barrier after writing its shard): the
+        shards of other stages on this node (a resume's copies, an earlier split's) that the run's retention rule
+        now drops are deleted (`shards.prune_other_shards`); this stage's own were pruned as it wrote."""
+        prune_other_shards(checkpoints_dir(self.config.run_dir), self.checkpoint_root, self.config.keep_checkpoints,
+                           step)
 
     def checkpoint_arrays(self) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         first = self.where.first
