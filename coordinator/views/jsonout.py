@@ -274,6 +274,7 @@ class RunSummaryOut(_SummaryOut):
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None
+    stages: StageViewOut | None = None  # the final attempt's stages and memory against the plan
 
 
 class MapNodeSummaryOut(_Out):
@@ -323,6 +324,38 @@ class DiskOut(_Out):
     free_bytes: int | None
 
 
+class RankStageOut(_Out):
+    """One rank of the stage view (coordinator.run.stages): its stage and layers (None outside a pipeline), the
+    medians of its newest 20 steps and its memory against the plan."""
+
+    rank: int
+    node: str
+    stage: int | None
+    first_layer: int | None
+    last_layer: int | None  # exclusive
+    step_time_s: float | None
+    busy_s: float | None = Field(description="its own computation per step: forwards, backwards, the update")
+    wait_s: float | None = Field(description="blocked on its neighbours per step: transfers, the closing all_sum")
+    busy_share: float | None = Field(description="busy_s / step_time_s (median over its newest steps)")
+    wait_share: float | None = Field(description="wait_s / step_time_s: this stage's bubble")
+    predicted_busy_s: float | None = Field(description="the plan's stage time per micro-batch x micro-batches")
+    peak_memory_bytes: int | None = Field(description="the highest peak memory the rank reported")
+    predicted_memory_bytes: int | None = Field(description="the plan's predicted peak for its node")
+    budget_bytes: int | None = Field(description="its node's memory budget in the plan")
+
+
+class StageViewOut(_Out):
+    """A run's stages and memory against its plan (coordinator.run.stages.StageView), the same in every view."""
+
+    kind: Literal["dp", "pipeline", "fsdp"]
+    micro_batches: int | None
+    schedule: str | None
+    bubble: float | None = Field(description="measured: the stages' mean wait share of a step")
+    predicted_bubble: float | None = Field(description="the plan's (P - 1) / (M + P - 1)")
+    bottleneck: int | None = Field(description="the rank whose stage is busiest per step (paces the pipeline)")
+    ranks: list[RankStageOut]
+
+
 class NodeRunOut(_Out):
     run_id: str
     active: bool
@@ -333,6 +366,7 @@ class NodeRunOut(_Out):
     last_heartbeat_age_s: float | None
     verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
     predicted_tokens_per_s: float | None = Field(description="the run's: " + _PREDICTED)
+    stage: RankStageOut | None  # its rank's row of the run's stage view
 
 
 class QuarantineFlagOut(_Out):
@@ -392,6 +426,7 @@ class RunStatusOut(_Out):
     left_out: list[LeftOutOut]
     tokens_per_s: float | None = Field(description=_RUN_RATE)
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
+    stages: StageViewOut
 
 
 class StatusOut(_Out):
