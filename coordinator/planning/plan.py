@@ -140,6 +140,7 @@ class Plan:
     predicted_tokens_per_s: float
     per_node_step_s: dict[str, float] = field(default_factory=dict)
     fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
+    planned_memory: dict[str, int] = field(default_factory=dict)  # a pipeline stage's predicted peak, per node
 
     def node_tokens_per_s(self, node: str) -> float | None:
         """The rate (real tokens/s) `node` is predicted to run at with its batch (what its share is proportional
@@ -167,7 +168,7 @@ PREDICTION_MIN_STEPS = 3
 
 
 def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
-                        ranks: int = 1, compute: float | None = None) -> str:
+                        ranks: int = 1, compute: float | None = None, pipeline: bool = False) -> str:
     """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, why and
     what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held to the prediction at
     all. `compute` (the run's rate without the gradient all_sum, `Monitor.run_compute_tokens_per_s`) turns the why
@@ -190,6 +191,12 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
     if gap > 0:
         return (text + f": faster than calibration predicted, by more than {tolerance}: the machine was busier while "
                 "calibrating than now; run again with --recalibrate for a split that fits (docs/calibration.md)")
+    if pipeline:
+        # A pipeline's prediction is the schedule simulated on each stage's measured compute and each link's
+        # measured transfer (docs/pipeline.md#prediction): no collective left out, no replica to compare with.
+        return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: the machine was "
+                "busier than while calibrating (other work on it), or a stage runs slower than its blocks did alone. "
+                "Run on a quiet machine, or --recalibrate while it is as busy as it will be (docs/pipeline.md)")
     collective = f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out (calibration " \
                  "times each node's step alone; the collective is not measured yet)"
     compute_gap = prediction_gap(compute, predicted)
