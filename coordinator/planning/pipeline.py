@@ -14,12 +14,15 @@ Memory of a stage (from `estimate`'s per-term model, so dp and pipeline needs ar
   (the first stage the most, the last one); the last stage adds the logits of one micro-batch (its forward of a
   micro-batch is followed at once by that micro-batch's backward).
 
+Memory measured (`LayerMemory`, from `worker.bench --blocks` at the job's micro-batch) replaces the activations
+term: a stage needs its trained blocks x the measured block share, its frozen blocks' weights, its in-flight
+inputs and its end (`measured_stage_bytes`; docs/pipeline.md#prediction).
+
 Time: a stage's time per micro-batch (forward + backward) is its node's measured time per block x its blocks,
-plus the embedding's on the first and the head's (norm, lm_head, loss) on the last. A 1F1B step over M
-micro-batches takes about sum(stage times) + (M - 1) x the slowest stage: the first micro-batch fills the
-pipeline, then the slowest stage paces every later one. With equal stages that is (M + P - 1) x t, idle for the
-bubble (P - 1) / (M + P - 1). Not modelled: the activation transfers between neighbours (mb x seq x hidden bf16
-each way per micro-batch) and the optimizer update (local to each stage, in parallel).
+plus the embedding's on the first and the head's (norm, lm_head, loss) on the last: what the split balances. The
+predicted step is the schedule played on a clock (`pipesim.simulate_step`) over each stage's forward, backward
+and update (`stage_cost`) and each measured link between neighbours (latency, bandwidth, one micro-batch's
+activation each way): with equal stages and free links (M + P - 1) x t, idle for the bubble (P - 1) / (M + P - 1).
 
 The split (`compute_layer_split`) is exact: among the contiguous splits (>= 1 block per stage) that fit every
 stage's budget, the one whose slowest stage is fastest, ties broken by the smallest sum of stage times (the fill).
