@@ -48,6 +48,8 @@ from coordinator.planning.pipesim import FREE_LINK, LinkCost, StageCost, simulat
 from coordinator.planning.plan import NodeCalibration, Plan, PlanError, SplitMode, predicted_step_s
 
 SCHEDULE = "1f1b"
+# The step's batch, which every stage builds whole: token ids and targets (int32) and the scored mask (bool).
+BATCH_BYTES_PER_TOKEN = 4 + 4 + 1
 DEFAULT_MICRO_BATCHES = 8
 
 
@@ -100,12 +102,16 @@ class LayerTiming:
 @dataclass(frozen=True)
 class LayerMemory:
     """What `worker.bench --blocks` measured of memory at `micro_batch` rows (bytes, MLX's count of its arrays, as
-    a run's `peak_memory`): a trained block's share of a stage's step peak (its weights, gradient sum, optimizer
-    state, the update and one backward's working set), one micro-batch's activation, and what the first stage
-    (the embedding) and the last (final norm, head, logits and their gradient) add."""
+    a run's `peak_memory`), per trained block: what it holds throughout (weights, optimizer state), what a step's
+    backward phase adds at its peak (working set, gradient sum, the input gradient sent) and what its update adds
+    (scaled gradients, new parameters and moments beside the old); one micro-batch's activation; the embedding's
+    weights (the first stage's) and the head's peak over a loss backward (the last stage's: weights, logits and
+    their gradient)."""
 
     micro_batch: int
     block_bytes: int
+    backward_bytes: int
+    update_bytes: int
     input_bytes: int
     embed_bytes: int
     head_bytes: int
@@ -193,15 +199,23 @@ def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int,
 
 def measured_stage_bytes(job: PipelineJob, measured: LayerMemory, first: int, last: int, *, index: int,
                          stages: int) -> int:
-    """A stage's peak from its node's measurement: each trained block's measured share, each frozen block's
-    weights (bf16 or the checkpoint's dtype), the inputs of the micro-batches it holds in flight under 1F1B, and
-    the embedding (first stage) or the head's peak (last stage)."""
+    """A stage's peak from its node's measurement: what it holds throughout (each trained block's measured bytes,
+    each frozen block's weights in the checkpoint's dtype, the embedding on the first stage, the head's weights on
+    the last, the step's batch) plus the larger of its two phases: the backward (each trained block's measured
+    working set, the inputs of the micro-batches it holds in flight under 1F1B and the gradient it received, the
+    head's logits on the last stage) and the update (each trained block's measured update)."""
     trained = max(0, last - max(first, job.trained_from))
     frozen = (last - first) - trained
-    in_flight = min(stages - index, job.micro_batches)
-    return (trained * measured.block_bytes + frozen * job.shape.dtype_bytes * stage_block_params(job.shape)
-            + in_flight * measured.input_bytes + (measured.embed_bytes if index == 0 else 0)
-            + (measured.head_bytes if index == stages - 1 else 0))
+    is_last = index == stages - 1
+    head_weights = measured.embed_bytes  # the head is vocab x hidden, as the embedding (or it is the embedding)
+    held = (trained * measured.block_bytes + frozen * job.shape.dtype_bytes * stage_block_params(job.shape)
+            + (measured.embed_bytes if index == 0 else 0) + (head_weights if is_last else 0)
+            + job.global_batch * job.rows_per_example * job.seq_len * BATCH_BYTES_PER_TOKEN)
+    # In its backward a stage holds its pending inputs, and (but the last) the gradient it received.
+    activations = (min(stages - index, job.micro_batches) + (0 if is_last else 1)) * measured.input_bytes
+    backward = (trained * measured.backward_bytes + activations
+                + (max(0, measured.head_bytes - head_weights) if is_last else 0))
+    return held + max(backward, trained * measured.update_bytes)
 
 
 def _estimated_stage_memory(job: PipelineJob, first: int, last: int, *, index: int, stages: int,

@@ -303,10 +303,10 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
 def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
     `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
-    "update_s": s, "block_bytes": B, "input_bytes": B, "embed_bytes": B, "head_bytes": B, ...}`: seconds per
-    micro-batch, forward + backward (`block_s` per block of a stage that recomputes its forward in the backward,
-    `block_fused_s` per block of the last stage), the update per block, and the memory `LayerMemory` holds (the
-    last five optional: an older worker's answer has none). Raises
+    "update_s": s, "block_bytes": B, "backward_bytes": B, "update_bytes": B, "input_bytes": B, "embed_bytes": B,
+    "head_bytes": B, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage), the update per block,
+    and the memory `LayerMemory` holds (the last seven optional: an older worker's answer has none). Raises
     CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
     if "error" in obj:
         raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
@@ -318,7 +318,8 @@ def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     fused = _number(node, obj, "block_fused_s", optional=True)
     update = _number(node, obj, "update_s", optional=True)
     # Memory (an older worker's answer has none: the planner's estimate then stands).
-    sizes = [_number(node, obj, k, optional=True) for k in ("block_bytes", "input_bytes", "embed_bytes", "head_bytes")]
+    sizes = [_number(node, obj, k, optional=True) for k in ("block_bytes", "backward_bytes", "update_bytes",
+                                                              "input_bytes", "embed_bytes", "head_bytes")]
     known = [int(v) for v in sizes if v is not None]
     memory = LayerMemory(int(micro), *known) if len(known) == len(sizes) else None
     try:

@@ -251,7 +251,11 @@ async def calibrate_and_plan(
         # A pipeline is weighed with a node that cannot run the whole model, or forced: every node is timed per
         # block, the same way (a curve's share per block folds the head and optimizer in: it would not compare),
         # and the links between ring neighbours are measured (the activations cross them).
-        timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+        measured = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+        if len(measured) == len(inv.nodes) or len(timings) < len(inv.nodes):
+            timings = measured
+        else:  # a node's bench failed: every node's curve still times the blocks the same way
+            ui.message("the pipeline is timed by the nodes' whole-model curves (a coarser stand-in)")
         links = await _time_links(fleet, inv, ui)
     fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
     choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,

@@ -345,32 +345,40 @@ def test_the_prediction_simulates_each_stages_measured_pieces_and_the_link() -> 
     assert free.link_s == (None,) and free.step_s is not None and free.step_s < plan.step_s
 
 
-def test_a_measured_stage_memory_is_its_blocks_in_flight_inputs_and_ends() -> None:
-    block, act = 3 * GiB, 64 * 2**20
-    measured = LayerMemory(micro_batch=2, block_bytes=block, input_bytes=act, embed_bytes=GiB // 2,
-                           head_bytes=GiB)
+def test_a_measured_stage_memory_is_what_it_holds_and_its_larger_phase() -> None:
+    held, backward, update, act = 3 * GiB, 2 * GiB, 4 * GiB, 512 * 2**20
+    measured = LayerMemory(micro_batch=2, block_bytes=held, backward_bytes=backward, update_bytes=update,
+                           input_bytes=act, embed_bytes=GiB // 2, head_bytes=2 * GiB)
     first = compute_stage_memory(FULL, 0, 4, index=0, stages=3, measured=measured)
     middle = compute_stage_memory(FULL, 4, 8, index=1, stages=3, measured=measured)
     last = compute_stage_memory(FULL, 8, 12, index=2, stages=3, measured=measured)
-    # 1F1B: stage i holds min(P - i, M) inputs (M = 4).
-    assert first.total == 4 * block + 3 * act + GiB // 2
-    assert middle.total == 4 * block + 2 * act
-    assert last.total == 4 * block + act + GiB
+    # 1F1B: stage i holds min(P - i, M) inputs (M = 4) in its backward phase; here every stage's update
+    # (4 x 4 GiB) outweighs it.
+    # Every stage holds the step's batch (8 rows x 512 tokens: int32 ids and targets, a bool mask).
+    batch = 8 * 512 * 9
+    assert first.total == 4 * held + GiB // 2 + batch + max(4 * backward + 3 * act, 4 * update)
+    assert middle.total == 4 * held + batch + max(4 * backward + 2 * act, 4 * update)
+    # The last holds the head's weights (an embedding's size) and adds its logits to the backward.
+    assert last.total == 4 * held + GiB // 2 + batch + max(4 * backward + act + (2 * GiB - GiB // 2), 4 * update)
+    # Where the backward is the larger phase: the pending inputs, and (but on the last stage) the gradient received.
+    small_update = LayerMemory(2, held, backward, 0, act, GiB // 2, 2 * GiB)
+    assert compute_stage_memory(FULL, 4, 8, index=1, stages=3, measured=small_update).total == \
+        4 * held + batch + 4 * backward + (2 + 1) * act
     # The parameter terms stay the model's (the rest is the measured working set).
     assert first.weights == compute_stage_memory(FULL, 0, 4, index=0, stages=3).weights
     # A measurement at another micro-batch does not describe this job: the estimate stands.
-    other = LayerMemory(3, block, act, 0, 0)
+    other = LayerMemory(3, held, backward, update, act, 0, 0)
     assert compute_stage_memory(FULL, 0, 4, index=0, stages=3, measured=other) == \
         compute_stage_memory(FULL, 0, 4, index=0, stages=3)
     # Frozen blocks (LoRA on the last 6 only) hold their weights alone.
     lora = PipelineJob(SHAPE, "lora", seq_len=512, global_batch=8, micro_batches=4, trained_from=6)
-    mixed = compute_stage_memory(lora, 4, 8, index=1, stages=3, measured=measured)
-    assert mixed.total == 2 * block + 2 * 2 * stage_block_params(SHAPE) + 2 * act
+    mixed = compute_stage_memory(lora, 4, 8, index=1, stages=3, measured=small_update)
+    assert mixed.total == 2 * held + 2 * 2 * stage_block_params(SHAPE) + batch + 2 * backward + 3 * act
 
 
 def test_the_split_fits_the_measured_memory() -> None:
     # The estimate would fit 6 blocks per node; measured blocks of 40 GiB fit 2 in 100 GiB.
-    measured = LayerMemory(2, 40 * GiB, 0, 0, 0)
+    measured = LayerMemory(2, 40 * GiB, 0, 0, 0, 0, 0)
     nodes = [StageNode(n, 100 * GiB, LayerTiming(n, 2, 0.1, memory=measured)) for n in "ab"]
     with pytest.raises(PlanError, match="holds at most 2 block"):
         compute_layer_split(FULL, nodes)

@@ -498,9 +498,11 @@ def test_per_block_timing_from_the_bench_and_its_cache() -> None:
     fused = layer_timing_from_bench("max", {**obj, "block_fused_s": 0.075})
     assert fused.last_layer_s == 0.075
     # The update and the memory the bench measured (an older worker's answer, above, has neither).
-    sizes = {"update_s": 0.002, "block_bytes": 9 * 2**20, "input_bytes": 2**18, "embed_bytes": 2**17, "head_bytes": 2**21}
+    sizes = {"update_s": 0.002, "block_bytes": 9 * 2**20, "backward_bytes": 5 * 2**20, "update_bytes": 3 * 2**20,
+             "input_bytes": 2**18, "embed_bytes": 2**17, "head_bytes": 2**21}
     full = layer_timing_from_bench("max", {**obj, **sizes})
-    assert full.update_s == 0.002 and full.memory == LayerMemory(4, 9 * 2**20, 2**18, 2**17, 2**21)
+    assert full.update_s == 0.002
+    assert full.memory == LayerMemory(4, 9 * 2**20, 5 * 2**20, 3 * 2**20, 2**18, 2**17, 2**21)
     assert layer_timing_from_bench("max", {**obj, "block_bytes": 1}).memory is None  # partial: not used
     with pytest.raises(CalibrationError, match="'input_bytes' is not a number"):
         layer_timing_from_bench("max", {**obj, **sizes, "input_bytes": "big"})

@@ -14,11 +14,13 @@ token ids: a block's cost does not depend on the values):
 Each is the first quartile of its timed repetitions (noise only ever slows a call), after one warm-up call (the
 one-time compile of a new shape).
 
-Memory (bytes, MLX's own count of its arrays, as the worker's `peak_memory`):
-* `peak_memory`: the peak of a stage of the K blocks over a step of two micro-batches: their weights and optimizer
-  state, the micro-batches' inputs, each backward (its working set) with the gradient sum beside it, then the
-  scaled sum and the update (old and new parameters and moments at once);
-* `block_bytes`: that peak less the micro-batches' inputs and output gradient, per block;
+Memory (bytes, MLX's own count of its arrays, as the worker's `peak_memory`), of a stage of the K blocks over a
+step of two micro-batches (both inputs held, each backward with the gradient sum beside it, then the update):
+* `peak_memory`: that step's peak;
+* `block_bytes`: what a trained block holds throughout (its weights and optimizer state), per block;
+* `backward_bytes`: what the backward phase adds at its peak (the working set, the gradient sum, the input
+  gradient sent), per block; `update_bytes`: what the update adds at its peak (the scaled gradients, new
+  parameters and moments beside the old, the gradient sum still held), per block;
 * `input_bytes`: one micro-batch's activation (MB x (seq_len - 1) x hidden in the stage's dtype), what a
   stage holds per pending micro-batch and sends to its neighbour;
 * `embed_bytes`: the embedding's weights (the first stage's); `head_bytes`: the last stage's end alone (final
@@ -91,15 +93,16 @@ def measure_blocks(model_dir: Path, *, blocks: int, micro_batch: int, seq_len: i
     forward_s, _ = _timed(lambda: stage.forward(x, chunk), window, clock)
     backward_s, repeats = _timed(lambda: stage.backward(x, chunk, dy), window, clock)
     update_s = _time_update(stage, opt, stage.backward(x, chunk, dy)[0], window, clock)
-    peak, inputs_bytes = _step_peak(stage, opt, chunk, width, micro_batch)
-    inputs_bytes += int(x.nbytes) + int(dy.nbytes)  # the timing's own activations, still held
+    state = weights_bytes + sum(int(v.nbytes) for v in flatten(opt.state).values())
+    peak, backward, update = _step_peak(stage, opt, chunk, width, micro_batch)
     return {
         "blocks": blocks, "micro_batch": micro_batch, "seq_len": seq_len,
         "block_s": (forward_s + backward_s) / blocks, "block_fused_s": backward_s / blocks,
         "embed_s": embed_s, "head_s": head_s, "update_s": update_s / blocks, "peak_memory": peak,
-        "block_bytes": max(0, peak - inputs_bytes) // blocks, "input_bytes": int(x.nbytes),
-        "embed_bytes": embed_bytes, "head_bytes": head_bytes, "blocks_weight_bytes": weights_bytes,
-        "model_layers": probe_total, "timed_layers": [probe_total - blocks, probe_total], "method": method,
+        "block_bytes": state // blocks, "backward_bytes": backward // blocks, "update_bytes": update // blocks,
+        "input_bytes": int(x.nbytes), "embed_bytes": embed_bytes, "head_bytes": head_bytes,
+        "blocks_weight_bytes": weights_bytes, "model_layers": probe_total,
+        "timed_layers": [probe_total - blocks, probe_total], "method": method,
         "num_layers": count, "dtype": str(stage.dtype), "hidden": stage.hidden, "repeats": repeats,
     }
 
@@ -111,28 +114,38 @@ def _time_update(stage: Stage, opt: Any, grads: Any, window: float, clock: Calla
 
 
 def _update(stage: Stage, opt: Any, grads: Any) -> list[Any]:
-    """A stage's update (`Pipeline.step`): the gradient sum scaled in float32 and cast back, then the optimizer."""
+    """A stage's update as `Pipeline.step` runs it: the gradient sum scaled in float32 and cast back, the scaled
+    gradient's squared norm (for the step event), the optimizer; all evaluated together."""
     inverse = mx.array(0.5, mx.float32)
-    opt.update(stage.model, tree_map(lambda g: (g.astype(mx.float32) * inverse).astype(g.dtype), grads))
-    return [stage.model.parameters(), opt.state]
+    scaled = tree_map(lambda g: (g.astype(mx.float32) * inverse).astype(g.dtype), grads)
+    square = sum((mx.sum(mx.square(g.astype(mx.float32))) for g in flatten(scaled).values()), mx.array(0.0))
+    opt.update(stage.model, scaled)
+    return [stage.model.parameters(), opt.state, square]
 
 
-def _step_peak(stage: Stage, opt: Any, chunk: Chunk, width: int, rows: int) -> tuple[int, int]:
-    """(the peak of a step of two micro-batches as a middle stage runs it, the bytes of its inputs and output
-    gradients): both inputs held, each backward evaluated with the gradient sum, then the update."""
+def _step_peak(stage: Stage, opt: Any, chunk: Chunk, width: int, rows: int) -> tuple[int, int, int]:
+    """(the peak of a step of two micro-batches as a middle stage runs it, what its backward phase adds to the
+    memory held before it, what its update adds): both inputs held, each backward evaluated with the gradient sum
+    beside it (and the input gradient it sends), then the update (`_update`: old and new parameters and moments
+    at once, the gradient sum still held)."""
     xs = [mx.random.normal((rows, width, stage.hidden)).astype(stage.dtype) for _ in range(2)]
     dy = mx.random.normal((rows, width, stage.hidden)).astype(stage.dtype)
     mx.eval(xs, dy)
-    inputs_bytes = sum(int(a.nbytes) for a in (*xs, dy))
     mx.clear_cache()
+    before = int(mx.get_active_memory())
     mx.reset_peak_memory()
     total: Any = None
     for x in xs:
         g, dx = stage.backward(x, chunk, dy)
         total = g if total is None else tree_map(lambda a, b: a + b, total, g)
         mx.eval(total, *([dx] if dx is not None else []))
+        del g, dx
+    backward = int(mx.get_peak_memory())
+    mx.clear_cache()
+    mx.reset_peak_memory()
     mx.eval(_update(stage, opt, total))
-    return int(mx.get_peak_memory()), inputs_bytes
+    update = int(mx.get_peak_memory())
+    return max(backward, update), max(0, backward - before), max(0, update - before)
 
 
 def _ends(model_dir: Path, total: int, rows: int, width: int, vocab: int, common: dict[str, Any], window: float,
