@@ -11,8 +11,10 @@ token ids: a block's cost does not depend on the values):
 * `head_s`: the last stage's final norm, lm_head and loss, forward and backward (to the input gradient);
 * `update_s`: the optimizer update of the K blocks' trainable parameters, per block (as a stage applies it: the
   gradient sum scaled in float32, then the update).
-Each is the first quartile of its timed repetitions (noise only ever slows a call), after one warm-up call (the
-one-time compile of a new shape).
+Each is the mean of its timed repetitions, after one warm-up call (the one-time compile of a new shape): a step
+is the sum of many such calls, whose expected time is the sum of their means, every disturbance included (a
+first quartile, the dp curve's statistic, picks the undisturbed calls: on the capped test bed it predicted 24%
+above the run).
 
 Memory (bytes, MLX's own count of its arrays, as the worker's `peak_memory`), of a stage of the K blocks over a
 step of two micro-batches (both inputs held, each backward with the gradient sum beside it, then the update):
@@ -46,7 +48,7 @@ MAX_REPEATS = 50
 
 
 def _timed(fn: Callable[[], Any], window: float, clock: Callable[[], float]) -> tuple[float, int]:
-    """(first quartile of the call's seconds, calls timed): one warm-up call, then at least MIN_REPEATS calls and
+    """(mean of the call's seconds, calls timed): one warm-up call, then at least MIN_REPEATS calls and
     more until `window` seconds were timed (at most MAX_REPEATS)."""
     mx.eval(fn())
     times: list[float] = []
@@ -54,7 +56,7 @@ def _timed(fn: Callable[[], Any], window: float, clock: Callable[[], float]) -> 
         tic = clock()
         mx.eval(fn())
         times.append(clock() - tic)
-    return sorted(times)[(len(times) - 1) // 4], len(times)
+    return sum(times) / len(times), len(times)
 
 
 def _chunk(stage: Stage, rows: int, width: int, vocab: int) -> Chunk:
