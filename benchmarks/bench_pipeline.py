@@ -87,7 +87,7 @@ def write_playbook(path: Path, args: argparse.Namespace, *, micro_batches: int, 
     if split is not None:
         train["layer_split"] = split
     doc = {"name": path.stem, "kind": "train", "model": "/srv/model", "data": "/srv/data", "train": train,
-           "calibration": {"time_budget": 60}, "faults": {"max_restarts": 0, "consistency_every": 0},
+           "calibration": {"time_budget": 120}, "faults": {"max_restarts": 0, "consistency_every": 0},
            "heartbeat_timeout": 60}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
