@@ -57,12 +57,17 @@ Output: ONE JSON object on stdout (progress lines go to stderr):
 Per-block mode (`--blocks K --micro-batch MB`, for the pipeline planner): instead of the curve, K transformer
 blocks loaded alone as a pipeline stage loads them (so a node that cannot hold the whole model is measured too),
 timed at MB rows per micro-batch (`worker.parallel.pipeline.measure`); ONE JSON object
-    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "peak_memory",
-     "blocks_weight_bytes", "model_layers", "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
+    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "update_s", "peak_memory",
+     "block_bytes", "backward_bytes", "update_bytes", "input_bytes", "embed_bytes", "head_bytes",
+     "blocks_weight_bytes", "model_layers",
+     "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
      "repeats", "matmul_gflops", "matmul_dtype", "device", "memory_limit", "mlx_version", "mlx_lm_version",
      "one_time_s", "seconds"}
 seconds per micro-batch: `block_s` per block as a non-last stage runs it (forward, then the vjp that recomputes
-it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds.
+it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds,
+`update_s` the optimizer update per block; bytes per block: `block_bytes` held throughout (weights, optimizer
+state), `backward_bytes` / `update_bytes` what the backward / update phase adds at its peak; `input_bytes` one
+micro-batch's activation, `embed_bytes` / `head_bytes` what the first / last stage adds.
 
 Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread holds each
 clock to its allowance: when one is spent while the main thread is still busy (a step, a load), the watchdog prints

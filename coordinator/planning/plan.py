@@ -143,6 +143,7 @@ class Plan:
     predicted_tokens_per_s: float
     per_node_step_s: dict[str, float] = field(default_factory=dict)
     fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
+    planned_memory: dict[str, int] = field(default_factory=dict)  # a pipeline stage's predicted peak, per node
     collective: CollectiveCost | None = None  # the gradient all_sum in predicted_step_s (None: left out)
 
     @property
@@ -190,7 +191,7 @@ PREDICTION_MIN_STEPS = 3
 
 def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
                         ranks: int = 1, compute: float | None = None,
-                        predicted_compute: float | None = None) -> str:
+                        predicted_compute: float | None = None, pipeline: bool = False) -> str:
     """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, why and
     what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held to the prediction at
     all. `compute` (the run's rate without the gradient all_sum, `Monitor.run_compute_tokens_per_s`) turns the why
@@ -217,6 +218,12 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
     if gap > 0:
         return (text + f": faster than calibration predicted, by more than {tolerance}: the machine was busier while "
                 "calibrating than now; run again with --recalibrate for a split that fits (docs/calibration.md)")
+    if pipeline:
+        # A pipeline's prediction is the schedule simulated on each stage's measured compute and each link's
+        # measured transfer (docs/pipeline.md#prediction): no collective left out, no replica to compare with.
+        return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: the machine was "
+                "busier than while calibrating (other work on it), or a stage runs slower than its blocks did alone. "
+                "Run on a quiet machine, or --recalibrate while it is as busy as it will be (docs/pipeline.md)")
     if included and predicted_compute is not None:
         why = f"slower than calibration predicted ({exchange}, included)"
         compute_gap = prediction_gap(compute, predicted_compute)

@@ -41,7 +41,7 @@ from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, mer
 from coordinator.models import Node
 from coordinator.planning.collective import parse_gradient_size
 from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
-from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.pipeline import LayerMemory, LayerTiming, TimingSource
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
 from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
@@ -305,8 +305,10 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
 def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
     `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
-    "peak_memory": bytes, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
-    recomputes its forward in the backward, `block_fused_s` per block of the last stage, optional). Raises
+    "update_s": s, "block_bytes": B, "backward_bytes": B, "update_bytes": B, "input_bytes": B, "embed_bytes": B,
+    "head_bytes": B, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage), the update per block,
+    and the memory `LayerMemory` holds (the last seven optional: an older worker's answer has none). Raises
     CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
     if "error" in obj:
         raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
@@ -316,8 +318,15 @@ def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     block_s, embed_s, head_s, micro = (_number(node, obj, k) for k in ("block_s", "embed_s", "head_s", "micro_batch"))
     assert block_s is not None and embed_s is not None and head_s is not None and micro is not None
     fused = _number(node, obj, "block_fused_s", optional=True)
+    update = _number(node, obj, "update_s", optional=True)
+    # Memory (an older worker's answer has none: the planner's estimate then stands).
+    sizes = [_number(node, obj, k, optional=True) for k in ("block_bytes", "backward_bytes", "update_bytes",
+                                                              "input_bytes", "embed_bytes", "head_bytes")]
+    known = [int(v) for v in sizes if v is not None]
+    memory = LayerMemory(int(micro), *known) if len(known) == len(sizes) else None
     try:
-        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused)
+        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused,
+                           update_s=update or 0.0, memory=memory)
     except PlanError as exc:
         raise CalibrationError(node, f"bench result is not a usable timing: {exc}") from exc
 

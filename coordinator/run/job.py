@@ -33,6 +33,7 @@ from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
 from coordinator.planning.pipeline import LayerTiming, timing_from_curve
+from coordinator.planning.pipesim import LinkCost
 from coordinator.planning.plan import (
     NodeCalibration,
     Plan,
@@ -253,13 +254,21 @@ async def calibrate_and_plan(
     micro = -(-t.batch_size // t.pipeline_micro_batches)  # examples per micro-batch
     timings: dict[str, LayerTiming] = {n: timing_from_curve(c, shape.layers, micro, t.max_seq_length)
                                        for n, c in cals.items()}
-    if len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
-            and backend not in NO_SEND_RECV_BACKENDS:
-        # A pipeline is weighed with a node that cannot run the whole model: every node is timed per block, the
-        # same way (a curve's share per block folds the head and optimizer in: it would not compare).
-        timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+    links: dict[tuple[str, str], LinkCost] = {}
+    if (len(replica) < len(inv.nodes) or t.strategy == "pipeline") and len(inv.nodes) > 1 \
+            and pb.split == "calibrated" and backend not in NO_SEND_RECV_BACKENDS:
+        # A pipeline is weighed with a node that cannot run the whole model, or forced: every node is timed per
+        # block, the same way (a curve's share per block folds the head and optimizer in: it would not compare),
+        # and the links between ring neighbours are measured (the activations cross them).
+        measured = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+        if len(measured) == len(inv.nodes) or len(timings) < len(inv.nodes):
+            timings = measured
+        else:  # a node's bench failed: every node's curve still times the blocks the same way
+            ui.message("the pipeline is timed by the nodes' whole-model curves (a coarser stand-in)")
+        links = await _time_links(fleet, inv, ui)
     fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
-    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split)
+    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,
+                                     links=links)
     for line in [f"strategy {t.strategy}: {choice.chosen.label}", *format_table(choice.table()),
                  *choice.reasons()]:
         ui.message(line)
@@ -294,6 +303,22 @@ async def _time_blocks(fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mappin
             out[name] = result
         else:
             ui.message(f"{name}: not timed per block ({result}): the pipeline's split balances blocks by memory")
+    return out
+
+
+async def _time_links(fleet: Fleet, inv: Inventory, ui: JobUI) -> dict[tuple[str, str], LinkCost]:
+    """The latency (half the median round trip) and bandwidth (the slower direction) between ring neighbours
+    (`nettestrun.measure_links`); a pair that fails is left out (the prediction then counts that link free), said."""
+    from coordinator.fleet.nettestrun import measure_links
+
+    pairs = list(zip(inv.nodes, inv.nodes[1:], strict=False))
+    out: dict[tuple[str, str], LinkCost] = {}
+    for (a, b), got in (await measure_links(fleet, pairs)).items():
+        if isinstance(got, CoordinatorError):
+            ui.message(f"link {a} - {b} not measured ({got}): the pipeline's prediction counts it free")
+            continue
+        out[(a, b)] = LinkCost(got.rtt_ms / 2000, max(got.bottleneck_bps, 1.0))
+        ui.message(f"link {a} - {b}: {got.rtt_ms:.2f} ms round trip, {got.bottleneck_bps / 1e6:,.0f} MB/s")
     return out
 
 
@@ -952,7 +977,9 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     # own compute to it and the rest of each step to the exchange.
     compute = final.plan.compute_tokens_per_s if final.plan is not None and final.plan.collective is not None else None
     summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None,
-                        predicted_compute_tokens_per_s=compute or None)
+                        predicted_compute_tokens_per_s=compute or None,
+                        planned_memory=final.plan.planned_memory if final.plan is not None else None,
+                        strategy=final.launch.layout.kind)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]

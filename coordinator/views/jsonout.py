@@ -95,6 +95,8 @@ class PlanRowOut(_Out):
     need_bytes: int  # predicted peak
     budget_bytes: int  # what the node can use (unified memory, GPU memory, or the cgroup limit below RAM)
     predicted_s: float | None  # a dp node's step; a pipeline stage's time per micro-batch (None: not measured)
+    # A pipeline stage's predicted compute per step (forwards, backwards, update: the rest it waits); None for dp
+    predicted_busy_s: float | None = None
 
 
 class CandidateOut(_Out):
@@ -118,6 +120,10 @@ class StrategyOut(_Out):
     rows: list[PlanRowOut]
     micro_batches: int | None  # a pipeline's
     bubble: float | None  # (P - 1) / (M + P - 1)
+    predicted_step_s: float | None = None  # a pipeline's simulated step (docs/pipeline.md#prediction)
+    predicted_bubble: float | None = None  # its idle share over all stages
+    activation_bytes: int | None = None  # one micro-batch's activation between neighbours, each way
+    link_s: list[float | None] | None = None  # per link (stage i to i+1): one transfer's seconds; None: not measured
     schedule: Literal["1f1b"] | None
     layout: dict[str, Any]  # the worker's RunConfig.layout: {"kind": "dp"} or the pipeline's stages
     candidates: list[CandidateOut]
@@ -251,6 +257,8 @@ class RankSummaryOut(_Out):
     verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
     calibrated_tokens_per_s: float | None = Field(description="calibration's rate for its batch, real tokens/s")
     peak_memory_bytes: int | None
+    planned_memory_bytes: int | None = Field(default=None, description=(
+        "the plan's predicted peak for this node: a pipeline stage's need (None: a dp rank)"))
     checkpoint: str | None
     run_dir: str | None
 
@@ -259,6 +267,7 @@ class RunSummaryOut(_SummaryOut):
     """`launch --json` and `attach --json` of a training run: its summary.json (launch.RunSummary)."""
 
     nodes: list[RankSummaryOut]
+    strategy: Literal["dp", "pipeline", "fsdp"] = "dp"  # the layout the ranks ran
     steps: int
     iters: int | None
     checkpoint: str | None

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.facts.probe import Section, pythonpath_prepend, shell_path
 from coordinator.models import Node
-from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.pipeline import LayerMemory, LayerTiming, TimingSource
 from coordinator.planning.plan import (
     CurvePoint,
     NodeCalibration,
@@ -501,6 +501,15 @@ def test_per_block_timing_from_the_bench_and_its_cache() -> None:
     assert layer_timing_from_bench("max", obj) == LayerTiming("max", 4, 0.125, 0.01, 0.2, TimingSource.BLOCKS)
     fused = layer_timing_from_bench("max", {**obj, "block_fused_s": 0.075})
     assert fused.last_layer_s == 0.075
+    # The update and the memory the bench measured (an older worker's answer, above, has neither).
+    sizes = {"update_s": 0.002, "block_bytes": 9 * 2**20, "backward_bytes": 5 * 2**20, "update_bytes": 3 * 2**20,
+             "input_bytes": 2**18, "embed_bytes": 2**17, "head_bytes": 2**21}
+    full = layer_timing_from_bench("max", {**obj, **sizes})
+    assert full.update_s == 0.002
+    assert full.memory == LayerMemory(4, 9 * 2**20, 5 * 2**20, 3 * 2**20, 2**18, 2**17, 2**21)
+    assert layer_timing_from_bench("max", {**obj, "block_bytes": 1}).memory is None  # partial: not used
+    with pytest.raises(CalibrationError, match="'input_bytes' is not a number"):
+        layer_timing_from_bench("max", {**obj, **sizes, "input_bytes": "big"})
     with pytest.raises(CalibrationError, match="max: bench failed: out of memory"):
         layer_timing_from_bench("max", {"error": "out of memory"})
     # A worker without the per-block mode answers with a whole-model curve: said, not misread.
