@@ -50,7 +50,8 @@ Output: ONE JSON object on stdout (progress lines go to stderr):
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
-     "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s"}
+     "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s",
+     "gradients": {dtype: elements}}  (the trainable gradients a dp step all_sums)
 `seconds` counts from the start of `main` (imports of mlx and the model load included).
 
 Per-block mode (`--blocks K --micro-batch MB`, for the pipeline planner): instead of the curve, K transformer
@@ -830,8 +831,22 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     trainer = _Trainer(args)
     state.one_time["load"] = time.monotonic() - mark
     state.meta["packing"] = list(trainer.packing[:2])
+    # What a dp step of several ranks all_sums (the gradients keep the parameters' dtypes): calibration times that
+    # exchange between the nodes (coordinator/run/collective.py).
+    state.meta["gradients"] = gradient_elements(trainer.model)
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
     return trainer
+
+
+def gradient_elements(model: Any) -> dict[str, int]:
+    """The trainable parameters' elements by dtype name ({"float32": 16384}): the gradients a step exchanges."""
+    from worker.step import flatten
+
+    out: dict[str, int] = {}
+    for p in flatten(model.trainable_parameters()).values():
+        name = str(p.dtype).split(".")[-1]
+        out[name] = out.get(name, 0) + int(p.size)
+    return out
 
 
 def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
+from coordinator.planning.collective import parse_gradient_size
 from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
 from coordinator.planning.pipeline import LayerMemory, LayerTiming, TimingSource
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
@@ -295,6 +296,7 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
             noisy=tuple(noisy),
             device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
             cached=cached,
+            gradients=parse_gradient_size(obj.get("gradients")),
         )
     except PlanError as exc:
         raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
@@ -345,6 +347,14 @@ def build_plan_nodes(
                  for name, batch in plan.batch.items())
 
 
+def plan_step_json(plan: Plan) -> dict[str, Any]:
+    """The predicted step in parts (plan.json's and `calibrate --json`'s `step`): the slowest node's compute, the
+    gradient exchange (null where none is in the prediction) and its share of the step."""
+    return {"predicted_s": round(plan.predicted_step_s, 6), "compute_s": round(plan.compute_step_s, 6),
+            "collective": plan.collective.to_json() if plan.collective is not None else None,
+            "collective_share": round(plan.collective_share, 4)}
+
+
 def calibration_to_json(
     plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration],
     strategy: StrategyChoice | None = None,
@@ -353,6 +363,7 @@ def calibration_to_json(
     weighed, `"strategy"` (docs/json.md); PlanError as `build_plan_nodes`."""
     rows = build_plan_nodes(plan, calibrations) if plan.mode != SplitMode.PIPELINE else ()  # stages: `strategy`
     return {"nodes": [n.to_json() for n in rows], "split": dict(plan.split),
+            "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3), "step": plan_step_json(plan),
             "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"},
             **({"strategy": strategy.to_json()} if strategy is not None else {})}
 

@@ -41,6 +41,7 @@ from coordinator.planning.plan import (
     compute_plan,
     fixed_plan,
     per_example_calibration,
+    with_collective,
 )
 from coordinator.planning.shards import MapRow
 from coordinator.planning.strategy import (
@@ -75,8 +76,16 @@ from coordinator.preflight.pipeline import (
     resolve_strategy,
     strategy_refusal,
 )
-from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
+from coordinator.run.calibrate import (
+    BenchSpec,
+    build_plan_nodes,
+    calibrate,
+    calibrate_layers,
+    fingerprint_from_facts,
+    plan_step_json,
+)
 from coordinator.run.chaos import Chaos, check_reachable
+from coordinator.run.collective import measure_collective
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan, build_layout, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
@@ -273,6 +282,8 @@ async def calibrate_and_plan(
         plan = chosen.pipeline.as_plan()
     else:
         raise LaunchError(f"strategy {t.strategy} chose {chosen.label}, which has neither a dp nor a pipeline plan")
+    if chosen.dp is not None:
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
     return plan, cals, choice
 
@@ -359,8 +370,44 @@ async def _calibrate_dp(
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     if not quiet:
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
         ui.calibration(plan, cals)
     return plan, cals
+
+
+async def with_exchange(fleet: Fleet, nodes: Sequence[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
+                        pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI) -> Plan:
+    """`plan` with its gradient exchange measured between `nodes` (planning/collective.py): step = the slowest
+    node's compute + the all_sum. Unchanged for one node or a plan without predicted step times; a measurement
+    that cannot be made is said, and the plan keeps the compute alone."""
+    planned = [n for n in nodes if n.name in plan.batch]
+    if len(planned) < 2 or not plan.per_node_step_s:
+        return plan
+    gradients = next((c.gradients for n in planned if (c := cals.get(n.name)) is not None and c.gradients), None)
+    if gradients is None:
+        ui.message("the gradient all_sum is not in the prediction: the bench did not count the gradients (an older "
+                   "worker)")
+        return plan
+    try:
+        hostfile = hostfile_for(Inventory(tuple(planned)), pb, facts)
+    except CoordinatorError as exc:
+        ui.message(f"the gradient all_sum is not in the prediction: {exc}")
+        return plan
+    cost = await measure_collective(
+        fleet, planned, hostfile, gradients, fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        env=pb.job_env(), cache_dir=opts.cache_dir, recalibrate=opts.recalibrate, progress=ui.message)
+    if isinstance(cost, CoordinatorError):
+        ui.message(f"the gradient all_sum is not in the prediction (not measured: {exc_line(cost)})")
+        return plan
+    planned_with = with_collective(plan, cost)
+    ui.message(f"gradient exchange: {cost.describe()}; {100 * planned_with.collective_share:.0f}% of the predicted "
+               f"step ({1000 * planned_with.predicted_step_s:.1f} ms = {1000 * planned_with.compute_step_s:.1f} ms "
+               f"compute + {1000 * cost.seconds:.1f} ms all_sum)")
+    return planned_with
+
+
+def exc_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
@@ -926,7 +973,11 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     final = attempts[-1]
     split = final.plan.split if final.plan is not None else final.launch.split()
     predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
+    # Where the prediction holds the gradient exchange, its compute part too: the end-of-run line holds the ranks'
+    # own compute to it and the rest of each step to the exchange.
+    compute = final.plan.compute_tokens_per_s if final.plan is not None and final.plan.collective is not None else None
     summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None,
+                        predicted_compute_tokens_per_s=compute or None,
                         planned_memory=final.plan.planned_memory if final.plan is not None else None,
                         strategy=final.launch.layout.kind)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
@@ -1030,7 +1081,8 @@ async def _run_attempt(
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
                         backend=hostfile.backend, attempt=number,
-                        strategy=strategy.to_json() if strategy is not None else None)
+                        strategy=strategy.to_json() if strategy is not None else None,
+                        step=plan_step_json(plan) if split_rows else None)
     local_hostfile = launch.write_local_files(record)
 
     async def start() -> None:

@@ -11,6 +11,8 @@ the ranks (the replay's own are never shown). `RunReplay.judge(now)` is then wha
     verdict     `monitor.rank_verdict`: ok | slow | stalled | hung | dead (pending before its start)
     run rate    `Monitor.run_tokens_per_s`: the median over the steps of all ranks' tokens / step wall time
     prediction  calibration's, for the plan the attempt ran (plan.json, copied into meta.json and summary.json)
+    stages      `coordinator.run.stages.StageView`: each rank's stage and layers, its busy and wait shares of the
+                step, the measured bubble, and its peak memory against the plan's need and its node's budget
 
 Pure: values in, values out.
 """
@@ -18,7 +20,7 @@ Pure: values in, values out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.run.monitor import (
@@ -34,6 +36,7 @@ from coordinator.run.monitor import (
     rank_verdict,
 )
 from coordinator.run.rundir import AttemptCounter, EventLine, RunMeta, parse_event_line
+from coordinator.run.stages import StageView, build_stage_view
 from coordinator.units import format_bytes
 from worker.events import EventError
 
@@ -61,12 +64,13 @@ class RankJudgement:
 
 @dataclass(frozen=True)
 class RunJudgement:
-    """The run's ranks, its rate and calibration's prediction, all in RATE_UNIT."""
+    """The run's ranks, its rate and calibration's prediction, all in RATE_UNIT; its stages and memory."""
 
     ranks: tuple[RankJudgement, ...]
     tokens_per_s: float | None
     predicted_tokens_per_s: float | None
     unit: str = RATE_UNIT
+    stages: StageView = field(default_factory=StageView)
 
     def of(self, rank: int, node: str) -> RankJudgement | None:
         return next((r for r in self.ranks if r.rank == rank and r.node == node), None)
@@ -93,7 +97,8 @@ def judge_monitor(mon: Monitor, *, now: float | None, predicted: float | None,
             kinds.setdefault((rank, node), []).append(kind)
     ranks = tuple(_judge_rank(v, mon.policy, kinds.get((v.rank, v.node), ()), now)
                   for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
-    return RunJudgement(ranks, mon.run_tokens_per_s(), predicted or None)
+    stages = build_stage_view(mon.layout, mon.stages, [(r.rank, r.node) for r in ranks])
+    return RunJudgement(ranks, mon.run_tokens_per_s(), predicted or None, stages=stages)
 
 
 def _judge_rank(view: RankView, policy: FaultPolicy, kinds: Iterable[str], now: float | None) -> RankJudgement:
@@ -124,8 +129,11 @@ class RunReplay:
         meta = self.meta
         sized = all(r.batch_size for r in meta.ranks)
         plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s) for r in meta.ranks]
+        pipeline = meta.layout is not None and meta.layout.pipeline
         return Monitor.create(plan, meta.iters or NO_ITERS, now=0.0, policy=self.policy,
-                              max_tokens_per_row=meta.max_tokens_per_row if sized else None)
+                              max_tokens_per_row=meta.max_tokens_per_row if sized else None,
+                              replica_groups=tuple((r.rank,) for r in meta.ranks) if pipeline else None,
+                              layout=meta.layout)
 
     def feed(self, records: Iterable[Mapping[str, Any]]) -> None:
         """events.jsonl lines (decoded JSON objects), in file order."""

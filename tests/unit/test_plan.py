@@ -473,6 +473,10 @@ def test_calibration_to_json_shape() -> None:
         "split": plan.split,
         # Two units, named: the plan's rates are real tokens/s, the bench's curve padded positions/s.
         "units": {"tokens_per_s": "real tokens/s", "curve.tokens_per_s": "padded positions/s"},
+        # The predicted step in parts: no exchange measured here (the job adds it, planning/collective.py).
+        "predicted_tokens_per_s": pytest.approx(plan.predicted_tokens_per_s),
+        "step": {"predicted_s": pytest.approx(plan.predicted_step_s), "compute_s": pytest.approx(plan.predicted_step_s),
+                 "collective": None, "collective_share": 0.0},
     }
     assert list(out["nodes"][0]) == ["node", "tokens_per_s", "batch_size", "share", "curve"]
     json.dumps(out)  # serialisable
