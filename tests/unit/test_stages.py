@@ -204,7 +204,8 @@ def test_every_view_shows_the_same_stages(tmp_path: Path) -> None:
     tracked = open_run(run)
     assert tracked is not None
     tracked.poll()
-    assert tracked.view(2e9, full=True)["stages"] == truth  # the dashboard's run JSON
+    page_doc = tracked.view(2e9, full=True)  # the dashboard's run JSON
+    assert page_doc["stages"] == truth and page_doc["split"] == {}  # every stage computes every row
 
 
 def test_a_live_pipeline_run_is_shown_alike_by_status_monitor_and_the_live_view(tmp_path: Path) -> None:
