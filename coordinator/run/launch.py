@@ -159,13 +159,18 @@ class RunSummary(SummaryBase):
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
+    # The prediction without the gradient exchange, where the prediction holds a measured one (Plan.collective)
+    predicted_compute_tokens_per_s: float | None = None
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
     stages: dict[str, Any] | None = None  # the final attempt's stages and memory (coordinator.run.stages.StageView)
+    strategy: str = "dp"  # the layout the ranks ran: dp | pipeline | fsdp
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
+        return {**self.base_json(), "strategy": self.strategy, "steps": self.steps, "iters": self.iters,
+                "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
+                "compute_tokens_per_s": self.compute_tokens_per_s,
+                "predicted_compute_tokens_per_s": self.predicted_compute_tokens_per_s, "attempts": self.attempts,
                 "recoveries": self.recoveries, "resumed_from": self.resumed_from, "stages": self.stages}
 
 
@@ -719,7 +724,11 @@ def _which(name: str) -> str | None:
 
 
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
-              predicted_tokens_per_s: float | None = None) -> RunSummary:
+              predicted_tokens_per_s: float | None = None,
+              predicted_compute_tokens_per_s: float | None = None,
+              planned_memory: Mapping[str, int] | None = None, strategy: str = "dp") -> RunSummary:
+    """`planned_memory`: each node's predicted peak (a pipeline stage's need), shown beside its measured peak;
+    `strategy`: the layout the ranks ran."""
     state = mon.outcome() or RunState.FAILED
     # Each rank's rate and verdict as every view shows them (coordinator.run.replay): the run has ended.
     judged = judge_monitor(mon, now=None, predicted=predicted_tokens_per_s)
@@ -731,6 +740,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       "tokens_per_s": round(mine.tokens_per_s, 1) if mine and mine.tokens_per_s else None,
                       "verdict": str(mine.verdict) if mine else None,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
+                      "planned_memory_bytes": (planned_memory or {}).get(view.node),
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()
@@ -742,7 +752,10 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
                                               if predicted_tokens_per_s else None),
                       compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None,
-                      stages=judged.stages.to_json())
+                      predicted_compute_tokens_per_s=(round(predicted_compute_tokens_per_s, 2)
+                                                      if predicted_compute_tokens_per_s else None),
+                      stages=judged.stages.to_json(),
+                      strategy=strategy)
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

@@ -37,6 +37,7 @@ from coordinator.run.monitor import (
 )
 from coordinator.run.rundir import AttemptCounter, EventLine, RunMeta, parse_event_line
 from coordinator.run.stages import StageView, build_stage_view
+from coordinator.units import format_bytes
 from worker.events import EventError
 
 NO_ITERS = 2**31  # an older meta.json has no `iters`: no step is implausible for being past the end
@@ -165,4 +166,30 @@ class RunReplay:
         return judge_monitor(self.monitor, now=now, predicted=self.predicted, incidents=self.incidents)
 
 
-__all__ = ["RankJudgement", "RunJudgement", "RunReplay", "judge_monitor", "prediction_of"]
+# A node's measured peak below this share of its plan says the plan over-reserves (the goal the plan is held to:
+# within [0.8, 1.0] of the peak it predicts).
+MEMORY_PLAN_FLOOR = 0.8
+
+
+def describe_memory(nodes: Iterable[Mapping[str, Any]]) -> str | None:
+    """Each node's measured peak against the plan's (summary.json's `peak_memory_bytes`, `planned_memory_bytes`):
+    one line, naming every node over its plan or far under it; None when no node has both (a dp run)."""
+    rows = [(str(n.get("node")), n.get("peak_memory_bytes"), n.get("planned_memory_bytes")) for n in nodes]
+    pairs = [(node, int(peak), int(plan)) for node, peak, plan in rows
+             if isinstance(peak, int) and isinstance(plan, int) and plan > 0 and peak > 0]
+    if not pairs:
+        return None
+    text = "; ".join(f"{node} {format_bytes(peak)} of {format_bytes(plan)} planned ({peak / plan:.2f}x)"
+                     for node, peak, plan in pairs)
+    over = [node for node, peak, plan in pairs if peak > plan]
+    under = [node for node, peak, plan in pairs if peak < MEMORY_PLAN_FLOOR * plan]
+    if over:
+        return (text + f": over the plan on {', '.join(over)}: its budget check under-reserved (the peak is MLX's "
+                "arrays; the process's own runtime is kept out of every budget)")
+    if under:
+        return text + f": under {MEMORY_PLAN_FLOOR:.0%} of the plan on {', '.join(under)} (the plan over-reserves)"
+    return text + ": within the plan"
+
+
+__all__ = ["MEMORY_PLAN_FLOOR", "RankJudgement", "RunJudgement", "RunReplay", "describe_memory", "judge_monitor",
+           "prediction_of"]

@@ -637,9 +637,12 @@ class PlanRecord:
     # The strategy weighed (planning.strategy.StrategyChoice.to_json: the chosen plan's table and every
     # candidate's line); None where nothing was weighed (dp or fsdp forced, sizes unknown).
     strategy: Mapping[str, Any] | None = None
+    # The predicted step and its gradient exchange (planning.collective.CollectiveCost.to_json), where measured
+    step: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
+                **({"step": dict(self.step)} if self.step is not None else {}),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
                 "attempt": self.attempt, "units": dict(RATE_UNITS),

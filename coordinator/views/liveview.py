@@ -200,6 +200,7 @@ class RichUI:
         self.console.print(f"split ({plan.mode}): [bold]{format_split(plan)}[/bold]  batch "
                            + ", ".join(f"{n}={b}" for n, b in plan.batch.items())
                            + (f"  predicted {plan.predicted_tokens_per_s:,.0f} {RATE_UNIT}" if calibrations else "")
+                           + (f" (all_sum {100 * plan.collective_share:.0f}% of the step)" if plan.collective else "")
                            + (f"  ({cached} cached)" if cached else ""))
 
     def progress(self, mon: Monitor, now: float) -> None:
