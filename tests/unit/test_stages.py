@@ -128,6 +128,11 @@ def test_the_view_measures_shares_bubble_bottleneck_and_memory_against_the_plan(
     assert view.bubble is not None and abs(view.bubble - (0.45 + 0.05 + 0.35) / 3) < 1e-12
     assert view.predicted_bubble == 0.25 and view.bottleneck == 1
     assert {r.predicted_busy_s for r in view.ranks} == {0.1 * 6}
+    # The plan's own compute per step wins where it says one (the simulated schedule's).
+    rows = [{**r, "predicted_busy_s": 0.75} for r in STRATEGY["rows"]]
+    planned = build_run_layout(LAYOUT, list(enumerate(NODES)), {**STRATEGY, "rows": rows})
+    assert parse_run_layout(planned.to_json()) == planned
+    assert {r.predicted_busy_s for r in build_stage_view(planned, fold, list(enumerate(NODES))).ranks} == {0.75}
     assert [(r.peak_memory_bytes, r.over_budget) for r in view.ranks] == [
         (300 * MiB, False), (500 * MiB, True), (200 * MiB, False)]
     # The shares are medians of the newest steps: one slow step does not move them.
