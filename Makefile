@@ -12,8 +12,14 @@ setup:
 demo: setup
 	$(BIN)/coordinator launch $(if $(DASHBOARD),--dashboard --keep-dashboard)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (--dist loadfile:
+# a file's module-scoped beds and runs are made once). Most of an integration test's time is spent waiting (SSH
+# round trips, rank start-up, heartbeat and stall windows), so two workers on two cores do not starve each other.
+# TEST_WORKERS=0 runs everything in this one process. --durations=25: CI prints where the time goes.
+TEST_WORKERS ?= 2
+
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 lint:
 	$(BIN)/ruff check coordinator worker tests benchmarks
