@@ -19,7 +19,7 @@ import yaml
 from coordinator.run.rundir import read_event_docs
 from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
-from tests.testbed import Host, TestBed
+from tests.testbed import Host, TestBed, provisioned_assets
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
@@ -113,8 +113,12 @@ def jobs() -> list[Job]:
         job.kill()
 
 
-def setup(testbed: TestBed, tmp: Path, n: int = 3) -> tuple[list[Host], Path]:
+def setup(testbed: TestBed, tmp: Path, n: int = 3, *, assets: bool = True) -> tuple[list[Host], Path]:
+    """n hosts and their inventory; with `assets`, write_playbook's data and tiny model already on every host
+    (as an earlier launch leaves them: these tests are about faults, not about building the model)."""
     hosts = testbed.add_hosts(n)
+    if assets:
+        testbed.seed_assets(hosts, provisioned_assets(DATA, layers=2, hidden=32, seed=0))
     return hosts, testbed.write_inventory(tmp / "inv.yaml", hosts)
 
 
@@ -232,10 +236,6 @@ def test_changed_model_file_fails_preflight_for_the_odd_node(testbed: TestBed, r
     hosts, inv = setup(testbed, tmp_path)
     pb = write_playbook(tmp_path / "pb.yaml")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    # Assets are provisioned by launch: place them with a 1-step job first.
-    ok = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "one.yaml", iters=1)), "--json",
-                 "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
-    assert ok.returncode == 0, ok.stderr[-3000:]
     testbed.exec(hosts[2], ["sh", "-c", "printf x >> /srv/model/config.json"], check=True)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
     assert proc.returncode == 1
@@ -454,7 +454,7 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
     """An undecodable line fails every rank the same way: launched anyway (--skip-preflight) the run stops as
     one job error with its remedy and quarantines nobody; preflight fails it (and a data dir without train.jsonl,
     and a model dir without weights) before launch, with file:line."""
-    hosts, inv = setup(testbed, tmp_path, 2)
+    hosts, inv = setup(testbed, tmp_path, 2, assets=False)  # the model is built from this test's own data
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
     rows = [f'{{"text": "row {i} of the data"}}\\n' for i in range(8)]  # printf's escapes: \n, \351 = 0xe9
     bad = "".join([*rows[:2], '{"text": "caf\\351"}\\n', *rows[2:]])  # line 3 is Latin-1, not UTF-8
