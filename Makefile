@@ -15,11 +15,14 @@ demo: setup
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (--dist loadfile:
 # a file's module-scoped beds and runs are made once). Most of an integration test's time is spent waiting (SSH
 # round trips, rank start-up, heartbeat and stall windows), so two workers on two cores do not starve each other.
-# TEST_WORKERS=0 runs everything in this one process. --durations=25: CI prints where the time goes.
+# Files go out in collection order (--no-loadscope-reorder), the long integration files first and the many short
+# unit files last, so that no long file is left to run alone at the end. TEST_WORKERS=0 runs everything in this
+# one process. --durations=25: CI prints where the time goes.
 TEST_WORKERS ?= 2
 
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25 tests
 
 lint:
 	$(BIN)/ruff check coordinator worker tests benchmarks
