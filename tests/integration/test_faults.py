@@ -207,7 +207,7 @@ def test_link_down_is_an_unreachable_node_whose_leftover_rank_fences_itself(test
     pattern = f"worker.train --config .*runs/{run_id}/"
     deadline = time.monotonic() + 90.0
     while testbed.exec(hosts[2], ["pgrep", "-f", pattern]).stdout.strip() and time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(0.2)
     log = testbed.exec(hosts[2], ["cat", f"/srv/work/runs/{run_id}/{hosts[2].name}/events/rank2.jsonl"]).stdout
     assert not testbed.exec(hosts[2], ["pgrep", "-af", pattern]).stdout.strip(), log[-3000:]
     assert time.monotonic() - down_at >= 21.0
