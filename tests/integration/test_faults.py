@@ -524,6 +524,11 @@ def test_a_ring_that_cannot_connect_at_start_up_is_relaunched_without_quarantine
     run_dir = job.wait_for(lambda _: job.run_dir() if job.run_dir().exists() else None)
     rank0 = f"worker.train --config /srv/work/runs/{run_dir.name}/{hosts[0].name}/run.json"  # type: ignore[union-attr]
     deadline = time.monotonic() + 240
+    # No rank runs before mlx.launch does, whose argv is written just before it starts: until then a look at a
+    # file, not a pgrep on the node (tens of them a second through provisioning, preflight and calibration).
+    while not (run_dir / "launcher.argv").exists():  # type: ignore[operator]
+        assert time.monotonic() < deadline and job.proc.poll() is None, "mlx.launch never started"
+        time.sleep(0.02)
     while not (pids := testbed.exec(hosts[0], ["pgrep", "-f", rank0]).stdout.split()):
         assert time.monotonic() < deadline and job.proc.poll() is None, "rank 0 never started"
         time.sleep(0.02)
