@@ -1,7 +1,9 @@
 """fsdp (worker.parallel.fsdp) on the CPU: which modules are sharded and how (a stand-in group of 2: sharding needs
-only its size and rank), the checkpoint's whole-state names and each rank's slice back, and a run through the
-trainer (one rank: mlx's ring has no sum_scatter, so the 2-GPU run is in docs/benchmarks.md) whose losses and
-weights equal dp's. The coordinator side (layout, strategy) is in test_strategy.py and test_launch_build.py."""
+only its size and rank), the checkpoint's whole-state names and each rank's slice back, a run through the trainer
+on one rank, and runs over 2 real ring ranks sharing one node (mlx's ring has no sum_scatter: `fsdp_ring` emulates
+it by all_sum) for full and LoRA fine-tunes, whose losses, validation loss and checkpointed weights equal one dp
+process's. The 2-GPU runs are in docs/benchmarks.md. The coordinator side (layout, strategy) is in
+test_strategy.py and test_launch_build.py."""
 
 from __future__ import annotations
 
@@ -13,10 +15,22 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from tests.unit.test_train_distributed import SMOKE, kinds, read_events, run_direct, weights, write_config
+from tests.unit.fsdp_ring import COMMAND
+from tests.unit.test_train_distributed import (
+    PYTHON,
+    SMOKE,
+    kinds,
+    launch,
+    read_events,
+    require_finished,
+    run_direct,
+    weights,
+    write_config,
+)
 from worker.checkpoint import find_valid_checkpoint
+from worker.modelsetup import apply_method
 from worker.parallel.fsdp import full_name, is_sharded, shard_model
-from worker.runconfig import ConfigError, Layout, _parse_layout
+from worker.runconfig import ConfigError, Layout, LoraSpec, _parse_layout
 from worker.step import flatten
 from worker.tinymodel import build_tiny_model
 
@@ -123,3 +137,70 @@ def test_the_sharded_step_applies_dps_mean_gradient() -> None:
     assert loss.item() == pytest.approx(8.0 * 2 / 10)
     # the whole gradient's norm: the shard's squares all_summed (x2 here) plus the replicated part's
     assert norm.item() == pytest.approx((2 * 4 * 0.6**2 + 2 * 1.0**2) ** 0.5, rel=1e-5)
+
+
+def test_lora_shards_only_the_frozen_base_weights(tiny: Path) -> None:
+    """A LoRA layer is not wrapped whole: only its frozen `linear` is sharded and the adapters stay whole (so no
+    gradient of a frozen matrix is ever computed); a block without adapters (num_layers 1 of 2: block 0) is
+    wrapped whole, as in a full fine-tune."""
+    model = load(str(tiny))[0]
+    apply_method(model, "lora", 1, LoraSpec(rank=4, scale=2.0, dropout=0.0))
+    adapters = flatten(model.trainable_parameters())
+    wrapped = shard_model(model, _Group(2, 0))
+    linears = [f"self_attn.{k}_proj" for k in "qkvo"] + [f"mlp.{k}_proj" for k in ("gate", "down", "up")]
+    assert wrapped == ["layers.0.self_attn", "layers.0.mlp", *(f"layers.1.{n}.linear" for n in linears),
+                       "embed_tokens"]
+    after = flatten(model.trainable_parameters())
+    assert after.keys() == adapters.keys() and not any(is_sharded(k) for k in after)  # whole, dp's names
+    assert all(after[k].shape == adapters[k].shape for k in after)
+    frozen = [k for k in flatten(model.parameters()) if k not in after]
+    assert all(is_sharded(k) or k.endswith("norm.weight") for k in frozen)
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per method: (fsdp over 2 ring ranks of one node, 2 rows each; dp on one process, 4 rows), Adam, 3 steps,
+    a checkpoint and an evaluation at step 3."""
+    root = tmp_path_factory.mktemp("fsdp-ring")
+    base: dict[str, Any] = {"model": str(tiny), "data": str(SMOKE), "max_seq_length": 64, "val_batches": 1,
+                            "seed": 0, "keep_checkpoints": 1, "heartbeat_s": 0.5, "num_layers": None,
+                            "optimizer": "adam", "learning_rate": 1e-3, "iters": 3, "save_every": 3,
+                            "steps_per_eval": 3, "lora": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
+    out = {}
+    for method in ("lora", "full"):
+        ref = root / f"dp-{method}"
+        proc = run_direct(write_config(ref / "run.json", **base, method=method, run_id=ref.name, run_dir=str(ref),
+                                       ranks=[{"rank": 0, "node": "local", "batch_size": 4}]))
+        require_finished(ref, [0], proc.stderr)
+        run = root / f"fsdp-{method}"
+        cfg = write_config(run / "run.json", **base, method=method, run_id=run.name, run_dir=str(run),
+                           layout={"kind": "fsdp"}, ranks=[{"rank": r, "node": "local", "batch_size": 2}
+                                                           for r in range(2)])
+        log = launch(run, [PYTHON, "-c", COMMAND, "--config", str(cfg)])
+        require_finished(run, [0, 1], log)
+        out[method] = (run, ref)
+    return out
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_fsdp_over_two_ranks_equals_dp(ring_runs: dict[str, tuple[Path, Path]], method: str) -> None:
+    """Two ranks sharing one node (one checkpoint writer: the gather is a collective every rank joins) train the
+    same steps as dp on one process: losses, validation loss and the checkpointed weights (dp's names, whole)."""
+    run, ref = ring_runs[method]
+    want = [e["loss"] for e in kinds(read_events(ref, 0), "step")]
+    for rank in (0, 1):
+        events = read_events(run, rank)
+        assert [e["loss"] for e in kinds(events, "step")] == pytest.approx(want, rel=1e-5)
+        assert [e["val_loss"] for e in kinds(events, "eval")] == pytest.approx(
+            [e["val_loss"] for e in kinds(read_events(ref, 0), "eval")], rel=1e-5)
+        started = kinds(events, "started")[0]
+        assert started["sharded_modules"] > 0 and started["world_size"] == 2
+        # the whole model's counts, not this rank's shard's
+        assert started["total_params"] == kinds(read_events(ref, 0), "started")[0]["total_params"]
+    ckpt, ref_ckpt = find_valid_checkpoint(run / "checkpoints"), find_valid_checkpoint(ref / "checkpoints")
+    assert ckpt is not None and ref_ckpt is not None
+    got, exp = weights(ckpt.path), weights(ref_ckpt.path)
+    assert got.keys() == exp.keys()
+    for name in exp:
+        assert got[name].shape == exp[name].shape, name
+        assert mx.allclose(got[name], exp[name], rtol=1e-4, atol=1e-5).item(), name

@@ -40,6 +40,7 @@ from mlx.utils import tree_map_with_path, tree_unflatten
 from worker.chaos import arrays_sha256
 from worker.comm import scalar
 from worker.errors import TrainingError
+from worker.memory import StepMemory
 from worker.objectives import Micro
 from worker.parallel.base import mismatch
 from worker.parallel.dp import REPLICA_RTOL, DataParallel
@@ -60,26 +61,55 @@ def is_sharded(name: str) -> bool:
 
 def shardable(module: Any, world: int) -> bool:
     """Worth sharding and shardable: it holds a matrix (norms' vectors stay replicated: tiny, and each wrapped
-    module costs a gather per call), and every parameter's first axis divides by `world` (fully_shard's
-    condition)."""
+    module costs a gather per call), every parameter's first axis divides by `world` (fully_shard's condition),
+    and its parameters share one dtype (fully_shard gathers them concatenated: a quantized module's packed uint32
+    weights next to its float scales would be promoted, i.e. corrupted; quantized modules stay replicated)."""
     params = flatten(module.parameters())
     return (any(a.ndim >= 2 for a in params.values())
-            and all(a.ndim > 0 and a.shape[0] % world == 0 for a in params.values()))
+            and all(a.ndim > 0 and a.shape[0] % world == 0 for a in params.values())
+            and len({a.dtype for a in params.values()}) == 1)
+
+
+def _trainable_share(module: Any) -> tuple[int, int]:
+    """(trainable, all) parameter arrays of a module."""
+    return len(flatten(module.trainable_parameters())), len(flatten(module.parameters()))
+
+
+def _wrap_children(owner: Any, prefix: str, group: Any, wrapped: list[str]) -> None:
+    """Wrap each child module of `owner` that is all trainable or all frozen (and shardable); descend into a child
+    that mixes the two (a LoRA layer: a frozen base `linear` beside trainable `lora_a`/`lora_b`), so that a trainable
+    adapter is never sharded with a frozen weight. Why: fully_shard's gather is ONE function of all the module's
+    shards; with one trainable input its vjp runs for all of them, i.e. a full-size gradient of every frozen base
+    matrix (a second matmul per linear, then a reduce-scatter) that the optimizer throws away. A frozen-only module's
+    gather is outside the gradient's tape: its weights are gathered for the forward (and the checkpointed block's
+    recomputation) and nothing flows back to them."""
+    world = group.size()
+    for name, child in list(owner.children().items()):
+        if not isinstance(child, nn.Module):
+            continue
+        trainable, total = _trainable_share(child)
+        if total == 0:
+            continue
+        if trainable in (0, total):
+            if shardable(child, world):
+                setattr(owner, name, nn.fully_shard(child, group=group))
+                wrapped.append(f"{prefix}{name}")
+        else:
+            _wrap_children(child, f"{prefix}{name}.", group, wrapped)
 
 
 def shard_model(model: Any, group: Any) -> list[str]:
-    """Wrap the blocks' sub-modules and the embedding / lm_head in `nn.fully_shard`, in place; the wrapped paths."""
+    """Wrap the blocks' sub-modules (split into their frozen and trainable parts where a block mixes them: LoRA)
+    and the embedding / lm_head in `nn.fully_shard`, in place; the wrapped paths."""
     world = group.size()
     wrapped: list[str] = []
     inner = getattr(model, "model", model)
     for i, layer in enumerate(getattr(inner, "layers", [])):
-        for name, child in list(layer.children().items()):
-            if isinstance(child, nn.Module) and shardable(child, world):
-                setattr(layer, name, nn.fully_shard(child, group=group))
-                wrapped.append(f"layers.{i}.{name}")
+        _wrap_children(layer, f"layers.{i}.", group, wrapped)
     for owner, name in ((inner, "embed_tokens"), (model, "lm_head")):
         child = getattr(owner, name, None)
-        if isinstance(child, nn.Module) and shardable(child, world):
+        if isinstance(child, nn.Module) and shardable(child, world) and _trainable_share(child)[0] in (
+                0, _trainable_share(child)[1]):
             setattr(owner, name, nn.fully_shard(child, group=group))
             wrapped.append(name)
     return wrapped
@@ -112,12 +142,20 @@ class FullyShardedDataParallel(DataParallel):
     """dp's rows and checkpoints' layout, with the model, gradients and optimizer state sharded (module docstring)."""
 
     kind: ClassVar[str] = "fsdp"
+    collective_checkpoint: ClassVar[bool] = True
     _fingerprint: tuple[float, float] = (0.0, 0.0)
     _wrapped: tuple[str, ...] = ()
+    _counts: tuple[int, int] = (0, 0)  # (trainable, total) parameters of the whole model, counted before sharding
 
     def prepare_model(self) -> None:
         """Fingerprint the whole model (for `check_start`), then shard it: before the optimizer exists, so its
         state is created 1/N-sized."""
+        if self.config.fine_tune_type == "dora":
+            raise TrainingError("fsdp trains full and lora fine-tunes, not dora: a DoRA layer reads its base weight "
+                                "directly, so the weight cannot be gathered on demand")
+        from worker.modelsetup import count_parameters
+
+        self._counts = count_parameters(self.model)
         flat = flatten(self.model.trainable_parameters())
         s = sum((mx.sum(v.astype(mx.float32)) for v in flat.values()), mx.array(0.0))
         q = sum((mx.sum(mx.square(v.astype(mx.float32))) for v in flat.values()), mx.array(0.0))
@@ -138,6 +176,11 @@ class FullyShardedDataParallel(DataParallel):
         mx.eval(self.model.parameters())
         mx.clear_cache()
 
+    def describe(self) -> tuple[int, int, str]:
+        """The whole model's counts (taken before sharding: a rank holds 1/N of the sharded parameters)."""
+        _, _, detail = super().describe()
+        return self._counts[0], self._counts[1], detail
+
     def started_fields(self) -> dict[str, Any]:
         return {"sharded_modules": len(self._wrapped)}
 
@@ -155,8 +198,8 @@ class FullyShardedDataParallel(DataParallel):
             # Not compiled: the gathers and reduce-scatters run inside the forward/backward, and a collective
             # inside a compiled graph is what deadlocked dp on ring (worker.step); nccl orders them on its stream.
             self._step = ShardedStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
-                                     world_size=self.comm.size, stats=bool(self.objective.stats),
-                                     clear_cache=self.config.clear_cache, compiled=False)
+                                     world_size=self.comm.size, stats=bool(self.objective.stats), compiled=False,
+                                     memory=StepMemory(self.config.memory_headroom, self.config.clear_cache))
         return self._step.run(build, after_local=after_local, before_apply=before_apply)
 
     # -- consistency ---------------------------------------------------------------------------------------------
