@@ -332,7 +332,7 @@ def drill_attach(root: Path, model: Path, data: Path) -> dict[str, Any]:
         return out
     run_id = run_ids[-1]
     time.sleep(2)
-    out["ranks_alive_after_kill"] = live_ranks("")
+    out["ranks_alive_after_kill"] = live_ranks(run_id)
     at_kill = step_count(root)
     attach = subprocess.Popen([sys.executable, "-m", "coordinator", "attach", run_id, "--run-dir", str(runs),
                                "--json"], env=coord_env(root), cwd=root, stdout=subprocess.PIPE,
@@ -353,7 +353,7 @@ def drill_attach(root: Path, model: Path, data: Path) -> dict[str, Any]:
                                                                "quarantined")}
     except json.JSONDecodeError:
         out["attach_stdout_tail"] = stdout[-1500:]
-    out["ranks_alive_after_stop"] = live_ranks("")
+    out["ranks_alive_after_stop"] = live_ranks(run_id)
     out["status"] = coordinator(root, "status", "-i", str(inv), "--json", timeout=60).get("rc")
     return out
 
