@@ -358,6 +358,47 @@ def drill_attach(root: Path, model: Path, data: Path) -> dict[str, Any]:
     return out
 
 
+def drill_real_quarantine(root: Path, model: Path, data: Path) -> dict[str, Any]:
+    """A real fault (not --chaos, which persists no quarantine): rank 1's process SIGKILLed from outside at step 6
+    of a 2-GPU LoRA launch; the run must relaunch on gpu0 and quarantine h100/gpu1; `quarantine list`; a fresh
+    launch (must leave h100/gpu1 out); `quarantine clear h100/gpu1`; `quarantine list`."""
+    import signal
+
+    shutil.rmtree(root / "node", ignore_errors=True)
+    inv, pb = write_job(root, "realq", model, data, "lora", 24, None, "x", 100, "equal")  # chaos "x": save every 4
+    runs = root / "runs-realq"
+    log_path = root / "realq-launch.log"
+    with log_path.open("w") as log:
+        launch = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--run-dir",
+                                   str(runs), "--skip-preflight", "--json"], env=coord_env(root), cwd=root,
+                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        out: dict[str, Any] = {"reached_step_6": wait_for(lambda: step_count(root) >= 6, 240)}
+        victims = [ln.split()[0] for ln in live_ranks("gpu1/run.json")]
+        out["killed"] = victims
+        for pid in victims:
+            os.kill(int(pid), signal.SIGKILL)
+        try:
+            stdout, _ = launch.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            stdout, _ = launch.communicate()
+    out["launch_rc"] = launch.returncode
+    out["launch_log_tail"] = log_path.read_text()[-2500:]
+    try:
+        summary = json.loads(stdout)
+        out["summary"] = {k: summary.get(k) for k in ("state", "steps", "attempts", "recoveries", "message",
+                                                       "quarantined", "split")}
+        out["incidents"] = [{k: i.get(k) for k in ("kind", "node", "rank", "step", "action")}
+                            for i in summary.get("incidents") or []]
+    except json.JSONDecodeError:
+        out["stdout_tail"] = stdout[-1500:]
+    out["list"] = coordinator(root, "quarantine", "list", "-i", str(inv), "--json", timeout=60)
+    out["fresh"] = launch_one(root, "realq", model, data, "lora", 6, None, None, 6, "equal")  # the same inventory
+    out["clear"] = coordinator(root, "quarantine", "clear", "h100/gpu1", "-i", str(inv), timeout=60)
+    out["list_after_clear"] = coordinator(root, "quarantine", "list", "-i", str(inv), "--json", timeout=60)
+    return out
+
+
 def drills(args: argparse.Namespace) -> dict[str, Any]:
     root, model, data = build_inputs(args)
     results: dict[str, Any] = {}
@@ -371,6 +412,8 @@ def drills(args: argparse.Namespace) -> dict[str, Any]:
                             "    env:\n      CUDA_VISIBLE_DEVICES: '0'\n" for n in ("a", "b"))
             results[name] = launch_one(root, "invalid", model, data, "lora", 6, None, None, 6, "equal", nodes=nodes,
                                        timeout=300)
+        elif name == "realq":
+            results[name] = drill_real_quarantine(root, model, data)
         elif name == "quarantine":
             q: dict[str, Any] = {"kill": launch_one(root, "kill", model, data, "lora", 12, None, "kill:rank=1,step=6", 4,
                                                     "equal")}

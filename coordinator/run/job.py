@@ -487,7 +487,10 @@ def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str
                     run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
     """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
     info = fleet.connected.get(name)
-    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+    # The fleet's node, not its transport's: a rank node (`box/gpu1`) shares its machine's connection, whose node
+    # is the machine; the entry must name the GPU, so that later launches leave out that GPU only.
+    node = next((n for n in fleet.nodes if n.name == name), fleet.transports[name].node)
+    return store.add(new_entry(node, inventory, reason, run_id=run_id, incident=incident,
                                host_key=info.host_key if info is not None else None, now=time.time(),
                                quarantine_for=quarantine_for))
 
