@@ -262,6 +262,10 @@ class StepEvent(Event):
     local_grad_norm: float | None = None
     compute_s: float | None = None
     compute_tok_s: float | None = None
+    # A pipeline stage's step (`Pipeline.step_fields`): its own computation (forwards, backwards, the update) and
+    # its time blocked on its neighbours (activation/gradient transfers, the step's closing all_sum); None for dp.
+    busy_s: float | None = None
+    wait_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.run.signatures import error_signature, explain_error
+from coordinator.run.stages import RunLayout, StageFold
 from worker.events import (
     CheckpointEvent,
     DigestEvent,
@@ -370,24 +371,31 @@ class Monitor:
     # Ranks that hold the same parameters and must agree on digests and checkpoints (the run's layout): None is
     # data parallel, every rank a replica; a pipeline's stages each hold their own blocks, one rank per group.
     replica_groups: tuple[tuple[int, ...], ...] | None = None
+    # The attempt's plan of stages and memory, and what the ranks' events measured of it (coordinator.run.stages:
+    # what every view shows of a pipeline's stages and the nodes' memory; no rule reads them).
+    layout: RunLayout | None = None
+    stages: StageFold = field(default_factory=StageFold)
 
     @classmethod
     def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
                max_tokens_per_row: int | None = None,
                earlier_errors: dict[str, frozenset[str]] | None = None,
-               replica_groups: tuple[tuple[int, ...], ...] | None = None) -> Monitor:
+               replica_groups: tuple[tuple[int, ...], ...] | None = None,
+               layout: RunLayout | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
         (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
         `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`).
-        `replica_groups`: which ranks must agree (None: all of them, data parallel)."""
+        `replica_groups`: which ranks must agree (None: all of them, data parallel). `layout`: the attempt's plan
+        of stages and memory (`coordinator.run.stages`), for the views."""
         ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
                                   calibrated_tokens_per_s=p.calibrated_tokens_per_s,
                                   max_tokens_per_step=p.batch_size * max_tokens_per_row if max_tokens_per_row else None)
                  for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
-                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups)
+                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups,
+                  layout=layout)
         for view in ranks.values():
             mon.node_seen_at[view.node] = now
         return mon
@@ -439,6 +447,7 @@ class Monitor:
                                       evidence={"event": raw, "reason": f"event claims rank {claimed}"},
                                       action=Action.WARN, t=obs.at))
         self.events.append({"node": obs.node, **raw})
+        self.stages.observe(view.rank, event)
         view.last_event_at = obs.at  # any line from the rank's file is a sign of life, even one of an unknown kind
         if isinstance(event, StartedEvent):
             view.state = WorkerState.RUNNING
