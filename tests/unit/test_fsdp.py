@@ -8,6 +8,7 @@ test_strategy.py and test_launch_build.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from tests.unit.test_train_distributed import (
     weights,
     write_config,
 )
-from worker.checkpoint import find_valid_checkpoint
+from worker.export import build_export, gather_trained
 from worker.modelsetup import apply_method
 from worker.parallel.fsdp import full_name, is_sharded, shard_model
 from worker.runconfig import ConfigError, Layout, LoraSpec, _parse_layout
@@ -93,10 +94,9 @@ def test_an_fsdp_run_through_the_trainer_equals_dp(tiny: Path, tmp_path: Path) -
     assert len(losses["dp"]) == 3 and losses["fsdp"] == pytest.approx(losses["dp"], rel=1e-6)
     evals = {k: [e["val_loss"] for e in kinds(read_events(d, 0), "eval")] for k, d in runs.items()}
     assert evals["fsdp"] == pytest.approx(evals["dp"], rel=1e-6)
-    ckpts = {k: find_valid_checkpoint(d / "checkpoints") for k, d in runs.items()}
-    assert all(c is not None for c in ckpts.values())
-    w = {k: weights(c.path) for k, c in ckpts.items() if c is not None}
-    assert w["fsdp"].keys() == w["dp"].keys()  # the checkpoint is dp's layout: resumable either way
+    w = {k: gather_trained([d / "checkpoints"])[2] for k, d in runs.items()}
+    assert w["fsdp"].keys() == w["dp"].keys()  # the shards hold dp's names, whole
+    assert (runs["fsdp"] / "checkpoints" / "stage-0").is_dir()  # one rank: one shard, every block
     started = kinds(read_events(runs["fsdp"], 0), "started")[0]
     assert json.dumps(started).count("sharded_modules") == 1
 
@@ -166,7 +166,7 @@ def ring_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                             "seed": 0, "keep_checkpoints": 1, "heartbeat_s": 0.5, "num_layers": None,
                             "optimizer": "adam", "learning_rate": 1e-3, "iters": 3, "save_every": 3,
                             "steps_per_eval": 3, "lora": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
-    out = {}
+    out: dict[str, tuple[Path, Path]] = {}
     for method in ("lora", "full"):
         ref = root / f"dp-{method}"
         proc = run_direct(write_config(ref / "run.json", **base, method=method, run_id=ref.name, run_dir=str(ref),
@@ -179,6 +179,23 @@ def ring_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         log = launch(run, [PYTHON, "-c", COMMAND, "--config", str(cfg)])
         require_finished(run, [0, 1], log)
         out[method] = (run, ref)
+    # Sharded checkpoints: 2 steps on 2 ranks (a shard each), then resumed to step 3 on 2 ranks, and re-sharded
+    # onto 1 rank (its run dir a copy: the same shards), against the 3-step runs above.
+    two = root / "fsdp-2steps"
+    cfg = write_config(two / "run.json", **{**base, "iters": 2, "save_every": 2, "steps_per_eval": 2},
+                       method="full", run_id=two.name, run_dir=str(two), layout={"kind": "fsdp"},
+                       ranks=[{"rank": r, "node": "local", "batch_size": 2} for r in range(2)])
+    require_finished(two, [0, 1], launch(two, [PYTHON, "-c", COMMAND, "--config", str(cfg)]))
+    one = root / "fsdp-resharded"
+    shutil.copytree(two, one, symlinks=True)
+    cfg = write_config(two / "resume.json", **base, method="full", run_id=two.name, run_dir=str(two), resume=True,
+                       layout={"kind": "fsdp"}, ranks=[{"rank": r, "node": "local", "batch_size": 2} for r in range(2)])
+    require_finished(two, [0, 1], launch(two / "again", [PYTHON, "-c", COMMAND, "--config", str(cfg)]))
+    cfg = write_config(one / "resume.json", **base, method="full", run_id=two.name, run_dir=str(one), resume=True,
+                       layout={"kind": "fsdp"}, ranks=[{"rank": 0, "node": "local", "batch_size": 4}])
+    proc = run_direct(cfg)
+    require_finished(one, [0], proc.stderr)
+    out["resumed"], out["resharded"] = (two, out["full"][1]), (one, out["full"][1])
     return out
 
 
@@ -197,10 +214,60 @@ def test_fsdp_over_two_ranks_equals_dp(ring_runs: dict[str, tuple[Path, Path]], 
         assert started["sharded_modules"] > 0 and started["world_size"] == 2
         # the whole model's counts, not this rank's shard's
         assert started["total_params"] == kinds(read_events(ref, 0), "started")[0]["total_params"]
-    ckpt, ref_ckpt = find_valid_checkpoint(run / "checkpoints"), find_valid_checkpoint(ref / "checkpoints")
-    assert ckpt is not None and ref_ckpt is not None
-    got, exp = weights(ckpt.path), weights(ref_ckpt.path)
-    assert got.keys() == exp.keys()
+    # Each rank saved its own shard (its blocks, whole, dp's names; rank 0 also what is outside the blocks);
+    # merged, they are dp's checkpoint.
+    for rank, layers in ((0, ["0"]), (1, ["1"])):
+        names = weights(next((run / "checkpoints" / f"stage-{rank}").glob("step-*")))
+        assert {n.split("layers.")[1].split(".")[0] for n in names if "layers." in n} == set(layers)
+    step, _, got, _ = gather_trained([run / "checkpoints"])
+    exp = gather_trained([ref / "checkpoints"])[2]
+    assert step == 3 and got.keys() == exp.keys()
     for name in exp:
         assert got[name].shape == exp[name].shape, name
         assert mx.allclose(got[name], exp[name], rtol=1e-4, atol=1e-5).item(), name
+
+
+@pytest.mark.parametrize("case", ["resumed", "resharded"])
+def test_a_sharded_checkpoint_resumes_on_the_same_or_another_world_size(
+        ring_runs: dict[str, tuple[Path, Path]], case: str) -> None:
+    """2 steps on 2 ranks, then step 3 from their shards on 2 ranks again, or on 1 rank (every parameter re-cut
+    by rows): the loss of step 3 and the weights after it are the uninterrupted 3-step dp run's."""
+    run, ref = ring_runs[case]
+    events = read_events(run, 0)
+    starts = [i for i, e in enumerate(events) if e["event"] == "started"]
+    assert len(starts) == 2 and events[starts[-1]]["resumed_from"]
+    after = [e["loss"] for e in kinds(events[starts[-1]:], "step")]
+    want = [e["loss"] for e in kinds(read_events(ref, 0), "step")]
+    assert [e["step"] for e in kinds(events[starts[-1]:], "step")] == [3]
+    assert after == pytest.approx(want[2:], rel=1e-5)
+    first_end = next(i for i, e in enumerate(events) if e["event"] == "finished")
+    warned = [e.get("code") for e in kinds(events[first_end:], "warning")]  # restore warns before `started`
+    assert ("resharded" in warned) == (case == "resharded")
+    got, exp = gather_trained([run / "checkpoints"])[2], gather_trained([ref / "checkpoints"])[2]
+    assert got.keys() == exp.keys()
+    assert all(mx.allclose(got[k], exp[k], rtol=1e-4, atol=1e-5).item() for k in exp)
+
+
+def test_a_sharded_checkpoint_exports_a_model_mlx_lm_loads(ring_runs: dict[str, tuple[Path, Path]],
+                                                          tmp_path: Path) -> None:
+    run, _ = ring_runs["full"]
+    done = build_export([run / "checkpoints"], None, tmp_path / "export")
+    assert done["step"] == 3 and "model.safetensors" in done["files"]
+    model = flatten(load(str(tmp_path / "export"))[0].parameters())
+    trained = gather_trained([run / "checkpoints"])[2]
+    assert all(mx.array_equal(model[k], v).item() for k, v in trained.items())
+
+
+def test_resume_refuses_naming_the_missing_shard(ring_runs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Rank 1's shard gone: no complete checkpoint; a resume refuses before training, naming the stage and its
+    blocks."""
+    run, _ = ring_runs["resumed"]
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken, symlinks=True)
+    shutil.rmtree(broken / "checkpoints" / "stage-1")
+    cfg = json.loads((run / "resume.json").read_text())
+    proc = run_direct(write_config(broken / "again.json", **{**cfg, "run_dir": str(broken),
+                                                            "ranks": [{"rank": 0, "node": "local", "batch_size": 4}]}))
+    assert proc.returncode == 1
+    errors = kinds(read_events(broken, 0), "error")
+    assert "no valid shard of stage 1 (layers [1, 2))" in errors[-1]["message"], errors[-1]["message"]
