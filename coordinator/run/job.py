@@ -570,7 +570,10 @@ def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str
                     run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
     """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
     info = fleet.connected.get(name)
-    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+    # The fleet's node, not its transport's: a rank node (`box/gpu1`) shares its machine's connection, whose node
+    # is the machine; the entry must name the GPU, so that later launches leave out that GPU only.
+    node = next((n for n in fleet.nodes if n.name == name), fleet.transports[name].node)
+    return store.add(new_entry(node, inventory, reason, run_id=run_id, incident=incident,
                                host_key=info.host_key if info is not None else None, now=time.time(),
                                quarantine_for=quarantine_for))
 
@@ -844,9 +847,15 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
 async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
                         restart_from_scratch: bool, ui: JobUI) -> ResumeDecision:
     """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
-    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given."""
-    decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in nodes}, run_id=run_id,
-                                  restart_from_scratch=restart_from_scratch, events_file=run_dir / EVENTS)
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given. The GPUs left out
+    on a machine that still trains (`box/gpu1` beside `box/gpu0`) are read as shard sources: an fsdp or pipeline
+    checkpoint's shard of a failed rank is still on that machine's disk."""
+    names = {n.name for n in nodes}
+    machines = {n.machine for n in nodes if n.machine is not None}
+    sources = [n for n in fleet.nodes if n.name not in names and n.machine is not None and n.machine in machines]
+    decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in [*nodes, *sources]},
+                                  run_id=run_id, restart_from_scratch=restart_from_scratch,
+                                  events_file=run_dir / EVENTS, sources=sources)
     ui.message(decision.describe())
     return decision
 
