@@ -12,6 +12,7 @@ deleted) and starts at step 0. The ranks check the same thing again (`worker.tra
 checkpoint changed in between.
 
 A pipeline run's checkpoints are stage shards (`checkpoints/stage-*/step-N/`, `worker.parallel.pipeline.shards`),
+and so are an fsdp run's (each rank the whole state of its even share of the blocks: `worker.parallel.fsdp`),
 and a step counts only when every stage of its manifest has a valid shard. They may be spread over the nodes (each
 stage wrote its own), so the coordinator decides over the union (`decide_pipeline_resume`, the worker's rule) and
 first copies every shard of the chosen checkpoint to every node that lacks it (`copy_shards`, as
@@ -201,10 +202,12 @@ def parse_shard_scan(node: str, stdout: str) -> ShardScan:
 
 
 def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scratch: bool,
-                           run_id: str = "") -> PipelineResume:
+                           run_id: str = "", receivers: Sequence[str] | None = None) -> PipelineResume:
     """The newest checkpoint whose stages all have a valid shard on SOME node (the worker's rule,
     `worker.parallel.pipeline.shards.evaluate_steps`, over the union of the nodes), and the copies that put every
-    one of its shards on every node. None found while shards exist (or a node could not be listed): ResumeRefused
+    one of its shards on every node (of `receivers` when given: the nodes that will train; the others are only
+    sources, e.g. the run dir of a quarantined GPU on a surviving machine). None found while shards exist (or a
+    node could not be listed): ResumeRefused
     naming, per step, the stages (and layers) without a valid copy, unless `restart_from_scratch`."""
     found = [v for scan in scans.values() if not isinstance(scan, ScanFailed) for v in scan]
     failed = [scan for scan in scans.values() if isinstance(scan, ScanFailed)]
@@ -220,9 +223,12 @@ def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scrat
         for m in members:
             first.setdefault(m.index, m)
         copies = []
-        for node in scans:
+        for node in (scans if receivers is None else receivers):
             held = {m.index for m in members if m.node == node}
-            copies += [ShardCopy(first[i].node, first[i].path, node, f"stage-{i}-from-{first[i].node}")
+            # A rank node's name (`box/gpu1`: fsdp and pipelines over GPUs) must not nest the copy a dir deeper,
+            # where no shard scan looks.
+            copies += [ShardCopy(first[i].node, first[i].path, node,
+                                 f"stage-{i}-from-{first[i].node.replace('/', '-')}")
                        for i in sorted(first) if i not in held]
         return PipelineResume(step, tuple(first[i] for i in sorted(first)), tuple(copies))
     if not found and not failed:
@@ -326,13 +332,17 @@ async def _checkpoint_tool(fleet: Fleet, node: Node, *args: str) -> str:
 
 
 async def check_resume(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str], *, run_id: str,
-                       restart_from_scratch: bool, events_file: Path) -> ResumeDecision:
+                       restart_from_scratch: bool, events_file: Path, sources: Sequence[Node] = ()) -> ResumeDecision:
     """Scan, decide (ResumeRefused propagates, with nothing changed on the nodes), set the invalid checkpoints
     aside, and record each one in the run's events.jsonl as a `checkpoint_invalid` line (the ranks, which would
-    have reported them, no longer see them)."""
-    shard_scans = await scan_shards(fleet, nodes, run_dirs)
+    have reported them, no longer see them). `sources`: nodes left out of the next attempt whose stage shards may
+    still be read (`run_dirs` names theirs too), never written to."""
+    shard_scans = await scan_shards(fleet, [*nodes, *sources], run_dirs)
     if any(not isinstance(s, ScanFailed) and s for s in shard_scans.values()):  # a pipeline run's
-        pipeline = decide_pipeline_resume(shard_scans, restart_from_scratch=restart_from_scratch, run_id=run_id)
+        pipeline = decide_pipeline_resume({k: v for k, v in shard_scans.items()
+                                           if not (isinstance(v, ScanFailed) and k in {n.name for n in sources})},
+                                          restart_from_scratch=restart_from_scratch, run_id=run_id,
+                                          receivers=[n.name for n in nodes])
         await copy_shards(fleet, run_dirs, pipeline.copies)
         head = pipeline.shards[0] if pipeline.shards else None
         return ResumeDecision(pipeline.step, None if head is None else CheckpointVerdict(
