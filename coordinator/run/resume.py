@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,11 +201,13 @@ def parse_shard_scan(node: str, stdout: str) -> ShardScan:
 
 
 def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scratch: bool,
-                           run_id: str = "") -> PipelineResume:
+                           run_id: str = "", sources_only: Collection[str] = ()) -> PipelineResume:
     """The newest checkpoint whose stages all have a valid shard on SOME node (the worker's rule,
     `worker.parallel.pipeline.shards.evaluate_steps`, over the union of the nodes), and the copies that put every
-    one of its shards on every node. None found while shards exist (or a node could not be listed): ResumeRefused
-    naming, per step, the stages (and layers) without a valid copy, unless `restart_from_scratch`."""
+    one of its shards on every node that will run a rank. `sources_only`: scanned nodes that run no rank (a stage's
+    node left out after its fault, still answering): their shards are copied from, never to. None found while
+    shards exist (or a node could not be listed): ResumeRefused naming, per step, the stages (and layers) without a
+    valid copy, unless `restart_from_scratch`."""
     found = [v for scan in scans.values() if not isinstance(scan, ScanFailed) for v in scan]
     failed = [scan for scan in scans.values() if isinstance(scan, ScanFailed)]
     groups: dict[tuple[int, str], list[ShardVerdict]] = {}
@@ -220,7 +222,7 @@ def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scrat
         for m in members:
             first.setdefault(m.index, m)
         copies = []
-        for node in scans:
+        for node in (n for n in scans if n not in sources_only):
             held = {m.index for m in members if m.node == node}
             copies += [ShardCopy(first[i].node, first[i].path, node, f"stage-{i}-from-{first[i].node}")
                        for i in sorted(first) if i not in held]
@@ -326,13 +328,24 @@ async def _checkpoint_tool(fleet: Fleet, node: Node, *args: str) -> str:
 
 
 async def check_resume(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[str, str], *, run_id: str,
-                       restart_from_scratch: bool, events_file: Path) -> ResumeDecision:
+                       restart_from_scratch: bool, events_file: Path, sources: Sequence[Node] = ()) -> ResumeDecision:
     """Scan, decide (ResumeRefused propagates, with nothing changed on the nodes), set the invalid checkpoints
     aside, and record each one in the run's events.jsonl as a `checkpoint_invalid` line (the ranks, which would
-    have reported them, no longer see them)."""
-    shard_scans = await scan_shards(fleet, nodes, run_dirs)
+    have reported them, no longer see them).
+
+    `sources`: nodes that run no rank of the next attempt but may still hold a pipeline stage's only shard (a
+    stage's node left out after a crash or a hang: each stage holds layers no other node has); those that answer
+    are scanned too, and their shards copied to `nodes`. A source that does not answer is no source (its shards
+    are missing, named by the refusal)."""
+    answering = [n for n in sources if n.name in fleet.connected and n.name in run_dirs]
+    scan_nodes = [*nodes, *(n for n in answering if n not in nodes)]
+    shard_scans = await scan_shards(fleet, scan_nodes, run_dirs)
+    only = {n.name for n in scan_nodes if n not in nodes}
+    # A source that could not be listed is no source: it must not make a resume that the ranks' nodes allow refuse.
+    shard_scans = {k: v for k, v in shard_scans.items() if not (k in only and isinstance(v, ScanFailed))}
     if any(not isinstance(s, ScanFailed) and s for s in shard_scans.values()):  # a pipeline run's
-        pipeline = decide_pipeline_resume(shard_scans, restart_from_scratch=restart_from_scratch, run_id=run_id)
+        pipeline = decide_pipeline_resume(shard_scans, restart_from_scratch=restart_from_scratch, run_id=run_id,
+                                          sources_only=only)
         await copy_shards(fleet, run_dirs, pipeline.copies)
         head = pipeline.shards[0] if pipeline.shards else None
         return ResumeDecision(pipeline.step, None if head is None else CheckpointVerdict(
