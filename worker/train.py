@@ -110,6 +110,7 @@ class Trainer:
         self.hb = heartbeat
         self.env_rank = env_rank
         self.strategy: Strategy = make_strategy(config, log)
+        heartbeat.progress = self.strategy.progress
         self.comm: Comm
         self.position = 0
         self.last_loss: float | None = None
@@ -267,7 +268,7 @@ class Trainer:
             "epoch": self.position // len(self.train_set),
             "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),
             "local_grad_norm": scalar(local_norm), "compute_s": compute_s,
-            "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None,
+            "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None, **done.fields,
         }
 
     def digests(self) -> dict[str, str]:

@@ -251,6 +251,7 @@ class Launch:
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
+        self.predicted_stage_s: dict[int, float] = {}  # a pipeline's planned compute seconds per step, by rank
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
@@ -524,7 +525,8 @@ class Launch:
         return train.max_seq_length * train.grad_accumulation * train.rows_per_example
 
     def new_monitor(self) -> Monitor:
-        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s,
+                            self.predicted_stage_s.get(r.rank)) for r in self.ranks]
         pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,

@@ -72,3 +72,125 @@ def test_a_left_out_stage_node_serves_its_shard_to_the_survivors_and_gets_nothin
     assert {c.dest for c in decision.copies} == {"a", "c"}
     assert ShardCopy("b", "/r/b/checkpoints/stage-1/step-000004", "a", "stage-1-from-b") in decision.copies
     assert ShardCopy("b", "/r/b/checkpoints/stage-1/step-000004", "c", "stage-1-from-b") in decision.copies
+
+
+# --- the monitor's pipeline rules: scripted observations, values out -----------------------------------------
+
+from coordinator.run.monitor import (  # noqa: E402
+    FaultPolicy,
+    IncidentKind,
+    Monitor,
+    Observation,
+    PlannedRank,
+    StageWait,
+    evaluate_stage_hang,
+    evaluate_stage_straggler,
+)
+
+NODES = ("a", "b", "c")
+
+
+def ev(rank: int, at: float, **data: object) -> Observation:
+    return Observation("event", NODES[rank], at, rank, {"rank": rank, **data})
+
+
+def pipeline(predicted: tuple[float | None, ...] = (None, None, None), **policy: float) -> Monitor:
+    """Three stages on a, b, c, started at 0.1, each past its first step (median 1 s) at t = 2."""
+    plan = [PlannedRank(r, NODES[r], 6, None, predicted[r]) for r in range(3)]
+    mon = Monitor.create(plan, iters=50, now=0.0, policy=FaultPolicy(heartbeat_timeout=6.0, **policy),
+                         replica_groups=((0,), (1,), (2,)))
+    for r in range(3):
+        mon.observe(ev(r, 0.1, event="started", pid=10 + r))
+        mon.observe(ev(r, 2.0, event="step", step=1, loss=2.0, step_time_s=1.0, compute_s=1.0))
+    return mon
+
+
+def beat(mon: Monitor, at: float, where: dict[int, tuple[str, int | None, int]], step: int = 2) -> list:
+    found = []
+    for rank, (action, peer, index) in where.items():
+        found += mon.observe(ev(rank, at, event="heartbeat", step=step, phase="step", action=action, peer=peer,
+                                action_index=index))
+    return found
+
+
+def test_the_stage_that_stopped_producing_is_hung_and_its_waiting_neighbours_are_not() -> None:
+    # The middle stage is stuck in a forward (alive: its heartbeat thread beats on); stage 0 waits for its
+    # gradient, stage 2 for its activations. Stall window: max(60 s, 10 x 1 s).
+    mon = pipeline()
+    where = {0: ("recv_grad", 1, 5), 1: ("forward", None, 4), 2: ("recv_act", 1, 1)}
+    for t in range(3, 64):
+        assert not beat(mon, float(t), where) + mon.check(float(t))
+    [hang] = beat(mon, 65.0, where) + mon.check(65.0)
+    assert (hang.kind, hang.node, hang.rank, str(hang.action)) == (IncidentKind.HANG, "b", 1, "quarantine")
+    assert hang.evidence["waited_on_by"] == [0, 2] and hang.evidence["action"] == "forward"
+    assert "stage 1 stopped producing: in forward" in hang.evidence["reason"]
+    assert mon.culprits() == ["b"]
+    waiting = {0: where[0], 2: where[2]}
+    assert not beat(mon, 200.0, waiting) + mon.check(200.0)  # its neighbours go on waiting: never blamed
+
+
+def test_a_stage_that_moves_is_not_hung_however_long_the_step() -> None:
+    mon = pipeline()
+    for t in range(3, 130):
+        where = {0: ("recv_grad", 1, 5), 1: ("backward", None, 4 + t), 2: ("recv_act", 1, 1)}
+        assert not beat(mon, float(t), where) + mon.check(float(t))
+
+
+def test_stages_that_only_wait_on_each_other_blame_no_stage() -> None:
+    # Two live stages each waiting on the other (a link that delivers nothing): no stage stopped producing; the
+    # stall rule ends the attempt without a culprit.
+    waits = [StageWait(0, "send_act", 1, 0.0), StageWait(1, "send_grad", 0, 0.0), StageWait(2, "all_sum", None, 0.0)]
+    assert evaluate_stage_hang(waits, now=500.0, window=60.0) is None
+    mon = pipeline()
+    where = {0: ("send_act", 1, 5), 1: ("send_grad", 0, 4), 2: ("recv_act", 1, 1)}
+    beat(mon, 3.0, where)
+    found = beat(mon, 70.0, where) + mon.check(70.0)
+    assert found and {i.kind for i in found} == {IncidentKind.STALL} and not mon.culprits()
+
+
+def test_the_wait_chain_names_every_stage_that_waits_on_the_hung_one() -> None:
+    waits = [StageWait(0, "recv_grad", 1, 0.0), StageWait(1, "recv_grad", 2, 0.0), StageWait(2, "update", None, 0.0),
+             StageWait(3, "all_sum", None, 0.0), StageWait(4, "recv_act", 3, 50.0)]
+    hang = evaluate_stage_hang(waits, now=100.0, window=60.0)
+    assert hang is not None and (hang.rank, hang.action, hang.waiting) == (2, "update", (0, 1, 3, 4))
+    assert evaluate_stage_hang(waits, now=59.0, window=60.0) is None
+
+
+def test_a_stopped_stage_is_hung_with_the_stages_that_wait_on_it() -> None:
+    mon = pipeline()
+    beat(mon, 3.0, {0: ("recv_grad", 1, 5), 2: ("recv_act", 1, 1)})
+    mon.observe(Observation("proc", "b", 3.0, 1, {"pid": 11, "state": "T"}))
+    [hang] = mon.observe(Observation("proc", "b", 4.5, 1, {"pid": 11, "state": "T"}))
+    assert (hang.kind, hang.rank, hang.evidence["waited_on_by"]) == (IncidentKind.HANG, 1, [0, 2])
+    assert mon.culprits() == ["b"]
+
+
+def test_a_nan_is_blamed_on_the_stage_that_produced_it_not_on_its_receivers() -> None:
+    mon = pipeline()
+    found = mon.observe(ev(0, 3.0, event="step", step=2, loss=None, local_loss=0.0, local_loss_finite=True,
+                           nonfinite="produced", nonfinite_at="computed its activations of micro-batch 0"))
+    for r in (1, 2):
+        found += mon.observe(ev(r, 3.0, event="step", step=2, loss=None, local_loss=None, local_loss_finite=r != 2,
+                                nonfinite="received", nonfinite_at="received the activations of micro-batch 0"))
+    [nan] = found
+    assert (nan.kind, nan.node, nan.rank) == (IncidentKind.NAN, "a", 0)
+    assert "computed its activations of micro-batch 0" in nan.evidence["reason"]
+    assert mon.culprits() == ["a"]
+
+
+def test_the_bottleneck_stage_is_the_straggler_named_with_its_excess_over_the_prediction() -> None:
+    assert evaluate_stage_straggler({0: 1.0, 1: 1.2, 2: 1.1}, {0: 1.0, 1: 1.0, 2: 1.0}, 0.5) is None
+    # Every stage 1.5x its prediction: the prediction is off, no stage straggles.
+    assert evaluate_stage_straggler({0: 1.5, 1: 3.0, 2: 1.5}, {0: 1.0, 1: 2.0, 2: 1.0}, 0.5) is None
+    slow = evaluate_stage_straggler({0: 1.0, 1: 6.0, 2: 1.1}, {0: 1.0, 1: 2.0, 2: 1.0}, 0.5)
+    assert slow is not None and slow.rank == 1 and slow.ratio == 3.0
+    mon = pipeline(predicted=(1.0, 2.0, 1.0), straggler_window=3, straggler_min_s=2.0)
+    found = []
+    for step in range(2, 8):
+        for r, secs in ((0, 1.0), (1, 6.0), (2, 1.1)):
+            found += mon.observe(ev(r, 2.0 + step, event="step", step=step, loss=2.0, step_time_s=7.0,
+                                    compute_s=7.0, stage_compute_s=secs))
+    [inc] = found
+    assert (inc.kind, inc.node, inc.rank, str(inc.action)) == (IncidentKind.STRAGGLER, "b", 1, "warn")
+    assert inc.evidence["exceeds_prediction_by"] == 2.0 and inc.evidence["predicted_stage_s"] == 2.0
+    assert inc.evidence["reason"].startswith("stage 1 is the bottleneck: 6s of compute per step, 3.00x its predicted")

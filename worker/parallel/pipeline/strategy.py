@@ -175,6 +175,7 @@ class Pipeline(Strategy):
              before_apply: Callable[[float], None] | None = None) -> StepResult:
         clock = time.perf_counter
         tic = clock()
+        self.progress.reset()
         micros = list(build())
         chunks = self._chunks(micros)
         weight = mx.sum(mx.stack([c.weight for c in chunks]))
@@ -183,11 +184,15 @@ class Pipeline(Strategy):
         total_weight = sum(m.total_weight for m in micros)
         if int(scalar(weight)) != total_weight:
             raise WeightMismatch(f"the loss scores {int(scalar(weight))} targets, the host counted {total_weight}")
-        grads, loss_sum = self._run_schedule(chunks)
+        boundary = Boundary()
+        grads, loss_sum, stage_s = self._run_schedule(chunks, boundary)
+        self.progress.begin("update")
         local = Local(grads, loss_sum, weight, tokens, None, _grad_sq(grads))
         if after_local is not None:
             local = after_local(local)
-        mx.eval(local.grads, local.loss_sum, local.grad_sq)
+        boundary.out(local.grad_sq, "its parameter gradients")
+        boundary.out(local.loss_sum, "its loss")
+        mx.eval(local.grads, local.loss_sum, local.grad_sq, *boundary.flags)
         if before_apply is not None:
             before_apply(tic)
         compute_s = clock() - tic
@@ -198,17 +203,22 @@ class Pipeline(Strategy):
         self.optimizer.update(self.model, scaled)
         # The one collective of the step, for the report: the loss (only the last stage has it) and the squared
         # norm of the whole model's gradient (each stage has its part).
-        summed = self.comm.all_sum(mx.stack([local.loss_sum * inverse, stage_sq]))
+        own_loss = local.loss_sum * inverse  # this stage's share of the loss: 0 but on the last stage
+        self.progress.begin("all_sum")
+        summed = self.comm.all_sum(mx.stack([own_loss, stage_sq]))
         loss, norm = summed[0], mx.sqrt(summed[1])
-        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm)
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, own_loss)
         if self.config.clear_cache:
             mx.clear_cache()
         elapsed = clock() - tic
-        return StepResult(micros, local, loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
+        return StepResult(micros, local, own_loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed,
+                          fields={"stage_compute_s": stage_s, **boundary.verdict()})
 
-    def _run_schedule(self, chunks: Sequence[Chunk]) -> tuple[Any, mx.array]:
+    def _run_schedule(self, chunks: Sequence[Chunk], boundary: Boundary) -> tuple[Any, mx.array, float]:
         """Run this stage's actions over `chunks`; (the gradient SUM of its parameters, its loss sum: 0 but on
-        the last stage)."""
+        the last stage, the seconds of its forwards and backwards alone). Each action is announced to `progress`
+        before it begins (its heartbeats say where it is: computing, or waiting on which neighbour); every value
+        received and sent is noted in `boundary` (is it finite: checked once, at the end of the step)."""
         where = self.where
         prev, nxt = self.rank - 1, self.rank + 1
         inputs: dict[int, mx.array] = {}
@@ -217,20 +227,28 @@ class Pipeline(Strategy):
         to_send: dict[int, mx.array] = {}
         grads: Any = None
         loss_sum = mx.array(0.0, mx.float32)
+        computing = 0.0
+        clock = time.perf_counter
+        peers = {RECV_ACT: prev, SEND_GRAD: prev, RECV_GRAD: nxt, SEND_ACT: nxt}
         for action in build_schedule(self.config.layout.schedule, where.index, where.stages, len(chunks)):
             m, chunk = action.micro, chunks[action.micro]
+            self.progress.begin(action.kind, peers.get(action.kind))
+            tic = clock()
             if action.kind == RECV_ACT:
                 inputs[m] = self._recv(chunk, prev)
+                boundary.inp(inputs[m], f"the activations of micro-batch {m} from stage {prev}")
             elif action.kind == FORWARD:
                 if where.is_first:
                     inputs[m] = chunk.inputs
                 if not where.is_last:  # the last stage's forward runs inside its backward (one pass, no recompute)
                     outputs[m] = self.stage.forward(inputs[m], chunk)
                     mx.eval(outputs[m])
+                    boundary.out(outputs[m], f"its activations of micro-batch {m} (for stage {nxt})")
             elif action.kind == SEND_ACT:
                 self._send(outputs.pop(m), nxt)
             elif action.kind == RECV_GRAD:
                 received[m] = self._recv(chunk, nxt)
+                boundary.inp(received[m], f"the gradient of micro-batch {m} from stage {nxt}")
             elif action.kind == BACKWARD:
                 if where.is_last:
                     loss, g, dx = self.stage.loss_backward(inputs.pop(m), chunk)
@@ -241,9 +259,14 @@ class Pipeline(Strategy):
                 mx.eval(grads, loss_sum, *([dx] if dx is not None else []))
                 if dx is not None:
                     to_send[m] = dx
+                    boundary.out(dx, f"its input gradient of micro-batch {m} (for stage {prev})")
+                if where.is_last:
+                    boundary.out(loss_sum, f"its loss after micro-batch {m}")
             elif action.kind == SEND_GRAD:
                 self._send(to_send.pop(m), prev)
-        return grads, loss_sum
+            if action.kind in (FORWARD, BACKWARD):
+                computing += clock() - tic
+        return grads, loss_sum, computing
 
     def eval_sums(self, global_rows: Sequence[int]) -> mx.array | None:
         """The validation loss of one global batch through the stages (forward only, micro-batch by micro-batch:
@@ -383,6 +406,36 @@ class Pipeline(Strategy):
 
 
 _DTYPE_CODES = [mx.float32, mx.bfloat16, mx.float16]
+
+
+class Boundary:
+    """What crossed a stage's boundary in one step, in the order the stage saw it: values received (`inp`) and
+    values it computed (`out`: activations and gradients it sends, its parameter gradients, its loss), each with
+    a lazy "all finite" flag, evaluated once at the end of the step (no extra synchronisation per micro-batch).
+    The step's first non-finite value says who made it: one this stage computed while everything it had received
+    so far was finite (`produced`), or one a neighbour sent (`received`): the receiver of a NaN is not its
+    source, and a NaN that comes back as a gradient does not blame the stage it came back to."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, str, mx.array]] = []  # (computed here, what, all finite)
+
+    @property
+    def flags(self) -> list[mx.array]:
+        return [flag for _, _, flag in self.seen]
+
+    def inp(self, x: mx.array, what: str) -> None:
+        self.seen.append((False, what, mx.all(mx.isfinite(x))))
+
+    def out(self, x: mx.array, what: str) -> None:
+        self.seen.append((True, what, mx.all(mx.isfinite(x))))
+
+    def verdict(self) -> dict[str, str]:
+        """{} when every value was finite; else nonfinite (produced | received) and nonfinite_at (which)."""
+        for here, what, flag in self.seen:
+            if not bool(flag.item()):
+                return {"nonfinite": "produced" if here else "received",
+                        "nonfinite_at": ("computed " if here else "received ") + what}
+        return {}
 
 
 def _grad_sq(grads: Any) -> mx.array:
