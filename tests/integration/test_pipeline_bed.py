@@ -103,7 +103,9 @@ def _fault_playbook(path: Path, strategy: str) -> Path:
         "train": {"method": "full", "strategy": strategy, "iters": 6, "batch_size": 6, "max_seq_length": 128,
                   "micro_batches": 3, "learning_rate": 1e-3, "optimizer": "adam", "save_every": 2,
                   "steps_per_eval": 100, "val_batches": 1, "seed": 3},
-        "split": "equal", "heartbeat_timeout": 6, "faults": {"max_restarts": 1, "min_nodes": 1}},
+        # A short stall window (max(10 x the median step, 2 s, heartbeat_timeout + 1 s)): a stage that stops
+        # producing is found within seconds.
+        "split": "equal", "heartbeat_timeout": 6, "faults": {"max_restarts": 1, "min_nodes": 1, "stall_min_s": 2}},
         sort_keys=False))
     return path
 
@@ -120,11 +122,13 @@ def _stages(runs: Path, run_id: str, attempt: int) -> list[tuple[str, int, int]]
 
 def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_replanned_split(
         testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
-    """Issue 26 item 4 on the bed: the middle stage of three is killed (SIGKILL), then, in a second run, stopped
-    (SIGSTOP) at step 5. Each time only that stage's node is blamed (its neighbours, which wait on it in
-    recv/send, are not), and the run goes on from its step-4 checkpoint as a pipeline over the two survivors,
-    re-planned to 3/3 blocks (the middle stage's shard is fetched from its node, which still answers); the loss of
-    every step equals one uninterrupted process's."""
+    """Issue 26 item 4 on the bed: the middle stage of three is killed (SIGKILL) at step 5; in a second run it is
+    stopped (SIGSTOP); in a third it stops producing while its process lives and heartbeats (chaos `stall`: its
+    compute thread never leaves the update; only the progress its compute thread reports shows it). Each time
+    only that stage's node is blamed (its neighbours, which wait on it in recv/send or the step's all_sum, are
+    not), and the run goes on from its step-4 checkpoint as a pipeline over the two survivors, re-planned to 3/3
+    blocks (the middle stage's shard is fetched from its node, which still answers); the loss of every step
+    equals one uninterrupted process's."""
     hosts = testbed.add_hosts(3)
     for host in hosts:
         build_tiny_model(host.srv / "model", DATA, layers=6, hidden=64, seed=0)
@@ -135,7 +139,7 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
     pb = _fault_playbook(tmp_path / "pipe.yaml", "pipeline")
     middle = hosts[1].name
     summaries = {}
-    for kind in ("kill", "hang"):
+    for kind in ("kill", "hang", "stall"):
         proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs),
                        "--chaos", f"{kind}:rank=1,step=5", env=env, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
@@ -144,6 +148,10 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
         blamed = [i for i in summary["incidents"] if i["action"] == "quarantine"]
         assert {i["node"] for i in blamed} == {middle}, json.dumps(summary["incidents"], indent=1)[:4000]
         assert blamed[0]["kind"] == ("crash" if kind == "kill" else "hang")
+        if kind == "stall":  # found by the stages' own progress: it is in a computation, they wait on it
+            assert blamed[0]["evidence"]["action"] == "update", blamed[0]
+            assert blamed[0]["evidence"]["waited_on_by"] == [0, 2], blamed[0]
+        assert not [i for i in summary["incidents"] if i["kind"] == "stall"]
         assert summary["state"] == "succeeded" and summary["steps"] == 6 and summary["attempts"] == 2
         [recovery] = summary["recoveries"]
         assert recovery["culprits"] == [middle] and recovery["resumed_from"] == 4

@@ -194,3 +194,21 @@ def test_the_bottleneck_stage_is_the_straggler_named_with_its_excess_over_the_pr
     assert (inc.kind, inc.node, inc.rank, str(inc.action)) == (IncidentKind.STRAGGLER, "b", 1, "warn")
     assert inc.evidence["exceeds_prediction_by"] == 2.0 and inc.evidence["predicted_stage_s"] == 2.0
     assert inc.evidence["reason"].startswith("stage 1 is the bottleneck: 6s of compute per step, 3.00x its predicted")
+
+
+def test_a_relaunch_on_fewer_nodes_drops_a_pinned_split_and_says_so() -> None:
+    from coordinator.config.playbook import parse_playbook
+    from coordinator.run.job import QuietUI, replan_playbook
+
+    said: list[str] = []
+
+    class UI(QuietUI):
+        def message(self, text: str) -> None:
+            said.append(text)
+
+    pb = parse_playbook({"name": "p", "model": "/m", "data": "/d", "train": {
+        "method": "full", "strategy": "pipeline", "layer_split": [2, 2, 2], "batch_size": 6}}, path="pb.yaml")
+    assert replan_playbook(pb, 3, UI()) is pb and not said
+    again = replan_playbook(pb, 2, UI())
+    assert again.train.layer_split is None and again.train.strategy == "pipeline" and pb.train.layer_split == (2, 2, 2)
+    assert said == ["train.layer_split [2, 2, 2] pins 3 stages; 2 node(s) are left: the split over them is computed"]
