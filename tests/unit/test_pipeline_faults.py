@@ -212,3 +212,28 @@ def test_a_relaunch_on_fewer_nodes_drops_a_pinned_split_and_says_so() -> None:
     again = replan_playbook(pb, 2, UI())
     assert again.train.layer_split is None and again.train.strategy == "pipeline" and pb.train.layer_split == (2, 2, 2)
     assert said == ["train.layer_split [2, 2, 2] pins 3 stages; 2 node(s) are left: the split over them is computed"]
+
+
+def test_a_stage_names_the_first_non_finite_value_at_its_boundary_as_produced_or_received() -> None:
+    import mlx.core as mx
+
+    from worker.parallel.pipeline.strategy import Boundary
+
+    ok, bad = mx.ones((2, 3)), mx.array([1.0, float("nan")])
+    clean = Boundary()
+    clean.inp(ok, "the activations of micro-batch 0 from stage 0")
+    clean.out(ok, "its activations of micro-batch 0 (for stage 2)")
+    assert clean.verdict() == {}
+    # The NaN it made goes downstream and comes back as a gradient: still its own.
+    made = Boundary()
+    made.inp(ok, "the activations of micro-batch 0 from stage 0")
+    made.out(bad, "its activations of micro-batch 0 (for stage 2)")
+    made.inp(bad, "the gradient of micro-batch 0 from stage 2")
+    assert made.verdict() == {"nonfinite": "produced",
+                              "nonfinite_at": "computed its activations of micro-batch 0 (for stage 2)"}
+    # A NaN it was sent is its neighbour's, whatever it computed from it.
+    got = Boundary()
+    got.inp(mx.array([float("inf")]), "the activations of micro-batch 1 from stage 0")
+    got.out(bad, "its loss after micro-batch 1")
+    assert got.verdict() == {"nonfinite": "received",
+                             "nonfinite_at": "received the activations of micro-batch 1 from stage 0"}
