@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -158,6 +159,9 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
         run_id = summary["run_id"]
         assert _stages(runs, run_id, 0) == [(hosts[0].name, 0, 2), (middle, 2, 4), (hosts[2].name, 4, 6)]
         assert _stages(runs, run_id, 1) == [(hosts[0].name, 0, 3), (hosts[2].name, 3, 6)]
+        # No rank is left waiting on a dead neighbour (nor the stopped one left stopped).
+        left = subprocess.run(["pgrep", "-af", f"runs/{run_id}/"], capture_output=True, text=True).stdout.strip()
+        assert not left, left
     # The reference: one process, uninterrupted, the same data, seed and batch.
     one = testbed.write_inventory(tmp_path / "one.yaml", hosts[:1])
     ref = run_cli("launch", "-i", str(one), str(_fault_playbook(tmp_path / "ref.yaml", "dp")), "--json",
