@@ -54,7 +54,8 @@ class EventKind(_StrEnum):
     #                tok_s, compute_tok_s.
     #                When the global loss is not finite every rank still emits its step event (so the
     #                rank whose local_loss_finite is false can be named), then an error event.
-    #                A pipeline stage adds stage_compute_s (its forwards and backwards alone, no transfer) and,
+    #                A pipeline stage adds stage_compute_s (what it computes alone: its forwards, backwards and
+    #                update, any chaos/debug slowdown; no transfer, no collective) and,
     #                when a value at its boundary was not finite, nonfinite: "produced" (the step's first
     #                non-finite value there was one it computed from finite inputs: activations, gradients, its
     #                loss) or "received" (a neighbour sent it), with nonfinite_at (which, in words).

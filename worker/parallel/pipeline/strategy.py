@@ -187,6 +187,7 @@ class Pipeline(Strategy):
         boundary = Boundary()
         grads, loss_sum, stage_s = self._run_schedule(chunks, boundary)
         self.progress.begin("update")
+        alone = clock()  # from here to the collective the stage computes alone (its update, a chaos slowdown)
         local = Local(grads, loss_sum, weight, tokens, None, _grad_sq(grads))
         if after_local is not None:
             local = after_local(local)
@@ -204,6 +205,7 @@ class Pipeline(Strategy):
         # The one collective of the step, for the report: the loss (only the last stage has it) and the squared
         # norm of the whole model's gradient (each stage has its part).
         own_loss = local.loss_sum * inverse  # this stage's share of the loss: 0 but on the last stage
+        stage_s += clock() - alone
         self.progress.begin("all_sum")
         summed = self.comm.all_sum(mx.stack([own_loss, stage_sq]))
         loss, norm = summed[0], mx.sqrt(summed[1])
