@@ -97,16 +97,17 @@ def test_capped_bed_trains_a_pipeline_that_matches_one_process(testbed: TestBed,
 
 
 def _fault_playbook(path: Path, strategy: str) -> Path:
-    # Six blocks over three stages (2/2/2); a checkpoint every 2 steps; the fault at step 5 (so the relaunch
-    # resumes from step 4) on the middle stage.
+    # Six blocks over three stages (2/2/2); a checkpoint every 2 steps; the fault at step 3 (so the relaunch
+    # resumes from step 2) on the middle stage.
     path.write_text(yaml.safe_dump({
         "name": f"pipe-fault-{strategy}", "kind": "train", "model": "/srv/model", "data": "/srv/data",
-        "train": {"method": "full", "strategy": strategy, "iters": 6, "batch_size": 6, "max_seq_length": 128,
+        "train": {"method": "full", "strategy": strategy, "iters": 4, "batch_size": 6, "max_seq_length": 128,
                   "micro_batches": 3, "learning_rate": 1e-3, "optimizer": "adam", "save_every": 2,
                   "steps_per_eval": 100, "val_batches": 1, "seed": 3},
-        # A short stall window (max(10 x the median step, 2 s, heartbeat_timeout + 1 s)): a stage that stops
-        # producing is found within seconds.
-        "split": "equal", "heartbeat_timeout": 6, "faults": {"max_restarts": 1, "min_nodes": 1, "stall_min_s": 2}},
+        # A short stall window (max(3 x the median step, 2 s, heartbeat_timeout + 1 s)): a stage that stops
+        # producing is found within seconds (the first step, which compiles, is in the median).
+        "split": "equal", "heartbeat_timeout": 6,
+        "faults": {"max_restarts": 1, "min_nodes": 1, "stall_min_s": 2, "stall_factor": 3}},
         sort_keys=False))
     return path
 
@@ -121,13 +122,14 @@ def _stages(runs: Path, run_id: str, attempt: int) -> list[tuple[str, int, int]]
     return [found[r] for r in sorted(found)]
 
 
+@pytest.mark.timeout(900)  # four launches (three with a relaunch): ~6 min alone on 2 cores
 def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_replanned_split(
         testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
-    """Issue 26 item 4 on the bed: the middle stage of three is killed (SIGKILL) at step 5; in a second run it is
+    """Issue 26 item 4 on the bed: the middle stage of three is killed (SIGKILL) at step 3; in a second run it is
     stopped (SIGSTOP); in a third it stops producing while its process lives and heartbeats (chaos `stall`: its
     compute thread never leaves the update; only the progress its compute thread reports shows it). Each time
     only that stage's node is blamed (its neighbours, which wait on it in recv/send or the step's all_sum, are
-    not), and the run goes on from its step-4 checkpoint as a pipeline over the two survivors, re-planned to 3/3
+    not), and the run goes on from its step-2 checkpoint as a pipeline over the two survivors, re-planned to 3/3
     blocks (the middle stage's shard is fetched from its node, which still answers); the loss of every step
     equals one uninterrupted process's."""
     hosts = testbed.add_hosts(3)
@@ -142,7 +144,7 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
     summaries = {}
     for kind in ("kill", "hang", "stall"):
         proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs),
-                       "--chaos", f"{kind}:rank=1,step=5", env=env, timeout=600)
+                       "--chaos", f"{kind}:rank=1,step=3", env=env, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         summary = summaries[kind] = json.loads(proc.stdout)
         validate_output("launch", summary)
@@ -153,9 +155,9 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
             assert blamed[0]["evidence"]["action"] == "update", blamed[0]
             assert blamed[0]["evidence"]["waited_on_by"] == [0, 2], blamed[0]
         assert not [i for i in summary["incidents"] if i["kind"] == "stall"]
-        assert summary["state"] == "succeeded" and summary["steps"] == 6 and summary["attempts"] == 2
+        assert summary["state"] == "succeeded" and summary["steps"] == 4 and summary["attempts"] == 2
         [recovery] = summary["recoveries"]
-        assert recovery["culprits"] == [middle] and recovery["resumed_from"] == 4
+        assert recovery["culprits"] == [middle] and recovery["resumed_from"] == 2
         run_id = summary["run_id"]
         assert _stages(runs, run_id, 0) == [(hosts[0].name, 0, 2), (middle, 2, 4), (hosts[2].name, 4, 6)]
         assert _stages(runs, run_id, 1) == [(hosts[0].name, 0, 3), (hosts[2].name, 3, 6)]
@@ -168,7 +170,7 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
                   "--run-dir", str(runs), env=env, timeout=300)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     single = _losses(runs, json.loads(ref.stdout)["run_id"])
-    assert sorted(single) == [1, 2, 3, 4, 5, 6]
+    assert sorted(single) == [1, 2, 3, 4]
     for kind, summary in summaries.items():
         piped = _losses(runs, summary["run_id"])
         assert sorted(piped) == sorted(single), (kind, piped)
