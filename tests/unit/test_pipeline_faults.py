@@ -237,3 +237,11 @@ def test_a_stage_names_the_first_non_finite_value_at_its_boundary_as_produced_or
     got.out(bad, "its loss after micro-batch 1")
     assert got.verdict() == {"nonfinite": "received",
                              "nonfinite_at": "received the activations of micro-batch 1 from stage 0"}
+
+
+def test_an_error_every_stage_shares_is_the_jobs() -> None:
+    mon = pipeline()
+    for r in range(3):
+        mon.observe(ev(r, 3.0 + r / 10, event="error", message="KeyError: 'text'", traceback="tb"))
+    mon.resolve()
+    assert mon.job_error is not None and not mon.culprits()
