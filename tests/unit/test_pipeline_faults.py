@@ -245,3 +245,26 @@ def test_an_error_every_stage_shares_is_the_jobs() -> None:
         mon.observe(ev(r, 3.0 + r / 10, event="error", message="KeyError: 'text'", traceback="tb"))
     mon.resolve()
     assert mon.job_error is not None and not mon.culprits()
+
+
+def test_each_stage_shard_of_a_complete_checkpoint_is_copied_to_its_neighbours_node() -> None:
+    from coordinator.run.replicas import StageShard, compute_replicas
+
+    def shards(*steps: int | None, nodes: str = "abc") -> list[StageShard]:
+        return [StageShard(r, nodes[r], step, None if step is None else f"/w/{nodes[r]}/stage-{r}/step-{step}")
+                for r, step in enumerate(steps)]
+
+    assert compute_replicas(shards(4, 4, None), done=0) is None  # stage 2 has not written step 4 yet
+    assert compute_replicas(shards(6, 4, 4), done=0) is None  # one step, every stage
+    assert compute_replicas(shards(4, 4, 4), done=4) is None  # done already
+    assert compute_replicas(shards(4, 4, nodes="aa"), done=0) is None  # no second node
+    step, copies = compute_replicas(shards(4, 4, 4), done=2)  # type: ignore[misc]
+    assert step == 4 and copies == (ShardCopy("a", "/w/a/stage-0/step-4", "b", "stage-0-from-a"),
+                                    ShardCopy("b", "/w/b/stage-1/step-4", "c", "stage-1-from-b"),
+                                    ShardCopy("c", "/w/c/stage-2/step-4", "a", "stage-2-from-c"))
+    # Two stages on one node: the copy goes to the next stage on ANOTHER node.
+    _, copies = compute_replicas(shards(2, 2, 2, nodes="aab"), done=0)  # type: ignore[misc]
+    assert [c.dest for c in copies] == ["b", "b", "a"]
+    # A node lost for good: its stage's shard is still on the survivors (the resume scan finds the replica).
+    scans = {"a": (shard("a", 4, 0), shard("a", 4, 2)), "c": (shard("c", 4, 2), shard("c", 4, 1))}
+    assert decide_pipeline_resume(scans, restart_from_scratch=False).step == 4
