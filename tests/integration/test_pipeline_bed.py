@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,48 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
         assert sorted(piped) == sorted(single), (kind, piped)
         for step, loss in single.items():
             assert piped[step] == pytest.approx(loss, rel=1e-3, abs=1e-4), (kind, step, piped, single)
+
+
+def test_a_stage_whose_node_is_lost_resumes_from_the_replica_of_its_shard(testbed: TestBed, tmp_path: Path) -> None:
+    """The middle stage's node is cut off (link down) after a complete checkpoint was replicated: the stage's only
+    shard is on a node nobody can reach, yet the run resumes on the two survivors from the copy the coordinator
+    made on its neighbour's node (`run.replicas`), re-planned to 3/3 blocks."""
+    hosts = testbed.add_hosts(3)
+    for host in hosts:
+        build_tiny_model(host.srv / "model", DATA, layers=6, hidden=64, seed=0)
+        shutil.copytree(DATA, host.srv / "data")
+    inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
+    pb = _fault_playbook(tmp_path / "pipe.yaml", "pipeline")
+    doc = yaml.safe_load(pb.read_text())
+    doc["train"].update(iters=40, save_every=4)
+    pb.write_text(yaml.safe_dump(doc, sort_keys=False))
+    runs = tmp_path / "runs"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state"),
+           "NO_COLOR": "1", "TERM": "dumb"}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json",
+                             "--run-dir", str(runs)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = sorted(runs.glob("pipe-fault-*/events.jsonl")) if runs.exists() else []
+            lines = found[-1].read_text().splitlines()[:-1] if found else []  # the last may be half-written
+            if any('"what": "replicated"' in line for line in lines):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"no checkpoint replicated (rc {proc.poll()}): {proc.stderr.read() if proc.stderr else ''}")
+        testbed.link_down(hosts[1])
+        out, err = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, (out + err)[-5000:]
+    summary = json.loads(out)
+    blamed = {i["node"] for i in summary["incidents"] if i["action"] == "quarantine"}
+    assert blamed == {hosts[1].name}, json.dumps(summary["incidents"], indent=1)[:4000]
+    assert summary["state"] == "succeeded" and summary["steps"] == 40 and summary["attempts"] == 2
+    [recovery] = summary["recoveries"]
+    assert recovery["culprits"] == [hosts[1].name] and recovery["resumed_from"] >= 4
+    assert _stages(runs, summary["run_id"], 1) == [(hosts[0].name, 0, 3), (hosts[2].name, 3, 6)]
