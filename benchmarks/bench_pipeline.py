@@ -87,7 +87,7 @@ def write_playbook(path: Path, args: argparse.Namespace, *, micro_batches: int, 
     if split is not None:
         train["layer_split"] = split
     doc = {"name": path.stem, "kind": "train", "model": "/srv/model", "data": "/srv/data", "train": train,
-           "calibration": {"time_budget": 20}, "faults": {"max_restarts": 0, "consistency_every": 0},
+           "calibration": {"time_budget": 120}, "faults": {"max_restarts": 0, "consistency_every": 0},
            "heartbeat_timeout": 60}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -374,18 +374,20 @@ def render(results: dict[str, list[dict[str, Any]]], command: str, args: argpars
              f"end; total {total_s:.0f} s. Hosts a, b, slow at cfs quota {args.quota_us} us / 100000 us each (slow "
              f"at half of it in the split runs). Full fine-tune of a tiny llama (hidden {args.hidden}, "
              f"{args.layers} blocks), batch {args.batch} x {args.seq_len} tokens, {args.rounds} round(s).", "",
-             "| run | split | tokens/s (median of steady steps) | predicted tokens/s |", "|---|---|---|---|"]
+             "| run | split | tokens/s (median of steady steps) | predicted tokens/s | actual / predicted |",
+             "|---|---|---|---|---|"]
     for name, runs in results.items():
         for r in runs:
             pred = r["predicted_tokens_per_s"]
+            ratio = f"{r['tokens_per_s'] / pred:.2f}" if pred and r["tokens_per_s"] else "-"
             lines.append(f"| {name} | {'/'.join(map(str, r['split']))} | {r['tokens_per_s'] or 0:,.0f} | "
-                         f"{'-' if pred is None else f'{pred:,.0f}'} |")
+                         f"{'-' if pred is None else f'{pred:,.0f}'} | {ratio} |")
     lines += ["", f"- Schedule: {m} micro-batches / one per step = {sched_m / sched_1:.2f}x (goal >= 2.0x); measured "
               f"bubble ~{100 * (bubble or 0):.0f}% against (P-1)/(M+P-1) = {100 * (p - 1) / (m + p - 1):.0f}% "
               "(goal: within 5 points).",
               f"- Unequal nodes: computed split / equal split = {computed / equal:.2f}x (goal >= 1.25x).", "",
               "| run | node | peak memory | plan | peak / plan |", "|---|---|---|---|---|"]
-    for name in ("schedule M", "computed"):
+    for name in ("schedule M", "schedule 1", "computed", "equal"):
         for node, mem in results[name][0]["memory"].items():
             if mem["peak"]:
                 lines.append(f"| {name} | {node} | {mem['peak'] / 2**20:.0f} MiB | {mem['plan'] / 2**20:.0f} MiB | "

@@ -21,8 +21,9 @@ max_seq_length 512, scaled with it; sigma 0.8; 8 tokens at least; about 3% of ro
 tail is cut), the data real fine-tunes have. Every word of the generated vocabulary is one token.
 
 Ranks: `1` (default) compares ours with mlx-lm on one rank; `2` runs ours alone on two local nodes (one rank each,
-over a loopback ring, split calibrated): its figure is the calibration's prediction against the run's median,
-collective included (mlx-lm is not run: its CLI has no split to predict).
+over a loopback ring, data parallel, split calibrated): its figure is the calibration's prediction against the
+run's median, the gradient all_sum timed between the two ranks included (mlx-lm is not run: its CLI has no split
+to predict).
 
 Ours: `python -m coordinator launch -i <1-node local inventory> <playbook> --json --run-dir ...` with `split:
 calibrated`, so the calibration's prediction for the plan exists (`predicted_tokens_per_s` in summary.json).
@@ -451,6 +452,9 @@ def write_playbook(root: Path, cell: str, model: Path, data: Path, size: ModelSi
         f"  save_every: {iters}\n"
         f"  steps_per_eval: {iters}\n"
         "  val_batches: 1\n"
+        # Data parallel, as mlx-lm trains: under `auto` the 2-rank cell's two local ranks may be planned as a
+        # pipeline, which has no gradient all_sum to predict.
+        "  strategy: dp\n"
         + ("  clear_cache: true\n" if clear_cache else "")
         + (f"  memory_headroom: {'null' if memory_headroom == 'none' else memory_headroom}\n"
            if memory_headroom is not None else "")

@@ -50,18 +50,24 @@ Output: ONE JSON object on stdout (progress lines go to stderr):
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
-     "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s"}
+     "one_time_s": {"import", "matmul", "load", "first_steps": {batch: s}}, "one_time_total_s", "measure_s",
+     "gradients": {dtype: elements}}  (the trainable gradients a dp step all_sums)
 `seconds` counts from the start of `main` (imports of mlx and the model load included).
 
 Per-block mode (`--blocks K --micro-batch MB`, for the pipeline planner): instead of the curve, K transformer
 blocks loaded alone as a pipeline stage loads them (so a node that cannot hold the whole model is measured too),
 timed at MB rows per micro-batch (`worker.parallel.pipeline.measure`); ONE JSON object
-    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "peak_memory",
-     "blocks_weight_bytes", "model_layers", "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
+    {"blocks": K, "micro_batch": MB, "block_s", "block_fused_s", "embed_s", "head_s", "update_s", "peak_memory",
+     "block_bytes", "backward_bytes", "update_bytes", "input_bytes", "embed_bytes", "head_bytes",
+     "blocks_weight_bytes", "model_layers",
+     "timed_layers", "seq_len", "method", "num_layers", "dtype", "hidden",
      "repeats", "matmul_gflops", "matmul_dtype", "device", "memory_limit", "mlx_version", "mlx_lm_version",
      "one_time_s", "seconds"}
 seconds per micro-batch: `block_s` per block as a non-last stage runs it (forward, then the vjp that recomputes
-it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds.
+it), `block_fused_s` as the last stage runs it, `embed_s` / `head_s` what the first / last stage adds,
+`update_s` the optimizer update per block; bytes per block: `block_bytes` held throughout (weights, optimizer
+state), `backward_bytes` / `update_bytes` what the backward / update phase adds at its peak; `input_bytes` one
+micro-batch's activation, `embed_bytes` / `head_bytes` what the first / last stage adds.
 
 Failure semantics: any error prints `{"error": "...", "seconds": ...}` and exits 1. A watchdog thread holds each
 clock to its allowance: when one is spent while the main thread is still busy (a step, a load), the watchdog prints
@@ -825,8 +831,22 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     trainer = _Trainer(args)
     state.one_time["load"] = time.monotonic() - mark
     state.meta["packing"] = list(trainer.packing[:2])
+    # What a dp step of several ranks all_sums (the gradients keep the parameters' dtypes): calibration times that
+    # exchange between the nodes (coordinator/run/collective.py).
+    state.meta["gradients"] = gradient_elements(trainer.model)
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
     return trainer
+
+
+def gradient_elements(model: Any) -> dict[str, int]:
+    """The trainable parameters' elements by dtype name ({"float32": 16384}): the gradients a step exchanges."""
+    from worker.step import flatten
+
+    out: dict[str, int] = {}
+    for p in flatten(model.trainable_parameters()).values():
+        name = str(p.dtype).split(".")[-1]
+        out[name] = out.get(name, 0) + int(p.size)
+    return out
 
 
 def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:

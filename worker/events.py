@@ -54,8 +54,8 @@ class EventKind(_StrEnum):
     #                tok_s, compute_tok_s.
     #                When the global loss is not finite every rank still emits its step event (so the
     #                rank whose local_loss_finite is false can be named), then an error event.
-    #                A pipeline stage adds stage_compute_s (what it computes alone: its forwards, backwards and
-    #                update, any chaos/debug slowdown; no transfer, no collective) and,
+    #                A pipeline stage adds busy_s (what it computes alone: its forwards, backwards and update, any
+    #                chaos/debug slowdown), wait_s (blocked on its neighbours and the closing all_sum) and,
     #                when a value at its boundary was not finite, nonfinite: "produced" (the step's first
     #                non-finite value there was one it computed from finite inputs: activations, gradients, its
     #                loss) or "received" (a neighbour sent it), with nonfinite_at (which, in words).
@@ -270,7 +270,10 @@ class StepEvent(Event):
     local_grad_norm: float | None = None
     compute_s: float | None = None
     compute_tok_s: float | None = None
-    stage_compute_s: float | None = None
+    # A pipeline stage's step (`Pipeline.step_fields`): its own computation (forwards, backwards, the update) and
+    # its time blocked on its neighbours (activation/gradient transfers, the step's closing all_sum); None for dp.
+    busy_s: float | None = None
+    wait_s: float | None = None
     nonfinite: str | None = None
     nonfinite_at: str | None = None
 

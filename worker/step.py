@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -399,7 +399,6 @@ class StepResult:
     extras: mx.array | None
     compute_s: float
     elapsed: float
-    fields: Mapping[str, Any] = field(default_factory=dict)  # the strategy's own step-event fields (a stage's)
 
 
 class TrainStep:

@@ -268,7 +268,8 @@ class Trainer:
             "epoch": self.position // len(self.train_set),
             "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),
             "local_grad_norm": scalar(local_norm), "compute_s": compute_s,
-            "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None, **done.fields,
+            "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None,
+            **self.strategy.step_fields(),
         }
 
     def digests(self) -> dict[str, str]:
@@ -343,6 +344,7 @@ class Trainer:
         # Nobody reports (or moves on) before every node's copy is complete.
         self.hb.set(phase=Phase.SYNC)
         self.comm.barrier()
+        self.strategy.checkpoint_done(step)
         self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
                       writer=self.strategy.writer())
         self.last_checkpoint = path

@@ -21,7 +21,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
     playbook: each node's examples/s of the task and the input's shards)."""
     from rich.table import Table
 
-    from coordinator.planning.plan import format_split
+    from coordinator.planning.plan import describe_step, format_split
     from coordinator.run.calibrate import calibration_to_json
     from coordinator.run.job import calibrate_fleet
     from coordinator.run.mapjob import calibrate_map
@@ -67,6 +67,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
         console.print(table)
         console.print(f"split: [bold]{format_split(plan)}[/bold]; predicted {plan.predicted_tokens_per_s:,.0f} real "
                       "tokens/s for the run (padded positions/s: what the bench timed, padding included)")
+        console.print(describe_step(plan), markup=False, highlight=False)
     if choice is not None:
         render_strategy(choice, console)
 

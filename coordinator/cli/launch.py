@@ -85,6 +85,7 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
     from coordinator.run.chaos import parse_chaos
     from coordinator.run.job import JobUI, run_job
     from coordinator.run.metrics import MetricsServer, MetricsUI
+    from coordinator.run.replay import describe_memory
     from coordinator.run.supervision import Supervision
     from coordinator.views.liveview import RichUI, make_console
     from coordinator.views.render import dumps
@@ -127,9 +128,15 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         console.print(f"[{style}]{summary.state}[/{style}] run {summary.run_id}: {summary.steps}/{summary.iters} steps, "
                       f"{len(summary.incidents)} incident(s); summary {summary.run_dir}/summary.json"
                       + (f"; resumed from step {resumed['step']}" if resumed else "") + message_note(summary))
+        pipeline = summary.strategy == "pipeline"
         throughput = describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s, steps=summary.steps,
-                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s)
+                                         ranks=len(summary.split), compute=summary.compute_tokens_per_s,
+                                         predicted_compute=summary.predicted_compute_tokens_per_s,
+                                         pipeline=pipeline)
         console.print(f"throughput: {throughput}", markup=False, highlight=False)
+        memory = describe_memory(summary.nodes)
+        if memory is not None:
+            console.print(f"memory (peak vs plan): {memory}", markup=False, highlight=False)
         print_incidents(console, summary)
 
     if with_dashboard:  # served on the launch's own event loop; it ends with the job (or, kept, at Ctrl-C)

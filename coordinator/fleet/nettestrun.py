@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
@@ -200,3 +200,35 @@ async def _one_pair(a: LinkEnd, b: LinkEnd, ready: dict[str, _Ready], node_error
     except TimeoutError:
         return evaluate_pair(a, b, None, f"{b.node}: nettest server printed no port within {PORT_TIMEOUT:g}s")
     return evaluate_pair(a, b, measurement, None)
+
+
+
+async def measure_links(fleet: Fleet, pairs: Sequence[tuple[Node, Node]], *, seconds: float = 0.5,
+                        pings: int = 10) -> dict[tuple[str, str], Measurement | CoordinatorError]:
+    """Measure each of `pairs` (a pipeline's neighbours) over `fleet`'s open connections, one pair at a time, as
+    `run_nettest` measures a pair, in a short window (calibration's, not the verb's). A pair that cannot be
+    measured is its error; the others are still measured."""
+    ready: dict[str, _Ready | CoordinatorError] = {}
+    for node in {n.name: n for pair in pairs for n in pair}.values():
+        transport = fleet.transports.get(node.name)
+        if transport is None:
+            ready[node.name] = TransportError(node.name, "not connected")
+            continue
+        try:
+            ready[node.name] = _Ready(node, transport, await ship_worker(transport, node, timeout=SETUP_TIMEOUT))
+        except CoordinatorError as exc:
+            ready[node.name] = exc
+    out: dict[tuple[str, str], Measurement | CoordinatorError] = {}
+    for a, b in pairs:
+        ra, rb = ready[a.name], ready[b.name]
+        key = (a.name, b.name)
+        if isinstance(ra, CoordinatorError) or isinstance(rb, CoordinatorError):
+            out[key] = ra if isinstance(ra, CoordinatorError) else rb  # type: ignore[assignment]
+            continue
+        try:
+            out[key] = await measure_pair(ra, rb, seconds=seconds, pings=pings)
+        except CoordinatorError as exc:
+            out[key] = exc
+        except (ParseError, TimeoutError) as exc:
+            out[key] = TransportError(a.name, f"measuring the link to {b.name}: {exc or 'timed out'}")
+    return out

@@ -14,12 +14,15 @@ Memory of a stage (from `estimate`'s per-term model, so dp and pipeline needs ar
   (the first stage the most, the last one); the last stage adds the logits of one micro-batch (its forward of a
   micro-batch is followed at once by that micro-batch's backward).
 
+Memory measured (`LayerMemory`, from `worker.bench --blocks` at the job's micro-batch) replaces the activations
+term: a stage needs its trained blocks x the measured block share, its frozen blocks' weights, its in-flight
+inputs and its end (`measured_stage_bytes`; docs/pipeline.md#prediction).
+
 Time: a stage's time per micro-batch (forward + backward) is its node's measured time per block x its blocks,
-plus the embedding's on the first and the head's (norm, lm_head, loss) on the last. A 1F1B step over M
-micro-batches takes about sum(stage times) + (M - 1) x the slowest stage: the first micro-batch fills the
-pipeline, then the slowest stage paces every later one. With equal stages that is (M + P - 1) x t, idle for the
-bubble (P - 1) / (M + P - 1). Not modelled: the activation transfers between neighbours (mb x seq x hidden bf16
-each way per micro-batch) and the optimizer update (local to each stage, in parallel).
+plus the embedding's on the first and the head's (norm, lm_head, loss) on the last: what the split balances. The
+predicted step is the schedule played on a clock (`pipesim.simulate_step`) over each stage's forward, backward
+and update (`stage_cost`) and each measured link between neighbours (latency, bandwidth, one micro-batch's
+activation each way): with equal stages and free links (M + P - 1) x t, idle for the bubble (P - 1) / (M + P - 1).
 
 The split (`compute_layer_split`) is exact: among the contiguous splits (>= 1 block per stage) that fit every
 stage's budget, the one whose slowest stage is fastest, ties broken by the smallest sum of stage times (the fill).
@@ -30,8 +33,8 @@ over (stage, blocks placed) finds the split of least total time whose stages all
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from coordinator.planning.estimate import (
@@ -41,9 +44,12 @@ from coordinator.planning.estimate import (
     layers_activation_bytes,
     logit_bytes,
 )
+from coordinator.planning.pipesim import FREE_LINK, LinkCost, StageCost, simulate_step
 from coordinator.planning.plan import NodeCalibration, Plan, PlanError, SplitMode, predicted_step_s
 
 SCHEDULE = "1f1b"
+# The step's batch, which every stage builds whole: token ids and targets (int32) and the scored mask (bool).
+BATCH_BYTES_PER_TOKEN = 4 + 4 + 1
 DEFAULT_MICRO_BATCHES = 8
 
 
@@ -72,14 +78,43 @@ class LayerTiming:
     # The last stage's per block: its forward and backward in one pass (the others recompute the forward inside
     # their backward, MLX keeping no tape between calls); None: `layer_s`.
     last_layer_s: float | None = None
+    update_s: float = 0.0  # the optimizer update, per trained block, once per step
+    memory: LayerMemory | None = None  # what the same bench measured of memory (None: the estimate's model)
 
     def __post_init__(self) -> None:
         for name, value in (("layer_s", self.layer_s), ("embed_s", self.embed_s), ("head_s", self.head_s),
-                            ("last_layer_s", self.layer_s if self.last_layer_s is None else self.last_layer_s)):
+                            ("last_layer_s", self.layer_s if self.last_layer_s is None else self.last_layer_s),
+                            ("update_s", self.update_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise PlanError(f"{self.node}: {name} must be a non-negative number of seconds, got {value!r}")
         if self.micro_batch < 1:
             raise PlanError(f"{self.node}: a timing needs a micro-batch of >= 1 row, got {self.micro_batch}")
+
+    def forward_backward(self) -> tuple[float, float]:
+        """(forward, backward) seconds per block of a non-last stage: the bench's backward is the last stage's
+        whole block (`last_layer_s`: the vjp, which recomputes the forward), the forward the rest of `layer_s`.
+        A curve's share (no split measured) counts a backward as twice the forward."""
+        if self.last_layer_s is None:
+            return self.layer_s / 3, 2 * self.layer_s / 3
+        return max(0.0, self.layer_s - self.last_layer_s), self.last_layer_s
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """What `worker.bench --blocks` measured of memory at `micro_batch` rows (bytes, MLX's count of its arrays, as
+    a run's `peak_memory`), per trained block: what it holds throughout (weights, optimizer state), what a step's
+    backward phase adds at its peak (working set, gradient sum, the input gradient sent) and what its update adds
+    (scaled gradients, new parameters and moments beside the old); one micro-batch's activation; the embedding's
+    weights (the first stage's) and the head's peak over a loss backward (the last stage's: weights, logits and
+    their gradient)."""
+
+    micro_batch: int
+    block_bytes: int
+    backward_bytes: int
+    update_bytes: int
+    input_bytes: int
+    embed_bytes: int
+    head_bytes: int
 
 
 def timing_from_curve(cal: NodeCalibration, layers: int, micro_batch: int, seq_len: int) -> LayerTiming:
@@ -149,8 +184,42 @@ def stage_block_params(shape: ModelShape) -> int:
 
 
 def compute_stage_memory(job: PipelineJob, first: int, last: int, *, index: int, stages: int,
-                         fused_attention: bool = True) -> MemoryEstimate:
-    """The peak of stage `index` of `stages` holding blocks [first, last) (module docstring)."""
+                         fused_attention: bool = True, measured: LayerMemory | None = None) -> MemoryEstimate:
+    """The peak of stage `index` of `stages` holding blocks [first, last) (module docstring). With `measured` (the
+    node's bench at this job's micro-batch) the activations term is what the measurement leaves beyond the
+    weights, gradients and optimizer state of the model below (see `measured_stage_bytes`)."""
+    est = _estimated_stage_memory(job, first, last, index=index, stages=stages, fused_attention=fused_attention)
+    if measured is None or measured.micro_batch != job.micro_batch_rows:
+        return est
+    total = measured_stage_bytes(job, measured, first, last, index=index, stages=stages)
+    fixed = est.weights + est.grads + est.optimizer + est.reference
+    return MemoryEstimate(weights=est.weights, grads=est.grads, optimizer=est.optimizer,
+                          activations=max(0, total - fixed), reference=est.reference)
+
+
+def measured_stage_bytes(job: PipelineJob, measured: LayerMemory, first: int, last: int, *, index: int,
+                         stages: int) -> int:
+    """A stage's peak from its node's measurement: what it holds throughout (each trained block's measured bytes,
+    each frozen block's weights in the checkpoint's dtype, the embedding on the first stage, the head's weights on
+    the last, the step's batch) plus the larger of its two phases: the backward (each trained block's measured
+    working set, the inputs of the micro-batches it holds in flight under 1F1B and the gradient it received, the
+    head's logits on the last stage) and the update (each trained block's measured update)."""
+    trained = max(0, last - max(first, job.trained_from))
+    frozen = (last - first) - trained
+    is_last = index == stages - 1
+    head_weights = measured.embed_bytes  # the head is vocab x hidden, as the embedding (or it is the embedding)
+    held = (trained * measured.block_bytes + frozen * job.shape.dtype_bytes * stage_block_params(job.shape)
+            + (measured.embed_bytes if index == 0 else 0) + (head_weights if is_last else 0)
+            + job.global_batch * job.rows_per_example * job.seq_len * BATCH_BYTES_PER_TOKEN)
+    # In its backward a stage holds its pending inputs, and (but the last) the gradient it received.
+    activations = (min(stages - index, job.micro_batches) + (0 if is_last else 1)) * measured.input_bytes
+    backward = (trained * measured.backward_bytes + activations
+                + (max(0, measured.head_bytes - head_weights) if is_last else 0))
+    return held + max(backward, trained * measured.update_bytes)
+
+
+def _estimated_stage_memory(job: PipelineJob, first: int, last: int, *, index: int, stages: int,
+                            fused_attention: bool = True) -> MemoryEstimate:
     shape = job.shape
     blocks = last - first
     trained = max(0, last - max(first, job.trained_from))
@@ -187,6 +256,29 @@ def stage_time(timing: LayerTiming | None, blocks: int, *, index: int, stages: i
     return per_block * blocks + (timing.embed_s if index == 0 else 0.0) + (timing.head_s if last else 0.0)
 
 
+def stage_cost(timing: LayerTiming, blocks: int, *, index: int, stages: int, trained: int) -> StageCost:
+    """A stage's `pipesim.StageCost` from its node's timing: per micro-batch its forward action (the blocks, and
+    the embedding on the first stage; nothing on the last, whose forward runs inside its backward) and its
+    backward action (the vjp that recomputes the forward: the blocks, the embedding again on the first stage, the
+    head on the last); once per step the update of its `trained` blocks."""
+    forward, backward = timing.forward_backward()
+    embed = timing.embed_s if index == 0 else 0.0
+    update = timing.update_s * trained
+    if index == stages - 1:  # `stage_time` of the last stage: its blocks in one pass, the head (and a lone
+        return StageCost(0.0, stage_time(timing, blocks, index=index, stages=stages), update)  # stage's embedding)
+    return StageCost(forward * blocks + embed, backward * blocks + embed, update)
+
+
+def activation_bytes(job: PipelineJob, nodes: Sequence[StageNode]) -> int:
+    """One micro-batch's activation between two stages (each way): measured where a node's bench has it, else
+    rows x (seq_len - 1) positions x hidden in the checkpoint's dtype."""
+    for n in nodes:
+        mem = n.timing.memory if n.timing is not None else None
+        if mem is not None and mem.micro_batch == job.micro_batch_rows:
+            return mem.input_bytes
+    return job.micro_batch_rows * max(1, job.seq_len - 1) * job.shape.hidden * job.shape.dtype_bytes
+
+
 def _check_job(job: PipelineJob, nodes: Sequence[StageNode]) -> None:
     if not nodes:
         raise PlanError("a pipeline needs at least one node")
@@ -211,8 +303,8 @@ def _fits_table(job: PipelineJob, nodes: Sequence[StageNode]) -> list[list[int]]
         for a in range(layers):
             count = 0
             for b in range(a + 1, layers + 1):
-                if compute_stage_memory(job, a, b, index=i, stages=p, fused_attention=n.fused_attention).total \
-                        > n.budget:
+                if compute_stage_memory(job, a, b, index=i, stages=p, fused_attention=n.fused_attention,
+                                        measured=_measured(n)).total > n.budget:
                     break
                 count = b - a
             row.append(count)
@@ -256,6 +348,9 @@ class StagePlan:
     budget: int
     stage_s: float  # per micro-batch, forward + backward
     in_flight: int  # micro-batches whose activations it holds at most
+    # Predicted seconds of compute per step (its forwards, backwards and update; None: not timed): the rest of
+    # the step it waits on its neighbours (the straggler rule compares a stage's measured time with this).
+    busy_s: float | None = None
 
     @property
     def layers(self) -> int:
@@ -280,6 +375,9 @@ class PipelinePlan:
     tokens_per_s: float | None
     pinned: bool = False
     schedule: str = SCHEDULE
+    activation_bytes: int = 0  # one micro-batch's activation between neighbours, each way
+    link_s: tuple[float | None, ...] = ()  # per link (stage i to i+1): one transfer's seconds; None: not measured
+    predicted_bubble: float | None = None  # the simulated step's idle share (None: not timed)
 
     @property
     def bubble(self) -> float:
@@ -299,7 +397,8 @@ class PipelinePlan:
         of every micro-batch); no per-node rate (a stage's pace is the pipeline's)."""
         return Plan(split={s.node: 1.0 for s in self.stages}, batch={s.node: self.global_batch for s in self.stages},
                     global_batch=self.global_batch, mode=SplitMode.PIPELINE, seq_len=self.seq_len,
-                    predicted_step_s=self.step_s or 0.0, predicted_tokens_per_s=self.tokens_per_s or 0.0)
+                    predicted_step_s=self.step_s or 0.0, predicted_tokens_per_s=self.tokens_per_s or 0.0,
+                    planned_memory={s.node: s.need for s in self.stages})
 
     def layout(self) -> dict[str, object]:
         """The worker's `RunConfig.layout` (rank i = stage i)."""
@@ -308,32 +407,56 @@ class PipelinePlan:
                            for i, s in enumerate(self.stages)]}
 
 
-def _predict(job: PipelineJob, stage_s: Sequence[float], timed: bool) -> tuple[float | None, float | None]:
-    if not timed:
-        return None, None
-    step = sum(stage_s) + (job.micro_batches - 1) * max(stage_s)
-    return step, job.global_batch * job.seq_len * job.fill / step if step > 0 else None
+LinkTable = Mapping[tuple[str, str], LinkCost]
 
 
-def _build(job: PipelineJob, nodes: Sequence[StageNode], bounds: Sequence[int], *, pinned: bool) -> PipelinePlan:
+def link_between(links: LinkTable, a: str, b: str) -> LinkCost | None:
+    """The measured link between nodes `a` and `b` (either direction); None when it was not measured."""
+    return links.get((a, b)) or links.get((b, a))
+
+
+def _build(job: PipelineJob, nodes: Sequence[StageNode], bounds: Sequence[int], *, pinned: bool,
+           links: LinkTable) -> PipelinePlan:
     p = len(nodes)
+    timed = all(n.timing is not None for n in nodes)
     stages = []
+    costs = []
     for i, n in enumerate(nodes):
         a, b = bounds[i], bounds[i + 1]
+        trained = max(0, b - max(a, job.trained_from))
+        cost = stage_cost(n.timing, b - a, index=i, stages=p, trained=trained) if n.timing is not None else None
+        costs.append(cost)
         stages.append(StagePlan(n.node, a, b, compute_stage_memory(job, a, b, index=i, stages=p,
-                                                                 fused_attention=n.fused_attention),
+                                                                 fused_attention=n.fused_attention,
+                                                                 measured=_measured(n)),
                                 n.budget, stage_time(n.timing, b - a, index=i, stages=p),
                                 min(p - i, job.micro_batches)))
-    step, rate = _predict(job, [s.stage_s for s in stages], all(n.timing is not None for n in nodes))
+    pairs = [link_between(links, nodes[i].node, nodes[i + 1].node) for i in range(p - 1)]
+    nbytes = activation_bytes(job, nodes)
+    if not timed:
+        return PipelinePlan(tuple(stages), job.micro_batches, job.micro_batch_rows, job.global_batch, job.seq_len,
+                            None, None, pinned=pinned, activation_bytes=nbytes,
+                            link_s=tuple(None if c is None else c.transfer_s(nbytes) for c in pairs))
+    sim = simulate_step([c for c in costs if c is not None], job.micro_batches,
+                        links=[c if c is not None else FREE_LINK for c in pairs], activation_bytes=nbytes,
+                        schedule=SCHEDULE)
+    stages = [replace(st, busy_s=busy) for st, busy in zip(stages, sim.busy_s, strict=True)]
+    rate = job.global_batch * job.seq_len * job.fill / sim.step_s if sim.step_s > 0 else None
     return PipelinePlan(tuple(stages), job.micro_batches, job.micro_batch_rows, job.global_batch, job.seq_len,
-                        step, rate, pinned=pinned)
+                        sim.step_s, rate, pinned=pinned, activation_bytes=nbytes,
+                        link_s=tuple(None if c is None else t for c, t in zip(pairs, sim.transfer_s, strict=True)),
+                        predicted_bubble=sim.bubble)
+
+
+def _measured(n: StageNode) -> LayerMemory | None:
+    return n.timing.memory if n.timing is not None else None
 
 
 def _gb(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def compute_layer_split(job: PipelineJob, nodes: Sequence[StageNode]) -> PipelinePlan:
+def compute_layer_split(job: PipelineJob, nodes: Sequence[StageNode], *, links: LinkTable | None = None) -> PipelinePlan:
     """The fastest split of the model's blocks over `nodes` (in this order) that fits every node (module
     docstring). Raises PlanError, naming each node's budget and the most blocks it can hold, when none fits."""
     _check_job(job, nodes)
@@ -359,10 +482,11 @@ def compute_layer_split(job: PipelineJob, nodes: Sequence[StageNode]) -> Pipelin
             hi = mid
     bounds = _best_under(candidates[lo], times, most, layers)
     assert bounds is not None  # the search ends on a feasible bound
-    return _build(job, nodes, bounds, pinned=False)
+    return _build(job, nodes, bounds, pinned=False, links=links or {})
 
 
-def check_layer_split(job: PipelineJob, nodes: Sequence[StageNode], split: Sequence[int]) -> PipelinePlan:
+def check_layer_split(job: PipelineJob, nodes: Sequence[StageNode], split: Sequence[int], *,
+                      links: LinkTable | None = None) -> PipelinePlan:
     """The user's `layer_split` (blocks per node, ring order), validated: one positive count per node, summing to
     the model's blocks, each stage within its budget. PlanError with the numbers otherwise."""
     _check_job(job, nodes)
@@ -377,7 +501,7 @@ def check_layer_split(job: PipelineJob, nodes: Sequence[StageNode], split: Seque
     bounds = [0]
     for k in split:
         bounds.append(bounds[-1] + k)
-    plan = _build(job, nodes, bounds, pinned=True)
+    plan = _build(job, nodes, bounds, pinned=True, links=links or {})
     over = [f"{s.node} {s.layers} blocks need ~{_gb(s.need)} of {_gb(s.budget)}" for s in plan.stages
             if s.need > s.budget]
     if over:

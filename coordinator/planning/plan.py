@@ -40,6 +40,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.errors import CoordinatorError
+from coordinator.planning.collective import CollectiveCost, GradientSize
 from coordinator.planning.shards import largest_remainder
 from coordinator.units import format_bytes
 
@@ -93,6 +94,7 @@ class NodeCalibration:
     measure_s: float | None = None  # the timed steps
     fill: float = 1.0  # real tokens per row / seq_len on the data measured (the curve's rates are rows x seq_len)
     noisy: tuple[int, ...] = ()  # batches whose steps disagreed by more than the bench's NOISY_SPREAD
+    gradients: GradientSize | None = None  # what a dp step of several ranks all_sums (None: an older bench)
 
     def __post_init__(self) -> None:
         if not self.curve:
@@ -127,8 +129,9 @@ class Plan:
     """Rows per node for one optimizer step. `batch` and `split` keep the calibrations' (rank) order.
 
     `split[node]` = batch[node] / global_batch. `per_node_step_s` is each node's predicted step time at its
-    batch; `predicted_step_s` their maximum (the step time of the synchronous job) and `predicted_tokens_per_s`
-    = global_batch * seq_len / predicted_step_s.
+    batch (its compute, the update included); `predicted_step_s` their maximum (the step time of the synchronous
+    job) plus, with `collective`, the gradient exchange that follows it (`with_collective`,
+    planning/collective.py), and `predicted_tokens_per_s` = global_batch * seq_len * fill / predicted_step_s.
     """
 
     split: dict[str, float]
@@ -140,6 +143,26 @@ class Plan:
     predicted_tokens_per_s: float
     per_node_step_s: dict[str, float] = field(default_factory=dict)
     fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
+    planned_memory: dict[str, int] = field(default_factory=dict)  # a pipeline stage's predicted peak, per node
+    collective: CollectiveCost | None = None  # the gradient all_sum in predicted_step_s (None: left out)
+
+    @property
+    def compute_step_s(self) -> float:
+        """The predicted step without the exchange: the slowest node's compute."""
+        return self.predicted_step_s - (self.collective.seconds if self.collective is not None else 0.0)
+
+    @property
+    def compute_tokens_per_s(self) -> float:
+        """The prediction without the exchange (what the ranks' own compute should run at); 0 when uncalibrated."""
+        step = self.compute_step_s
+        return self.global_batch * self.seq_len * self.fill / step if step > 0 else 0.0
+
+    @property
+    def collective_share(self) -> float:
+        """The exchange's share of the predicted step (0 without one)."""
+        if self.collective is None or self.predicted_step_s <= 0:
+            return 0.0
+        return self.collective.seconds / self.predicted_step_s
 
     def node_tokens_per_s(self, node: str) -> float | None:
         """The rate (real tokens/s) `node` is predicted to run at with its batch (what its share is proportional
@@ -167,13 +190,15 @@ PREDICTION_MIN_STEPS = 3
 
 
 def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
-                        ranks: int = 1, compute: float | None = None) -> str:
+                        ranks: int = 1, compute: float | None = None,
+                        predicted_compute: float | None = None, pipeline: bool = False) -> str:
     """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, why and
     what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held to the prediction at
     all. `compute` (the run's rate without the gradient all_sum, `Monitor.run_compute_tokens_per_s`) turns the why
-    into a measurement: calibration times each node's step alone, so with `ranks` > 1 the prediction leaves out the
-    collective (not measured yet); the compute rate against the prediction says whether the nodes themselves ran
-    as calibrated, and the rest of each step is the collective and the ranks waiting for each other."""
+    into a measurement. `predicted_compute` is the prediction without the exchange, given when the prediction
+    holds a measured exchange (`Plan.collective`): the run's compute is then held to it and the rest of each step
+    to the exchange's predicted share. Without it (one rank, or an exchange not measured) the prediction is the
+    compute alone, and with `ranks` > 1 it leaves the collective out: said."""
     if actual is None:
         return "no step finished: no tokens/s"
     text = f"{actual:,.0f} real tokens/s (median of the run's steps)"
@@ -185,13 +210,39 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
                 "first steps compile)")
     text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
     tolerance = f"{100 * PREDICTION_TOLERANCE:.0f}%"
+    included = ranks > 1 and predicted_compute is not None and predicted_compute > predicted
+    exchange = (f"the gradient all_sum, {100 * (1 - predicted / predicted_compute):.0f}% of the predicted step"
+                if included and predicted_compute else "")
     if abs(gap) <= PREDICTION_TOLERANCE:
-        return text + f": within {tolerance} of calibration"
+        return text + f": within {tolerance} of calibration" + (f" ({exchange}, included)" if included else "")
     if gap > 0:
         return (text + f": faster than calibration predicted, by more than {tolerance}: the machine was busier while "
                 "calibrating than now; run again with --recalibrate for a split that fits (docs/calibration.md)")
-    collective = f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out (calibration " \
-                 "times each node's step alone; the collective is not measured yet)"
+    if pipeline:
+        # A pipeline's prediction is the schedule simulated on each stage's measured compute and each link's
+        # measured transfer (docs/pipeline.md#prediction): no collective left out, no replica to compare with.
+        return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: the machine was "
+                "busier than while calibrating (other work on it), or a stage runs slower than its blocks did alone. "
+                "Run on a quiet machine, or --recalibrate while it is as busy as it will be (docs/pipeline.md)")
+    if included and predicted_compute is not None:
+        why = f"slower than calibration predicted ({exchange}, included)"
+        compute_gap = prediction_gap(compute, predicted_compute)
+        if compute is None or compute_gap is None or compute <= actual:
+            return (text + f": {why}. Likely: the machine or the links were busier than while calibrating. Run on a "
+                    "quiet fleet, or --recalibrate while it is as busy as it will be (docs/calibration.md)")
+        rest = f"{100 * (1 - actual / compute):.0f}% of each step"
+        measured = (f"the ranks' own compute ran at {compute:,.0f} real tokens/s ({100 * compute_gap:+.0f}% of the "
+                    f"{predicted_compute:,.0f} predicted for it)")
+        if compute_gap >= -PREDICTION_TOLERANCE:
+            return (text + f": {why}, and measured why: {measured}, as calibrated; the rest, {rest}, went to the "
+                    "exchange and the ranks waiting for each other: the links were slower than when calibration timed "
+                    "the all_sum (other traffic), or one rank stalled. --recalibrate times it again "
+                    "(docs/calibration.md)")
+        return (text + f": {why}. Measured: {measured}: the machine was busier than while calibrating (other work "
+                f"on it); the exchange and the waiting took {rest}. Run on a quiet machine, or --recalibrate while it "
+                "is as busy as it will be (docs/calibration.md)")
+    collective = f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out (its exchange " \
+                 "was not measured)"
     compute_gap = prediction_gap(compute, predicted)
     if ranks > 1 and compute is not None and compute_gap is not None and compute > actual:
         rest = f"{100 * (1 - actual / compute):.0f}% of each step"
@@ -203,10 +254,10 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
         return (text + f": slower than calibration predicted. Measured: {measured}: the machine was busier than "
                 f"while calibrating (other work on it); and {rest} went to {collective}. Run on a quiet machine, or "
                 "--recalibrate while it is as busy as it will be (docs/calibration.md)")
-    why = ["the machine was busier than while calibrating (other work on it)"]
+    causes = ["the machine was busier than while calibrating (other work on it)"]
     if ranks > 1:
-        why.insert(0, collective)
-    return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: " + "; or ".join(why)
+        causes.insert(0, collective)
+    return (text + f": slower than calibration predicted, by more than {tolerance}. Likely: " + "; or ".join(causes)
             + ". Run on a quiet machine, or --recalibrate while it is as busy as it will be (docs/calibration.md)")
 
 
@@ -481,6 +532,18 @@ def compute_plan(
     )
 
 
+def with_collective(plan: Plan, cost: CollectiveCost | None) -> Plan:
+    """`plan` with the gradient exchange after the slowest node's compute: step = max_i compute_i + exchange.
+    The split stays (the exchange is the same for every node); the prediction drops. A plan without predicted
+    step times (a fixed split, a pipeline's stages) or a `cost` of None comes back unchanged; a plan that already
+    holds an exchange has it replaced, never added twice."""
+    if cost is None or not plan.per_node_step_s or plan.mode == SplitMode.PIPELINE:
+        return plan
+    step = max(plan.per_node_step_s.values()) + cost.seconds
+    return replace(plan, collective=cost, predicted_step_s=step,
+                   predicted_tokens_per_s=plan.global_batch * plan.seq_len * plan.fill / step)
+
+
 def fixed_plan(names: Sequence[str], global_batch: int, split: str | Mapping[str, float], *, seq_len: int) -> Plan:
     """An `equal` or explicit `{node: fraction}` split without calibration curves (no memory caps, no predicted
     rates): what a playbook with a fixed split runs, so it never waits for a benchmark."""
@@ -502,6 +565,19 @@ def fixed_plan(names: Sequence[str], global_batch: int, split: str | Mapping[str
     return Plan(split={n: c / global_batch for n, c in zip(names, counts, strict=True)},
                 batch=dict(zip(names, counts, strict=True)), global_batch=global_batch, mode=mode, seq_len=seq_len,
                 predicted_step_s=0.0, predicted_tokens_per_s=0.0)
+
+
+def describe_step(plan: Plan) -> str:
+    """The predicted step in its parts: `predicted step 412.0 ms = 380.1 ms compute (slowest node) + 31.9 ms
+    gradient all_sum (8%)`, or the compute alone with why the exchange is not in it."""
+    if plan.predicted_step_s <= 0:
+        return "no predicted step (uncalibrated split)"
+    if plan.collective is None:
+        alone = "one rank: no exchange" if len(plan.batch) < 2 else "the gradient all_sum not measured, left out"
+        return f"predicted step {1000 * plan.predicted_step_s:.1f} ms of compute ({alone})"
+    return (f"predicted step {1000 * plan.predicted_step_s:.1f} ms = {1000 * plan.compute_step_s:.1f} ms compute "
+            f"(slowest node) + {1000 * plan.collective.seconds:.1f} ms gradient all_sum "
+            f"({100 * plan.collective_share:.0f}%)")
 
 
 def format_split(plan: Plan) -> str:

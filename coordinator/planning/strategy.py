@@ -38,6 +38,7 @@ from coordinator.facts.model import NodeFacts
 from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory, usable_memory
 from coordinator.planning.pipeline import (
     LayerTiming,
+    LinkTable,
     PipelineJob,
     PipelinePlan,
     StageNode,
@@ -241,10 +242,12 @@ class PlanRow:
     need: int
     budget: int
     time_s: float | None
+    busy_s: float | None = None  # a pipeline stage's predicted compute per step (None: dp, or not timed)
 
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "first_layer": self.first_layer, "last_layer": self.last_layer,
-                "need_bytes": self.need, "budget_bytes": self.budget, "predicted_s": self.time_s}
+                "need_bytes": self.need, "budget_bytes": self.budget, "predicted_s": self.time_s,
+                "predicted_busy_s": self.busy_s}
 
 
 class CandidateKind(StrEnum):
@@ -320,6 +323,10 @@ class StrategyChoice:
         return {"requested": self.requested, "chosen": c.label, "strategy": c.strategy, "nodes": list(c.nodes),
                 "predicted_tokens_per_s": c.tokens_per_s, "rows": [r.to_json() for r in c.rows],
                 "micro_batches": pipe.micro_batches if pipe else None, "bubble": pipe.bubble if pipe else None,
+                "predicted_step_s": pipe.step_s if pipe else None,
+                "predicted_bubble": pipe.predicted_bubble if pipe else None,
+                "activation_bytes": pipe.activation_bytes if pipe else None,
+                "link_s": list(pipe.link_s) if pipe else None,
                 "schedule": pipe.schedule if pipe else None, "layout": pipe.layout() if pipe else {"kind": "dp"},
                 "candidates": [{"label": x.label, "strategy": x.strategy, "nodes": list(x.nodes), "fits": x.fits,
                                 "predicted_tokens_per_s": x.tokens_per_s, "note": x.note} for x in self.candidates],
@@ -371,7 +378,7 @@ def _dp_candidate(kind: CandidateKind, label: str, shape: ModelShape, train: Tra
 
 
 def _pipeline_candidate(kind: CandidateKind, job: PipelineJob, nodes: Sequence[FleetNode],
-                        layer_split: Sequence[int] | None) -> Candidate:
+                        layer_split: Sequence[int] | None, links: LinkTable) -> Candidate:
     names = tuple(n.node for n in nodes)
     label = f"pipeline over {', '.join(names)}"
     # Seconds for some nodes and none for others do not compare: then the split only balances blocks.
@@ -379,15 +386,15 @@ def _pipeline_candidate(kind: CandidateKind, job: PipelineJob, nodes: Sequence[F
     stage_nodes = [StageNode(n.node, n.budget.usable, n.timing if timed else None, n.budget.fused_attention)
                    for n in nodes]
     try:
-        plan = (check_layer_split(job, stage_nodes, layer_split) if layer_split is not None
-                else compute_layer_split(job, stage_nodes))
+        plan = (check_layer_split(job, stage_nodes, layer_split, links=links) if layer_split is not None
+                else compute_layer_split(job, stage_nodes, links=links))
     except PlanError as exc:
         return Candidate(kind, label, "pipeline", names, False, None, str(exc))
     split = "/".join(str(k) for k in plan.layer_split)
     note = (f"blocks {split}{' (pinned)' if plan.pinned else ''}, {plan.micro_batches} micro-batches, bubble "
             f"{plan.bubble:.0%}")
-    rows = tuple(PlanRow(st.node, st.first_layer, st.last_layer, st.need, st.budget, st.stage_s if timed else None)
-                 for st in plan.stages)
+    rows = tuple(PlanRow(st.node, st.first_layer, st.last_layer, st.need, st.budget, st.stage_s if timed else None,
+                         st.busy_s) for st in plan.stages)
     return Candidate(kind, label, "pipeline", names, True, plan.tokens_per_s, note, pipeline=plan, rows=rows)
 
 
@@ -399,7 +406,8 @@ def _slowest_first(nodes: Sequence[FleetNode]) -> list[FleetNode]:
 
 
 def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode], *,
-                            backend: str, split: str | Mapping[str, float] = "calibrated") -> StrategyChoice:
+                            backend: str, split: str | Mapping[str, float] = "calibrated",
+                            links: LinkTable | None = None) -> StrategyChoice:
     """Weigh the plans that can train `train` on `nodes` (ring order) and pick one.
 
     Candidates: dp on every node; dp on the nodes whose replica fits (when that is some but not all, >= 2); the
@@ -432,12 +440,13 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
                                        tuple(n.node for n in nodes), False, None,
                                        unsupported or pipeline_refusal(backend)))
         elif len(nodes) > 1 or requested == "pipeline":
-            pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_ALL, job, nodes, train.layer_split))
+            pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_ALL, job, nodes, train.layer_split,
+                                                 links or {}))
             if train.layer_split is None and requested == "auto":
                 left = list(nodes)
                 for out in _slowest_first(nodes)[:-2]:
                     left = [n for n in left if n.node != out.node]
-                    pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None))
+                    pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None, links or {}))
     # Of the smaller pipelines only the best is worth a line.
     smaller = [c for c in pipelines if c.kind is CandidateKind.PIPELINE_SOME]
     if smaller:

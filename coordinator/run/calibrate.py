@@ -39,8 +39,9 @@ from coordinator.facts.model import NodeFacts
 from coordinator.fleet.ship import ship_worker, worker_bundle
 from coordinator.fleet.transport import Fleet, Transport, build_worker_argv, merge_lines
 from coordinator.models import Node
+from coordinator.planning.collective import parse_gradient_size
 from coordinator.planning.colocate import Barrier, BenchGroup, MemberState, pool_curves
-from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.pipeline import LayerMemory, LayerTiming, TimingSource
 from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanError, SplitMode
 from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
@@ -295,6 +296,7 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
             noisy=tuple(noisy),
             device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
             cached=cached,
+            gradients=parse_gradient_size(obj.get("gradients")),
         )
     except PlanError as exc:
         raise CalibrationError(node, f"bench result is not a usable curve: {exc}") from exc
@@ -303,8 +305,10 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
 def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     """A `LayerTiming` from `worker.bench --blocks K --micro-batch MB`'s JSON object, whose contract is
     `{"blocks": K, "micro_batch": MB, "block_s": s, "block_fused_s": s, "embed_s": s, "head_s": s,
-    "peak_memory": bytes, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
-    recomputes its forward in the backward, `block_fused_s` per block of the last stage, optional). Raises
+    "update_s": s, "block_bytes": B, "backward_bytes": B, "update_bytes": B, "input_bytes": B, "embed_bytes": B,
+    "head_bytes": B, ...}`: seconds per micro-batch, forward + backward (`block_s` per block of a stage that
+    recomputes its forward in the backward, `block_fused_s` per block of the last stage), the update per block,
+    and the memory `LayerMemory` holds (the last seven optional: an older worker's answer has none). Raises
     CalibrationError on `{"error": ...}` or a missing or malformed field (named)."""
     if "error" in obj:
         raise CalibrationError(node, f"bench failed: {obj['error']}", evidence=json.dumps(obj)[:2000])
@@ -314,8 +318,15 @@ def layer_timing_from_bench(node: str, obj: Mapping[str, Any]) -> LayerTiming:
     block_s, embed_s, head_s, micro = (_number(node, obj, k) for k in ("block_s", "embed_s", "head_s", "micro_batch"))
     assert block_s is not None and embed_s is not None and head_s is not None and micro is not None
     fused = _number(node, obj, "block_fused_s", optional=True)
+    update = _number(node, obj, "update_s", optional=True)
+    # Memory (an older worker's answer has none: the planner's estimate then stands).
+    sizes = [_number(node, obj, k, optional=True) for k in ("block_bytes", "backward_bytes", "update_bytes",
+                                                              "input_bytes", "embed_bytes", "head_bytes")]
+    known = [int(v) for v in sizes if v is not None]
+    memory = LayerMemory(int(micro), *known) if len(known) == len(sizes) else None
     try:
-        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused)
+        return LayerTiming(node, int(micro), block_s, embed_s, head_s, TimingSource.BLOCKS, last_layer_s=fused,
+                           update_s=update or 0.0, memory=memory)
     except PlanError as exc:
         raise CalibrationError(node, f"bench result is not a usable timing: {exc}") from exc
 
@@ -336,6 +347,14 @@ def build_plan_nodes(
                  for name, batch in plan.batch.items())
 
 
+def plan_step_json(plan: Plan) -> dict[str, Any]:
+    """The predicted step in parts (plan.json's and `calibrate --json`'s `step`): the slowest node's compute, the
+    gradient exchange (null where none is in the prediction) and its share of the step."""
+    return {"predicted_s": round(plan.predicted_step_s, 6), "compute_s": round(plan.compute_step_s, 6),
+            "collective": plan.collective.to_json() if plan.collective is not None else None,
+            "collective_share": round(plan.collective_share, 4)}
+
+
 def calibration_to_json(
     plan: Plan, calibrations: Mapping[str, NodeCalibration] | Sequence[NodeCalibration],
     strategy: StrategyChoice | None = None,
@@ -344,6 +363,7 @@ def calibration_to_json(
     weighed, `"strategy"` (docs/json.md); PlanError as `build_plan_nodes`."""
     rows = build_plan_nodes(plan, calibrations) if plan.mode != SplitMode.PIPELINE else ()  # stages: `strategy`
     return {"nodes": [n.to_json() for n in rows], "split": dict(plan.split),
+            "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3), "step": plan_step_json(plan),
             "units": {k: v for k, v in RATE_UNITS.items() if k != "predicted_tokens_per_s"},
             **({"strategy": strategy.to_json()} if strategy is not None else {})}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,19 @@ from coordinator.run.launch import Launch, RunSummary, ViewFn, summarize, write_
 from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import RunState
 from coordinator.run.quarantine import QuarantineStore
-from coordinator.run.rundir import META, PLAYBOOK, SUMMARY, RunMeta, SummaryFile, read_hostfile, read_meta, read_summary
+from coordinator.run.rundir import (
+    META,
+    PLAN,
+    PLAYBOOK,
+    SUMMARY,
+    RunMeta,
+    SummaryFile,
+    read_hostfile,
+    read_json_object,
+    read_meta,
+    read_summary,
+)
+from coordinator.run.stages import recorded_layout
 from coordinator.run.supervision import (
     LOCK_NAME,
     RunBusy,
@@ -65,6 +78,14 @@ def _adopt(fleet: Fleet, run_dir: Path, meta: RunMeta, inv: Inventory, pb: Playb
     launch.drill = meta.drill
     launch.restart_from_scratch = meta.restart_from_scratch
     launch.predicted_tokens_per_s = meta.predicted_tokens_per_s
+    # How the ranks share the model, as the attempt was launched: the monitor's replica groups (a pipeline's stages
+    # vote on no digest) and every view's stages are launch's.
+    plan = read_json_object(run_dir / PLAN)
+    strategy = plan.get("strategy") if plan is not None else None
+    launch.run_layout = recorded_layout(meta.layout, [(r.rank, r.node) for r in meta.ranks],
+                                        strategy if isinstance(strategy, Mapping) else None)
+    if launch.run_layout is not None:
+        launch.layout = launch.run_layout.worker_layout()
     return launch
 
 

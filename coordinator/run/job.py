@@ -33,6 +33,7 @@ from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
 from coordinator.planning.pipeline import LayerTiming, StageNode, timing_from_curve
+from coordinator.planning.pipesim import LinkCost
 from coordinator.planning.plan import (
     NodeCalibration,
     Plan,
@@ -41,6 +42,7 @@ from coordinator.planning.plan import (
     compute_plan,
     fixed_plan,
     per_example_calibration,
+    with_collective,
 )
 from coordinator.planning.shards import MapRow
 from coordinator.planning.shortfall import compute_memory_shortfall
@@ -79,8 +81,16 @@ from coordinator.preflight.pipeline import (
     resolve_strategy,
     strategy_refusal,
 )
-from coordinator.run.calibrate import BenchSpec, build_plan_nodes, calibrate, calibrate_layers, fingerprint_from_facts
+from coordinator.run.calibrate import (
+    BenchSpec,
+    build_plan_nodes,
+    calibrate,
+    calibrate_layers,
+    fingerprint_from_facts,
+    plan_step_json,
+)
 from coordinator.run.chaos import Chaos, check_reachable
+from coordinator.run.collective import measure_collective
 from coordinator.run.launch import Launch, LaunchError, RunSummary, set_aside_checkpoints_after, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan, build_layout, check_run_id, new_run_id, node_run_dir
 from coordinator.run.logs import collect_secrets, configure_logging, is_secret_name
@@ -249,13 +259,21 @@ async def calibrate_and_plan(
     micro = -(-t.batch_size // t.pipeline_micro_batches)  # examples per micro-batch
     timings: dict[str, LayerTiming] = {n: timing_from_curve(c, shape.layers, micro, t.max_seq_length)
                                        for n, c in cals.items()}
-    if len(replica) < len(inv.nodes) and len(inv.nodes) > 1 and pb.split == "calibrated" \
-            and backend not in NO_SEND_RECV_BACKENDS:
-        # A pipeline is weighed with a node that cannot run the whole model: every node is timed per block, the
-        # same way (a curve's share per block folds the head and optimizer in: it would not compare).
-        timings = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+    links: dict[tuple[str, str], LinkCost] = {}
+    if (len(replica) < len(inv.nodes) or t.strategy == "pipeline") and len(inv.nodes) > 1 \
+            and pb.split == "calibrated" and backend not in NO_SEND_RECV_BACKENDS:
+        # A pipeline is weighed with a node that cannot run the whole model, or forced: every node is timed per
+        # block, the same way (a curve's share per block folds the head and optimizer in: it would not compare),
+        # and the links between ring neighbours are measured (the activations cross them).
+        measured = await _time_blocks(fleet, inv, pb, facts, opts, ui, micro * t.rows_per_example, shape.layers)
+        if len(measured) == len(inv.nodes) or len(timings) < len(inv.nodes):
+            timings = measured
+        else:  # a node's bench failed: every node's curve still times the blocks the same way
+            ui.message("the pipeline is timed by the nodes' whole-model curves (a coarser stand-in)")
+        links = await _time_links(fleet, inv, ui)
     fleet_nodes = [FleetNode(n.name, budgets[n.name], cals.get(n.name), timings.get(n.name)) for n in inv.nodes]
-    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split)
+    choice = compute_strategy_choice(t.strategy, shape, t, fleet_nodes, backend=backend, split=pb.split,
+                                     links=links)
     for line in [f"strategy {t.strategy}: {choice.chosen.label}", *format_table(choice.table()),
                  *choice.reasons()]:
         ui.message(line)
@@ -269,6 +287,8 @@ async def calibrate_and_plan(
         plan = chosen.pipeline.as_plan()
     else:
         raise LaunchError(f"strategy {t.strategy} chose {chosen.label}, which has neither a dp nor a pipeline plan")
+    if chosen.dp is not None:
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
     return plan, cals, choice
 
@@ -288,6 +308,22 @@ async def _time_blocks(fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mappin
             out[name] = result
         else:
             ui.message(f"{name}: not timed per block ({result}): the pipeline's split balances blocks by memory")
+    return out
+
+
+async def _time_links(fleet: Fleet, inv: Inventory, ui: JobUI) -> dict[tuple[str, str], LinkCost]:
+    """The latency (half the median round trip) and bandwidth (the slower direction) between ring neighbours
+    (`nettestrun.measure_links`); a pair that fails is left out (the prediction then counts that link free), said."""
+    from coordinator.fleet.nettestrun import measure_links
+
+    pairs = list(zip(inv.nodes, inv.nodes[1:], strict=False))
+    out: dict[tuple[str, str], LinkCost] = {}
+    for (a, b), got in (await measure_links(fleet, pairs)).items():
+        if isinstance(got, CoordinatorError):
+            ui.message(f"link {a} - {b} not measured ({got}): the pipeline's prediction counts it free")
+            continue
+        out[(a, b)] = LinkCost(got.rtt_ms / 2000, max(got.bottleneck_bps, 1.0))
+        ui.message(f"link {a} - {b}: {got.rtt_ms:.2f} ms round trip, {got.bottleneck_bps / 1e6:,.0f} MB/s")
     return out
 
 
@@ -339,8 +375,44 @@ async def _calibrate_dp(
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     if not quiet:
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
         ui.calibration(plan, cals)
     return plan, cals
+
+
+async def with_exchange(fleet: Fleet, nodes: Sequence[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
+                        pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI) -> Plan:
+    """`plan` with its gradient exchange measured between `nodes` (planning/collective.py): step = the slowest
+    node's compute + the all_sum. Unchanged for one node or a plan without predicted step times; a measurement
+    that cannot be made is said, and the plan keeps the compute alone."""
+    planned = [n for n in nodes if n.name in plan.batch]
+    if len(planned) < 2 or not plan.per_node_step_s:
+        return plan
+    gradients = next((c.gradients for n in planned if (c := cals.get(n.name)) is not None and c.gradients), None)
+    if gradients is None:
+        ui.message("the gradient all_sum is not in the prediction: the bench did not count the gradients (an older "
+                   "worker)")
+        return plan
+    try:
+        hostfile = hostfile_for(Inventory(tuple(planned)), pb, facts)
+    except CoordinatorError as exc:
+        ui.message(f"the gradient all_sum is not in the prediction: {exc}")
+        return plan
+    cost = await measure_collective(
+        fleet, planned, hostfile, gradients, fingerprints={n: fingerprint_from_facts(f) for n, f in facts.items()},
+        env=pb.job_env(), cache_dir=opts.cache_dir, recalibrate=opts.recalibrate, progress=ui.message)
+    if isinstance(cost, CoordinatorError):
+        ui.message(f"the gradient all_sum is not in the prediction (not measured: {exc_line(cost)})")
+        return plan
+    planned_with = with_collective(plan, cost)
+    ui.message(f"gradient exchange: {cost.describe()}; {100 * planned_with.collective_share:.0f}% of the predicted "
+               f"step ({1000 * planned_with.predicted_step_s:.1f} ms = {1000 * planned_with.compute_step_s:.1f} ms "
+               f"compute + {1000 * cost.seconds:.1f} ms all_sum)")
+    return planned_with
+
+
+def exc_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 async def calibrate_fleet(inv: Inventory, pb: Playbook, opts: JobOptions,
@@ -921,7 +993,13 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     final = attempts[-1]
     split = final.plan.split if final.plan is not None else final.launch.split()
     predicted = final.plan.predicted_tokens_per_s if final.plan is not None else None
-    summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None)
+    # Where the prediction holds the gradient exchange, its compute part too: the end-of-run line holds the ranks'
+    # own compute to it and the rest of each step to the exchange.
+    compute = final.plan.compute_tokens_per_s if final.plan is not None and final.plan.collective is not None else None
+    summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None,
+                        predicted_compute_tokens_per_s=compute or None,
+                        planned_memory=final.plan.planned_memory if final.plan is not None else None,
+                        strategy=final.launch.layout.kind)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]
@@ -1045,18 +1123,17 @@ async def _run_attempt(
     launch.should_stop = sup.stop_reason
     launch.layout = (build_layout(strategy.chosen.pipeline) if strategy is not None and strategy.chosen.pipeline
                      is not None else Layout(kind=resolve_strategy(sub, pb, facts)))
-    if strategy is not None and (pipe := strategy.chosen.pipeline) is not None:
-        # The plan's per micro-batch forward + backward, times the micro-batches of a step: the straggler rule's
-        # yardstick for each stage (Monitor._stage_stragglers).
-        launch.predicted_stage_s = {i: row.time_s * pipe.micro_batches * pb.train.grad_accumulation
-                                    for i, row in enumerate(strategy.chosen.rows) if row.time_s}
+    if strategy is not None and strategy.chosen.pipeline is not None:
+        # The plan's busy seconds per step of each stage: the straggler rule's yardstick (Monitor._stage_stragglers).
+        launch.predicted_stage_s = {i: row.busy_s for i, row in enumerate(strategy.chosen.rows) if row.busy_s}
     # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
     split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),
                         split=dict(plan.split), batch=dict(plan.batch), global_batch=plan.global_batch,
                         mode=str(plan.mode), predicted_tokens_per_s=plan.predicted_tokens_per_s,
                         backend=hostfile.backend, attempt=number,
-                        strategy=strategy.to_json() if strategy is not None else None)
+                        strategy=strategy.to_json() if strategy is not None else None,
+                        step=plan_step_json(plan) if split_rows else None)
     local_hostfile = launch.write_local_files(record)
 
     async def start() -> None:

@@ -76,6 +76,7 @@ from coordinator.run.rundir import (
     RunMeta,
     SummaryBase,
 )
+from coordinator.run.stages import RunLayout, build_run_layout
 from worker.runconfig import Layout
 
 TICK_S = 0.5
@@ -160,13 +161,19 @@ class RunSummary(SummaryBase):
     iters: int | None = None
     predicted_tokens_per_s: float | None = None  # calibration's prediction for the plan this run ran
     compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
+    # The prediction without the gradient exchange, where the prediction holds a measured one (Plan.collective)
+    predicted_compute_tokens_per_s: float | None = None
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
+    stages: dict[str, Any] | None = None  # the final attempt's stages and memory (coordinator.run.stages.StageView)
+    strategy: str = "dp"  # the layout the ranks ran: dp | pipeline | fsdp
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.base_json(), "steps": self.steps, "iters": self.iters, "checkpoint": self.checkpoint,
+        return {**self.base_json(), "strategy": self.strategy, "steps": self.steps, "iters": self.iters,
+                "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "compute_tokens_per_s": self.compute_tokens_per_s, "attempts": self.attempts,
-                "recoveries": self.recoveries, "resumed_from": self.resumed_from}
+                "compute_tokens_per_s": self.compute_tokens_per_s,
+                "predicted_compute_tokens_per_s": self.predicted_compute_tokens_per_s, "attempts": self.attempts,
+                "recoveries": self.recoveries, "resumed_from": self.resumed_from, "stages": self.stages}
 
 
 _WRITE_FILES = (
@@ -253,6 +260,9 @@ class Launch:
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
+        # ... and the plan's stages and memory per node, for meta.json and the views (write_local_files; attach:
+        # meta.json's)
+        self.run_layout: RunLayout | None = None
         self.predicted_stage_s: dict[int, float] = {}  # a pipeline's planned compute seconds per step, by rank
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
@@ -351,6 +361,7 @@ class Launch:
             write_private(self.run_dir / PLAYBOOK, text.replace(REDACTED, "REDACTED"))
         write_private(self.run_dir / PLAN, json.dumps(plan.to_json(), indent=2) + "\n")
         self.predicted_tokens_per_s = plan.predicted_tokens_per_s or None
+        self.run_layout = build_run_layout(self.layout, [(r.rank, r.node.name) for r in self.ranks], plan.strategy)
         hostfile = self.run_dir / HOSTFILE
         write_private(hostfile, json.dumps(self.hostfile.to_json(), indent=2) + "\n")
         ssh_config = self.run_dir / SSH_CONFIG
@@ -387,7 +398,7 @@ class Launch:
             coordinator_pid=os.getpid(), split={r.node.name: r.batch_size for r in self.ranks},
             left_out=tuple(self.left_out), drill=self.drill, restart_from_scratch=self.restart_from_scratch,
             faults=self.policy, iters=self.pb.train.iters, predicted_tokens_per_s=self.predicted_tokens_per_s,
-            max_tokens_per_row=self.max_tokens_per_row())
+            max_tokens_per_row=self.max_tokens_per_row(), layout=self.run_layout)
         write_private(self.run_dir / META, json.dumps(meta.to_json(), indent=2) + "\n")
 
     async def _follow(self, name: str) -> None:
@@ -534,7 +545,8 @@ class Launch:
         pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,
-                              replica_groups=tuple((r.rank,) for r in self.ranks) if pipeline else None)
+                              replica_groups=tuple((r.rank,) for r in self.ranks) if pipeline else None,
+                              layout=self.run_layout)
 
     async def monitor(self) -> Monitor:
         """Watch until every rank finished, or a fatal incident has settled (its echoes collected)."""
@@ -743,7 +755,11 @@ def _which(name: str) -> str | None:
 
 
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
-              predicted_tokens_per_s: float | None = None) -> RunSummary:
+              predicted_tokens_per_s: float | None = None,
+              predicted_compute_tokens_per_s: float | None = None,
+              planned_memory: Mapping[str, int] | None = None, strategy: str = "dp") -> RunSummary:
+    """`planned_memory`: each node's predicted peak (a pipeline stage's need), shown beside its measured peak;
+    `strategy`: the layout the ranks ran."""
     state = mon.outcome() or RunState.FAILED
     # Each rank's rate and verdict as every view shows them (coordinator.run.replay): the run has ended.
     judged = judge_monitor(mon, now=None, predicted=predicted_tokens_per_s)
@@ -755,6 +771,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       "tokens_per_s": round(mine.tokens_per_s, 1) if mine and mine.tokens_per_s else None,
                       "verdict": str(mine.verdict) if mine else None,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
+                      "planned_memory_bytes": (planned_memory or {}).get(view.node),
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()
@@ -765,7 +782,11 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       run_dir=str(launch.run_dir), message=message, iters=mon.iters,
                       predicted_tokens_per_s=(round(predicted_tokens_per_s, 2)
                                               if predicted_tokens_per_s else None),
-                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None)
+                      compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None,
+                      predicted_compute_tokens_per_s=(round(predicted_compute_tokens_per_s, 2)
+                                                      if predicted_compute_tokens_per_s else None),
+                      stages=judged.stages.to_json(),
+                      strategy=strategy)
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

@@ -51,6 +51,7 @@ from coordinator.planning.shards import MapRow
 from coordinator.run.job import JobUI
 from coordinator.run.monitor import Monitor
 from coordinator.run.replay import judge_monitor
+from coordinator.run.stages import RankStage, StageView
 
 # --- status records (pure values) ------------------------------------------------------------------------------
 
@@ -107,6 +108,8 @@ class RunStatus:
     tokens_per_s: float | None = None  # the run's rate (real tokens/s: Monitor.run_tokens_per_s)
     predicted_tokens_per_s: float | None = None  # calibration's, for the plan the attempt runs
     recorded_steps: int | None = None  # an ended run's summary.json `steps` (what the nodes prove)
+    # Each rank's stage, layers, busy and wait shares, the bubble and the memory against the plan (run.stages)
+    stages: StageView = field(default_factory=StageView)
 
     @property
     def step(self) -> int:
@@ -124,7 +127,7 @@ class RunStatus:
                 "incident_counts": dict(self.incident_counts), "incidents": [i.to_json() for i in self.incidents],
                 "degraded": bool(self.left_out), "left_out": [{"node": n, "reason": r} for n, r in self.left_out],
                 "tokens_per_s": _round(self.tokens_per_s, 1),
-                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1)}
+                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1), "stages": self.stages.to_json()}
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,14 @@ class NodeRun:
     last_heartbeat_age_s: float | None
     verdict: str | None = None  # the rank's (RankStatus.verdict)
     predicted_tokens_per_s: float | None = None  # the run's prediction (RunStatus), finished runs' included
+    stage: RankStage | None = None  # the rank's row of the run's stage view (RunStatus.stages)
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "active": self.active, "state": self.state, "rank": self.rank,
                 "step": self.step, "tokens_per_s": _round(self.tokens_per_s, 1),
                 "last_heartbeat_age_s": _round(self.last_heartbeat_age_s, 1), "verdict": self.verdict,
-                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1)}
+                "predicted_tokens_per_s": _round(self.predicted_tokens_per_s, 1),
+                "stage": self.stage.to_json() if self.stage is not None else None}
 
 
 @dataclass(frozen=True)
@@ -209,7 +214,7 @@ def run_status_from_monitor(run_id: str, mon: Monitor, now: float, *, recent: in
     return RunStatus(run_id=run_id, active=outcome is None, state=str(outcome or "running"), ranks=ranks,
                      iters=mon.iters, nodes=tuple(dict.fromkeys(v.node for v in mon.ranks.values())),
                      incident_counts=dict(counts), incidents=notes, tokens_per_s=judged.tokens_per_s,
-                     predicted_tokens_per_s=judged.predicted_tokens_per_s)
+                     predicted_tokens_per_s=judged.predicted_tokens_per_s, stages=judged.stages)
 
 
 # --- the Prometheus side (pure: records in, metric families out) -----------------------------------------------

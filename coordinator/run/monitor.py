@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator.run.signatures import error_signature, explain_error
+from coordinator.run.stages import RunLayout, StageFold
 from worker.events import (
     CheckpointEvent,
     DigestEvent,
@@ -144,7 +145,7 @@ class RankView:
     action_at: tuple[int, int] | None = None
     action_since: float | None = None
     predicted_stage_s: float | None = None  # the plan's compute seconds per step of this stage (None: no plan)
-    stage_times: list[float] = field(default_factory=list)  # its last steps' stage_compute_s
+    stage_times: list[float] = field(default_factory=list)  # its last steps' busy_s
 
 
 class ObservationKind(StrEnum):
@@ -427,7 +428,7 @@ class StageStraggler:
         return self.stage_s / self.reference_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"stage_compute_s": round(self.stage_s, 4), "predicted_stage_s": round(self.reference_s, 4),
+        return {"busy_s": round(self.stage_s, 4), "predicted_stage_s": round(self.reference_s, 4),
                 "exceeds_prediction_by": round(self.ratio - 1.0, 3),
                 "relative_to_stages": round(self.ratio / self.others_ratio, 3),
                 "reason": f"stage {self.rank} is the bottleneck: {self.stage_s:.3g}s of compute per step, "
@@ -483,17 +484,23 @@ class Monitor:
     # Ranks that hold the same parameters and must agree on digests and checkpoints (the run's layout): None is
     # data parallel, every rank a replica; a pipeline's stages each hold their own blocks, one rank per group.
     replica_groups: tuple[tuple[int, ...], ...] | None = None
+    # The attempt's plan of stages and memory, and what the ranks' events measured of it (coordinator.run.stages:
+    # what every view shows of a pipeline's stages and the nodes' memory; no rule reads them).
+    layout: RunLayout | None = None
+    stages: StageFold = field(default_factory=StageFold)
 
     @classmethod
     def create(cls, plan: Sequence[PlannedRank], iters: int, *, now: float,
                heartbeat_timeout: float = 10.0, policy: FaultPolicy | None = None,
                max_tokens_per_row: int | None = None,
                earlier_errors: dict[str, frozenset[str]] | None = None,
-               replica_groups: tuple[tuple[int, ...], ...] | None = None) -> Monitor:
+               replica_groups: tuple[tuple[int, ...], ...] | None = None,
+               layout: RunLayout | None = None) -> Monitor:
         """`max_tokens_per_row`: the most tokens one row of a rank's batch can add to a step event's `tokens`
         (max_seq_length x grad_accumulation, x2 for DPO's pairs); None: no plausibility bound.
         `earlier_errors`: signature -> nodes blamed for it by earlier attempts of the run (see `classify_errors`).
-        `replica_groups`: which ranks must agree (None: all of them, data parallel)."""
+        `replica_groups`: which ranks must agree (None: all of them, data parallel). `layout`: the attempt's plan
+        of stages and memory (`coordinator.run.stages`), for the views."""
         ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
                                   calibrated_tokens_per_s=p.calibrated_tokens_per_s,
                                   predicted_stage_s=p.predicted_stage_s,
@@ -501,7 +508,8 @@ class Monitor:
                  for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
         mon = cls(ranks=ranks, iters=iters, heartbeat_timeout=policy.heartbeat_timeout, started_at=now,
-                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups)
+                  policy=policy, earlier_errors=dict(earlier_errors or {}), replica_groups=replica_groups,
+                  layout=layout)
         for view in ranks.values():
             mon.node_seen_at[view.node] = now
         return mon
@@ -553,6 +561,7 @@ class Monitor:
                                       evidence={"event": raw, "reason": f"event claims rank {claimed}"},
                                       action=Action.WARN, t=obs.at))
         self.events.append({"node": obs.node, **raw})
+        self.stages.observe(view.rank, event)
         view.last_event_at = obs.at  # any line from the rank's file is a sign of life, even one of an unknown kind
         if isinstance(event, StartedEvent):
             view.state = WorkerState.RUNNING
@@ -674,8 +683,8 @@ class Monitor:
         total, wall = event.total_tokens, event.step_time_s
         if total is not None and total > 0 and wall is not None and wall > 0:
             self.step_totals.setdefault(step, total / wall)
-        if event.stage_compute_s is not None and event.stage_compute_s > 0 and obs.at != self.first_step_at[view.rank]:
-            view.stage_times = [*view.stage_times[-(RATE_STEPS - 1):], event.stage_compute_s]
+        if event.busy_s is not None and event.busy_s > 0 and obs.at != self.first_step_at[view.rank]:
+            view.stage_times = [*view.stage_times[-(RATE_STEPS - 1):], event.busy_s]
         found += self._stage_stragglers(step, obs) if self.replica_groups is not None else self._stragglers(step, obs)
         found += self._outliers(step, obs)
         return found

@@ -11,6 +11,8 @@ the ranks (the replay's own are never shown). `RunReplay.judge(now)` is then wha
     verdict     `monitor.rank_verdict`: ok | slow | stalled | hung | dead (pending before its start)
     run rate    `Monitor.run_tokens_per_s`: the median over the steps of all ranks' tokens / step wall time
     prediction  calibration's, for the plan the attempt ran (plan.json, copied into meta.json and summary.json)
+    stages      `coordinator.run.stages.StageView`: each rank's stage and layers, its busy and wait shares of the
+                step, the measured bubble, and its peak memory against the plan's need and its node's budget
 
 Pure: values in, values out.
 """
@@ -18,7 +20,7 @@ Pure: values in, values out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.run.monitor import (
@@ -34,6 +36,8 @@ from coordinator.run.monitor import (
     rank_verdict,
 )
 from coordinator.run.rundir import AttemptCounter, EventLine, RunMeta, parse_event_line
+from coordinator.run.stages import StageView, build_stage_view
+from coordinator.units import format_bytes
 from worker.events import EventError
 
 NO_ITERS = 2**31  # an older meta.json has no `iters`: no step is implausible for being past the end
@@ -60,12 +64,13 @@ class RankJudgement:
 
 @dataclass(frozen=True)
 class RunJudgement:
-    """The run's ranks, its rate and calibration's prediction, all in RATE_UNIT."""
+    """The run's ranks, its rate and calibration's prediction, all in RATE_UNIT; its stages and memory."""
 
     ranks: tuple[RankJudgement, ...]
     tokens_per_s: float | None
     predicted_tokens_per_s: float | None
     unit: str = RATE_UNIT
+    stages: StageView = field(default_factory=StageView)
 
     def of(self, rank: int, node: str) -> RankJudgement | None:
         return next((r for r in self.ranks if r.rank == rank and r.node == node), None)
@@ -92,7 +97,8 @@ def judge_monitor(mon: Monitor, *, now: float | None, predicted: float | None,
             kinds.setdefault((rank, node), []).append(kind)
     ranks = tuple(_judge_rank(v, mon.policy, kinds.get((v.rank, v.node), ()), now)
                   for v in sorted(mon.ranks.values(), key=lambda r: r.rank))
-    return RunJudgement(ranks, mon.run_tokens_per_s(), predicted or None)
+    stages = build_stage_view(mon.layout, mon.stages, [(r.rank, r.node) for r in ranks])
+    return RunJudgement(ranks, mon.run_tokens_per_s(), predicted or None, stages=stages)
 
 
 def _judge_rank(view: RankView, policy: FaultPolicy, kinds: Iterable[str], now: float | None) -> RankJudgement:
@@ -123,8 +129,11 @@ class RunReplay:
         meta = self.meta
         sized = all(r.batch_size for r in meta.ranks)
         plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s) for r in meta.ranks]
+        pipeline = meta.layout is not None and meta.layout.pipeline
         return Monitor.create(plan, meta.iters or NO_ITERS, now=0.0, policy=self.policy,
-                              max_tokens_per_row=meta.max_tokens_per_row if sized else None)
+                              max_tokens_per_row=meta.max_tokens_per_row if sized else None,
+                              replica_groups=tuple((r.rank,) for r in meta.ranks) if pipeline else None,
+                              layout=meta.layout)
 
     def feed(self, records: Iterable[Mapping[str, Any]]) -> None:
         """events.jsonl lines (decoded JSON objects), in file order."""
@@ -157,4 +166,30 @@ class RunReplay:
         return judge_monitor(self.monitor, now=now, predicted=self.predicted, incidents=self.incidents)
 
 
-__all__ = ["RankJudgement", "RunJudgement", "RunReplay", "judge_monitor", "prediction_of"]
+# A node's measured peak below this share of its plan says the plan over-reserves (the goal the plan is held to:
+# within [0.8, 1.0] of the peak it predicts).
+MEMORY_PLAN_FLOOR = 0.8
+
+
+def describe_memory(nodes: Iterable[Mapping[str, Any]]) -> str | None:
+    """Each node's measured peak against the plan's (summary.json's `peak_memory_bytes`, `planned_memory_bytes`):
+    one line, naming every node over its plan or far under it; None when no node has both (a dp run)."""
+    rows = [(str(n.get("node")), n.get("peak_memory_bytes"), n.get("planned_memory_bytes")) for n in nodes]
+    pairs = [(node, int(peak), int(plan)) for node, peak, plan in rows
+             if isinstance(peak, int) and isinstance(plan, int) and plan > 0 and peak > 0]
+    if not pairs:
+        return None
+    text = "; ".join(f"{node} {format_bytes(peak)} of {format_bytes(plan)} planned ({peak / plan:.2f}x)"
+                     for node, peak, plan in pairs)
+    over = [node for node, peak, plan in pairs if peak > plan]
+    under = [node for node, peak, plan in pairs if peak < MEMORY_PLAN_FLOOR * plan]
+    if over:
+        return (text + f": over the plan on {', '.join(over)}: its budget check under-reserved (the peak is MLX's "
+                "arrays; the process's own runtime is kept out of every budget)")
+    if under:
+        return text + f": under {MEMORY_PLAN_FLOOR:.0%} of the plan on {', '.join(under)} (the plan over-reserves)"
+    return text + ": within the plan"
+
+
+__all__ = ["MEMORY_PLAN_FLOOR", "RankJudgement", "RunJudgement", "RunReplay", "describe_memory", "judge_monitor",
+           "prediction_of"]

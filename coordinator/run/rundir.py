@@ -21,6 +21,7 @@ from typing import Any
 from coordinator.errors import ConfigError
 from coordinator.planning.hostfile import Hostfile
 from coordinator.run.monitor import FaultPolicy, Incident
+from coordinator.run.stages import RunLayout, parse_run_layout
 from worker.events import AnyEvent, AnyMapEvent, EventError, coerce_float, coerce_int, parse_event, parse_map_event
 
 # --- layout ----------------------------------------------------------------------------------------------------
@@ -123,6 +124,9 @@ class RunMeta:
     iters: int | None = None
     predicted_tokens_per_s: float | None = None
     max_tokens_per_row: int | None = None
+    # How the attempt's ranks share the model and the plan's memory per node (`coordinator.run.stages`): what
+    # `attach` rebuilds the launch's layout from, and what the views show of the stages. None in an older one.
+    layout: RunLayout | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "inventory": self.inventory,
@@ -133,7 +137,8 @@ class RunMeta:
                 "restart_from_scratch": self.restart_from_scratch,
                 "faults": dataclasses.asdict(self.faults) if self.faults is not None else None,
                 "iters": self.iters, "predicted_tokens_per_s": self.predicted_tokens_per_s,
-                "max_tokens_per_row": self.max_tokens_per_row}
+                "max_tokens_per_row": self.max_tokens_per_row,
+                "layout": self.layout.to_json() if self.layout is not None else None}
 
 
 def parse_faults(value: Any) -> FaultPolicy | None:
@@ -195,7 +200,7 @@ def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str 
         left_out=left_out, drill=bool(doc.get("drill")), restart_from_scratch=bool(doc.get("restart_from_scratch")),
         faults=parse_faults(doc.get("faults")), iters=coerce_int(doc.get("iters")),
         predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")) or None,
-        max_tokens_per_row=coerce_int(doc.get("max_tokens_per_row")))
+        max_tokens_per_row=coerce_int(doc.get("max_tokens_per_row")), layout=parse_run_layout(doc.get("layout")))
 
 
 def read_meta(run_dir: Path) -> RunMeta:
@@ -632,9 +637,12 @@ class PlanRecord:
     # The strategy weighed (planning.strategy.StrategyChoice.to_json: the chosen plan's table and every
     # candidate's line); None where nothing was weighed (dp or fsdp forced, sizes unknown).
     strategy: Mapping[str, Any] | None = None
+    # The predicted step and its gradient exchange (planning.collective.CollectiveCost.to_json), where measured
+    step: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "nodes": [n.to_json() for n in self.nodes], "split": dict(self.split),
+                **({"step": dict(self.step)} if self.step is not None else {}),
                 "batch": dict(self.batch), "global_batch": self.global_batch, "mode": self.mode,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s, "backend": self.backend,
                 "attempt": self.attempt, "units": dict(RATE_UNITS),

@@ -95,6 +95,8 @@ class PlanRowOut(_Out):
     need_bytes: int  # predicted peak
     budget_bytes: int  # what the node can use (unified memory, GPU memory, or the cgroup limit below RAM)
     predicted_s: float | None  # a dp node's step; a pipeline stage's time per micro-batch (None: not measured)
+    # A pipeline stage's predicted compute per step (forwards, backwards, update: the rest it waits); None for dp
+    predicted_busy_s: float | None = None
 
 
 class CandidateOut(_Out):
@@ -118,10 +120,43 @@ class StrategyOut(_Out):
     rows: list[PlanRowOut]
     micro_batches: int | None  # a pipeline's
     bubble: float | None  # (P - 1) / (M + P - 1)
+    predicted_step_s: float | None = None  # a pipeline's simulated step (docs/pipeline.md#prediction)
+    predicted_bubble: float | None = None  # its idle share over all stages
+    activation_bytes: int | None = None  # one micro-batch's activation between neighbours, each way
+    link_s: list[float | None] | None = None  # per link (stage i to i+1): one transfer's seconds; None: not measured
     schedule: Literal["1f1b"] | None
     layout: dict[str, Any]  # the worker's RunConfig.layout: {"kind": "dp"} or the pipeline's stages
     candidates: list[CandidateOut]
     reasons: list[str]  # one line per candidate, the chosen first
+
+
+class CollectiveOut(_Out):
+    """One exchange of the run's gradients between its ranks (planning.collective.CollectiveCost), measured by a
+    timed all_sum between the nodes during calibration."""
+
+    seconds: float = Field(description="one all_sum of the run's gradient bytes: the median of the timed ones, the "
+                                       "slowest rank's")
+    bytes: int = Field(description="the trainable gradients' bytes plus the loss (what one step all_sums)")
+    ranks: int
+    backend: str
+    source: Literal["measured", "derived"]
+    small_seconds: float | None = Field(description="a one-element all_sum: the exchange's latency term")
+    samples: int
+    nodes: list[str]
+    cached: bool
+    bandwidth_bytes_per_s: float | None = Field(description="the ring model's effective bandwidth read from the "
+                                                            "two sizes (null: latency-bound)")
+    latency_s: float | None = Field(description="the ring model's per-hop latency")
+
+
+class PlanStepOut(_Out):
+    """The predicted step in parts: step = the slowest node's compute + the gradient exchange."""
+
+    predicted_s: float
+    compute_s: float
+    collective: CollectiveOut | None = Field(description="null: no exchange in the prediction (one rank, a fixed "
+                                                         "split, a pipeline, or not measured)")
+    collective_share: float = Field(description="the exchange's share of the predicted step, 0..1")
 
 
 class CalibrateOut(_Out):
@@ -130,6 +165,8 @@ class CalibrateOut(_Out):
 
     nodes: list[CalibratedNodeOut]
     split: dict[str, float]
+    predicted_tokens_per_s: float = Field(description=_PREDICTED + ", the gradient exchange included")
+    step: PlanStepOut
     units: dict[str, str] = Field(description="the unit of each rate: a node's `tokens_per_s` is real tokens/s, "
                                               "its curve's is padded positions/s")
     strategy: StrategyOut | None = None
@@ -220,6 +257,8 @@ class RankSummaryOut(_Out):
     verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
     calibrated_tokens_per_s: float | None = Field(description="calibration's rate for its batch, real tokens/s")
     peak_memory_bytes: int | None
+    planned_memory_bytes: int | None = Field(default=None, description=(
+        "the plan's predicted peak for this node: a pipeline stage's need (None: a dp rank)"))
     checkpoint: str | None
     run_dir: str | None
 
@@ -228,6 +267,7 @@ class RunSummaryOut(_SummaryOut):
     """`launch --json` and `attach --json` of a training run: its summary.json (launch.RunSummary)."""
 
     nodes: list[RankSummaryOut]
+    strategy: Literal["dp", "pipeline", "fsdp"] = "dp"  # the layout the ranks ran
     steps: int
     iters: int | None
     checkpoint: str | None
@@ -235,10 +275,15 @@ class RunSummaryOut(_SummaryOut):
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
     compute_tokens_per_s: float | None = Field(description=(
         "real tokens/s without the gradient all_sum: the median over steps of the ranks' tokens per second of "
-        "compute (until each enters the collective); what calibration predicts"))
+        "compute (until each enters the collective)"))
+    predicted_compute_tokens_per_s: float | None = Field(default=None, description=(
+        "the prediction without the gradient exchange (the slowest node's calibrated compute), where the "
+        "prediction holds a measured all_sum (docs/calibration.md); null where it has none: one rank, a fixed "
+        "split, or an exchange not measured"))
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None
+    stages: StageViewOut | None = None  # the final attempt's stages and memory against the plan
 
 
 class MapNodeSummaryOut(_Out):
@@ -288,6 +333,38 @@ class DiskOut(_Out):
     free_bytes: int | None
 
 
+class RankStageOut(_Out):
+    """One rank of the stage view (coordinator.run.stages): its stage and layers (None outside a pipeline), the
+    medians of its newest 20 steps and its memory against the plan."""
+
+    rank: int
+    node: str
+    stage: int | None
+    first_layer: int | None
+    last_layer: int | None  # exclusive
+    step_time_s: float | None
+    busy_s: float | None = Field(description="its own computation per step: forwards, backwards, the update")
+    wait_s: float | None = Field(description="blocked on its neighbours per step: transfers, the closing all_sum")
+    busy_share: float | None = Field(description="busy_s / step_time_s (median over its newest steps)")
+    wait_share: float | None = Field(description="wait_s / step_time_s: this stage's bubble")
+    predicted_busy_s: float | None = Field(description="the plan's stage time per micro-batch x micro-batches")
+    peak_memory_bytes: int | None = Field(description="the highest peak memory the rank reported")
+    predicted_memory_bytes: int | None = Field(description="the plan's predicted peak for its node")
+    budget_bytes: int | None = Field(description="its node's memory budget in the plan")
+
+
+class StageViewOut(_Out):
+    """A run's stages and memory against its plan (coordinator.run.stages.StageView), the same in every view."""
+
+    kind: Literal["dp", "pipeline", "fsdp"]
+    micro_batches: int | None
+    schedule: str | None
+    bubble: float | None = Field(description="measured: the stages' mean wait share of a step")
+    predicted_bubble: float | None = Field(description="the plan's (P - 1) / (M + P - 1)")
+    bottleneck: int | None = Field(description="the rank whose stage is busiest per step (paces the pipeline)")
+    ranks: list[RankStageOut]
+
+
 class NodeRunOut(_Out):
     run_id: str
     active: bool
@@ -298,6 +375,7 @@ class NodeRunOut(_Out):
     last_heartbeat_age_s: float | None
     verdict: RankVerdict | None = Field(description=_RANK_VERDICT)
     predicted_tokens_per_s: float | None = Field(description="the run's: " + _PREDICTED)
+    stage: RankStageOut | None  # its rank's row of the run's stage view
 
 
 class QuarantineFlagOut(_Out):
@@ -357,6 +435,7 @@ class RunStatusOut(_Out):
     left_out: list[LeftOutOut]
     tokens_per_s: float | None = Field(description=_RUN_RATE)
     predicted_tokens_per_s: float | None = Field(description=_PREDICTED)
+    stages: StageViewOut
 
 
 class StatusOut(_Out):

@@ -21,6 +21,7 @@ from coordinator.run.monitor import RATE_UNIT, Monitor, Verdict
 from coordinator.run.replay import judge_monitor
 from coordinator.units import format_bytes
 from coordinator.views.render import render_preflight
+from coordinator.views.stagetable import plain_stage_words, stage_columns, stage_row_cells, stage_summary
 
 PLAIN_EVERY_S = 5.0
 PLAIN_IDLE_S = 10.0  # a line even without progress (a compiling first step): a silent log looks like a hang
@@ -118,9 +119,15 @@ def build_table(mon: Monitor, now: float, left_out: Sequence[str] = (), predicte
             f" (predicted {judged.predicted_tokens_per_s:,.0f})" if judged.predicted_tokens_per_s else "")
     if left_out:  # a degraded run says so for as long as it runs, not only in the lines printed before it
         title += f"   [yellow]DEGRADED: {', '.join(left_out)} left out[/yellow]"
+    stages = judged.stages
+    summary = stage_summary(stages)
+    if summary:
+        title += f"\n{summary}"
     table = Table(title=title, title_justify="left")
-    for col in ("rank", "node", "state", "verdict", "step", "loss", f"{RATE_UNIT} (calibrated)", "peak mem",
-                "heartbeat"):
+    # With a memory plan, the memory column is the stage view's (peak / plan / budget) instead of the bare peak.
+    memory = stages.pipeline or stages.has_memory_plan
+    for col in ("rank", "node", "state", "verdict", "step", "loss", f"{RATE_UNIT} (calibrated)",
+                *([] if memory else ["peak mem"]), "heartbeat", *stage_columns(stages)):
         table.add_column(col, justify="right" if col in ("rank", "step", "loss", "peak mem") else "left")
     for v in sorted(mon.ranks.values(), key=lambda r: r.rank):
         mine = judged.of(v.rank, v.node)
@@ -134,7 +141,8 @@ def build_table(mon: Monitor, now: float, left_out: Sequence[str] = (), predicte
         mem = "-" if v.peak_memory is None else format_bytes(v.peak_memory)
         beat = "-" if v.last_event_at is None else f"{now - v.last_event_at:.1f}s ago"
         table.add_row(str(v.rank), v.node, str(v.state), f"[{_VERDICT_STYLE.get(verdict, 'red')}]{verdict}[/]",
-                      str(v.step), "-" if v.loss is None else f"{v.loss:.4f}", rate, mem, beat)
+                      str(v.step), "-" if v.loss is None else f"{v.loss:.4f}", rate, *([] if memory else [mem]), beat,
+                      *stage_row_cells(stages, v.rank))
     for inc in mon.incidents[-5:]:
         table.caption = (table.caption or "") + f"\n[red]{inc.kind}[/red] on {inc.node} rank {inc.rank}: {inc.evidence}"
     return table
@@ -192,6 +200,7 @@ class RichUI:
         self.console.print(f"split ({plan.mode}): [bold]{format_split(plan)}[/bold]  batch "
                            + ", ".join(f"{n}={b}" for n, b in plan.batch.items())
                            + (f"  predicted {plan.predicted_tokens_per_s:,.0f} {RATE_UNIT}" if calibrations else "")
+                           + (f" (all_sum {100 * plan.collective_share:.0f}% of the step)" if plan.collective else "")
                            + (f"  ({cached} cached)" if cached else ""))
 
     def progress(self, mon: Monitor, now: float) -> None:
@@ -281,6 +290,9 @@ def plain_progress_line(mon: Monitor, now: float, *, final: bool = False, left_o
         parts.append(f"ETA {_fmt_s(mon.eta_s(now))}")
     ranks = ", ".join(f"{j.node} {j.step} {j.verdict}" for j in judged.ranks)
     parts.append(f"[{ranks}]")
+    stages = plain_stage_words(judged.stages)
+    if stages:
+        parts.append(stages)
     if left_out:
         parts.append(f"DEGRADED ({', '.join(left_out)} left out)")
     return "  ".join(parts)

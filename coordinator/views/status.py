@@ -124,7 +124,8 @@ def node_run(runs: Sequence[RunStatus], node: str) -> NodeRun | None:
                    rank=rank.rank if rank else None, step=rank.step if rank else None,
                    tokens_per_s=rank.tokens_per_s if rank else None,
                    last_heartbeat_age_s=rank.last_heartbeat_age_s if rank else None,
-                   verdict=rank.verdict if rank else None, predicted_tokens_per_s=chosen.predicted_tokens_per_s)
+                   verdict=rank.verdict if rank else None, predicted_tokens_per_s=chosen.predicted_tokens_per_s,
+                   stage=chosen.stages.of(rank.rank) if rank else None)
 
 
 def build_rows(nodes: Sequence[Node], facts: Mapping[str, NodeFacts], errors: Mapping[str, str],
@@ -259,7 +260,7 @@ def build_run_status(run_id: str, meta: RunMeta | Mapping[str, Any], summary: Ma
                      tokens_per_s=judged.tokens_per_s,
                      predicted_tokens_per_s=prediction_of(meta.predicted_tokens_per_s,
                                                           done.predicted_tokens_per_s if done is not None else None),
-                     recorded_steps=done.steps if done is not None else None)
+                     recorded_steps=done.steps if done is not None else None, stages=judged.stages)
 
 
 # The coordinator's own records (incidents, meta.json) are read under the events' one coercion rule too.

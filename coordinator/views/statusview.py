@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.run.metrics import NodeRun, NodeStatus, RunStatus
+from coordinator.views.stagetable import stage_cell, stage_columns, stage_row_cells, stage_summary
 from coordinator.views.status import StatusReport
 
 
@@ -46,6 +47,8 @@ def _run_cell(run: NodeRun | None) -> str:
     cell = run.run_id + ("" if run.active else f" ({run.state})")
     if run.rank is not None:
         cell += f" rank {run.rank} step {run.step}"
+    if run.stage is not None and run.stage.stage is not None:
+        cell += f" stage {stage_cell(run.stage)}"
     if run.tokens_per_s is not None:
         cell += f" {run.tokens_per_s:,.0f} real tok/s"
     if run.verdict is not None and run.rank is not None:
@@ -65,14 +68,18 @@ def render_run_table(run: RunStatus) -> Table:
     degraded = f"  [yellow]DEGRADED: {', '.join(n for n, _ in run.left_out)} left out[/yellow]" if run.left_out else ""
     rate = "" if run.tokens_per_s is None else f", {run.tokens_per_s:,.0f} real tok/s" + (
         f" (predicted {run.predicted_tokens_per_s:,.0f})" if run.predicted_tokens_per_s else "")
-    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}{rate}{degraded}", title_justify="left")
-    for col in ("rank", "node", "state", "verdict", "step", "loss", "real tok/s", "heartbeat"):
+    stages = run.stages
+    summary = stage_summary(stages)
+    table = Table(title=f"run {run.run_id} ({run.state}): step {run.step}{of}{rate}{degraded}"
+                  + (f"\n{summary}" if summary else ""), title_justify="left")
+    for col in ("rank", "node", "state", "verdict", "step", "loss", "real tok/s", "heartbeat", *stage_columns(stages)):
         table.add_column(col)
     for r in run.ranks:
         table.add_row(str(r.rank), r.node, r.state, r.verdict if r.verdict in ("ok", "pending") else f"[red]{r.verdict}[/red]",
                       str(r.step), "-" if r.loss is None else f"{r.loss:.4f}",
                       "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
-                      "-" if r.last_heartbeat_age_s is None else f"{r.last_heartbeat_age_s:.1f}s ago")
+                      "-" if r.last_heartbeat_age_s is None else f"{r.last_heartbeat_age_s:.1f}s ago",
+                      *stage_row_cells(stages, r.rank))
     if run.incidents:
         table.caption = "\n".join(f"[red]{i.kind}[/red] on {i.node} rank {i.rank} step {i.step} ({i.action}): "
                                   f"{i.summary[:120]}" for i in run.incidents)

@@ -83,6 +83,10 @@ def test_capped_bed_trains_a_pipeline_that_matches_one_process(testbed: TestBed,
     plan = json.loads((runs / summary["run_id"] / "plan.json").read_text())
     assert plan["strategy"]["strategy"] == "pipeline", plan["strategy"]["reasons"]
     assert [r["node"] for r in plan["strategy"]["rows"]] == list(caps)
+    # The end of the run holds each node's peak against its stage's plan (the end-of-run memory line's numbers).
+    assert summary["strategy"] == "pipeline"
+    assert {n["node"]: n["planned_memory_bytes"] for n in summary["nodes"]} == \
+        {r["node"]: r["need_bytes"] for r in plan["strategy"]["rows"]}
     piped = _losses(runs, summary["run_id"])
     # The end of the run gathered the stages' shards into an mlx_lm model dir (coordinator.run.export).
     export = runs / summary["run_id"] / "export"

@@ -65,6 +65,12 @@ def test_blocks_are_timed_alone_with_the_planners_fields(last_blocks_only: Path,
     # a non-last stage recomputes its forward inside its backward: its block costs more than the last stage's
     assert out["block_s"] > out["block_fused_s"]
     assert out["peak_memory"] >= out["blocks_weight_bytes"] > 0
+    # What the planner's memory model takes (planning.pipeline.measured_stage_bytes): a block's held bytes (its
+    # weights and optimizer state), its phases' additions, one micro-batch's activation (3 rows x 32 positions).
+    assert out["update_s"] > 0
+    assert 2 * out["block_bytes"] >= out["blocks_weight_bytes"] and out["backward_bytes"] > 0
+    assert out["update_bytes"] > 0 and out["head_bytes"] > out["embed_bytes"] > 0
+    assert out["input_bytes"] == 3 * 32 * out["hidden"] * 4  # float32 tiny model
 
 
 def test_more_blocks_than_the_model_has_is_a_json_error(last_blocks_only: Path) -> None:

@@ -52,7 +52,7 @@ FULL: dict[EventKind, Event] = {
     EventKind.STEP: StepEvent(**BASE, step=3, loss=2.5, tokens=512, total_tokens=1024, tok_s=256.0, step_time_s=2.0,
                               peak_memory=1 << 30, grad_norm=0.7, lr=1e-5, data_position=12, epoch=0, local_loss=2.4,
                               local_loss_finite=True, local_grad_norm=0.6, compute_s=1.5, compute_tok_s=341.3,
-                              stage_compute_s=1.2, nonfinite="produced",
+                              busy_s=1.2, wait_s=0.3, nonfinite="produced",
                               nonfinite_at="computed its activations of micro-batch 0 (for stage 2)",
                               extra={"pairs": 4, "total_pairs": 8}),
     EventKind.DIGEST: DigestEvent(**BASE, step=5, params_sha256="a" * 64, optimizer_sha256="b" * 64),

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from coordinator.planning.plan import describe_prediction, prediction_gap
 from coordinator.run.monitor import Monitor, Observation, PlannedRank
+from coordinator.run.replay import describe_memory
 from coordinator.views.liveview import RichUI, plain_progress_line
 
 
@@ -199,3 +200,21 @@ def test_piped_tables_of_status_keep_full_cells(monkeypatch: pytest.MonkeyPatch)
     assert "…" not in text
     for cell in ("Debian GNU/Linux 12 (bookworm)", "100.0G/512.0G normal", "never sleeps, on AC", "studio-m3-ultra"):
         assert cell in text, text
+
+
+def test_a_pipelines_end_line_names_no_collective_and_its_memory_against_the_plan() -> None:
+    slow = describe_prediction(200, 300, steps=8, ranks=3, compute=600, pipeline=True)
+    assert "200 real tokens/s" in slow and "(-33%)" in slow and "all_sum" not in slow
+    assert "docs/pipeline.md" in slow
+    assert "within 15%" in describe_prediction(290, 300, steps=8, ranks=3, pipeline=True)
+    mib = 2**20
+    nodes = [{"node": "a", "peak_memory_bytes": 19 * mib, "planned_memory_bytes": 20 * mib},
+             {"node": "b", "peak_memory_bytes": 21 * mib, "planned_memory_bytes": 20 * mib},
+             {"node": "c", "peak_memory_bytes": 10 * mib, "planned_memory_bytes": 20 * mib}]
+    line = describe_memory(nodes)
+    assert line is not None
+    assert line.startswith("a 19.0 MiB of 20.0 MiB planned (0.95x); b 21.0 MiB of 20.0 MiB planned (1.05x)")
+    assert "over the plan on b" in line
+    assert describe_memory(nodes[:1] + nodes[2:]).endswith("under 80% of the plan on c (the plan over-reserves)")
+    assert describe_memory(nodes[:1]).endswith(": within the plan")
+    assert describe_memory([{"node": "a", "peak_memory_bytes": 5, "planned_memory_bytes": None}]) is None  # dp

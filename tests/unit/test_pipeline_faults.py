@@ -189,7 +189,7 @@ def test_the_bottleneck_stage_is_the_straggler_named_with_its_excess_over_the_pr
     for step in range(2, 8):
         for r, secs in ((0, 1.0), (1, 6.0), (2, 1.1)):
             found += mon.observe(ev(r, 2.0 + step, event="step", step=step, loss=2.0, step_time_s=7.0,
-                                    compute_s=7.0, stage_compute_s=secs))
+                                    compute_s=7.0, busy_s=secs))
     [inc] = found
     assert (inc.kind, inc.node, inc.rank, str(inc.action)) == (IncidentKind.STRAGGLER, "b", 1, "warn")
     assert inc.evidence["exceeds_prediction_by"] == 2.0 and inc.evidence["predicted_stage_s"] == 2.0

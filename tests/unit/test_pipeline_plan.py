@@ -11,9 +11,11 @@ import pytest
 from coordinator.config.playbook import TrainConfig
 from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory
 from coordinator.planning.pipeline import (
+    LayerMemory,
     LayerTiming,
     PipelineJob,
     StageNode,
+    activation_bytes,
     block_params,
     check_layer_split,
     compute_layer_split,
@@ -21,6 +23,7 @@ from coordinator.planning.pipeline import (
     stage_block_params,
     stage_time,
 )
+from coordinator.planning.pipesim import LinkCost
 from coordinator.planning.plan import CurvePoint, NodeCalibration, PlanError
 from coordinator.planning.strategy import (
     FleetNode,
@@ -316,3 +319,76 @@ def test_auto_leaves_dp_on_every_node_only_for_a_clearly_faster_plan() -> None:
     assert close.to_json()["reasons"][-1] == close.why
     clear = compute_strategy_choice("auto", SHAPE, TRAIN, fleet(1000), backend="ring")
     assert clear.chosen.label == "solo on ultra" and clear.why == ""
+
+
+# ------------------------------------------------------------------------------ prediction from measurements
+
+
+def test_the_prediction_simulates_each_stages_measured_pieces_and_the_link() -> None:
+    # Per block: forward 0.1 s, backward (with its recomputed forward) 0.2 s; embedding 0.05 s (forward, and again
+    # in the first stage's backward), head 0.5 s, update 0.01 s per trained block. 2 micro-batches of 4 rows.
+    job = PipelineJob(SHAPE, "full", seq_len=512, global_batch=8, micro_batches=2)
+    nbytes = 4 * 511 * 2048 * 2  # rows x positions x hidden x bf16
+    assert activation_bytes(job, []) == nbytes
+    timing = [LayerTiming(n, 4, 0.3, 0.05, 0.5, last_layer_s=0.2, update_s=0.01) for n in "ab"]
+    link = LinkCost(0.01, nbytes / 0.02)  # 0.02 s on the wire, 0.03 s to arrive
+    plan = check_layer_split(job, [StageNode(t.node, BIG, t) for t in timing], [6, 6], links={("b", "a"): link})
+    # Stage a: F0 [0, .65], sends until .67 (arrives .68), F1 [.67, 1.32]; b: B0 [.68, 2.38], sends until 2.40
+    # (arrives 2.41); a takes it, sends act 1 [2.41, 2.43] (arrives 2.44), B0 [2.43, 3.68]; b: B1 [2.44, 4.14],
+    # sends until 4.16 (arrives 4.17); a: B1 [4.17, 5.42], its update 0.06: 5.48; the all_sum 2 x 0.01: 5.50.
+    assert plan.step_s == pytest.approx(5.50)
+    assert plan.tokens_per_s == pytest.approx(8 * 512 / 5.50)
+    assert [s.busy_s for s in plan.stages] == pytest.approx([2 * (0.65 + 1.25) + 0.06, 2 * 1.7 + 0.06])
+    assert plan.link_s == pytest.approx((0.03,))
+    assert plan.predicted_bubble == pytest.approx(1 - (3.86 + 3.46) / (2 * 5.50))
+    free = check_layer_split(job, [StageNode(t.node, BIG, t) for t in timing], [6, 6])
+    assert free.link_s == (None,) and free.step_s is not None and free.step_s < plan.step_s
+
+
+def test_a_measured_stage_memory_is_what_it_holds_and_its_larger_phase() -> None:
+    held, backward, update, act = 3 * GiB, 2 * GiB, 4 * GiB, 512 * 2**20
+    measured = LayerMemory(micro_batch=2, block_bytes=held, backward_bytes=backward, update_bytes=update,
+                           input_bytes=act, embed_bytes=GiB // 2, head_bytes=2 * GiB)
+    first = compute_stage_memory(FULL, 0, 4, index=0, stages=3, measured=measured)
+    middle = compute_stage_memory(FULL, 4, 8, index=1, stages=3, measured=measured)
+    last = compute_stage_memory(FULL, 8, 12, index=2, stages=3, measured=measured)
+    # 1F1B: stage i holds min(P - i, M) inputs (M = 4) in its backward phase; here every stage's update
+    # (4 x 4 GiB) outweighs it.
+    # Every stage holds the step's batch (8 rows x 512 tokens: int32 ids and targets, a bool mask).
+    batch = 8 * 512 * 9
+    assert first.total == 4 * held + GiB // 2 + batch + max(4 * backward + 3 * act, 4 * update)
+    assert middle.total == 4 * held + batch + max(4 * backward + 2 * act, 4 * update)
+    # The last holds the head's weights (an embedding's size) and adds its logits to the backward.
+    assert last.total == 4 * held + GiB // 2 + batch + max(4 * backward + act + (2 * GiB - GiB // 2), 4 * update)
+    # Where the backward is the larger phase: the pending inputs, and (but on the last stage) the gradient received.
+    small_update = LayerMemory(2, held, backward, 0, act, GiB // 2, 2 * GiB)
+    assert compute_stage_memory(FULL, 4, 8, index=1, stages=3, measured=small_update).total == \
+        4 * held + batch + 4 * backward + (2 + 1) * act
+    # The parameter terms stay the model's (the rest is the measured working set).
+    assert first.weights == compute_stage_memory(FULL, 0, 4, index=0, stages=3).weights
+    # A measurement at another micro-batch does not describe this job: the estimate stands.
+    other = LayerMemory(3, held, backward, update, act, 0, 0)
+    assert compute_stage_memory(FULL, 0, 4, index=0, stages=3, measured=other) == \
+        compute_stage_memory(FULL, 0, 4, index=0, stages=3)
+    # Frozen blocks (LoRA on the last 6 only) hold their weights alone.
+    lora = PipelineJob(SHAPE, "lora", seq_len=512, global_batch=8, micro_batches=4, trained_from=6)
+    mixed = compute_stage_memory(lora, 4, 8, index=1, stages=3, measured=small_update)
+    assert mixed.total == 2 * held + 2 * 2 * stage_block_params(SHAPE) + batch + 2 * backward + 3 * act
+
+
+def test_the_split_fits_the_measured_memory() -> None:
+    # The estimate would fit 6 blocks per node; measured blocks of 40 GiB fit 2 in 100 GiB.
+    measured = LayerMemory(2, 40 * GiB, 0, 0, 0, 0, 0)
+    nodes = [StageNode(n, 100 * GiB, LayerTiming(n, 2, 0.1, memory=measured)) for n in "ab"]
+    with pytest.raises(PlanError, match="holds at most 2 block"):
+        compute_layer_split(FULL, nodes)
+    roomy = [StageNode(n, 500 * GiB, LayerTiming(n, 2, 0.1, memory=measured)) for n in "ab"]
+    assert compute_layer_split(FULL, roomy).layer_split == (6, 6)
+
+
+def test_the_plan_record_keeps_each_stages_predicted_busy_seconds() -> None:
+    train = TrainConfig(method="full", batch_size=8, max_seq_length=512, strategy="pipeline", micro_batches=4)
+    fleet = [FleetNode(n, NodeBudget(BIG), None, timed(n, 0.1)) for n in "ab"]
+    out = compute_strategy_choice("pipeline", SHAPE, train, fleet, backend="ring").to_json()
+    assert [r["predicted_busy_s"] for r in out["rows"]] == pytest.approx([4 * 0.6, 4 * 0.6])
+    assert out["predicted_step_s"] == pytest.approx(5 * 0.6) and out["link_s"] == [None]

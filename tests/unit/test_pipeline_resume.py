@@ -313,3 +313,12 @@ def test_a_resume_on_a_new_node_gathers_the_shards_and_continues_the_curve(runs:
     for rank in range(3):
         [step3] = kinds(read_events(node_dirs["n-c"], rank), "step")
         assert step3["step"] == 3 and abs(step3["loss"] - want["loss"]) <= RTOL * abs(want["loss"])
+    # The copies are the run's checkpoint of step 2 on this node: kept while the run's rule (keep_checkpoints 3:
+    # steps 3, 2, 1) keeps that step, pruned as soon as it drops it (steps 5, 4, 3), like the stages' own shards.
+    checkpoints = node_dirs["n-c"] / "checkpoints"
+    assert {p.name for p in checkpoints.iterdir()} >= {"stage-0-from-n-a", "stage-1-from-n-b"}
+    log = pipeline_run(node_dirs["n-c"], base, (1, 3, 2), "c", iters=5, resume=True)
+    require_finished(node_dirs["n-c"], [0, 1, 2], log)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["stage-0", "stage-1", "stage-2"]
+    assert [(v.step, v.complete) for v in evaluate_steps(scan_shards(checkpoints))] == [
+        (5, True), (4, True), (3, True)]

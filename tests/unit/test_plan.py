@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.facts.probe import Section, pythonpath_prepend, shell_path
 from coordinator.models import Node
-from coordinator.planning.pipeline import LayerTiming, TimingSource
+from coordinator.planning.pipeline import LayerMemory, LayerTiming, TimingSource
 from coordinator.planning.plan import (
     CurvePoint,
     NodeCalibration,
@@ -473,6 +473,10 @@ def test_calibration_to_json_shape() -> None:
         "split": plan.split,
         # Two units, named: the plan's rates are real tokens/s, the bench's curve padded positions/s.
         "units": {"tokens_per_s": "real tokens/s", "curve.tokens_per_s": "padded positions/s"},
+        # The predicted step in parts: no exchange measured here (the job adds it, planning/collective.py).
+        "predicted_tokens_per_s": pytest.approx(plan.predicted_tokens_per_s),
+        "step": {"predicted_s": pytest.approx(plan.predicted_step_s), "compute_s": pytest.approx(plan.predicted_step_s),
+                 "collective": None, "collective_share": 0.0},
     }
     assert list(out["nodes"][0]) == ["node", "tokens_per_s", "batch_size", "share", "curve"]
     json.dumps(out)  # serialisable
@@ -497,6 +501,15 @@ def test_per_block_timing_from_the_bench_and_its_cache() -> None:
     assert layer_timing_from_bench("max", obj) == LayerTiming("max", 4, 0.125, 0.01, 0.2, TimingSource.BLOCKS)
     fused = layer_timing_from_bench("max", {**obj, "block_fused_s": 0.075})
     assert fused.last_layer_s == 0.075
+    # The update and the memory the bench measured (an older worker's answer, above, has neither).
+    sizes = {"update_s": 0.002, "block_bytes": 9 * 2**20, "backward_bytes": 5 * 2**20, "update_bytes": 3 * 2**20,
+             "input_bytes": 2**18, "embed_bytes": 2**17, "head_bytes": 2**21}
+    full = layer_timing_from_bench("max", {**obj, **sizes})
+    assert full.update_s == 0.002
+    assert full.memory == LayerMemory(4, 9 * 2**20, 5 * 2**20, 3 * 2**20, 2**18, 2**17, 2**21)
+    assert layer_timing_from_bench("max", {**obj, "block_bytes": 1}).memory is None  # partial: not used
+    with pytest.raises(CalibrationError, match="'input_bytes' is not a number"):
+        layer_timing_from_bench("max", {**obj, **sizes, "input_bytes": "big"})
     with pytest.raises(CalibrationError, match="max: bench failed: out of memory"):
         layer_timing_from_bench("max", {"error": "out of memory"})
     # A worker without the per-block mode answers with a whole-model curve: said, not misread.

@@ -108,3 +108,36 @@ def test_a_layer_without_a_valid_copy_is_refused_by_name() -> None:
                                             r"\(e.g. model.layers.2.mlp.weight\); the shards found hold stage 0"):
         plan_recut(names(range(1, 4)), is_first=False, is_last=False, sources=OLD[:1], stages=2,
                    what="resuming stage 1")
+
+
+# --- pruning the shards of other stages (a resume's copies, an earlier split's) ----------------------------------
+
+
+def test_other_shards_are_pruned_by_the_runs_rule_over_whole_steps(tmp_path: Path) -> None:
+    from worker.parallel.pipeline.shards import compute_shard_prune, prune_other_shards
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shards = [(8, a / "8"), (6, a / "6"), (4, b / "4"), (4, a / "4"), (2, b / "2"), (9, b / "9")]
+    # keep 2 after step 8 is complete: steps 8 and 6 stay whole, 4 and 2 go (every shard of theirs); 9 is newer
+    assert compute_shard_prune(shards, 2, 8) == [b / "4", a / "4", b / "2"]
+    assert compute_shard_prune(shards, 3, 8) == [b / "2"]  # step 4 is in the window: both its shards stay
+    assert compute_shard_prune(shards, 1, 8) == [a / "6", b / "4", a / "4", b / "2"]
+    with pytest.raises(ValueError):
+        compute_shard_prune(shards, 0, 8)
+
+    checkpoints = tmp_path / "checkpoints"
+    own = checkpoints / "stage-0"
+    for d in ("stage-0/step-000006", "stage-0/step-000008", "stage-1-from-n-b/step-000004",
+              "stage-2/step-000002", "stage-2/step-000004", "stage-2/step-000004.invalid-sha256-mismatch"):
+        (checkpoints / d).mkdir(parents=True)
+    (checkpoints / "stage-2" / "latest").write_text("step-000004\n")
+    assert prune_other_shards(checkpoints, own, 2, 9) == []  # its own shard of step 9 is not there: nothing
+    assert prune_other_shards(checkpoints, own, 3, 8) == [checkpoints / "stage-2/step-000002"]
+    assert (checkpoints / "stage-1-from-n-b/step-000004").is_dir()
+    removed = prune_other_shards(checkpoints, own, 2, 8)
+    assert sorted(removed) == [checkpoints / "stage-1-from-n-b/step-000004", checkpoints / "stage-2/step-000004"]
+    # The emptied copy dir goes; the earlier split's dir keeps its set-aside shard and `latest`; its own is untouched.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["stage-0", "stage-2"]
+    assert sorted(p.name for p in (checkpoints / "stage-2").iterdir()) == [
+        "latest", "step-000004.invalid-sha256-mismatch"]
+    assert sorted(p.name for p in own.iterdir()) == ["step-000006", "step-000008"]

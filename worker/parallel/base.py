@@ -120,6 +120,15 @@ class Strategy(ABC):
         """Fields this strategy adds to the `started` event (none for dp, whose event predates strategies)."""
         return {}
 
+    def step_fields(self) -> dict[str, Any]:
+        """Fields this strategy adds to the step event of the step it just took (none for dp)."""
+        return {}
+
+    def checkpoint_done(self, step: int) -> None:
+        """Every rank's checkpoint of `step` is written (after the barrier that follows it): a strategy may tidy
+        what that checkpoint made superfluous (dp: nothing; each node prunes its own copy as it writes it)."""
+        return None
+
     def state_fields(self) -> dict[str, Any]:
         """Fields this strategy adds to its checkpoints' state.json (none for dp: its copies stay byte-identical
         to those written before strategies existed)."""

@@ -268,6 +268,9 @@ def run_view(fold: RunFold, *, meta: RunMeta | None, summary: SummaryFile | None
         "degraded": bool(left_out), "left_out": left_out, "split": split_shares(fold),
         "incident_count": len(fold.incidents), "heartbeat_timeout": heartbeat_timeout,
         "ranks": [rank_row(r, judged, now=now) for _, r in sorted(fold.ranks.items())],
+        # Each rank's stage and layers, busy and wait shares, the bubble, the memory against the plan: the one
+        # stage view (coordinator.run.stages), as status, the live view and the report show it.
+        "stages": judged.stages.to_json() if judged is not None else None,
     }
     if full:
         doc.update({"loss": [[s, _r(v, 5)] for s, v in fold.loss], "val_loss": [[s, _r(v, 5)] for s, v in fold.val_loss],

@@ -33,6 +33,7 @@ from coordinator.run.rundir import (
     parse_plan,
     parse_summary,
 )
+from coordinator.run.stages import StageView
 from coordinator.views.report.files import RunFiles
 from worker.events import CheckpointEvent, ErrorEvent, EvalEvent, StartedEvent, StepEvent
 
@@ -153,6 +154,8 @@ class Report:
     start_t: float | None
     end_t: float | None
     problems: list[str] = field(default_factory=list)
+    # The final attempt's stages and memory against the plan (coordinator.run.stages), as every view shows them
+    stages: StageView = field(default_factory=StageView)
 
     @property
     def has_steps(self) -> bool:
@@ -352,4 +355,5 @@ def build_report(files: RunFiles) -> Report:
         quarantined=quarantined, recoveries=recoveries, nodes=nodes, split=split, series=series,
         evals=sorted(evals.values(), key=lambda e: (e.attempt, e.step)), incidents=incidents,
         checkpoints=sorted(ckpts.values(), key=lambda c: (c.attempt, c.step)), attempts=attempts, errors=errors,
+        stages=judged.stages,
         start_t=min(times) if times else None, end_t=max(times) if times else None, problems=problems)

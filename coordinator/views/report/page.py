@@ -13,6 +13,7 @@ from coordinator.run.monitor import describe_recovery
 from coordinator.views.report.files import RunFiles
 from coordinator.views.report.model import CheckpointRow, Report, build_report
 from coordinator.views.report.plots import Plot, render_plots
+from coordinator.views.stagetable import busy_cell, memory_cell, pct, stage_summary
 
 CSS = """
 body { font: 15px/1.45 -apple-system, "Segoe UI", "DejaVu Sans", Helvetica, Arial, sans-serif; color: #1d1d1f;
@@ -149,6 +150,8 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
         out.append("<p>Planned share of nodes not in the final attempt: "
                    + ", ".join(f"{esc(k)} {r.split[k] * 100:.1f}%" for k in split_only) + "</p>")
 
+    out.extend(_stages_section(r))
+
     # attempts and incidents
     out.append("<h2>Incidents</h2>")
     if r.incidents:
@@ -182,14 +185,18 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
     if r.checkpoint:
         out.append(f"<p>Final checkpoint: <code>{esc(r.checkpoint)}</code></p>")
     if r.checkpoints:
-        bad = [c for c in r.checkpoints if not c.consistent]
+        # A pipeline's stages hold different layers: each writes its own shard, whose manifests differ by design.
+        shards = r.stages.pipeline
+        bad = [c for c in r.checkpoints if not c.consistent and not shards]
         out.append(f"<p>{len(r.checkpoints)} checkpoint(s) written" +
-                   (f', <span class="bad">{len(bad)} with differing manifests across nodes</span>' if bad
+                   (", one shard per stage (the stages hold different layers)" if shards else
+                    f', <span class="bad">{len(bad)} with differing manifests across nodes</span>' if bad
                     else ', <span class="ok">every manifest identical across nodes</span>') + ".</p>")
 
         def ck_row(c: CheckpointRow) -> list[str]:
             shas = sorted(set(c.sha256.values()))
-            agree = ('<span class="ok">identical</span>' if c.consistent else '<span class="bad">differ</span>')
+            agree = ("one per stage" if shards else '<span class="ok">identical</span>' if c.consistent
+                     else '<span class="bad">differ</span>')
             return [str(c.attempt + 1), str(c.step), esc(when(c.t)), esc(", ".join(sorted(c.paths or c.sha256))),
                     agree, f'<span class="mono">{esc(", ".join(s[:12] for s in shas))}</span>']
 
@@ -204,6 +211,34 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
 
     out.append(footer(generated_at, "summary.json, plan.json and events.jsonl"))
     return "\n".join(out) + "\n"
+
+
+def _stages_section(r: Report) -> list[str]:
+    """A pipeline's stages (its layers, busy and wait shares, the bubble) and every rank's peak memory against
+    the plan, from the one stage view (coordinator.run.stages); nothing for a run with neither."""
+    view = r.stages
+    if not view.pipeline and not view.has_memory_plan:
+        return []
+    out = ["<h2>Stages and memory</h2>" if view.pipeline else "<h2>Memory against the plan</h2>"]
+    summary = stage_summary(view)
+    if summary:
+        out.append(f'<p id="stage-summary">{esc(summary[0].upper() + summary[1:])}.</p>')
+    rows = []
+    for row in view.ranks:
+        memory = esc(memory_cell(row))
+        rows.append([fmt(row.rank, "d"), f'<span class="nw">{esc(row.node)}</span>',
+                     *([fmt(row.stage, "d"), esc(row.layers or "–"), esc(pct(row.busy_share)),
+                        esc(pct(row.wait_share)), esc(busy_cell(row))] if view.pipeline else []),
+                     f'<span class="bad">{memory}</span>' if row.over_budget else memory])
+    head = ["rank", "node", *(["stage", "layers", "busy share", "wait share", "busy per step"] if view.pipeline
+                              else []), "peak memory / plan / budget"]
+    out.append(table(head, rows, numeric=(0, 2) if view.pipeline else (0,)).replace("<table", '<table id="stages"', 1))
+    out.append('<p class="sub">Busy: the stage\'s own forwards, backwards and update; wait: blocked on its '
+               "neighbours (transfers, the step's closing all_sum); both the median share of its last 20 steps. The "
+               "bubble is the stages' mean wait share; the plan's is (P-1)/(M+P-1). Peak memory: the highest "
+               "a rank reported, against the plan's predicted peak and its node's budget. Status, the live view "
+               "and the dashboard show the same values.</p>")
+    return out
 
 
 def build_page(files: RunFiles, *, generated_at: float | None = None) -> str:

@@ -22,9 +22,11 @@ worker.parallel.pipeline.shards scan ROOT`, the coordinator's view (`coordinator
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -244,6 +246,38 @@ def scan_shards(checkpoints: Path, max_step: int | None = None) -> list[Shard]:
             out.append(parse_shard(path, step, state if isinstance(state, dict) else None, verdict.valid,
                                    verdict.reason))
     return out
+
+
+def compute_shard_prune(shards: Sequence[tuple[int, Path]], keep: int, newest: int) -> list[Path]:
+    """Which of `shards` (step, dir) pruning deletes once the checkpoint of step `newest` is complete (every stage
+    wrote its shard: the ranks passed the barrier after writing it): the run's own rule
+    (`worker.checkpoint.compute_prune`) over the STEPS, so that a checkpoint is kept or dropped whole: `newest` and
+    the `keep` - 1 newest older steps are kept with every shard of theirs, older steps' shards go. Nothing of
+    `newest` or newer is ever deleted (a newer dir is not this timeline's)."""
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    older = sorted({s for s, _ in shards if s < newest}, reverse=True)
+    kept = set(older[:keep - 1])
+    return [p for s, p in shards if s < newest and s not in kept]
+
+
+def prune_other_shards(checkpoints: Path, own: Path, keep: int, newest: int) -> list[Path]:
+    """Delete the shards under `checkpoints`' `stage-*` dirs other than this stage's own (`own`, pruned as it is
+    written: `worker.checkpoint.write_checkpoint`) that `compute_shard_prune` names: the copies a resume brought
+    here (`stage-<i>-from-<node>`) and the shards of an earlier split's stage, once the run's retention rule
+    proves them superfluous. Does nothing unless this stage's own shard of `newest` is there (nothing proves the
+    newer checkpoint then). An emptied copy dir is removed. Returns what was deleted."""
+    if not any(s == newest for s, _ in list_checkpoints(own)):
+        return []
+    others = [d for d in stage_dirs(checkpoints) if d.resolve() != own.resolve()]
+    shards = [(s, p) for d in [own, *others] for s, p in list_checkpoints(d)]
+    doomed = [p for p in compute_shard_prune(shards, keep, newest) if p.parent != own]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)  # a second rank on this node may have removed it first
+    for d in others:
+        with contextlib.suppress(OSError):  # not empty (it holds a kept shard, or an invalid one set aside)
+            d.rmdir()
+    return doomed
 
 
 def read_shard_names(path: Path) -> tuple[frozenset[str], frozenset[str]]:

@@ -64,6 +64,7 @@ from worker.parallel.pipeline.shards import (
     build_manifest,
     evaluate_steps,
     plan_recut,
+    prune_other_shards,
     read_shard_names,
     scan_shards,
 )
@@ -78,6 +79,9 @@ class Pipeline(Strategy):
 
     kind: ClassVar[str] = "pipeline"
     stage: Stage
+    busy_s: float = 0.0  # the last step's own computation and wait (`step_fields`)
+    wait_s: float = 0.0
+    boundary: Boundary  # the last step's values at the stage's boundary (`step_fields`)
 
     # -- set-up ------------------------------------------------------------------------------------------------
 
@@ -184,10 +188,10 @@ class Pipeline(Strategy):
         total_weight = sum(m.total_weight for m in micros)
         if int(scalar(weight)) != total_weight:
             raise WeightMismatch(f"the loss scores {int(scalar(weight))} targets, the host counted {total_weight}")
-        boundary = Boundary()
-        grads, loss_sum, stage_s = self._run_schedule(chunks, boundary)
+        self.busy_s = self.wait_s = 0.0
+        boundary = self.boundary = Boundary()
+        grads, loss_sum = self._run_schedule(chunks, boundary)
         self.progress.begin("update")
-        alone = clock()  # from here to the collective the stage computes alone (its update, a chaos slowdown)
         local = Local(grads, loss_sum, weight, tokens, None, _grad_sq(grads))
         if after_local is not None:
             local = after_local(local)
@@ -195,30 +199,44 @@ class Pipeline(Strategy):
         boundary.out(local.loss_sum, "its loss")
         mx.eval(local.grads, local.loss_sum, local.grad_sq, *boundary.flags)
         if before_apply is not None:
+            slowed = clock()
             before_apply(tic)
+            self.busy_s += clock() - slowed  # a slowed stage is busy, as a slower machine would be
         compute_s = clock() - tic
         inverse = mx.array(1.0 / max(total_weight, 1), mx.float32)
         # As the data-parallel step: in float32 and cast back, one rounding; then the local update.
         scaled = tree_map(lambda g: (g.astype(mx.float32) * inverse).astype(g.dtype), local.grads)
         stage_sq = _grad_sq(scaled)
         self.optimizer.update(self.model, scaled)
+        updating = clock()
+        mx.eval(self.model.parameters(), self.optimizer.state, stage_sq)
+        summing = clock()
+        self.busy_s += summing - updating
         # The one collective of the step, for the report: the loss (only the last stage has it) and the squared
-        # norm of the whole model's gradient (each stage has its part).
+        # norm of the whole model's gradient (each stage has its part). Evaluated apart from the update, so that
+        # its time is the stage's wait for the slowest one (`step_fields`).
         own_loss = local.loss_sum * inverse  # this stage's share of the loss: 0 but on the last stage
-        stage_s += clock() - alone
         self.progress.begin("all_sum")
         summed = self.comm.all_sum(mx.stack([own_loss, stage_sq]))
         loss, norm = summed[0], mx.sqrt(summed[1])
-        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, own_loss)
+        mx.eval(loss, norm, own_loss)
+        self.wait_s += clock() - summing
         if self.config.clear_cache:
             mx.clear_cache()
         elapsed = clock() - tic
-        return StepResult(micros, local, own_loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed,
-                          fields={"stage_compute_s": stage_s, **boundary.verdict()})
+        return StepResult(micros, local, own_loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
 
-    def _run_schedule(self, chunks: Sequence[Chunk], boundary: Boundary) -> tuple[Any, mx.array, float]:
+    def step_fields(self) -> dict[str, Any]:
+        """The step's split of this stage's time (the views' measured bubble, `coordinator.run.stages`; the
+        straggler rule's measure): `busy_s`, its own computation (forwards, backwards, the update; a chaos
+        slow-down too), and `wait_s`, blocked on its neighbours (receiving and sending activations and gradients,
+        and the closing all_sum that waits for the slowest stage). The rest of `step_time_s` is building the
+        batch. And, when a value at its boundary was not finite, whose it is (`Boundary.verdict`)."""
+        return {"busy_s": self.busy_s, "wait_s": self.wait_s, **self.boundary.verdict()}
+
+    def _run_schedule(self, chunks: Sequence[Chunk], boundary: Boundary) -> tuple[Any, mx.array]:
         """Run this stage's actions over `chunks`; (the gradient SUM of its parameters, its loss sum: 0 but on
-        the last stage, the seconds of its forwards and backwards alone). Each action is announced to `progress`
+        the last stage). Each action is announced to `progress`
         before it begins (its heartbeats say where it is: computing, or waiting on which neighbour); every value
         received and sent is noted in `boundary` (is it finite: checked once, at the end of the step)."""
         where = self.where
@@ -229,13 +247,12 @@ class Pipeline(Strategy):
         to_send: dict[int, mx.array] = {}
         grads: Any = None
         loss_sum = mx.array(0.0, mx.float32)
-        computing = 0.0
         clock = time.perf_counter
         peers = {RECV_ACT: prev, SEND_GRAD: prev, RECV_GRAD: nxt, SEND_ACT: nxt}
         for action in build_schedule(self.config.layout.schedule, where.index, where.stages, len(chunks)):
             m, chunk = action.micro, chunks[action.micro]
             self.progress.begin(action.kind, peers.get(action.kind))
-            tic = clock()
+            began = clock()
             if action.kind == RECV_ACT:
                 inputs[m] = self._recv(chunk, prev)
                 boundary.inp(inputs[m], f"the activations of micro-batch {m} from stage {prev}")
@@ -266,9 +283,12 @@ class Pipeline(Strategy):
                     boundary.out(loss_sum, f"its loss after micro-batch {m}")
             elif action.kind == SEND_GRAD:
                 self._send(to_send.pop(m), prev)
+            # Every action is evaluated before the next (`_recv`, `_send`, the mx.eval above): its time is its own.
             if action.kind in (FORWARD, BACKWARD):
-                computing += clock() - tic
-        return grads, loss_sum, computing
+                self.busy_s += clock() - began
+            else:
+                self.wait_s += clock() - began
+        return grads, loss_sum
 
     def eval_sums(self, global_rows: Sequence[int]) -> mx.array | None:
         """The validation loss of one global batch through the stages (forward only, micro-batch by micro-batch:
@@ -307,6 +327,13 @@ class Pipeline(Strategy):
 
     def writer(self) -> int:
         return self.rank
+
+    def checkpoint_done(self, step: int) -> None:
+        """The checkpoint of `step` is complete (every stage passed the barrier after writing its shard): the
+        shards of other stages on this node (a resume's copies, an earlier split's) that the run's retention rule
+        now drops are deleted (`shards.prune_other_shards`); this stage's own were pruned as it wrote."""
+        prune_other_shards(checkpoints_dir(self.config.run_dir), self.checkpoint_root, self.config.keep_checkpoints,
+                           step)
 
     def checkpoint_arrays(self) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         first = self.where.first

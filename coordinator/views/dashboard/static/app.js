@@ -133,6 +133,27 @@ function renderRunHead(r) {
   if (btn) btn.onclick = stopRun;
 }
 
+// A pipeline's stages and every rank's memory against the plan: the server's stage view, as status and the report.
+const pct = (v) => v == null ? "-" : `${(v * 100).toFixed(0)}%`;
+const bytes = (n) => n == null ? "-" : n >= 1024 ** 3 ? `${(n / 1024 ** 3).toFixed(1)} GiB` : n >= 1024 ** 2 ? `${(n / 1024 ** 2).toFixed(1)} MiB` : `${(n / 1024).toFixed(1)} KiB`;
+function renderStages(r) {
+  const t = $("#stages"), head = $("#stage-summary"), v = r.stages;
+  if (!t || !head) return;
+  const pipeline = v && v.kind === "pipeline", memory = v && v.ranks.some((k) => k.budget_bytes != null);
+  $("#stages-section").style.display = pipeline || memory ? "" : "none";
+  if (!pipeline && !memory) return;
+  const neck = pipeline && v.bottleneck != null ? v.ranks.find((k) => k.rank === v.bottleneck) : null;
+  head.innerHTML = pipeline ? `pipeline of ${v.ranks.length} stages, ${v.micro_batches ?? "-"} micro-batches (${esc(v.schedule)}): ` +
+    `bubble <b id="bubble">${pct(v.bubble)}</b>${v.predicted_bubble != null ? ` <span class="dim">(plan ${pct(v.predicted_bubble)})</span>` : ""}` +
+    (neck ? `, bottleneck stage ${neck.stage} on ${esc(neck.node)}` : "") : "memory against the plan";
+  const over = (k) => k.peak_memory_bytes != null && k.budget_bytes != null && k.peak_memory_bytes > k.budget_bytes;
+  t.innerHTML = `<tr><th>rank</th><th>node</th>${pipeline ? "<th>stage</th><th>layers</th><th>busy / wait of step</th><th>busy per step (plan)</th>" : ""}<th>peak memory / plan / budget</th></tr>` +
+    v.ranks.map((k) => `<tr data-stage-rank="${k.rank}"><td>${k.rank}</td><td>${esc(k.node)}</td>` +
+      (pipeline ? `<td>${esc(k.stage)}</td><td>${k.first_layer != null && k.last_layer != null ? `${k.first_layer}-${k.last_layer - 1}` : "-"}</td>` +
+        `<td>${pct(k.busy_share)} / ${pct(k.wait_share)}</td><td>${k.busy_s == null ? "-" : k.busy_s.toFixed(3) + " s"}${k.predicted_busy_s != null ? ` <span class="dim">(${k.predicted_busy_s.toFixed(3)} s)</span>` : ""}</td>` : "") +
+      `<td class="${over(k) ? "bad" : ""}">${bytes(k.peak_memory_bytes)} <span class="dim">/ ${bytes(k.predicted_memory_bytes)} / ${bytes(k.budget_bytes)}</span></td></tr>`).join("");
+}
+
 function renderRunTables(r) {
   const t = $("#ranks");
   if (t) t.innerHTML = `<tr><th>rank</th><th>node</th><th>verdict</th><th>phase</th><th>step</th><th>last heartbeat</th><th>last step</th>` +
@@ -148,9 +169,11 @@ function renderRun(r) {
   dash.run = r;
   dash.plot = null;
   $("#main").innerHTML = `<h2>run ${esc(r.run_id)}</h2><div class="cards" id="run-head"></div><div id="chart"></div>` +
-    `<h3>ranks</h3><table id="ranks"></table><h3>incidents and recoveries</h3><ul id="incidents"></ul><h3>checkpoints</h3><ul id="checkpoints"></ul>` +
+    `<h3>ranks</h3><table id="ranks"></table>` +
+    `<div id="stages-section" style="display:none"><h3>stages and memory</h3><p id="stage-summary"></p><table id="stages"></table></div>` +
+    `<h3>incidents and recoveries</h3><ul id="incidents"></ul><h3>checkpoints</h3><ul id="checkpoints"></ul>` +
     (r.message ? `<p class="dim">${esc(r.message)}</p>` : "");
-  renderRunHead(r); drawChart(); renderRunTables(r);
+  renderRunHead(r); drawChart(); renderRunTables(r); renderStages(r);
 }
 
 function applyRunDelta(msg) {
@@ -160,7 +183,7 @@ function applyRunDelta(msg) {
   r.loss.push(...d.loss); r.val_loss.push(...d.val_loss); r.incidents.push(...d.incidents);
   r.recoveries.push(...d.recoveries); r.checkpoints.push(...d.checkpoints);
   Object.assign(r, msg.view);
-  renderRunHead(r); drawChart(); renderRunTables(r);
+  renderRunHead(r); drawChart(); renderRunTables(r); renderStages(r);
 }
 
 async function stopRun() {
