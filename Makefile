@@ -12,8 +12,17 @@ setup:
 demo: setup
 	$(BIN)/coordinator launch $(if $(DASHBOARD),--dashboard --keep-dashboard)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (--dist loadfile:
+# a file's module-scoped beds and runs are made once). An integration test leaves the cores idle while it waits
+# (SSH round trips, heartbeat and stall windows, a run's pacing); a second worker uses that time.
+# Files go out in collection order (--no-loadscope-reorder), the long integration files first and the many short
+# unit files last, so that no long file is left to run alone at the end. TEST_WORKERS=0 runs everything in this
+# one process. --durations=25: CI prints where the time goes.
+TEST_WORKERS ?= 2
+
 test: setup lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25 tests
 
 lint:
 	$(BIN)/ruff check coordinator worker tests benchmarks

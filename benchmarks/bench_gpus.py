@@ -3,6 +3,7 @@
     python3 benchmarks/bench_gpus.py stream  --out DIR   # the Stream(gpu, 1) trap: nccl all_sum on the CPU stream
     python3 benchmarks/bench_gpus.py fsdp    --out DIR --model DIR [--steps 3]   # dp vs nn.fully_shard, full FT
     python3 benchmarks/bench_gpus.py launch  --out DIR --root DIR --what lora1,lora2,full2,kill [--iters 20]
+    python3 benchmarks/bench_gpus.py drills  --out DIR --root DIR --what attach,invalid,quarantine
 
 `stream` and `fsdp` start one process per GPU themselves (CUDA_VISIBLE_DEVICES = its GPU, MLX_RANK,
 MLX_WORLD_SIZE, NCCL_HOST_IP 127.0.0.1, a free NCCL_PORT: what mlx.launch gives nccl ranks) and write
@@ -11,7 +12,14 @@ model (953.8M parameters, batch 8 x 512, long rows, bf16): `lora1` with `gpus: 1
 (one rank per GPU), `kill` a LoRA run on both GPUs whose rank 1 is killed at step 6 (`--chaos kill:rank=1,step=6`,
 evaluation every 4 steps so rank 1 evaluates before it dies) and resumed by the coordinator. Each run's
 summary.json and the ranks' step events give tokens/s (the run's total real tokens per step / the step's time,
-median after 3 warm-up steps) and per-rank peak memory; DIR/launch.json collects them.
+median after 3 warm-up steps) and per-rank peak memory (the largest, and each step's); DIR/launch.json collects them.
+Cells ending in `w` (`lora2w`, `full2w`) are weak scaling: batch 8 per GPU (16 in all) against `lora1`/`full1`'s 8
+on one GPU; the others keep the global batch at 8 (strong scaling). `lorafsdp2`: LoRA under fsdp on both GPUs.
+`drills` (issue 27's runs on rank nodes; DIR/drills.json): `attach` a LoRA launch on both GPUs whose coordinator is
+SIGKILLed after its 3rd step, `coordinator attach` of it, then `coordinator stop` while attach supervises;
+`invalid` the old layout (two inventory nodes on one machine, both given GPU 0 by `env: CUDA_VISIBLE_DEVICES`):
+NCCL's `invalid usage` must end the job as its error, no relaunch loop; `quarantine` the kill drill (rank 1 killed,
+its rank node quarantined), `quarantine list`, a fresh launch (which must leave h100/gpu1 out), `quarantine clear`.
 NCCL_NVLS_ENABLE=0 is set for every process (the lent machine's rule: NVLink multicast stays off).
 """
 
@@ -159,30 +167,59 @@ def events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iters: int, gpus: int | None,
-               chaos: str | None, eval_every: int, split: str, strategy: str = "dp") -> dict[str, Any]:
+def write_job(root: Path, name: str, model: Path, data: Path, method: str, iters: int, gpus: int | None,
+              chaos: str | None, eval_every: int, split: str, strategy: str = "dp", batch: int = 8,
+              nodes: str = "") -> tuple[Path, Path]:
+    """The inventory (one local node `h100` with its GPUs, or `nodes` as written) and the playbook of one run."""
     inv = root / f"inv-{name}.yaml"
-    inv.write_text("defaults:\n  connection: local\nnodes:\n  - name: h100\n"
-                   f"    workdir: {json.dumps(str(root / 'node'))}\n" + (f"    gpus: {gpus}\n" if gpus else ""))
+    inv.write_text("defaults:\n  connection: local\nnodes:\n" + (nodes or (
+        f"  - name: h100\n    workdir: {json.dumps(str(root / 'node'))}\n" + (f"    gpus: {gpus}\n" if gpus else ""))))
     pb = root / f"pb-{name}.yaml"
     pb.write_text(f"name: gpus-{name}\nkind: train\nmodel: {json.dumps(str(model))}\ndata: {json.dumps(str(data))}\n"
                   f"backend: {os.environ.get('BENCH_BACKEND', 'nccl')}\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
-                  f"  method: {method}\n  strategy: {strategy}\n  iters: {iters}\n  batch_size: 8\n  learning_rate: 1.0e-5\n"
-                  "  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
+                  f"  method: {method}\n  strategy: {strategy}\n  iters: {iters}\n  batch_size: {batch}\n"
+                  "  learning_rate: 1.0e-5\n  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
                   f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
                   "faults:\n  max_restarts: 2\n  min_nodes: 1\n"
                   "calibration:\n  time_budget: 8\n  max_batch: 8\n")
-    cmd = [sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--json", "--run-dir",
-           str(root / "runs"), "--skip-preflight"] + (["--chaos", chaos] if chaos else [])
+    return inv, pb
+
+
+def coord_env(root: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(root / "xdg-cache"),
+            "XDG_STATE_HOME": str(root / "xdg-state"), "PYTHONUNBUFFERED": "1"}
+
+
+def coordinator(root: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """One coordinator command: rc, seconds, stdout (parsed when JSON) and stderr's tail."""
     tic = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(root / "xdg-cache"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
-    out: dict[str, Any] = {"name": name, "command": " ".join(cmd), "process_s": round(time.perf_counter() - tic, 1),
-                           "rc": proc.returncode, "stderr_tail": proc.stderr[-3000:]}
     try:
-        summary = json.loads(proc.stdout)
+        proc = subprocess.run([sys.executable, "-m", "coordinator", *args], env=coord_env(root), cwd=root,
+                              capture_output=True, text=True, timeout=timeout)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, stdout, stderr = None, str(exc.stdout or ""), f"timed out after {timeout} s"
+    out: dict[str, Any] = {"args": list(args), "rc": rc, "s": round(time.perf_counter() - tic, 1),
+                           "stderr_tail": stderr[-2500:]}
+    try:
+        out["json"] = json.loads(stdout)
     except json.JSONDecodeError:
-        out["stdout_tail"] = proc.stdout[-2000:]
+        out["stdout_tail"] = stdout[-2500:]
+    return out
+
+
+def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iters: int, gpus: int | None,
+               chaos: str | None, eval_every: int, split: str, strategy: str = "dp", batch: int = 8,
+               nodes: str = "", timeout: float = 400) -> dict[str, Any]:
+    inv, pb = write_job(root, name, model, data, method, iters, gpus, chaos, eval_every, split, strategy, batch, nodes)
+    args = ["launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(root / "runs"), "--skip-preflight"] + (
+        ["--chaos", chaos] if chaos else [])
+    ran = coordinator(root, *args, timeout=timeout)
+    out: dict[str, Any] = {"name": name, "command": " ".join(args), "process_s": ran["s"], "rc": ran["rc"],
+                           "stderr_tail": ran["stderr_tail"]}
+    summary = ran.get("json")
+    if not isinstance(summary, dict):
+        out["stdout_tail"] = ran.get("stdout_tail")
         return out
     out["summary"] = {k: summary.get(k) for k in ("state", "steps", "tokens_per_s", "predicted_tokens_per_s",
                                                    "split", "attempts", "recoveries", "incidents", "message",
@@ -200,6 +237,7 @@ def launch_one(root: Path, name: str, model: Path, data: Path, method: str, iter
                           "steps": len(steps), "evals": [e.get("val_loss") for e in evs if e.get("event") == "eval"],
                           "total_tok_per_s_median": statistics.median(rates) if rates else None,
                           "peak_memory": max((e.get("peak_memory") or 0 for e in steps), default=None),
+                          "peaks": [e.get("peak_memory") for e in steps][:iters],
                           "losses": [e.get("loss") for e in steps][:iters],
                           "errors": [e.get("message") for e in evs if e.get("event") == "error"]})
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -220,19 +258,173 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"size": args.size, "iters": args.iters}
     # Calibrated where the split is the point (two GPUs measured each on its own device); `equal` elsewhere, which
     # skips a calibration per run (its cache is per rank node) inside the lease's minutes.
-    plan = {"lora1": ("lora", 1, None, args.iters, "equal", "dp"),
-            "lora2": ("lora", None, None, args.iters, "calibrated", "dp"),
-            "full1": ("full", 1, None, args.iters, "equal", "dp"),
-            "full2": ("full", None, None, args.iters, "equal", "dp"),
-            "fsdp2": ("full", None, None, args.iters, "equal", "fsdp"),
-            "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp"),
-            "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp")}
+    plan = {"lora1": ("lora", 1, None, args.iters, "equal", "dp", 8),
+            "lora2": ("lora", None, None, args.iters, "calibrated", "dp", 8),
+            "lora2e": ("lora", None, None, args.iters, "equal", "dp", 8),
+            "lora2w": ("lora", None, None, args.iters, "equal", "dp", 16),
+            "lorafsdp2": ("lora", None, None, args.iters, "equal", "fsdp", 8),
+            "full1": ("full", 1, None, args.iters, "equal", "dp", 8),
+            "full2": ("full", None, None, args.iters, "equal", "dp", 8),
+            "full2w": ("full", None, None, args.iters, "equal", "dp", 16),
+            "fsdp2": ("full", None, None, args.iters, "equal", "fsdp", 8),
+            "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp", 8),
+            "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp", 8)}
     for name in filter(None, args.what.split(",")):  # "" builds the model and data only
-        method, gpus, chaos, eval_every, split, strategy = plan[name]
+        method, gpus, chaos, eval_every, split, strategy, batch = plan[name]
         bt.log(f"launch {name}")
         results[name] = launch_one(root, name, model, data, method, args.iters if not chaos else 12, gpus, chaos,
-                                   eval_every, split, strategy)
+                                   eval_every, split, strategy, batch)
         write(Path(args.out) / "launch.json", results)
+    return results
+
+
+def build_inputs(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    import bench_train as bt
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    size = bt.SIZES[args.size]
+    words = bt.make_words(size.vocab - bt.BASE_VOCAB, seed=0)
+    env = bt.bench_env(root)
+    return root, bt.build_model(root, size, words, "bfloat16", env), bt.build_data(root, size, "long", 40, words)
+
+
+def step_count(root: Path) -> int:
+    """Step events of rank 0 of any run under the node workdir (the attach drill runs one at a time)."""
+    return max((sum(1 for x in p.read_text().splitlines() if '"event":"step"' in x.replace(" ", ""))
+                for p in root.glob("node/**/events/rank0.jsonl")), default=0)
+
+
+def live_ranks(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [ln.strip()[:160] for ln in ps if "worker.train" in ln and marker in ln]
+
+
+def wait_for(cond: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def drill_attach(root: Path, model: Path, data: Path) -> dict[str, Any]:
+    """A 2-GPU LoRA launch, its coordinator SIGKILLed after step 3; `attach`; `stop` while attach supervises."""
+    import signal
+
+    shutil.rmtree(root / "node", ignore_errors=True)
+    inv, pb = write_job(root, "attach", model, data, "lora", 400, None, None, 100, "equal")
+    runs = root / "runs-attach"
+    log = (root / "attach-launch.log").open("w")
+    launch = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--run-dir",
+                               str(runs), "--skip-preflight", "--json"], env=coord_env(root), cwd=root,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    out: dict[str, Any] = {}
+    out["reached_step_3"] = wait_for(lambda: step_count(root) >= 3, 240)
+    run_ids = sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
+    out["run_ids"] = run_ids
+    launch.send_signal(signal.SIGKILL)  # the coordinator alone: its ranks live on (they are not in its group)
+    launch.wait()
+    log.close()
+    out["launch_log_tail"] = (root / "attach-launch.log").read_text()[-1500:]
+    if not run_ids:
+        return out
+    run_id = run_ids[-1]
+    time.sleep(2)
+    out["ranks_alive_after_kill"] = live_ranks(run_id)
+    at_kill = step_count(root)
+    attach = subprocess.Popen([sys.executable, "-m", "coordinator", "attach", run_id, "--run-dir", str(runs),
+                               "--json"], env=coord_env(root), cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out["steps_at_kill"] = at_kill
+    out["steps_grew_under_attach"] = wait_for(lambda: step_count(root) >= at_kill + 3, 120)
+    out["stop"] = coordinator(root, "stop", run_id, "--run-dir", str(runs), timeout=180)
+    try:
+        stdout, stderr = attach.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        attach.kill()
+        stdout, stderr = attach.communicate()
+    out["attach_rc"] = attach.returncode
+    out["attach_stderr_tail"] = stderr[-2500:]
+    try:
+        summary = json.loads(stdout)
+        out["attach_summary"] = {k: summary.get(k) for k in ("state", "steps", "attempts", "message", "incidents",
+                                                               "quarantined")}
+    except json.JSONDecodeError:
+        out["attach_stdout_tail"] = stdout[-1500:]
+    out["ranks_alive_after_stop"] = live_ranks(run_id)
+    out["status"] = coordinator(root, "status", "-i", str(inv), "--json", timeout=60).get("rc")
+    return out
+
+
+def drill_real_quarantine(root: Path, model: Path, data: Path) -> dict[str, Any]:
+    """A real fault (not --chaos, which persists no quarantine): rank 1's process SIGKILLed from outside at step 6
+    of a 2-GPU LoRA launch; the run must relaunch on gpu0 and quarantine h100/gpu1; `quarantine list`; a fresh
+    launch (must leave h100/gpu1 out); `quarantine clear h100/gpu1`; `quarantine list`."""
+    import signal
+
+    shutil.rmtree(root / "node", ignore_errors=True)
+    inv, pb = write_job(root, "realq", model, data, "lora", 24, None, "x", 100, "equal")  # chaos "x": save every 4
+    runs = root / "runs-realq"
+    log_path = root / "realq-launch.log"
+    with log_path.open("w") as log:
+        launch = subprocess.Popen([sys.executable, "-m", "coordinator", "launch", "-i", str(inv), str(pb), "--run-dir",
+                                   str(runs), "--skip-preflight", "--json"], env=coord_env(root), cwd=root,
+                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        out: dict[str, Any] = {"reached_step_6": wait_for(lambda: step_count(root) >= 6, 240)}
+        victims = [ln.split()[0] for ln in live_ranks("gpu1/run.json")]
+        out["killed"] = victims
+        for pid in victims:
+            os.kill(int(pid), signal.SIGKILL)
+        try:
+            stdout, _ = launch.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            stdout, _ = launch.communicate()
+    out["launch_rc"] = launch.returncode
+    out["launch_log_tail"] = log_path.read_text()[-2500:]
+    try:
+        summary = json.loads(stdout)
+        out["summary"] = {k: summary.get(k) for k in ("state", "steps", "attempts", "recoveries", "message",
+                                                       "quarantined", "split")}
+        out["incidents"] = [{k: i.get(k) for k in ("kind", "node", "rank", "step", "action")}
+                            for i in summary.get("incidents") or []]
+    except json.JSONDecodeError:
+        out["stdout_tail"] = stdout[-1500:]
+    out["list"] = coordinator(root, "quarantine", "list", "-i", str(inv), "--json", timeout=60)
+    out["fresh"] = launch_one(root, "realq", model, data, "lora", 6, None, None, 6, "equal")  # the same inventory
+    out["clear"] = coordinator(root, "quarantine", "clear", "h100/gpu1", "-i", str(inv), timeout=60)
+    out["list_after_clear"] = coordinator(root, "quarantine", "list", "-i", str(inv), "--json", timeout=60)
+    return out
+
+
+def drills(args: argparse.Namespace) -> dict[str, Any]:
+    root, model, data = build_inputs(args)
+    results: dict[str, Any] = {}
+    for name in filter(None, args.what.split(",")):
+        tic = time.perf_counter()
+        if name == "attach":
+            results[name] = drill_attach(root, model, data)
+        elif name == "invalid":
+            # The layout before one rank per GPU: two inventory nodes on one machine, both on GPU 0.
+            nodes = "".join(f"  - name: {n}\n    workdir: {json.dumps(str(root / ('node-' + n)))}\n    gpus: 1\n"
+                            "    env:\n      CUDA_VISIBLE_DEVICES: '0'\n" for n in ("a", "b"))
+            results[name] = launch_one(root, "invalid", model, data, "lora", 6, None, None, 6, "equal", nodes=nodes,
+                                       timeout=300)
+        elif name == "realq":
+            results[name] = drill_real_quarantine(root, model, data)
+        elif name == "quarantine":
+            q: dict[str, Any] = {"kill": launch_one(root, "kill", model, data, "lora", 12, None, "kill:rank=1,step=6", 4,
+                                                    "equal")}
+            inv = str(root / "inv-kill.yaml")
+            q["list"] = coordinator(root, "quarantine", "list", "-i", inv, "--json", timeout=60)
+            q["fresh"] = launch_one(root, "fresh", model, data, "lora", 6, None, None, 6, "equal")
+            q["clear"] = coordinator(root, "quarantine", "clear", "h100/gpu1", "-i", inv, timeout=60)
+            q["list_after_clear"] = coordinator(root, "quarantine", "list", "-i", inv, "--json", timeout=60)
+            results[name] = q
+        results[name]["drill_s"] = round(time.perf_counter() - tic, 1)
+        write(Path(args.out) / "drills.json", results)
     return results
 
 
@@ -243,7 +435,7 @@ def write(path: Path, obj: Any) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["stream", "fsdp", "launch"])
+    p.add_argument("mode", choices=["stream", "fsdp", "launch", "drills"])
     p.add_argument("--as-rank", action="store_true")
     p.add_argument("--out", default="bench-gpus-out")
     p.add_argument("--model")
@@ -261,6 +453,9 @@ def main() -> int:
         return 0
     if args.mode == "launch":
         launch(args)
+        return 0
+    if args.mode == "drills":
+        drills(args)
         return 0
     extra = [] if args.mode == "stream" else ["--model", args.model, "--steps", str(args.steps), "--batch",
                                               str(args.batch), "--seq", str(args.seq)]

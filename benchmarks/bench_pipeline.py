@@ -105,19 +105,24 @@ def run(inv: Path, pb: Path, tmp: Path, warmup: int, *, recalibrate: bool) -> di
     if summary.get("state") != "succeeded":
         raise SystemExit(f"run failed: {json.dumps(summary)[:3000]}\n{proc.stderr[-3000:]}")
     run_dir = tmp / "runs" / summary["run_id"]
-    rates = []
+    rates, walls = [], []
     for line in (run_dir / "events.jsonl").read_text().splitlines():
         ev = json.loads(line)
         if ev.get("event") == "step" and ev.get("rank") == 0 and (ev.get("step") or 0) > warmup:
             total, wall = ev.get("total_tokens"), ev.get("step_time_s")
             if isinstance(total, int | float) and isinstance(wall, int | float) and wall > 0:
                 rates.append(total / wall)
+                walls.append(wall)
     plan = json.loads((run_dir / "plan.json").read_text())
-    rows = {r["node"]: r for r in plan["strategy"]["rows"]}
+    strategy = plan["strategy"]
+    rows = {r["node"]: r for r in strategy["rows"]}
     peaks = {n["node"]: n.get("peak_memory_bytes") for n in summary["nodes"]}
     return {"tokens_per_s": statistics.median(rates) if rates else None, "steps": len(rates),
-            "split": [r["last_layer"] - r["first_layer"] for r in plan["strategy"]["rows"]],
-            "predicted_tokens_per_s": plan["strategy"].get("predicted_tokens_per_s"),
+            "split": [r["last_layer"] - r["first_layer"] for r in strategy["rows"]],
+            "predicted_tokens_per_s": strategy.get("predicted_tokens_per_s"),
+            # The model's pieces beside the run's step, to see where a gap comes from.
+            "step_s": statistics.median(walls) if walls else None, "predicted_step_s": strategy.get("predicted_step_s"),
+            "predicted_busy_s": [r.get("predicted_busy_s") for r in strategy["rows"]], "link_s": strategy.get("link_s"),
             "memory": {n: {"peak": peaks.get(n), "plan": r["need_bytes"]} for n, r in rows.items()}}
 
 
@@ -382,6 +387,15 @@ def render(results: dict[str, list[dict[str, Any]]], command: str, args: argpars
             ratio = f"{r['tokens_per_s'] / pred:.2f}" if pred and r["tokens_per_s"] else "-"
             lines.append(f"| {name} | {'/'.join(map(str, r['split']))} | {r['tokens_per_s'] or 0:,.0f} | "
                          f"{'-' if pred is None else f'{pred:,.0f}'} | {ratio} |")
+    lines += ["", "| run | step (median) | predicted step | predicted busy per stage | link transfer |",
+              "|---|---|---|---|---|"]
+    for name, runs in results.items():
+        for r in runs:
+            busy = "/".join(f"{b:.2f}" for b in r.get("predicted_busy_s") or [] if b is not None) or "-"
+            links = "/".join("-" if x is None else f"{1000 * x:.2f} ms" for x in r.get("link_s") or []) or "-"
+            step, pred = r.get("step_s"), r.get("predicted_step_s")
+            lines.append(f"| {name} | {'-' if step is None else f'{step:.2f} s'} | "
+                         f"{'-' if pred is None else f'{pred:.2f} s'} | {busy} s | {links} |")
     lines += ["", f"- Schedule: {m} micro-batches / one per step = {sched_m / sched_1:.2f}x (goal >= 2.0x); measured "
               f"bubble ~{100 * (bubble or 0):.0f}% against (P-1)/(M+P-1) = {100 * (p - 1) / (m + p - 1):.0f}% "
               "(goal: within 5 points).",

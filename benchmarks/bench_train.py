@@ -7,7 +7,7 @@ mlx-lm first: ABBA), so the machine's drift over minutes favours neither. Everyt
 from configs (worker.tinymodel, numpy-drawn weights, a WordPiece tokenizer over the generated vocabulary) and the
 data is generated as mlx-lm's data dir layout (train.jsonl, valid.jsonl of {"text": ...}).
 
-    .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short,variable]
+    .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short,variable,bimodal]
         [--methods lora,full] [--ranks 1,2] [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16]
         [--calibration-budget 10] [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
 
@@ -18,7 +18,8 @@ Sizes (vocab 32,000 words for S and M, tied embeddings, worker.tinymodel's llama
 Shapes: `long`: every row 15/16 to 16/16 of max_seq_length tokens (BOS and EOS included); `short`: lengths spread
 uniformly over 16 .. max_seq_length/4 tokens; `variable`: chat-like, lognormal lengths (median 110 tokens at
 max_seq_length 512, scaled with it; sigma 0.8; 8 tokens at least; about 3% of rows reach max_seq_length, where the
-tail is cut), the data real fine-tunes have. Every word of the generated vocabulary is one token.
+tail is cut), the data real fine-tunes have; `bimodal`: 70% of rows 8 .. max_seq_length/8 tokens, the rest 1/2 ..
+1 of it (a set calibration was not tuned on: issue 25). Every word of the generated vocabulary is one token.
 
 Ranks: `1` (default) compares ours with mlx-lm on one rank; `2` runs ours alone on two local nodes (one rank each,
 over a loopback ring, data parallel, split calibrated): its figure is the calibration's prediction against the
@@ -92,7 +93,7 @@ DRIVER = ROOT / "benchmarks" / "mlx_lm_driver.py"
 TAIL_CHARS = 2000
 
 # Goals (issue 15).
-GOAL_TOKENS_RATIO = {"long": 1.0, "short": 1.3, "variable": 1.0}
+GOAL_TOKENS_RATIO = {"long": 1.0, "short": 1.3, "variable": 1.0, "bimodal": 1.0}
 GOAL_MEMORY_RATIO = 1.05
 GOAL_PREDICTION = 0.15
 
@@ -122,13 +123,18 @@ SIZES = {
     "S": ModelSize("S", 1024, 12, 16, 4, 2816, 32000, 8, 512),
     "M": ModelSize("M", 2048, 22, 32, 8, 4864, 32000, 8, 512),
 }
-SHAPES = ("long", "short", "variable")
+SHAPES = ("long", "short", "variable", "bimodal")
+CI_SHAPES = ("long", "short", "variable")
 # `variable`: chat-like lengths, lognormal (issue 25): median VARIABLE_MEDIAN of max_seq_length 512 (scaled with
 # max_seq_length), sigma VARIABLE_SIGMA, never below VARIABLE_MIN tokens; the tail is capped at max_seq_length
 # (about 3% of rows at sigma 0.8), as a real chat set's longest conversations are truncated to it.
 VARIABLE_MEDIAN = 110 / 512
 VARIABLE_SIGMA = 0.8
 VARIABLE_MIN = 8
+# `bimodal` (issue 25: a length distribution calibration was not tuned on): BIMODAL_SHORT of the rows short
+# (uniform over 8 .. max_seq_length/8 tokens: one-line instructions), the rest long (uniform over 1/2 .. 1 of
+# max_seq_length: documents), shuffled.
+BIMODAL_SHORT = 0.7
 METHODS = ("lora", "full")
 # worker.tinymodel's fixed tokens before the data words: 7 specials, 94 printable ASCII characters, 94 `##` ones.
 BASE_VOCAB = 7 + 94 + 94
@@ -172,6 +178,9 @@ def row_lengths(shape: str, rows: int, seq_len: int, seed: int) -> list[int]:
         return [rng.randint(min(16, high), high) for _ in range(rows)]
     if shape == "variable":
         return variable_lengths(rows, seq_len, rng)
+    if shape == "bimodal":
+        return [rng.randint(VARIABLE_MIN, max(VARIABLE_MIN, seq_len // 8)) if rng.random() < BIMODAL_SHORT
+                else rng.randint(seq_len // 2, seq_len) for _ in range(rows)]
     raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
 
 
@@ -189,6 +198,8 @@ def mean_length(shape: str, seq_len: int) -> float:
         return seq_len - seq_len // 32
     if shape == "short":
         return (16 + max(16, seq_len // 4)) / 2
+    if shape == "bimodal":
+        return BIMODAL_SHORT * (VARIABLE_MIN + seq_len // 8) / 2 + (1 - BIMODAL_SHORT) * 0.75 * seq_len
     return min(seq_len, max(VARIABLE_MIN, VARIABLE_MEDIAN * seq_len) * math.exp(VARIABLE_SIGMA**2 / 2))
 
 
@@ -662,7 +673,7 @@ def parse_args(argv: Sequence[str]) -> Options:
                    "8 iters")
     args = p.parse_args(argv)
     if args.ci:
-        args.sizes, args.shapes, args.methods, args.ranks = "tiny", ",".join(SHAPES), "lora,full", "1,2"
+        args.sizes, args.shapes, args.methods, args.ranks = "tiny", ",".join(CI_SHAPES), "lora,full", "1,2"
         args.iters, args.rounds, args.warmup, args.calibration_budget = 8, 1, 2, 2.0
 
     def pick(text: str, known: Sequence[str], what: str) -> list[str]:

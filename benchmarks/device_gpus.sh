@@ -5,6 +5,12 @@
 #   call 2: carry code + .dev27/benchmarks/out/whl-b               bash .dev27/benchmarks/device_gpus.sh checks
 #   call 3: same carry                                             bash .dev27/benchmarks/device_gpus.sh bench [WHAT]
 #   (a second lease: stage, then `fsdp` (install, fsdp runs, kill drills), then `bench lora1,lora2,full1,full2`)
+# Session 3 (issue 27's rest), after `stage`:
+#   call 2: carry .dev27 code dirs + .dev27/benchmarks/out/whl-b   bash .dev27/benchmarks/device_gpus.sh goals
+#           (fsdp vs dp full and LoRA with each step's peak per rank; strong and weak scaling against one GPU)
+#   call 3: same carry                                              bash .dev27/benchmarks/device_gpus.sh drills
+#           (attach + stop on a running 2-rank launch; the old layout's NCCL `invalid usage`; kill, quarantine,
+#           a fresh launch, quarantine clear)
 # Everything lands in $OUT (at most 8 files come back). NCCL_NVLS_ENABLE=0 throughout (the machine's rule).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -56,5 +62,25 @@ for k, v in r.items():
         print(k, v.get("rc"), (v.get("summary") or {}).get("state"), [(x["rank"], x["total_tok_per_s_median"], x["peak_memory"]) for x in v.get("ranks", [])])
 PY
     ;;
-  *) echo "usage: $0 stage|checks|fsdp|bench [WHAT]" >&2; exit 2 ;;
+  goals)
+    bash benchmarks/device_train.sh install > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+    timeout "${GOALS_S:-560}" python3 benchmarks/bench_gpus.py launch --out "$OUT" --root /tmp/bench-gpus \
+        --what "${2:-fsdp2,full2,lorafsdp2,lora2e,lora1,lora2w,full1,full2w}" --iters "${ITERS:-12}" 2>&1 | tail -4
+    python3 - "$OUT/launch.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for k, v in r.items():
+    if isinstance(v, dict):
+        print(k, v.get("rc"), v.get("process_s"), (v.get("summary") or {}).get("state"))
+        for x in v.get("ranks", []):
+            print("  ", x["node"], x["rank"], x["total_tok_per_s_median"], [round((p or 0) / 1e9, 2) for p in x.get("peaks", [])],
+                  [round(l, 4) for l in x["losses"] if l is not None][:6], x["errors"][:1])
+PY
+    ;;
+  drills)
+    bash benchmarks/device_train.sh install > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+    timeout "${DRILLS_S:-560}" python3 benchmarks/bench_gpus.py drills --out "$OUT" --root /tmp/bench-gpus \
+        --what "${2:-invalid,attach,quarantine}" 2>&1 | tail -4
+    python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1])), indent=1)[:9000])' "$OUT/drills.json" ;;
+  *) echo "usage: $0 stage|checks|fsdp|peaks|bench|goals|drills [WHAT]" >&2; exit 2 ;;
 esac

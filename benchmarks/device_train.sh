@@ -49,6 +49,12 @@
 #   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods full --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   (then M the same way with --iters 20, one method per call; `--memory-headroom none` gives ours unbounded)
+# Issue 25 item 1 (the prediction on variable-length rows), after call 1, one call per size (each ~6-8 of its 10
+# minutes, from the S and M process times in docs/benchmarks-history.md; M's long rows were within -3%..0% and take
+# one shape, so M's call leaves them out to fit):
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora,full --iters 20 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --shapes variable --methods lora,full --iters 20 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   (`--shapes bimodal` is the length set calibration was not tuned on: add it where a call has time left)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)

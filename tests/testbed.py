@@ -359,6 +359,44 @@ def _setenv_line(env: Mapping[str, str]) -> str:
     return "SetEnv " + " ".join(words)
 
 
+# ------------------------------------------------------------------------------------------------ assets
+
+_ASSETS: dict[tuple[str, int, int, int], Path] = {}
+_ASSETS_LOCK = threading.Lock()
+
+
+def provisioned_assets(data_from: Path, *, layers: int = 2, hidden: int = 32, seed: int = 0) -> Path:
+    """A directory holding `data` and `model` exactly as a launch's `assets:` provisioning places them on a node
+    (`assets.data_from: data_from`, `assets.tiny_model: {layers, hidden, seed}`), made once per process by the
+    coordinator's own provisioning script (coordinator/fleet/assets.py) and removed at exit. `TestBed.seed_assets`
+    copies it into hosts' /srv: a test about something else then skips building the tiny model on every node of
+    every fresh bed (a python with numpy, mlx and mlx-lm per node: ~2 CPU-seconds each); launch finds them
+    present, as on a bed where an earlier run placed them."""
+    from coordinator.fleet.assets import _PROVISION
+
+    key = (str(Path(data_from).resolve()), layers, hidden, seed)
+    with _ASSETS_LOCK:
+        if key in _ASSETS:
+            return _ASSETS[key]
+        root = Path(f"/tmp/mx-testbed-assets-{os.getpid()}-{len(_ASSETS)}")
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        atexit.register(shutil.rmtree, root, True)
+        src = Path(data_from)
+        files = {p.relative_to(src).as_posix(): p.read_text(encoding="utf-8")
+                 for p in sorted(src.rglob("*")) if p.is_file()}  # as coordinator.fleet.assets.read_data_files
+        spec = {"data": {"path": str(root / "data"), "files": files},
+                "tiny": {"path": str(root / "model"), "data": str(root / "data"), "layers": layers, "hidden": hidden,
+                         "seed": seed}}
+        done = subprocess.run([sys.executable, "-c", _PROVISION], input=json.dumps(spec), capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+        if done.returncode != 0 or json.loads(done.stdout.strip().splitlines()[-1]) != {"data": "created",
+                                                                                          "model": "created"}:
+            raise TestBedError(f"provisioning the assets failed: {done.stdout[-2000:]} {done.stderr[-2000:]}")
+        _ASSETS[key] = root
+        return root
+
+
 # ------------------------------------------------------------------------------------------------- the bed
 
 
@@ -691,6 +729,13 @@ class TestBed:
 
     def link_up(self, host: Host) -> None:
         _ip_batch([f"link set {host.veth} up", f"neigh del {host.ip} dev {self.bridge}"], force=True)
+
+    def seed_assets(self, hosts: Sequence[Host], assets: Path) -> None:
+        """Copy `provisioned_assets(...)`'s `data` and `model` to /srv/data and /srv/model of each host (copies,
+        not links: a test may change one host's files)."""
+        for h in hosts:
+            for name in ("data", "model"):
+                shutil.copytree(assets / name, h.srv / name)
 
     # ------------------------------------------------------------------------------------------- using
 

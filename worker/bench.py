@@ -16,13 +16,16 @@ dataset (`--data`) in the run's order (`worker.data.stream_rows` with the run's 
 the run pads or packs them (`worker.objectives.SftObjective`; packing decided by the same `decide_packing`). Without
 `--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
 
-For batch 1, 2, 4, 8, ... (and finally --max-batch itself): the point's batches are the first CANDIDATES batches
-of that many rows of the run's order; one warm-up step per distinct batch shape (each compiles, a one-time cost),
-then at least 3 timed steps cycling through them (more while they are fast). Rows vary in length, so a step is
-judged per real token: tokens/s = 1 / the first quartile of (step time / real tokens) (noise only ever slows a
-step); rows/s and tokens per row likewise; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
-around the point. A point whose per-token times spread by more than NOISY_SPREAD ((q3 - q1) / median) gets one
-more window of steps; if it is still that noisy it is reported with `noisy: true` (the coordinator says so).
+For batch 1, 2, 4, 8, ... (and finally --max-batch itself), a point samples THE RUN'S STEPS OVER THE DATA
+(`plan_sample`: the run's steps spread over its first epoch, each with the slice of every rank of --world-size),
+groups their batches by shape (a step's time follows its batch's shape, not its real tokens), gives each timed shape
+(`choose_shapes`) one warm-up step (it compiles: a one-time cost) and then timed steps on its own batches (at least
+2 per shape, more while they are fast), and predicts (`predict_point`) the run's mean step time (each step as long
+as its slowest rank's slice) and the rate the run reports: the median over steps of real tokens / step time. A
+shape's time is the first quartile of its steps (noise only ever slows a step). tokens/s = this rank's share of
+that median; rows/s = batch / the mean step; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
+around the point. A point whose steps spread by more than NOISY_SPREAD ((q3 - q1) / median of each step over its
+shape's median) gets one more window of steps; if it is still that noisy it is reported with `noisy: true`.
 
 The sweep stops at the first of: throughput below FALL_RATIO x the best so far at two points in a row (past the
 knee: `throughput_fell`; one low point may be noise, so the next batch is measured too);
@@ -46,7 +49,8 @@ Waiting is charged to the one-time allowance; stdin at its end releases every wa
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
-                "spread", "noisy"}], "best_batch", "packing": [bool, why],
+                "spread", "noisy", "shapes", "timed_shapes", "sampled_steps"}], "best_batch", "packing": [bool, why],
+     "tokens_per_row" (the data's: the run's first FILL_ROWS rows),
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
      "method", "num_layers", "grad_checkpoint", "mlx_version", "mlx_lm_version",
@@ -93,7 +97,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
@@ -104,7 +108,14 @@ FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the k
 MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
 MAX_STEPS = 20
 MATMUL_N = 1024
-CANDIDATES = 6  # batches per point, from the run's order
+CANDIDATES = 6  # batches an untimed filler step cycles through (lockstep), from the run's order
+# The point's sample of the run's steps (`plan_sample`): steps spread over the first epoch, as many as fit these
+# bounds (building a step's batches is host work, paid once per point) and at least MIN_SAMPLE_STEPS.
+SAMPLE_STEPS = 64
+SAMPLE_ROWS = 4096
+MIN_SAMPLE_STEPS = 8
+MAX_SHAPES = 6  # distinct batch shapes timed per point (each compiles once); the others are interpolated
+FILL_ROWS = 1024  # rows of the run's order whose mean real tokens is the data's fill (decide_packing samples as many)
 NOISY_SPREAD = 0.25  # (q3 - q1) / median of a point's per-token step times above which it is measured again
 STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
 ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
@@ -125,6 +136,9 @@ class Point:
     tokens_per_row: float = 0.0
     spread: float = 0.0
     noisy: bool = False
+    shapes: int = 1  # distinct batch shapes among the sampled steps' slices
+    timed_shapes: int = 1  # of which timed (the others interpolated: `shape_time`)
+    sampled_steps: int = 0  # the run's steps sampled over the data (`plan_sample`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -137,6 +151,9 @@ class Point:
             "steps": self.steps,
             "spread": round(self.spread, 4),
             "noisy": self.noisy,
+            "shapes": self.shapes,
+            "timed_shapes": self.timed_shapes,
+            "sampled_steps": self.sampled_steps,
         }
 
 
@@ -164,6 +181,108 @@ def looks_like_oom(exc: BaseException) -> bool:
 def next_batch(batch: int, max_batch: int) -> int:
     """Doubling, but the last point is max_batch itself so a non-power-of-two cap is measured too."""
     return min(batch * 2, max_batch)
+
+
+Shape = tuple[tuple[int, ...], ...]  # the shapes of one batch's input arrays: what a compiled step is keyed on
+
+
+@dataclass(frozen=True)
+class SampledStep:
+    """One step of the run as calibration samples it: the batch shape of each rank's slice (the step lasts as long
+    as its slowest rank's) and the real tokens of all slices (what the run's step rate counts)."""
+
+    shapes: tuple[Shape, ...]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """What a point predicts of the run's steps at its batch (`predict_point`)."""
+
+    mean_step_s: float  # the run's mean step time (each step: its slowest rank's slice)
+    median_tokens_per_s: float  # median over steps of all ranks' real tokens / step time: what the run reports
+    tokens_per_row: float  # mean real tokens per row of the sampled slices
+
+
+def shape_size(shape: Shape) -> int:
+    """Input positions of a batch (rows x width of its first array): what its step's compute grows with."""
+    return math.prod(shape[0]) if shape and shape[0] else 0
+
+
+def spread_indices(total: int, count: int) -> list[int]:
+    """`count` of range(total), evenly spread (the middle of each of `count` equal parts); all when count >= total."""
+    if count >= total:
+        return list(range(total))
+    return [(2 * k + 1) * total // (2 * count) for k in range(count)]
+
+
+def plan_sample(rows: int, global_batch: int, batch: int, world: int) -> list[tuple[int, ...]]:
+    """The steps a point samples: for each, the stream position of every rank's slice of `batch` rows.
+
+    The run's step j reads stream rows [j*G, (j+1)*G) and rank r its slice from j*G + r*batch (`worker.data`).
+    Steps are spread over the first epoch (rows // G of them; a stride of batch*world when a point's batch is above
+    an equal share of G), at most SAMPLE_STEPS and SAMPLE_ROWS rows, at least MIN_SAMPLE_STEPS: the lengths of the
+    whole data set, not its first rows. Pure; the same on every node."""
+    if rows < 1 or batch < 1 or world < 1:
+        raise ValueError(f"rows, batch and world must be positive, got {rows}, {batch}, {world}")
+    stride = max(global_batch, batch * world)
+    steps = max(1, rows // stride)
+    count = max(min(MIN_SAMPLE_STEPS, steps), min(SAMPLE_STEPS, steps, SAMPLE_ROWS // (batch * world)))
+    return [tuple(j * stride + r * batch for r in range(world)) for j in spread_indices(steps, count)]
+
+
+def choose_shapes(counts: Mapping[Shape, int], limit: int = MAX_SHAPES) -> list[Shape]:
+    """The shapes a point times, smallest first: all when at most `limit`; else the smallest and the largest (so
+    every other shape lies between two timed ones) and then the most frequent. Pure."""
+    if limit < 2:
+        raise ValueError(f"limit must be >= 2, got {limit}")
+    if len(counts) <= limit:
+        return sorted(counts, key=lambda s: (shape_size(s), s))
+    chosen = {min(counts, key=lambda s: (shape_size(s), s)), max(counts, key=lambda s: (shape_size(s), s))}
+    for shape in sorted(counts, key=lambda s: (-counts[s], shape_size(s), s)):
+        if len(chosen) >= limit:
+            break
+        chosen.add(shape)
+    return sorted(chosen, key=lambda s: (shape_size(s), s))
+
+
+def shape_time(shape: Shape, timed: Mapping[Shape, float]) -> float:
+    """A step's time for `shape`: measured, or interpolated linearly in input positions between the nearest timed
+    shapes below and above (beyond them: proportional to the nearest one's). `timed` must not be empty."""
+    if shape in timed:
+        return timed[shape]
+    size = shape_size(shape)
+    points = sorted((shape_size(s), t) for s, t in timed.items())
+    below = [p for p in points if p[0] <= size]
+    above = [p for p in points if p[0] >= size]
+    if below and above:
+        (x0, t0), (x1, t1) = below[-1], above[0]
+        return t0 if x1 == x0 else t0 + (t1 - t0) * (size - x0) / (x1 - x0)
+    x, t = below[-1] if below else above[0]
+    return t * size / x if x > 0 else t
+
+
+def predict_point(steps: Sequence[SampledStep], timed: Mapping[Shape, float], rows_per_step: int) -> StepPrediction:
+    """The run's steps at this point from the sampled steps and the timed shapes: each step lasts as long as its
+    slowest slice (the ranks wait for each other in the gradient all_sum; the collective itself is not in here);
+    the mean step time is the run's ETA, the median of the steps' real tokens / step time the rate the run reports
+    (`Monitor.run_tokens_per_s`). `rows_per_step`: all slices' rows. Pure."""
+    if not steps or not timed:
+        raise ValueError("no sampled step or no timed shape")
+    durations = [max(shape_time(s, timed) for s in step.shapes) for step in steps]
+    rates = [step.tokens / d for step, d in zip(steps, durations)]
+    return StepPrediction(
+        mean_step_s=statistics.fmean(durations),
+        median_tokens_per_s=statistics.median(rates),
+        tokens_per_row=sum(step.tokens for step in steps) / (len(steps) * rows_per_step),
+    )
+
+
+def pooled_spread(times: Mapping[Shape, Sequence[float]]) -> float:
+    """How much a point's steps disagree, shape by shape: the spread of each step's time over its shape's median,
+    all shapes pooled (two shapes of one point differ by their work, which is not noise)."""
+    ratios = [t / statistics.median(ts) for ts in times.values() if ts for t in ts if statistics.median(ts) > 0]
+    return spread(ratios)
 
 
 def predict_peak_memory(curve: list[Point], batch: int) -> float:
@@ -585,20 +704,34 @@ class _Trainer:
         optimizer.init(model.trainable_parameters())
         self.mx, self.model, self.optimizer = mx, model, optimizer
         self.dataset, self.seed = dataset, args.seed
+        self.world = max(1, args.world_size)
+        self.global_batch = args.global_batch
+        # The data's fill: mean real tokens per row over the run's first FILL_ROWS rows (its order, as the run counts
+        # them), steadier than any one point's sample.
+        from worker.data import stream_rows
+        from worker.step import sft_weight
+
+        rows = [dataset[i] for i in stream_rows(0, min(len(dataset), FILL_ROWS), len(dataset), args.seed)]
+        self.tokens_per_row = sft_weight(rows, args.seq_len)[1] / max(len(rows), 1)
         # The run's path for its world: one rank takes the whole step as one compiled graph, several take it in two
         # around the all_sum (timed here without the collective itself, which no single node can measure).
         self.step_fn = TrainStep(model, optimizer, self.objective.loss, all_sum=lambda x: x,
                                  world_size=args.world_size,
                                  memory=StepMemory(args.memory_headroom, args.clear_cache))
 
-    def micro(self, rows: int, k: int) -> Any:
-        """The k-th batch of `rows` rows of the run's order, built as the run builds it."""
-        return self.objective.micro(self.dataset, k * rows, rows, self.seed, 0, rows)
+    def micro(self, rows: int, position: int) -> Any:
+        """The batch of `rows` rows of the run's order from stream `position`, built as the run builds it."""
+        return self.objective.micro(self.dataset, position, rows, self.seed, 0, rows)
 
-    def step(self, rows: int, k: int) -> tuple[float, int]:
+    def slice_of(self, rows: int, position: int) -> tuple[Shape, int]:
+        """(batch shape, real tokens) of the batch at `position`: host work only, nothing is evaluated."""
+        micro = self.micro(rows, position)
+        return tuple(tuple(a.shape) for a in micro.inputs), int(micro.tokens or 0)
+
+    def step(self, rows: int, position: int) -> tuple[float, int]:
         """One optimizer step exactly as the run takes it (worker.step.TrainStep.run: the batch's build on the
-        host included), on the k-th batch of `rows` rows; returns (its wall time, its real tokens)."""
-        done = self.step_fn.run(lambda: [self.micro(rows, k)])
+        host included), on the batch of `rows` rows at stream `position`; returns (its wall time, real tokens)."""
+        done = self.step_fn.run(lambda: [self.micro(rows, position)])
         return done.elapsed, sum(int(m.tokens or 0) for m in done.micros)
 
 
@@ -625,7 +758,7 @@ def _filler(trainer: _Trainer, batch: int, budget: Budget) -> Callable[[], bool]
     def step() -> bool:
         if budget.left(ONE_TIME) <= 0:
             return False
-        trainer.step(batch, count[0] % CANDIDATES)
+        trainer.step(batch, (count[0] % CANDIDATES) * batch)
         count[0] += 1
         return True
 
@@ -633,53 +766,67 @@ def _filler(trainer: _Trainer, batch: int, budget: Budget) -> Callable[[], bool]
 
 
 def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tuple[Point | None, bool]:
-    """Warm up once per distinct batch shape (the one-time allowance: each compiles), then time steps on the
-    measuring allowance, cycling through the point's batches: at least MIN_STEPS, more until `window` seconds of
-    timed steps (or MAX_STEPS); a noisy point gets one more window. A step expected to end past the measuring
-    allowance is not started (the point is cut short: truncated); the first timed step always runs, since a
-    compiling warm-up says nothing of a step's real length (the watchdog bounds it)."""
+    """One point: the run's steps at `batch`, sampled over the data (`plan_sample`: each step's slice for every rank
+    of the run), grouped by batch shape. Each timed shape (`choose_shapes`) gets one warm-up step, smallest first
+    (the one-time allowance: each compiles, and a larger one measures the step's working set again, as in the run),
+    then timed steps on the measuring allowance, shape after shape on its own sampled batches: at least
+    MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps (or MAX_STEPS); a noisy point
+    (`pooled_spread`) gets one more window. A step expected to end past the measuring allowance is not started
+    (the point is cut short: truncated); the first timed step always runs, since a compiling warm-up says nothing
+    of a step's real length (the watchdog bounds it). Each shape's time is the first quartile of its steps (noise
+    only slows a step); `predict_point` turns them into the run's mean step and median rate."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
     mx.reset_peak_memory()
+    steps: list[SampledStep] = []
+    where: dict[Shape, list[int]] = {}
+    for positions in plan_sample(len(trainer.dataset), trainer.global_batch, batch, trainer.world):
+        parts = [trainer.slice_of(batch, p) for p in positions]
+        steps.append(SampledStep(tuple(shape for shape, _ in parts), sum(tokens for _, tokens in parts)))
+        for p, (shape, _) in zip(positions, parts):
+            where.setdefault(shape, []).append(p)
+    counts = {shape: sum(step.shapes.count(shape) for step in steps) for shape in where}
+    shapes = choose_shapes(counts)
     warmup = 0.0
-    shapes: set[tuple[tuple[int, ...], ...]] = set()
-    for k in range(CANDIDATES):
-        shape = tuple(tuple(a.shape) for a in trainer.micro(batch, k).inputs)
-        if shape not in shapes:
-            shapes.add(shape)
-            if not state.one_time.get("first_steps") and len(shapes) == 1:
-                # The bench's first compile is the long one (everything the step needs); later shapes reuse most
-                # kernels, and the ticker speaks for any that still take long.
-                _log(describe_first_step(batch, state.kernel_cache, cold=state.cold_kernels))
-            ticker = Ticker(f"bench batch={batch} first step", _log, time.monotonic)
-            warmup += ticking(ticker, lambda: trainer.step(batch, k))[0]  # noqa: B023 - called before k moves on
-            state.cold_kernels = False  # the cache holds the step's kernels now: later shapes compile less
+    for shape in shapes:
+        if not state.one_time.get("first_steps") and shape == shapes[0]:
+            # The bench's first compile is the long one (everything the step needs); later shapes reuse most
+            # kernels, and the ticker speaks for any that still take long.
+            _log(describe_first_step(batch, state.kernel_cache, cold=state.cold_kernels))
+        ticker = Ticker(f"bench batch={batch} first step", _log, time.monotonic)
+        warmup += ticking(ticker, lambda: trainer.step(batch, where[shape][0]))[0]  # noqa: B023 - called at once
+        state.cold_kernels = False  # the cache holds the step's kernels now: later shapes compile less
     state.one_time.setdefault("first_steps", {})[batch] = warmup
     if state.step_s is None:
         state.step_s = warmup / len(shapes)
-    _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} shape(s) (compile included: one-time)")
+    _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} of {len(where)} shape(s) in "
+         f"{len(steps)} sampled step(s) (compile included: one-time)")
     if state.lockstep is not None:
         state.phase = f"waiting for the nodes sharing this machine (batch {batch})"
         state.lockstep.wait(f"ready batch={batch}")
         state.phase = f"measuring batch {batch}"
     budget.enter(MEASURE)
-    per_token: list[float] = []
+    timed: dict[Shape, list[float]] = {shape: [] for shape in shapes}
     times: list[float] = []
-    tokens: list[int] = []
     truncated, extra = False, False
+    each = MIN_STEPS if len(shapes) == 1 else 2
     limit, until = MAX_STEPS, window
-    while len(times) < limit and (len(times) < MIN_STEPS or sum(times) < until):
+
+    def more() -> bool:
+        return any(len(ts) < each for ts in timed.values()) or (len(times) < limit and sum(times) < until)
+
+    while more():
         if times and budget.left(MEASURE) < statistics.median(times):
             truncated = True
             break
-        elapsed, real = trainer.step(batch, len(times) % CANDIDATES)
+        shape = shapes[len(times) % len(shapes)]
+        own = where[shape]
+        elapsed, _ = trainer.step(batch, own[len(timed[shape]) % len(own)])
         times.append(elapsed)
-        tokens.append(real)
-        per_token.append(elapsed / max(real, 1))
+        timed[shape].append(elapsed)
         if batch == 1:
             state.step_s = elapsed
-        done = not (len(times) < limit and (len(times) < MIN_STEPS or sum(times) < until))
-        if done and not extra and spread(per_token) > NOISY_SPREAD:
+        if not more() and not extra and pooled_spread(timed) > NOISY_SPREAD:
             extra, limit, until = True, limit + MAX_STEPS, sum(times) + window  # measure it once more
     budget.enter(ONE_TIME)
     if state.lockstep is not None:
@@ -687,21 +834,25 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         # against the load they will train beside.
         state.phase = f"keeping batch {batch} running while the nodes sharing this machine time theirs"
         state.lockstep.wait(f"timed batch={batch}", busy=_filler(trainer, batch, budget))
-    if not times:
+    measured = {shape: fast_quartile(ts) for shape, ts in timed.items() if ts}
+    if not measured:
         return None, True
-    fast = fast_quartile(per_token)
-    rows_tokens = sum(tokens) / max(len(tokens), 1) / batch
-    noise = spread(per_token)
+    predicted = predict_point(steps, measured, batch * trainer.world)
+    noise = pooled_spread(timed)
     point = Point(
         batch=batch,
-        tokens_per_s=1.0 / fast,
+        # This rank's share of the run's median step rate: the plan adds the ranks' rates up.
+        tokens_per_s=predicted.median_tokens_per_s / trainer.world,
         peak_memory=int(mx.get_peak_memory()),
-        step_time_s=fast * rows_tokens * batch,
+        step_time_s=predicted.mean_step_s,
         steps=len(times),
         warmup_s=warmup,
-        tokens_per_row=rows_tokens,
+        tokens_per_row=predicted.tokens_per_row,
         spread=noise,
         noisy=noise > NOISY_SPREAD,
+        shapes=len(where),
+        timed_shapes=len(measured),
+        sampled_steps=len(steps),
     )
     return point, truncated
 
@@ -834,6 +985,7 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     # What a dp step of several ranks all_sums (the gradients keep the parameters' dtypes): calibration times that
     # exchange between the nodes (coordinator/run/collective.py).
     state.meta["gradients"] = gradient_elements(trainer.model)
+    state.meta["tokens_per_row"] = round(trainer.tokens_per_row, 3)
     _log(f"bench model loaded after {time.monotonic() - state.started:.1f}s; {trainer.packing[1]}")
     return trainer
 

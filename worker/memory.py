@@ -27,7 +27,7 @@ compiling warm-up, which is the measuring step there too, so the measured rate i
 
 `clear_cache` (`train.clear_cache`) still empties the buffer cache after every step, as mlx-lm does.
 
-Who calls it: `worker.step.TrainStep.run` (the dp step and calibration's). The pipeline and fsdp steps do not yet:
+Who calls it: `worker.step.TrainStep.run` (the dp and fsdp steps and calibration's). The pipeline step does not yet:
 their collectives (send/recv, gathers) run inside the step's evaluation, and a step with nothing in flight has
 not been checked against their schedules.
 

@@ -329,8 +329,10 @@ class Trainer:
     def save(self, step: int) -> Path:
         self.hb.set(phase=Phase.CHECKPOINT)
         path = self.root / step_dir_name(step)
-        if self.is_writer:
-            weights, opt_state = self.strategy.checkpoint_arrays()
+        # fsdp gathers the whole state with collectives: every rank takes part, the writer alone writes.
+        gathered = self.strategy.checkpoint_arrays() if self.is_writer or self.strategy.collective_checkpoint else None
+        if self.is_writer and gathered is not None:
+            weights, opt_state = gathered
             state = json.dumps(self.state_json(step), indent=2, sort_keys=True).encode() + b"\n"
             adapter = json.dumps(adapter_config(self.config, self.num_layers), indent=2, sort_keys=True).encode()
             files: dict[str, Callable[[Path], None]] = {

@@ -329,7 +329,7 @@ class TrainConfig(_Strict):
     memory_headroom: Annotated[float, BeforeValidator(to_number), Field(ge=0)] | None = 0.1
     optimizer: Optimizer = "adam"
     # dp: a full replica per rank; pipeline: each node a contiguous range of blocks (docs/strategy.md); fsdp: weights,
-    # grads and Adam state sharded across ranks (full fine-tunes only; not run by the worker in this version); auto:
+    # grads and Adam state sharded across ranks (LoRA: the frozen base weights sharded, the adapters whole; not DoRA); auto:
     # the feasible plan with the best predicted tokens/s (coordinator/planning/strategy.py).
     strategy: Literal["auto", "dp", "pipeline", "fsdp"] = "auto"
     # pipeline: blocks per node in ring (inventory) order, instead of the computed split; checked against memory.
@@ -369,9 +369,9 @@ class TrainConfig(_Strict):
         if self.micro_batches is not None and self.micro_batches > self.batch_size:
             raise ValueError(f"micro_batches {self.micro_batches} exceeds batch_size {self.batch_size}: every "
                              "micro-batch needs an example")
-        if self.strategy == "fsdp" and self.fine_tune_type != "full":
-            raise ValueError(f"strategy fsdp shards a full fine-tune (this one is {self.fine_tune_type}): use "
-                             "strategy dp or auto")
+        if self.strategy == "fsdp" and self.fine_tune_type == "dora":
+            raise ValueError("strategy fsdp trains full and lora fine-tunes, not dora (a DoRA layer reads its base "
+                             "weight directly, so the weight cannot be gathered on demand): use strategy dp or auto")
         return self
 
     @field_validator("num_layers")

@@ -195,6 +195,23 @@ def derive_collective(gradients: GradientSize, nodes: Sequence[str], backend: st
                           small_s=ring_allreduce_s(0, len(nodes), bandwidth, latency_s), nodes=tuple(nodes))
 
 
+def rescale_collective(cost: CollectiveCost, nodes: Sequence[str]) -> CollectiveCost | None:
+    """The exchange over `nodes` (the survivors of a fault, say) derived from a measured one by the ring model: its
+    fitted bandwidth and per-hop latency (`fit_ring`), the new rank count. A latency-bound measurement scales by
+    its hops. None for fewer than two nodes or a measurement without its small size (no model to read)."""
+    fit = cost.model
+    if len(nodes) < 2 or fit is None:
+        return None
+    bandwidth, latency = fit
+    ranks = len(nodes)
+    if bandwidth is None:
+        seconds = cost.seconds * (ranks - 1) / (cost.ranks - 1)
+    else:
+        seconds = ring_allreduce_s(cost.nbytes, ranks, bandwidth, latency)
+    return CollectiveCost(seconds, cost.nbytes, ranks, cost.backend, CostSource.DERIVED,
+                          small_s=ring_allreduce_s(0, ranks, 1.0, latency), nodes=tuple(nodes))
+
+
 def parse_collbench(obj: Mapping[str, Any], *, nodes: Sequence[str], backend: str,
                     cached: bool = False) -> CollectiveCost:
     """`worker.collbench`'s answer ({"seconds", "small_seconds", "bytes", "ranks", "samples"}) as a measured

@@ -14,7 +14,8 @@ Two entry points:
 Per rank, from `estimate.estimate_training_memory` (the same estimate the resources check uses):
 - dp: weights + grads + Adam state + activations (+ DPO's reference copy), all whole.
 - pipeline: a stage's share (`pipeline.compute_stage_memory`).
-- fsdp: (weights + grads + Adam state) / world size, plus the largest unit gathered at once in bf16 (one
+- fsdp: (weights + grads + Adam state) / world size (LoRA: the frozen base weights / world size, the adapters with
+  their grads and Adam state whole), plus the largest unit gathered at once in bf16 (one
   transformer block, or the embedding when that is larger: `fully_shard` gathers a wrapped module's parameters for
   its forward), plus the activations (not sharded: each rank runs its own batch) and the reference, whole.
 
@@ -127,7 +128,14 @@ def per_rank_need(shape: ModelShape, train: TrainConfig, *, world_size: int, bud
         shape, method=train.fine_tune_type, batch_per_rank=per_rank * train.rows_per_example,
         seq_len=train.max_seq_length, layers_trained=train.num_layers, grad_checkpoint=train.grad_checkpoint,
         with_reference=train.method == "dpo", fused_attention=budget.fused_attention, lora_rank=train.lora.rank)
-    sharded = -(-(est.weights + est.grads + est.optimizer) // max(1, world_size))
+    world = max(1, world_size)
+    if train.fine_tune_type == "full":
+        sharded = -(-(est.weights + est.grads + est.optimizer) // world)
+    else:
+        # LoRA: the frozen base weights are sharded; the adapters, their grads and Adam state stay whole on every
+        # rank (worker.parallel.fsdp shards only modules that are all frozen or all trainable).
+        base = shape.dtype_bytes * shape.params
+        sharded = -(-base // world) + (est.weights - base) + est.grads + est.optimizer
     gathered = 2 * max(block_params(shape), shape.vocab * shape.hidden)
     return est.total, sharded + gathered + est.activations + est.reference
 
@@ -137,9 +145,10 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
     """The strategy for a fleet of `budgets` (node -> usable memory, ring order), by memory alone (preflight: no
     calibration yet). `requested` auto picks, in this order: dp when a replica fits every node; a pipeline over
     the nodes when one fits (not on a backend without send/recv); dp on the nodes whose replica fits (some, or
-    one solo; `nodes` names them); fsdp when a shard fits every node (LoRA and DoRA never: their frozen weights are not what
-    fsdp saves). dp, pipeline or fsdp forced must fit every node. StrategyError (with every node's numbers)
-    otherwise. After calibration, `compute_strategy_choice` weighs the plans by speed."""
+    one solo; `nodes` names them); fsdp when a shard fits every node (full or LoRA: a LoRA run shards its frozen
+    base weights; DoRA never: its layers read the base weight directly). dp, pipeline or fsdp forced must fit
+    every node. StrategyError (with every node's numbers) otherwise. After calibration, `compute_strategy_choice`
+    weighs the plans by speed."""
     if not budgets:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     world = len(budgets)
@@ -147,7 +156,7 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
                   for name, b in budgets.items())
     dp_fits = all(n.fits_dp for n in needs)
     fsdp_fits = all(n.fits_fsdp for n in needs)
-    full = train.fine_tune_type == "full"
+    shardable = train.fine_tune_type != "dora"
     pipeline: PipelinePlan | None = None
     pipeline_note = ""
     if requested == "pipeline" or (requested == "auto" and not dp_fits):
@@ -170,7 +179,7 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
         elif alone:
             chosen, used = "dp", alone
         else:
-            chosen = "fsdp" if fsdp_fits and full else None
+            chosen = "fsdp" if fsdp_fits and shardable else None
     elif requested == "pipeline":
         chosen = "pipeline" if pipeline is not None else None
     elif requested == "dp":
@@ -179,7 +188,7 @@ def compute_strategy(requested: str, shape: ModelShape, train: TrainConfig,
         chosen = "fsdp" if fsdp_fits else None
     if chosen is None:
         what = (f"{requested} does not fit" if requested != "auto" else "neither dp, a pipeline nor fsdp fits"
-                if full else f"neither dp nor a pipeline fits ({train.fine_tune_type}: fsdp is for full fine-tunes)")
+                if shardable else "neither dp nor a pipeline fits (dora: fsdp trains full or lora fine-tunes)")
         rows = "; ".join(f"{n.node}: {_gb(n.usable)} usable, dp needs ~{_gb(n.dp)}, fsdp over {world} needs "
                          f"~{_gb(n.fsdp)}" for n in needs)
         tail = f"; pipeline: {pipeline_note}" if pipeline_note else ""

@@ -129,12 +129,12 @@ def fleet_budgets(inventory: Inventory, fleet: FleetFacts) -> dict[str, NodeBudg
 def resolve_strategy(inventory: Inventory, playbook: Playbook, facts: Mapping[str, NodeFacts]) -> str:
     """`dp` or `fsdp`: how the ranks of a run that is not a pipeline share the work: forced, or auto's choice by
     memory for this fleet (its rank nodes: one per GPU, `planning.gpuranks`). A pipeline is weighed and laid out
-    after calibration (`run.job.calibrate_and_plan`); auto stays dp when it cannot choose (LoRA, unknown size or
+    after calibration (`run.job.calibrate_and_plan`); auto stays dp when it cannot choose (DoRA, unknown size or
     memory, nothing fits: the resources check's failure)."""
     t = playbook.train
     if t.strategy in ("dp", "fsdp"):
         return t.strategy
-    if t.strategy == "pipeline" or t.fine_tune_type != "full":
+    if t.strategy == "pipeline" or t.fine_tune_type == "dora":
         return "dp"
     shape = model_shape(model_config(facts), None)
     budgets = fleet_budgets(inventory, FleetFacts({}, dict(facts), {}))

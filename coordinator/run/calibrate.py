@@ -46,7 +46,9 @@ from coordinator.planning.plan import CurvePoint, NodeCalibration, Plan, PlanErr
 from coordinator.planning.strategy import StrategyChoice
 from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 
-CACHE_SCHEMA = 2  # 2: the run's step on the run's batches (rows_per_s, tokens_per_row); 1 timed random tokens
+# 3: the run's steps sampled over the data, a point's rate the run's median step rate; 2: the run's step on its
+# first batches (rows_per_s, tokens_per_row); 1 timed random tokens
+CACHE_SCHEMA = 3
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
 TIMEOUT_SLACK_S = 30.0
 DEFAULT_ONE_TIME_BUDGET = 600.0  # imports, model load, first compile of each shape: a cold GPU took 85 s for 10 steps
@@ -257,20 +259,23 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
         raise CalibrationError(node, f"bench result has no curve: {str(raw_curve)[:200]}")
     points = []
     seq_len = _number(node, obj, "seq_len", optional=True)
-    fills: list[float] = []
-    noisy: list[int] = []
+    data_per_row = _number(node, obj, "tokens_per_row", optional=True)
+    raws: list[tuple[float, float, float, float | None]] = []
     for raw in raw_curve:
         if not isinstance(raw, dict):
             raise CalibrationError(node, f"bench curve point is not an object: {raw!r}")
         batch, rate, peak = (_number(node, raw, k) for k in ("batch", "tokens_per_s", "peak_memory"))
         assert batch is not None and rate is not None and peak is not None
-        rows_per_s = _number(node, raw, "rows_per_s", optional=True)
-        per_row = _number(node, raw, "tokens_per_row", optional=True)
-        if rows_per_s and seq_len and per_row:
-            # The plan splits rows of `seq_len`: its rate is rows/s x seq_len; the real tokens a row holds on
-            # average (the data's fill) turn its prediction back into real tokens/s.
-            rate = rows_per_s * seq_len
-            fills.append(per_row / seq_len)
+        raws.append((batch, rate, peak, _number(node, raw, "tokens_per_row", optional=True)))
+    # The plan splits rows of `seq_len`: its rates are rows x seq_len per second, and the data's fill (real tokens
+    # per row / seq_len: the bench's sample of the run's first rows, else its points' mean) turns them back into
+    # real tokens. A point's real rate is the run's median step rate at that batch, so its plan rate is that / fill.
+    fills = [per_row / seq_len for _, _, _, per_row in raws if per_row and seq_len]
+    fill = data_per_row / seq_len if data_per_row and seq_len else (sum(fills) / len(fills) if fills else 1.0)
+    noisy: list[int] = []
+    for (batch, rate, peak, per_row), raw in zip(raws, raw_curve, strict=True):
+        if per_row and seq_len:
+            rate = rate / fill
         if raw.get("noisy") is True:
             noisy.append(int(batch))
         points.append(CurvePoint(batch=int(batch), tokens_per_s=rate, peak_memory=int(peak)))
@@ -292,7 +297,7 @@ def calibration_from_bench(node: str, obj: Mapping[str, Any], *, cached: bool = 
             seconds=seconds,
             one_time_s=one_time,
             measure_s=measuring,
-            fill=sum(fills) / len(fills) if fills else 1.0,
+            fill=fill,
             noisy=tuple(noisy),
             device=tuple(sorted(device.items())) if isinstance(device, dict) else (),
             cached=cached,

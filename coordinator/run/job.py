@@ -28,6 +28,7 @@ from coordinator.fleet.cachedir import cache_root
 from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
+from coordinator.planning.collective import CollectiveCost, rescale_collective
 from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
@@ -236,16 +237,17 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
 
 
 async def calibrate_and_plan(
-    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI
+    fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI,
+    *, last_exchange: CollectiveCost | None = None,
 ) -> tuple[Plan, dict[str, NodeCalibration], StrategyChoice | None]:
     """Measure (or read cached) curves and split the global batch by them. A fixed split (`equal`, explicit
     fractions) needs no measurement: it returns a plan without curves at once. With `train.strategy` auto or
     pipeline the plans are weighed (`planning.strategy.compute_strategy_choice`): the returned plan is the
     chosen dp's, over its nodes (all, some, or one solo); the choice is returned too (None where nothing was
-    weighed)."""
+    weighed). `last_exchange`: the last attempt's exchange, which a relaunch derives its own from (`with_exchange`)."""
     inputs = strategy_inputs(inv, pb, facts)
     if inputs is None:
-        dp_plan, dp_cals = await _calibrate_dp(fleet, inv, pb, facts, opts, ui)
+        dp_plan, dp_cals = await _calibrate_dp(fleet, inv, pb, facts, opts, ui, last_exchange=last_exchange)
         return dp_plan, dp_cals, None
     shape, budgets, backend = inputs
     t = pb.train
@@ -288,7 +290,7 @@ async def calibrate_and_plan(
     else:
         raise LaunchError(f"strategy {t.strategy} chose {chosen.label}, which has neither a dp nor a pipeline plan")
     if chosen.dp is not None:
-        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui, last_exchange)
     ui.calibration(plan, {n: c for n, c in cals.items() if n in plan.batch})
     return plan, cals, choice
 
@@ -344,7 +346,7 @@ def strategy_inputs(inv: Inventory, pb: Playbook,
 
 async def _calibrate_dp(
     fleet: Fleet, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI,
-    *, quiet: bool = False,
+    *, quiet: bool = False, last_exchange: CollectiveCost | None = None,
 ) -> tuple[Plan, dict[str, NodeCalibration]]:
     """The dp split over `inv`'s nodes: measured (cached) curves, or the fixed split without measuring.
     `quiet`: the caller reports the plan (it weighs strategies first)."""
@@ -375,19 +377,28 @@ async def _calibrate_dp(
     ordered = [cals[n.name] for n in inv.nodes]
     plan = compute_plan(ordered, pb.train.batch_size, split=pb.split, seq_len=pb.train.max_seq_length)
     if not quiet:
-        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui)
+        plan = await with_exchange(fleet, list(inv.nodes), plan, cals, pb, facts, opts, ui, last_exchange)
         ui.calibration(plan, cals)
     return plan, cals
 
 
 async def with_exchange(fleet: Fleet, nodes: Sequence[Node], plan: Plan, cals: Mapping[str, NodeCalibration],
-                        pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI) -> Plan:
+                        pb: Playbook, facts: Mapping[str, NodeFacts], opts: JobOptions, ui: JobUI,
+                        measured: CollectiveCost | None = None) -> Plan:
     """`plan` with its gradient exchange measured between `nodes` (planning/collective.py): step = the slowest
     node's compute + the all_sum. Unchanged for one node or a plan without predicted step times; a measurement
-    that cannot be made is said, and the plan keeps the compute alone."""
+    that cannot be made is said, and the plan keeps the compute alone. `measured`: an earlier attempt's exchange
+    (a relaunch on the survivors): derived from it by the ring model instead of measured again, so that a
+    recovery does not wait for a new measurement."""
     planned = [n for n in nodes if n.name in plan.batch]
     if len(planned) < 2 or not plan.per_node_step_s:
         return plan
+    if measured is not None and (derived := rescale_collective(measured, [n.name for n in planned])) is not None:
+        planned_with = with_collective(plan, derived)
+        ui.message(f"gradient exchange: {derived.describe()}, from the last attempt's measured "
+                   f"{1000 * measured.seconds:.1f} ms over {measured.ranks} ranks by the ring model; "
+                   f"{100 * planned_with.collective_share:.0f}% of the predicted step")
+        return planned_with
     gradients = next((c.gradients for n in planned if (c := cals.get(n.name)) is not None and c.gradients), None)
     if gradients is None:
         ui.message("the gradient all_sum is not in the prediction: the bench did not count the gradients (an older "
@@ -564,7 +575,10 @@ def quarantine_node(store: QuarantineStore, fleet: Fleet, name: str, reason: str
                     run_id: str, incident: Mapping[str, Any], quarantine_for: float) -> Entry:
     """Persist `name`'s quarantine, scoped to this inventory's machine, with the host key the fleet saw."""
     info = fleet.connected.get(name)
-    return store.add(new_entry(fleet.transports[name].node, inventory, reason, run_id=run_id, incident=incident,
+    # The fleet's node, not its transport's: a rank node (`box/gpu1`) shares its machine's connection, whose node
+    # is the machine; the entry must name the GPU, so that later launches leave out that GPU only.
+    node = next((n for n in fleet.nodes if n.name == name), fleet.transports[name].node)
+    return store.add(new_entry(node, inventory, reason, run_id=run_id, incident=incident,
                                host_key=info.host_key if info is not None else None, now=time.time(),
                                quarantine_for=quarantine_for))
 
@@ -838,8 +852,15 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
 async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
                         restart_from_scratch: bool, ui: JobUI, *, sources: Sequence[Node] = ()) -> ResumeDecision:
     """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
-    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given. `sources`: nodes
-    left out of the next attempt that may still hold pipeline shards (`resume.check_resume`)."""
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given. Shard sources,
+    read and never written to: `sources` (nodes left out of the next attempt that may still hold a pipeline stage's
+    only shard: its rank crashed or hung, the machine answers), and the GPUs left out on a machine that still
+    trains (`box/gpu1` beside `box/gpu0`: an fsdp or pipeline checkpoint's shard of a failed rank is still on that
+    machine's disk)."""
+    names = {n.name for n in nodes}
+    machines = {n.machine for n in nodes if n.machine is not None}
+    sources = [*sources, *(n for n in fleet.nodes if n.name not in names and n.machine is not None
+                           and n.machine in machines and n not in sources)]
     decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in [*nodes, *sources]},
                                   run_id=run_id, restart_from_scratch=restart_from_scratch,
                                   events_file=run_dir / EVENTS, sources=sources)
@@ -966,9 +987,11 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             gathered = await gather_facts(fleet, pb)
             facts.update({n: f for n, f in gathered.items() if isinstance(f, NodeFacts)})
         sub = Inventory(tuple(nodes), inv.path)
+        # The survivors' exchange is derived from this attempt's measured one: recovery waits for no measurement.
+        last = attempt.plan.collective if attempt.plan is not None else None
         try:
             plan, cals, choice = await calibrate_and_plan(fleet, sub, replan_playbook(pb, len(nodes), ui), facts,
-                                                          opts, ui)
+                                                          opts, ui, last_exchange=last)
         except (StrategyError, PlanError) as exc:
             message = replan_refusal(exc, sub, pb, facts)
             break

@@ -51,7 +51,8 @@ def compute_replicas(stages: Sequence[StageShard], *, done: int) -> tuple[int, t
     copies = []
     for i, s in enumerate(ordered):
         dest = next(t for t in ordered[i + 1:] + ordered[:i] if t.node != s.node)  # the next stage on another node
-        copies.append(ShardCopy(s.node, str(s.path), dest.node, f"stage-{s.rank}-from-{s.node}"))
+        # A rank node's name (`box/gpu1`) must not nest the copy a dir deeper, where no shard scan looks.
+        copies.append(ShardCopy(s.node, str(s.path), dest.node, f"stage-{s.rank}-from-{s.node.replace('/', '-')}"))
     return step, tuple(copies)
 
 

@@ -12,6 +12,7 @@ deleted) and starts at step 0. The ranks check the same thing again (`worker.tra
 checkpoint changed in between.
 
 A pipeline run's checkpoints are stage shards (`checkpoints/stage-*/step-N/`, `worker.parallel.pipeline.shards`),
+and so are an fsdp run's (each rank the whole state of its even share of the blocks: `worker.parallel.fsdp`),
 and a step counts only when every stage of its manifest has a valid shard. They may be spread over the nodes (each
 stage wrote its own), so the coordinator decides over the union (`decide_pipeline_resume`, the worker's rule) and
 first copies every shard of the chosen checkpoint to every node that lacks it (`copy_shards`, as
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,13 +202,13 @@ def parse_shard_scan(node: str, stdout: str) -> ShardScan:
 
 
 def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scratch: bool,
-                           run_id: str = "", sources_only: Collection[str] = ()) -> PipelineResume:
+                           run_id: str = "", receivers: Sequence[str] | None = None) -> PipelineResume:
     """The newest checkpoint whose stages all have a valid shard on SOME node (the worker's rule,
     `worker.parallel.pipeline.shards.evaluate_steps`, over the union of the nodes), and the copies that put every
-    one of its shards on every node that will run a rank. `sources_only`: scanned nodes that run no rank (a stage's
-    node left out after its fault, still answering): their shards are copied from, never to. None found while
-    shards exist (or a node could not be listed): ResumeRefused naming, per step, the stages (and layers) without a
-    valid copy, unless `restart_from_scratch`."""
+    one of its shards on every node (of `receivers` when given: the nodes that will train; the others are only
+    sources, e.g. the run dir of a quarantined GPU on a surviving machine). None found while shards exist (or a
+    node could not be listed): ResumeRefused
+    naming, per step, the stages (and layers) without a valid copy, unless `restart_from_scratch`."""
     found = [v for scan in scans.values() if not isinstance(scan, ScanFailed) for v in scan]
     failed = [scan for scan in scans.values() if isinstance(scan, ScanFailed)]
     groups: dict[tuple[int, str], list[ShardVerdict]] = {}
@@ -222,9 +223,12 @@ def decide_pipeline_resume(scans: Mapping[str, ShardScan], *, restart_from_scrat
         for m in members:
             first.setdefault(m.index, m)
         copies = []
-        for node in (n for n in scans if n not in sources_only):
+        for node in (scans if receivers is None else receivers):
             held = {m.index for m in members if m.node == node}
-            copies += [ShardCopy(first[i].node, first[i].path, node, f"stage-{i}-from-{first[i].node}")
+            # A rank node's name (`box/gpu1`: fsdp and pipelines over GPUs) must not nest the copy a dir deeper,
+            # where no shard scan looks.
+            copies += [ShardCopy(first[i].node, first[i].path, node,
+                                 f"stage-{i}-from-{first[i].node.replace('/', '-')}")
                        for i in sorted(first) if i not in held]
         return PipelineResume(step, tuple(first[i] for i in sorted(first)), tuple(copies))
     if not found and not failed:
@@ -331,21 +335,14 @@ async def check_resume(fleet: Fleet, nodes: Sequence[Node], run_dirs: Mapping[st
                        restart_from_scratch: bool, events_file: Path, sources: Sequence[Node] = ()) -> ResumeDecision:
     """Scan, decide (ResumeRefused propagates, with nothing changed on the nodes), set the invalid checkpoints
     aside, and record each one in the run's events.jsonl as a `checkpoint_invalid` line (the ranks, which would
-    have reported them, no longer see them).
-
-    `sources`: nodes that run no rank of the next attempt but may still hold a pipeline stage's only shard (a
-    stage's node left out after a crash or a hang: each stage holds layers no other node has); those that answer
-    are scanned too, and their shards copied to `nodes`. A source that does not answer is no source (its shards
-    are missing, named by the refusal)."""
-    answering = [n for n in sources if n.name in fleet.connected and n.name in run_dirs]
-    scan_nodes = [*nodes, *(n for n in answering if n not in nodes)]
-    shard_scans = await scan_shards(fleet, scan_nodes, run_dirs)
-    only = {n.name for n in scan_nodes if n not in nodes}
-    # A source that could not be listed is no source: it must not make a resume that the ranks' nodes allow refuse.
-    shard_scans = {k: v for k, v in shard_scans.items() if not (k in only and isinstance(v, ScanFailed))}
+    have reported them, no longer see them). `sources`: nodes left out of the next attempt whose stage shards may
+    still be read (`run_dirs` names theirs too), never written to."""
+    shard_scans = await scan_shards(fleet, [*nodes, *sources], run_dirs)
     if any(not isinstance(s, ScanFailed) and s for s in shard_scans.values()):  # a pipeline run's
-        pipeline = decide_pipeline_resume(shard_scans, restart_from_scratch=restart_from_scratch, run_id=run_id,
-                                          sources_only=only)
+        pipeline = decide_pipeline_resume({k: v for k, v in shard_scans.items()
+                                           if not (isinstance(v, ScanFailed) and k in {n.name for n in sources})},
+                                          restart_from_scratch=restart_from_scratch, run_id=run_id,
+                                          receivers=[n.name for n in nodes])
         await copy_shards(fleet, run_dirs, pipeline.copies)
         head = pipeline.shards[0] if pipeline.shards else None
         return ResumeDecision(pipeline.step, None if head is None else CheckpointVerdict(

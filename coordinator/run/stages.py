@@ -20,8 +20,8 @@ Pure: values in, values out. Two halves, and the one function that joins them:
     bubble        the mean wait share over the stages (each stage's idle share of the step, averaged): what the
                   plan's (P-1)/(M+P-1) predicts (`predicted_bubble`)
     bottleneck    the stage with the most busy time per step (the one that paces the others)
-    busy vs plan  busy_s against the plan's stage time per micro-batch x micro-batches (`predicted_busy_s`; None
-                  while the plan has no measured stage time)
+    busy vs plan  busy_s against the plan's predicted compute per step (its row's `predicted_busy_s`, else its
+                  stage time per micro-batch x micro-batches; None while the plan has no measured stage time)
     memory        the rank's highest `peak_memory` against its node's plan row: `need_bytes` (the predicted peak)
                   and `budget_bytes`
 
@@ -56,11 +56,12 @@ class LayoutRank:
     need_bytes: int | None = None  # the plan's predicted peak memory
     budget_bytes: int | None = None  # the node's usable memory
     predicted_s: float | None = None  # a stage's time per micro-batch (a dp node's step)
+    predicted_busy_s: float | None = None  # a stage's predicted compute per step (the plan's, where it says)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "node": self.node, "stage": self.stage, "first_layer": self.first_layer,
                 "last_layer": self.last_layer, "need_bytes": self.need_bytes, "budget_bytes": self.budget_bytes,
-                "predicted_s": self.predicted_s}
+                "predicted_s": self.predicted_s, "predicted_busy_s": self.predicted_busy_s}
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def build_run_layout(layout: Layout, ranks: Sequence[tuple[int, str]],
                                    last_layer=spec.last_layer if spec is not None else None,
                                    need_bytes=coerce_int(row.get("need_bytes")),
                                    budget_bytes=coerce_int(row.get("budget_bytes")),
-                                   predicted_s=coerce_float(row.get("predicted_s"))))
+                                   predicted_s=coerce_float(row.get("predicted_s")),
+                                   predicted_busy_s=coerce_float(row.get("predicted_busy_s"))))
     bubble = coerce_float(strategy.get("bubble")) if strategy is not None and pipeline else None
     return RunLayout(kind=layout.kind, ranks=tuple(planned), micro_batches=layout.micro_batches if pipeline else None,
                      schedule=layout.schedule if pipeline else None, predicted_bubble=bubble)
@@ -132,7 +134,8 @@ def parse_run_layout(value: Any) -> RunLayout | None:
                                  last_layer=coerce_int(r.get("last_layer")),
                                  need_bytes=coerce_int(r.get("need_bytes")),
                                  budget_bytes=coerce_int(r.get("budget_bytes")),
-                                 predicted_s=coerce_float(r.get("predicted_s"))))
+                                 predicted_s=coerce_float(r.get("predicted_s")),
+                                 predicted_busy_s=coerce_float(r.get("predicted_busy_s"))))
     schedule = value.get("schedule")
     return RunLayout(kind=str(kind), ranks=tuple(ranks), micro_batches=coerce_int(value.get("micro_batches")),
                      schedule=schedule if isinstance(schedule, str) else None,
@@ -296,8 +299,12 @@ def build_stage_view(layout: RunLayout | None, fold: StageFold, ranks: Sequence[
         steps = list(seen.steps)
         busy = _median(b for _, b, _ in steps)
         wait = _median(w for _, _, w in steps)
-        predicted_busy = plan.predicted_s * micro if plan is not None and plan.predicted_s is not None and micro \
-            and kind == "pipeline" else None
+        # The plan's compute per step where it predicts one (the simulated schedule's), else its time per
+        # micro-batch x the micro-batches.
+        predicted_busy = None
+        if plan is not None and kind == "pipeline":
+            predicted_busy = plan.predicted_busy_s if plan.predicted_busy_s is not None else (
+                plan.predicted_s * micro if plan.predicted_s is not None and micro else None)
         rows.append(RankStage(
             rank=rank, node=node,
             stage=plan.stage if plan is not None and plan.stage is not None else seen.stage,

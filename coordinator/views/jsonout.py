@@ -347,7 +347,8 @@ class RankStageOut(_Out):
     wait_s: float | None = Field(description="blocked on its neighbours per step: transfers, the closing all_sum")
     busy_share: float | None = Field(description="busy_s / step_time_s (median over its newest steps)")
     wait_share: float | None = Field(description="wait_s / step_time_s: this stage's bubble")
-    predicted_busy_s: float | None = Field(description="the plan's stage time per micro-batch x micro-batches")
+    predicted_busy_s: float | None = Field(description="the plan's compute per step (else its stage time per "
+                                                       "micro-batch x micro-batches)")
     peak_memory_bytes: int | None = Field(description="the highest peak memory the rank reported")
     predicted_memory_bytes: int | None = Field(description="the plan's predicted peak for its node")
     budget_bytes: int | None = Field(description="its node's memory budget in the plan")

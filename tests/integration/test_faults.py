@@ -19,7 +19,7 @@ import yaml
 from coordinator.run.rundir import read_event_docs
 from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
-from tests.testbed import Host, TestBed
+from tests.testbed import Host, TestBed, provisioned_assets
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
@@ -113,8 +113,12 @@ def jobs() -> list[Job]:
         job.kill()
 
 
-def setup(testbed: TestBed, tmp: Path, n: int = 3) -> tuple[list[Host], Path]:
+def setup(testbed: TestBed, tmp: Path, n: int = 3, *, assets: bool = True) -> tuple[list[Host], Path]:
+    """n hosts and their inventory; with `assets`, write_playbook's data and tiny model already on every host
+    (as an earlier launch leaves them: these tests are about faults, not about building the model)."""
     hosts = testbed.add_hosts(n)
+    if assets:
+        testbed.seed_assets(hosts, provisioned_assets(DATA, layers=2, hidden=32, seed=0))
     return hosts, testbed.write_inventory(tmp / "inv.yaml", hosts)
 
 
@@ -203,7 +207,7 @@ def test_link_down_is_an_unreachable_node_whose_leftover_rank_fences_itself(test
     pattern = f"worker.train --config .*runs/{run_id}/"
     deadline = time.monotonic() + 90.0
     while testbed.exec(hosts[2], ["pgrep", "-f", pattern]).stdout.strip() and time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(0.2)
     log = testbed.exec(hosts[2], ["cat", f"/srv/work/runs/{run_id}/{hosts[2].name}/events/rank2.jsonl"]).stdout
     assert not testbed.exec(hosts[2], ["pgrep", "-af", pattern]).stdout.strip(), log[-3000:]
     assert time.monotonic() - down_at >= 21.0
@@ -232,10 +236,6 @@ def test_changed_model_file_fails_preflight_for_the_odd_node(testbed: TestBed, r
     hosts, inv = setup(testbed, tmp_path)
     pb = write_playbook(tmp_path / "pb.yaml")
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    # Assets are provisioned by launch: place them with a 1-step job first.
-    ok = run_cli("launch", "-i", str(inv), str(write_playbook(tmp_path / "one.yaml", iters=1)), "--json",
-                 "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
-    assert ok.returncode == 0, ok.stderr[-3000:]
     testbed.exec(hosts[2], ["sh", "-c", "printf x >> /srv/model/config.json"], check=True)
     proc = run_cli("launch", "-i", str(inv), str(pb), "--run-dir", str(tmp_path / "runs"), env=env, timeout=300)
     assert proc.returncode == 1
@@ -454,7 +454,7 @@ def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbe
     """An undecodable line fails every rank the same way: launched anyway (--skip-preflight) the run stops as
     one job error with its remedy and quarantines nobody; preflight fails it (and a data dir without train.jsonl,
     and a model dir without weights) before launch, with file:line."""
-    hosts, inv = setup(testbed, tmp_path, 2)
+    hosts, inv = setup(testbed, tmp_path, 2, assets=False)  # the model is built from this test's own data
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
     rows = [f'{{"text": "row {i} of the data"}}\\n' for i in range(8)]  # printf's escapes: \n, \351 = 0xe9
     bad = "".join([*rows[:2], '{"text": "caf\\351"}\\n', *rows[2:]])  # line 3 is Latin-1, not UTF-8
@@ -524,6 +524,11 @@ def test_a_ring_that_cannot_connect_at_start_up_is_relaunched_without_quarantine
     run_dir = job.wait_for(lambda _: job.run_dir() if job.run_dir().exists() else None)
     rank0 = f"worker.train --config /srv/work/runs/{run_dir.name}/{hosts[0].name}/run.json"  # type: ignore[union-attr]
     deadline = time.monotonic() + 240
+    # No rank runs before mlx.launch does, whose argv is written just before it starts: until then a look at a
+    # file, not a pgrep on the node (tens of them a second through provisioning, preflight and calibration).
+    while not (run_dir / "launcher.argv").exists():  # type: ignore[operator]
+        assert time.monotonic() < deadline and job.proc.poll() is None, "mlx.launch never started"
+        time.sleep(0.02)
     while not (pids := testbed.exec(hosts[0], ["pgrep", "-f", rank0]).stdout.split()):
         assert time.monotonic() < deadline and job.proc.poll() is None, "rank 0 never started"
         time.sleep(0.02)

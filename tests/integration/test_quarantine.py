@@ -15,8 +15,8 @@ from coordinator.models import Node
 from coordinator.run.quarantine import QuarantineStore, inventory_key, new_entry
 from coordinator.views.jsonout import validate_output
 from tests.integration.conftest import RunCli
-from tests.integration.test_faults import write_playbook
-from tests.testbed import SSH_PORT, TestBed
+from tests.integration.test_faults import DATA, write_playbook
+from tests.testbed import SSH_PORT, TestBed, provisioned_assets
 
 # No `min_nodes` written: a fresh launch must not start degraded by surprise.
 FAULTS = {"consistency_every": 5, "max_restarts": 2}
@@ -33,6 +33,7 @@ def state_file(tmp: Path) -> Path:
 def test_a_chaos_drill_quarantines_nothing_beyond_its_run_and_another_inventorys_node_is_not_left_out(
         testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
     hosts = testbed.add_hosts(3)
+    testbed.seed_assets(hosts, provisioned_assets(DATA))  # the tiny model, as a first launch leaves it
     inv_a = testbed.write_inventory(tmp_path / "a.yaml", hosts[:2])
     env = env_for(tmp_path)
     drill = run_cli("launch", "-i", str(inv_a), str(write_playbook(tmp_path / "drill.yaml", iters=6,
@@ -75,6 +76,7 @@ def test_a_chaos_drill_quarantines_nothing_beyond_its_run_and_another_inventorys
 def test_a_degraded_launch_fails_loudly_unless_allowed_and_its_summary_says_so(
         testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:
     hosts = testbed.add_hosts(2)
+    testbed.seed_assets(hosts, provisioned_assets(DATA))  # the tiny model, as a first launch leaves it
     inv = testbed.write_inventory(tmp_path / "inv.yaml", hosts)
     env = env_for(tmp_path)
     store = QuarantineStore(state_file(tmp_path))

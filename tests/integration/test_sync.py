@@ -131,7 +131,11 @@ def test_killed_sync_resumes(testbed: TestBed, tmp_path: Path, run_cli: RunCli) 
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert partial.exists(), "the sync never reached h3"
-    time.sleep(1.5)  # the relays notice their SSH session is gone at their next progress line
+    # The relays notice their SSH session is gone at their next progress line, and exit: what they wrote is then
+    # final (relays that outlive their coordinator fail test_roots_are_refused_and_relays_die_with_their_coordinator).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _relays(testbed, [h2, h3]):
+        time.sleep(0.05)
     kept = min((h.srv / "model" / "model.safetensors.partial").stat().st_size for h in (h2, h3))
     assert 0 < kept < size
     for h in (h2, h3):

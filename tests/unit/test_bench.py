@@ -230,10 +230,13 @@ def test_bench_times_the_runs_step_on_the_runs_batches(tmp_path: Path) -> None:
     assert result["packing"][0] is True and result["packing"][1].startswith("packed into sequences of")
     for p in result["curve"]:
         assert 0 < p["tokens_per_row"] < 128  # the smoke rows are short: real tokens, not padded positions
-        assert p["tokens_per_s"] == pytest.approx(p["rows_per_s"] * p["tokens_per_row"], rel=0.05)
+        assert p["sampled_steps"] >= 1 and 1 <= p["timed_shapes"] <= p["shapes"]
+        # The point's rate is the run's median step rate, its step the mean: the two agree within the spread of
+        # the steps' fill.
+        assert p["tokens_per_s"] == pytest.approx(p["rows_per_s"] * p["tokens_per_row"], rel=0.5)
     cal = calibration_from_bench("n", result)
-    assert 0 < cal.fill < 1
-    assert cal.curve[0].tokens_per_s == pytest.approx(result["curve"][0]["rows_per_s"] * 128)
+    assert 0 < cal.fill < 1 and cal.fill == pytest.approx(result["tokens_per_row"] / 128, abs=1e-3)
+    assert cal.curve[0].tokens_per_s == pytest.approx(result["curve"][0]["tokens_per_s"] / cal.fill)
     assert "first steps" in stderr
 
 

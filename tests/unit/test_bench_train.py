@@ -59,6 +59,15 @@ def test_variable_rows_are_chat_like_lognormal_and_deterministic() -> None:
     assert bt.mean_length("variable", 512) == pytest.approx(statistics.mean(lengths), rel=0.1)
 
 
+def test_bimodal_rows_are_two_groups() -> None:
+    """Issue 25's unseen set: 70% one-line rows (8 .. 1/8 of max_seq_length), the rest half to full length."""
+    lengths = bt.row_lengths("bimodal", 4000, 512, seed=1)
+    short = [n for n in lengths if n <= 64]
+    assert len(short) / len(lengths) == pytest.approx(bt.BIMODAL_SHORT, abs=0.03)
+    assert all(n >= 256 for n in lengths if n > 64) and min(lengths) >= bt.VARIABLE_MIN and max(lengths) <= 512
+    assert bt.mean_length("bimodal", 512) == pytest.approx(statistics.mean(lengths), rel=0.05)
+
+
 def test_unknown_shape_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown shape"):
         bt.row_lengths("medium", 4, 128, seed=0)

@@ -26,6 +26,7 @@ from coordinator.planning.collective import (
     parse_collbench,
     parse_gradient_size,
     ports_needed,
+    rescale_collective,
     ring_allreduce_s,
 )
 from coordinator.planning.hostfile import HostEntry, Hostfile
@@ -251,3 +252,20 @@ def test_measure_collective_times_the_exchange_between_real_ranks_and_caches_it(
     assert isinstance(fresh, CollectiveCost) and not fresh.cached
     refused = asyncio.run(go(Hostfile("mpi", hostfile.hosts), False))
     assert isinstance(refused, CollectiveError) and "mpi" in str(refused)
+
+
+def test_a_relaunch_derives_the_survivors_exchange_from_the_measured_one() -> None:
+    """Recovery waits for no new measurement: the ring model read from the measured exchange of 3 ranks, applied
+    to the 2 survivors (fewer hops, a larger share of the bytes per link... 2(N-1)/N: 4/3 -> 1)."""
+    small = ring_allreduce_s(0, 3, 25 * MB, 0.001)
+    measured = CollectiveCost(ring_allreduce_s(3 * MB, 3, 25 * MB, 0.001), 3 * MB, 3, "ring", CostSource.MEASURED,
+                              small_s=small, nodes=("a", "b", "c"))
+    two = rescale_collective(measured, ["a", "c"])
+    assert two is not None and two.source is CostSource.DERIVED and two.nodes == ("a", "c")
+    assert two.seconds == pytest.approx(ring_allreduce_s(3 * MB, 2, 25 * MB, 0.001), rel=1e-4)
+    assert two.seconds < measured.seconds
+    # latency-bound (no bandwidth to read): the measured time scales with the hops
+    bound = CollectiveCost(0.06, 64, 4, "ring", CostSource.MEASURED, small_s=0.06)
+    assert rescale_collective(bound, ["a", "b"]).seconds == pytest.approx(0.02)  # type: ignore[union-attr]
+    assert rescale_collective(measured, ["a"]) is None
+    assert rescale_collective(CollectiveCost(0.1, 64, 2, "ring", CostSource.MEASURED), ["a", "b"]) is None

@@ -1,6 +1,6 @@
 """Pipeline faults, values in and values out (issue 26 item 4): what memory is missing when the survivors of a
 fault cannot hold the model (`planning.shortfall`); shards fetched from a stage's node that runs no rank any more
-(`run.resume.decide_pipeline_resume`'s `sources_only`)."""
+(`run.resume.decide_pipeline_resume`'s `receivers`)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def shard(node: str, step: int, index: int, stages: int = 3) -> ShardVerdict:
 def test_a_left_out_stage_node_serves_its_shard_to_the_survivors_and_gets_nothing() -> None:
     # Stage 1's node b crashed (its machine still answers): its shard exists nowhere else.
     scans = {"a": (shard("a", 4, 0),), "c": (shard("c", 4, 2),), "b": (shard("b", 4, 1),)}
-    decision = decide_pipeline_resume(scans, restart_from_scratch=False, sources_only={"b"})
+    decision = decide_pipeline_resume(scans, restart_from_scratch=False, receivers=["a", "c"])
     assert decision.step == 4
     assert {c.dest for c in decision.copies} == {"a", "c"}
     assert ShardCopy("b", "/r/b/checkpoints/stage-1/step-000004", "a", "stage-1-from-b") in decision.copies

@@ -412,3 +412,52 @@ def test_a_quarantined_gpu_is_left_out_of_its_machines_rank_nodes(tmp_path: Path
         usable_inventory(ranks, pb, store, Shown(), JobOptions())
     usable, left = usable_inventory(ranks, pb, store, Shown(), JobOptions(allow_degraded=True))
     assert usable.names() == ["box/gpu0"] and [lo.node for lo in left] == ["box/gpu1"]
+
+
+def test_a_failed_rank_quarantines_its_gpu_not_its_machine(tmp_path: Path) -> None:
+    """job.quarantine_node on a fleet view of rank nodes (one per GPU, over the machine's one connection): the
+    entry names `box/gpu1`, so the next launch keeps the machine and leaves out only that GPU, and `quarantine
+    clear box/gpu1` finds it. (On 2x H200 the entry named the machine `box`: the next launch left out both GPUs,
+    and clearing `box/gpu1` said it was not quarantined.)"""
+    import asyncio
+
+    from coordinator.facts.linux import parse_nvidia_smi
+    from coordinator.facts.model import NodeFacts
+    from coordinator.fleet.transport import Fleet
+    from coordinator.models import ConnectInfo
+    from coordinator.planning.gpuranks import build_rank_nodes
+    from coordinator.run.job import quarantine_node
+
+    class Transport:
+        def __init__(self, node: Node) -> None:
+            self.node = node
+
+        async def connect(self) -> ConnectInfo:
+            return ConnectInfo(self.node.name, 0.0, 0.0, None)
+
+        async def close(self) -> None:
+            return None
+
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text("nodes: []\n")
+    box = Node("box", "10.0.0.5")
+    smi = "".join(f"{i}, NVIDIA H100 80GB HBM3, GPU-{i}, 81559, 0, 0, 580.159.04, 9.0\n" for i in range(2))
+    ranks = build_rank_nodes(Inventory((box,), str(inv_path)), "nccl",
+                             {"box": NodeFacts(node="box", gpu=parse_nvidia_smi(smi))})
+    store = QuarantineStore(tmp_path / "q.json")
+
+    async def go() -> None:
+        fleet = Fleet([box], transport_factory=Transport)  # type: ignore[arg-type]
+        await fleet.connect_all()
+        view = fleet.for_ranks(ranks.nodes)
+        quarantine_node(store, view, "box/gpu1", "crash at step 8", inventory=inventory_key(str(inv_path)),
+                        run_id="r1", incident={}, quarantine_for=3600)
+        await fleet.close()
+
+    asyncio.run(go())
+    assert [(e.node, e.host) for e in store.read().entries] == [("box/gpu1", "10.0.0.5")]
+    pb = Playbook(name="t", model="/m", data="/d")
+    assert usable_inventory(Inventory((box,), str(inv_path)), pb, store, Shown(), JobOptions())[0].names() == ["box"]
+    usable, left = usable_inventory(ranks, pb, store, Shown(), JobOptions(allow_degraded=True))
+    assert usable.names() == ["box/gpu0"] and [lo.node for lo in left] == ["box/gpu1"]
+    assert [e.node for e in store.clear("box/gpu1", inventory=inventory_key(str(inv_path)))] == ["box/gpu1"]

@@ -59,3 +59,18 @@ def test_the_scan_output_parses_or_is_a_failure() -> None:
     [got] = parse_shard_scan("a", "noise\n" + json.dumps(doc))  # type: ignore[misc]
     assert got == ShardVerdict("a", 2, 1, "/p", True, "", 2, 2, 6, "m")
     assert isinstance(parse_shard_scan("a", "Traceback ..."), ScanFailed)
+
+
+def test_a_shard_of_a_rank_node_is_copied_under_a_flat_name() -> None:
+    """fsdp over the GPUs of one machine: rank nodes `box/gpu0`, `box/gpu1` each hold one shard; each gets the other's
+    as a direct child of its checkpoints dir (a `/` in the name would nest it where no scan looks)."""
+    scans = {"box/gpu0": (shard("box/gpu0", 4, 0),), "box/gpu1": (shard("box/gpu1", 4, 1),)}
+    decision = decide_pipeline_resume(scans, restart_from_scratch=False)
+    assert [c.dir_name for c in decision.copies] == ["stage-1-from-box-gpu1", "stage-0-from-box-gpu0"]
+
+
+def test_a_left_out_gpus_shard_is_read_but_nothing_is_copied_to_it() -> None:
+    """A relaunch on box/gpu0 after box/gpu1's rank died: gpu1's run dir (same machine) is a source only."""
+    scans = {"box/gpu0": (shard("box/gpu0", 4, 0),), "box/gpu1": (shard("box/gpu1", 4, 1),)}
+    decision = decide_pipeline_resume(scans, restart_from_scratch=False, receivers=["box/gpu0"])
+    assert decision.step == 4 and [(c.source, c.dest) for c in decision.copies] == [("box/gpu1", "box/gpu0")]

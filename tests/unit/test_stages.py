@@ -128,6 +128,11 @@ def test_the_view_measures_shares_bubble_bottleneck_and_memory_against_the_plan(
     assert view.bubble is not None and abs(view.bubble - (0.45 + 0.05 + 0.35) / 3) < 1e-12
     assert view.predicted_bubble == 0.25 and view.bottleneck == 1
     assert {r.predicted_busy_s for r in view.ranks} == {0.1 * 6}
+    # The plan's own compute per step wins where it says one (the simulated schedule's).
+    rows = [{**r, "predicted_busy_s": 0.75} for r in STRATEGY["rows"]]
+    planned = build_run_layout(LAYOUT, list(enumerate(NODES)), {**STRATEGY, "rows": rows})
+    assert parse_run_layout(planned.to_json()) == planned
+    assert {r.predicted_busy_s for r in build_stage_view(planned, fold, list(enumerate(NODES))).ranks} == {0.75}
     assert [(r.peak_memory_bytes, r.over_budget) for r in view.ranks] == [
         (300 * MiB, False), (500 * MiB, True), (200 * MiB, False)]
     # The shares are medians of the newest steps: one slow step does not move them.
@@ -204,7 +209,8 @@ def test_every_view_shows_the_same_stages(tmp_path: Path) -> None:
     tracked = open_run(run)
     assert tracked is not None
     tracked.poll()
-    assert tracked.view(2e9, full=True)["stages"] == truth  # the dashboard's run JSON
+    page_doc = tracked.view(2e9, full=True)  # the dashboard's run JSON
+    assert page_doc["stages"] == truth and page_doc["split"] == {}  # every stage computes every row
 
 
 def test_a_live_pipeline_run_is_shown_alike_by_status_monitor_and_the_live_view(tmp_path: Path) -> None:

@@ -57,6 +57,17 @@ def test_fsdp_need_shrinks_with_the_world_and_dp_does_not() -> None:
     assert all(dp > state for dp, _ in needs)
 
 
+def test_lora_fsdp_need_shards_the_base_weights_and_keeps_the_adapters_whole() -> None:
+    lora = TrainConfig(method="lora", batch_size=4, max_seq_length=512)
+    est = estimate_training_memory(SHAPE, method="lora", batch_per_rank=2, seq_len=512, lora_rank=lora.lora.rank)
+    base = SHAPE.dtype_bytes * SHAPE.params
+    adapters = est.weights - base + est.grads + est.optimizer
+    assert 0 < adapters < base // 10  # rank 8 on every linear of a 1B model, with fp32 grads and Adam: 4.8%
+    dp, fsdp = per_rank_need(SHAPE, lora, world_size=2, budget=NodeBudget(100 * GiB))
+    assert dp == est.total
+    assert fsdp == base // 2 + adapters + 2 * block_params(SHAPE) + est.activations
+
+
 def _needs(train: TrainConfig, world: int) -> tuple[int, int]:
     return per_rank_need(SHAPE, train, world_size=world, budget=NodeBudget(GiB))
 
@@ -74,7 +85,9 @@ STRATEGY_CASES = [
     ("auto", "full", "ring", ("tiny", "tiny"), None, "neither dp, a pipeline nor fsdp fits"),
     ("auto", "lora", "ring", ("dp", "dp"), "dp", ""),
     ("auto", "lora", "ring", ("dp", "fsdp"), "pipeline", ""),
-    ("auto", "lora", "nccl", ("dp", "fsdp"), None, "neither dp nor a pipeline fits (lora: fsdp is for full"),
+    ("auto", "lora", "nccl", ("dp", "fsdp"), "fsdp", ""),  # LoRA shards its frozen base weights
+    ("auto", "dora", "nccl", ("dp", "fsdp"), None, "neither dp nor a pipeline fits (dora: fsdp trains full or lora"),
+    ("fsdp", "lora", "nccl", ("fsdp", "fsdp"), "fsdp", ""),
     ("dp", "full", "ring", ("dp", "dp"), "dp", ""),
     ("dp", "full", "ring", ("fsdp", "dp"), None, "train.strategy dp: dp does not fit"),
     ("pipeline", "full", "ring", ("dp", "dp"), "pipeline", ""),  # forced: even where dp would fit
@@ -143,8 +156,9 @@ def test_playbook_strategy_key() -> None:
     assert playbook().train.strategy == "auto"
     assert playbook(method="full", strategy="fsdp").train.strategy == "fsdp"
     assert playbook(method="lora", strategy="dp").train.strategy == "dp"
-    with pytest.raises(ConfigError, match="strategy fsdp shards a full fine-tune \\(this one is lora\\)"):
-        playbook(method="lora", strategy="fsdp")
+    assert playbook(method="lora", strategy="fsdp").train.strategy == "fsdp"  # the frozen base weights sharded
+    with pytest.raises(ConfigError, match="strategy fsdp trains full and lora fine-tunes, not dora"):
+        playbook(method="dora", strategy="fsdp")
     with pytest.raises(ConfigError, match="strategy"):
         playbook(method="full", strategy="zero3")
 
@@ -291,6 +305,15 @@ def test_launch_refuses_a_run_that_resolves_to_fsdp() -> None:
                            "train": {"method": "full"}}, path="p.yaml")
     assert strategy_refusal(INV, nccl, small) is None  # nccl: no pipeline, a shard fits: fsdp, which the worker runs
     assert resolve_strategy(INV, nccl, small) == "fsdp"
+    # LoRA too: its frozen base weights are what a shard saves (GPUs too small for a LoRA replica).
+    lora = playbook(method="lora").train
+    dp_l, fsdp_l = per_rank_need(CFG_SHAPE, lora, world_size=2, budget=NodeBudget(GiB))
+    mib_l = (fsdp_l // 1024**2 + 1) * 10 // 9 + 1
+    assert int(mib_l * 1024**2 * 0.9) < dp_l
+    nccl_lora = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "nccl",
+                                "train": {"method": "lora"}}, path="p.yaml")
+    small_l = {n.name: gpu_node(n.name, mib_l) for n in NODES}
+    assert strategy_refusal(INV, nccl_lora, small_l) is None and resolve_strategy(INV, nccl_lora, small_l) == "fsdp"
     forced_nccl = parse_playbook({"name": "job", "model": "/m", "data": "/d", "backend": "nccl",
                                   "train": {"method": "full", "strategy": "pipeline"}}, path="p.yaml")
     assert strategy_refusal(INV, forced_nccl, roomy) == ("train.strategy pipeline: [nccl] has no send/recv (mlx "

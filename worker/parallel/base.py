@@ -78,6 +78,9 @@ class Strategy(ABC):
     `mx.distributed.init()` gave it); `load` comes next, then `restore` and `check_start`, then the steps."""
 
     kind: ClassVar[str]
+    # Whether `checkpoint_arrays` is a collective (fsdp gathers its shards): then every rank calls it, not only the
+    # checkpoint writers (ranks sharing a node's run dir have one writer).
+    collective_checkpoint: ClassVar[bool] = False
 
     def __init__(self, config: RunConfig, log: EventLog) -> None:
         self.config = config

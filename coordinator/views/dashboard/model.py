@@ -265,7 +265,9 @@ def run_view(fold: RunFold, *, meta: RunMeta | None, summary: SummaryFile | None
         "step": summary.steps if summary is not None and summary.steps is not None else fold.step,
         "tokens_per_s": _r(tok, 1), "predicted_tokens_per_s": _r(predicted, 1), "rate_unit": RATE_UNIT,
         "eta_s": _r(eta_s(fold, iters, now), 1) if active else None, "now": now,
-        "degraded": bool(left_out), "left_out": left_out, "split": split_shares(fold),
+        # A pipeline's ranks each compute every row: no share of the batch to show (its stages say who does what).
+        "degraded": bool(left_out), "left_out": left_out,
+        "split": {} if judged is not None and judged.stages.pipeline else split_shares(fold),
         "incident_count": len(fold.incidents), "heartbeat_timeout": heartbeat_timeout,
         "ranks": [rank_row(r, judged, now=now) for _, r in sorted(fold.ranks.items())],
         # Each rank's stage and layers, busy and wait shares, the bubble, the memory against the plan: the one
