@@ -54,6 +54,11 @@ class EventKind(_StrEnum):
     #                tok_s, compute_tok_s.
     #                When the global loss is not finite every rank still emits its step event (so the
     #                rank whose local_loss_finite is false can be named), then an error event.
+    #                A pipeline stage adds busy_s (what it computes alone: its forwards, backwards and update, any
+    #                chaos/debug slowdown), wait_s (blocked on its neighbours and the closing all_sum) and,
+    #                when a value at its boundary was not finite, nonfinite: "produced" (the step's first
+    #                non-finite value there was one it computed from finite inputs: activations, gradients, its
+    #                loss) or "received" (a neighbour sent it), with nonfinite_at (which, in words).
     DIGEST = "digest"  # step, params_sha256 (all parameters, frozen ones too), optimizer_sha256 (optimizer
     #                    state); every `consistency_every` steps and at the last step, after the update.
     #                    Identical on honest data-parallel replicas (see worker.chaos.arrays_sha256)
@@ -61,7 +66,10 @@ class EventKind(_StrEnum):
     CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256), writer (rank that wrote this node's copy)
     CHECKPOINT_INVALID = "checkpoint_invalid"  # step, path, reason (skipped while looking for a resume point)
     WARNING = "warning"  # code, message
-    HEARTBEAT = "heartbeat"  # step, phase, pid
+    HEARTBEAT = "heartbeat"  # step, phase, pid; a pipeline stage inside a step adds where its compute thread is
+    #                          (`Progress`): action (recv_act | forward | send_act | recv_grad | backward |
+    #                          send_grad | update | all_sum), peer (the stage a transfer waits on, else null),
+    #                          action_index (actions begun in this step: it moves only when the compute thread does)
     FINISHED = "finished"  # step, checkpoint (path), loss
     ERROR = "error"  # message, traceback, step, phase, exit_code; fenced (true) when the rank stopped itself;
     #                  fault ("job") when every rank fails together because of the job, not of its node
@@ -266,6 +274,8 @@ class StepEvent(Event):
     # its time blocked on its neighbours (activation/gradient transfers, the step's closing all_sum); None for dp.
     busy_s: float | None = None
     wait_s: float | None = None
+    nonfinite: str | None = None
+    nonfinite_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -315,6 +325,9 @@ class HeartbeatEvent(Event):
     step: int | None = None
     phase: str | None = None
     pid: int | None = None
+    action: str | None = None
+    peer: int | None = None
+    action_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -551,6 +564,36 @@ class Fence:
         return window if window is not None and self.stalled_s > window else None
 
 
+TRANSFERS = frozenset({"recv_act", "send_act", "recv_grad", "send_grad"})  # a pipeline action that waits on `peer`
+COLLECTIVE = "all_sum"  # waits on every stage
+
+
+class Progress:
+    """Where a pipeline stage's compute thread is inside a step, for its heartbeats: the action it began last (an
+    action of its schedule, `update` after it, `all_sum` for the step's collective), the stage that action waits
+    on (a transfer's neighbour), and how many actions it began in this step.
+
+    Written by the compute thread only, at each action it begins; read by the heartbeat thread (one tuple, replaced
+    whole: a reader never sees half of an update). The heartbeat thread keeps beating whatever the compute thread
+    does, so it is the index, which only the compute thread moves, that tells a stage that stopped producing (the
+    same action for ever, not a transfer) from one that waits on a neighbour (a transfer: its peer is the one to
+    look at)."""
+
+    def __init__(self) -> None:
+        self._now: tuple[str | None, int | None, int] = (None, None, 0)
+
+    def reset(self) -> None:
+        """A new step: no action begun yet."""
+        self._now = (None, None, 0)
+
+    def begin(self, action: str, peer: int | None = None) -> None:
+        self._now = (action, peer, self._now[2] + 1)
+
+    def fields(self) -> dict[str, Any]:
+        action, peer, index = self._now
+        return {} if action is None else {"action": action, "peer": peer, "action_index": index}
+
+
 class Heartbeat:
     """Background thread emitting `heartbeat` every `interval` seconds with the main thread's step and phase.
 
@@ -568,6 +611,7 @@ class Heartbeat:
         self.step = 0
         self.phase = Phase.LOAD
         self.fence = Fence(fence[0], fence[1], self.interval) if fence is not None else None
+        self.progress: Progress | None = None  # a pipeline stage's (its strategy's), reported while in a step
         self._exit = exit_fn
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -592,7 +636,8 @@ class Heartbeat:
         # A full disk must not kill the thread: the main thread hits the same error on its next event and
         # fails loudly; until then keep trying.
         with contextlib.suppress(OSError):
-            self.log.emit(EventKind.HEARTBEAT, step=self.step, phase=str(self.phase), pid=os.getpid())
+            where = self.progress.fields() if self.progress is not None and self.phase == Phase.STEP else {}
+            self.log.emit(EventKind.HEARTBEAT, step=self.step, phase=str(self.phase), pid=os.getpid(), **where)
 
     def _check_fence(self, elapsed: float) -> None:
         if self.fence is None:

@@ -110,6 +110,7 @@ class Trainer:
         self.hb = heartbeat
         self.env_rank = env_rank
         self.strategy: Strategy = make_strategy(config, log)
+        heartbeat.progress = self.strategy.progress
         self.comm: Comm
         self.position = 0
         self.last_loss: float | None = None

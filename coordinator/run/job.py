@@ -33,11 +33,12 @@ from coordinator.planning.colocate import compute_bench_groups
 from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
-from coordinator.planning.pipeline import LayerTiming, timing_from_curve
+from coordinator.planning.pipeline import LayerTiming, StageNode, timing_from_curve
 from coordinator.planning.pipesim import LinkCost
 from coordinator.planning.plan import (
     NodeCalibration,
     Plan,
+    PlanError,
     SplitMode,
     compute_plan,
     fixed_plan,
@@ -45,14 +46,18 @@ from coordinator.planning.plan import (
     with_collective,
 )
 from coordinator.planning.shards import MapRow
+from coordinator.planning.shortfall import compute_memory_shortfall
 from coordinator.planning.strategy import (
     NO_SEND_RECV_BACKENDS,
     FleetNode,
     NodeBudget,
     StrategyChoice,
+    StrategyError,
     compute_strategy_choice,
     format_table,
     per_rank_need,
+    pipeline_job,
+    pipeline_unsupported,
 )
 from coordinator.preflight.checks.context import manifest_digest, node_manifest
 from coordinator.preflight.fix import (
@@ -845,14 +850,17 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
 
 
 async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
-                        restart_from_scratch: bool, ui: JobUI) -> ResumeDecision:
+                        restart_from_scratch: bool, ui: JobUI, *, sources: Sequence[Node] = ()) -> ResumeDecision:
     """Where the next attempt resumes from, decided before any of its ranks starts (invalid checkpoints set
-    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given. The GPUs left out
-    on a machine that still trains (`box/gpu1` beside `box/gpu0`) are read as shard sources: an fsdp or pipeline
-    checkpoint's shard of a failed rank is still on that machine's disk."""
+    aside); ResumeRefused when nothing valid is left and `--restart-from-scratch` was not given. Shard sources,
+    read and never written to: `sources` (nodes left out of the next attempt that may still hold a pipeline stage's
+    only shard: its rank crashed or hung, the machine answers), and the GPUs left out on a machine that still
+    trains (`box/gpu1` beside `box/gpu0`: an fsdp or pipeline checkpoint's shard of a failed rank is still on that
+    machine's disk)."""
     names = {n.name for n in nodes}
     machines = {n.machine for n in nodes if n.machine is not None}
-    sources = [n for n in fleet.nodes if n.name not in names and n.machine is not None and n.machine in machines]
+    sources = [*sources, *(n for n in fleet.nodes if n.name not in names and n.machine is not None
+                           and n.machine in machines and n not in sources)]
     decision = await check_resume(fleet, nodes, {n.name: node_run_dir(n, run_id) for n in [*nodes, *sources]},
                                   run_id=run_id, restart_from_scratch=restart_from_scratch,
                                   events_file=run_dir / EVENTS, sources=sources)
@@ -915,8 +923,11 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
             message = f"job error (no node quarantined, no relaunch): {fault.evidence.get('message')}"
             break
         culprits = mon.culprits()
+        previous = list(nodes)
+        unreachable = {i.node for i in mon.incidents if i.kind == IncidentKind.UNREACHABLE}
         survivors = [n for n in nodes if n.name not in culprits]
         for name, why in (await _unreachable(fleet, survivors)).items():
+            unreachable.add(name)
             # Found by the connection check, not by the monitor: still an incident of this attempt.
             incident = mon.unreachable_before_relaunch(name, why, time.monotonic())
             attempt.launch.record_incident(incident)
@@ -978,11 +989,21 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
         sub = Inventory(tuple(nodes), inv.path)
         # The survivors' exchange is derived from this attempt's measured one: recovery waits for no measurement.
         last = attempt.plan.collective if attempt.plan is not None else None
-        plan, cals, choice = await calibrate_and_plan(fleet, sub, pb, facts, opts, ui, last_exchange=last)
+        try:
+            plan, cals, choice = await calibrate_and_plan(fleet, sub, replan_playbook(pb, len(nodes), ui), facts,
+                                                          opts, ui, last_exchange=last)
+        except (StrategyError, PlanError) as exc:
+            message = replan_refusal(exc, sub, pb, facts)
+            break
         nodes = [n for n in nodes if n.name in plan.batch]
         # The relaunch resumes: from where, is decided before its ranks start (a refusal ends the run with it).
+        # A pipeline stage's layers live only on its own node: a left-out node that still answers (its rank
+        # crashed or hung, the machine is up) serves its shards to the survivors.
+        sources = [n for n in previous if n.name in culprits and n.name not in unreachable]
+        if sources:
+            sources = [n for n in sources if n.name not in await _unreachable(fleet, sources)]
         try:
-            decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui)
+            decision = await _check_resume(fleet, nodes, run_id, run_dir, restart_from_scratch, ui, sources=sources)
         except ResumeRefused as exc:
             message = str(exc)
             break
@@ -1018,6 +1039,34 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     if summary.state is RunState.SUCCEEDED and final.launch.layout.kind == "pipeline":
         await _export_at_end(fleet, final.launch, run_dir, ui)
     return summary
+
+
+def replan_playbook(pb: Playbook, nodes: int, ui: JobUI) -> Playbook:
+    """The playbook a relaunch on `nodes` nodes plans with: a pinned `train.layer_split` names one block count per
+    node of the fleet it was written for; once a node is lost it cannot apply, and the survivors' split is computed
+    (said). Unchanged otherwise."""
+    pin = pb.train.layer_split
+    if pin is None or len(pin) == nodes:
+        return pb
+    ui.message(f"train.layer_split {list(pin)} pins {len(pin)} stages; {nodes} node(s) are left: the split over "
+               "them is computed")
+    return pb.model_copy(update={"train": pb.train.model_copy(update={"layer_split": None})})
+
+
+def replan_refusal(exc: Exception, inv: Inventory, pb: Playbook, facts: Mapping[str, NodeFacts]) -> str:
+    """Why a relaunch cannot train on the survivors `inv`: the planner's refusal and, for a pipeline, which memory
+    is missing where (`planning.shortfall`: per node, what its stage needs and what it has)."""
+    text = f"cannot relaunch on {', '.join(inv.names())}: {exc}"
+    inputs = strategy_inputs(inv, pb, facts)
+    if inputs is None or pb.train.strategy == "dp" or pipeline_unsupported(pb.train):
+        return text
+    shape, budgets, _ = inputs
+    stage_nodes = [StageNode(n, b.usable, None, b.fused_attention) for n, b in budgets.items()]
+    shortfall = compute_memory_shortfall(pipeline_job(shape, pb.train), stage_nodes)
+    if not shortfall.missing:
+        return text
+    return (f"the model no longer fits the {len(inv.nodes)} node(s) left: {shortfall.describe()} (bring back a "
+            "node, add one, or lower train.batch_size / max_seq_length; " + text + ")")
 
 
 async def _export_at_end(fleet: Fleet, launch: Launch, run_dir: Path, ui: JobUI) -> None:
@@ -1097,6 +1146,9 @@ async def _run_attempt(
     launch.should_stop = sup.stop_reason
     launch.layout = (build_layout(strategy.chosen.pipeline) if strategy is not None and strategy.chosen.pipeline
                      is not None else Layout(kind=resolve_strategy(sub, pb, facts)))
+    if strategy is not None and strategy.chosen.pipeline is not None:
+        # The plan's busy seconds per step of each stage: the straggler rule's yardstick (Monitor._stage_stragglers).
+        launch.predicted_stage_s = {i: row.busy_s for i, row in enumerate(strategy.chosen.rows) if row.busy_s}
     # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
     split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),

@@ -59,6 +59,8 @@ from coordinator.run.monitor import (
     RunState,
 )
 from coordinator.run.replay import judge_monitor
+from coordinator.run.replicas import StageShard, compute_replicas, replicate
+from coordinator.run.resume import ShardCopy
 from coordinator.run.rundir import (
     EVENTS,
     HOSTFILE,
@@ -261,6 +263,7 @@ class Launch:
         # ... and the plan's stages and memory per node, for meta.json and the views (write_local_files; attach:
         # meta.json's)
         self.run_layout: RunLayout | None = None
+        self.predicted_stage_s: dict[int, float] = {}  # a pipeline's planned compute seconds per step, by rank
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
@@ -284,6 +287,8 @@ class Launch:
         self.delivered: dict[str, dict[int, int]] = {
             n: {r.rank: 0 for r in ranks if r.node.name == n} for n in self.nodes}
         self.tasks: list[asyncio.Task[None]] = []
+        self.replica_task: asyncio.Task[None] | None = None  # a pipeline shard's copy to a neighbour (run.replicas)
+        self.replicated_step = 0
         self.closing = False  # teardown began: a follower channel that ends is not reopened
         self.events_file = run_dir / EVENTS
 
@@ -535,7 +540,8 @@ class Launch:
         return train.max_seq_length * train.grad_accumulation * train.rows_per_example
 
     def new_monitor(self) -> Monitor:
-        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s) for r in self.ranks]
+        plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s,
+                            self.predicted_stage_s.get(r.rank)) for r in self.ranks]
         pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,
@@ -574,6 +580,7 @@ class Launch:
                         self._record_incident(sink, incident)
                 for incident in mon.check(now):
                     self._record_incident(sink, incident)
+                self._replicate_shards(mon)
                 if mon.launcher_exited_at is None and self._launcher_exited():
                     # An adopted launcher (attach) is not our child: its exit status is unknown (None).
                     mon.launcher_exited(self.launcher.returncode if self.launcher is not None else None, now)
@@ -596,6 +603,27 @@ class Launch:
                     # A fault known but never settled: resolve the verdict as it stands.
                     self._resolve(sink, mon)
                     return mon
+
+    def _replicate_shards(self, mon: Monitor) -> None:
+        """A pipeline's newest complete checkpoint: each stage's shard copied to its neighbour's node in the
+        background (`run.replicas`), one checkpoint at a time, never once the attempt is failing."""
+        if self.layout.kind != "pipeline" or mon.first_fatal_at is not None or \
+                (self.replica_task is not None and not self.replica_task.done()):
+            return
+        shards = [StageShard(v.rank, v.node, v.checkpoint_step, v.checkpoint) for v in mon.ranks.values()]
+        planned = compute_replicas(shards, done=self.replicated_step)
+        if planned is None:
+            return
+        self.replicated_step, copies = planned
+        self.replica_task = asyncio.create_task(self._replicate(self.replicated_step, copies))
+
+    async def _replicate(self, step: int, copies: Sequence[ShardCopy]) -> None:
+        try:
+            await replicate(self.fleet, self.remote_run_dirs, copies)
+        except CoordinatorError as exc:  # said, never the run's failure: the next checkpoint tries again
+            self.record_supervisor("replica_failed", step=step, reason=str(exc))
+            return
+        self.record_supervisor("replicated", step=step, copies=[f"{c.source}:{c.path} -> {c.dest}" for c in copies])
 
     def _resolve(self, sink: Any, mon: Monitor) -> None:
         """Record the settled verdict: revised incidents (`revised: true`) and a new `job_error`, if any."""
@@ -640,6 +668,9 @@ class Launch:
 
     async def teardown(self, mon: Monitor | None) -> None:
         self.closing = True
+        if self.replica_task is not None and not self.replica_task.done():
+            self.replica_task.cancel()  # a replica cut short leaves no half shard (unpacked beside, then renamed)
+            await asyncio.gather(self.replica_task, return_exceptions=True)
         # The followers end before the nodes' cleanup below kills their processes: else one restarted meanwhile
         # outlives the run. Cancelled again while they run: asyncio.wait_for (Python 3.11) loses a cancellation
         # that arrives as its awaited item does, which a follower with output waiting is likely to hit.

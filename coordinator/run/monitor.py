@@ -138,6 +138,14 @@ class RankView:
     packing: str | None = None  # ... and whether its batches are packed, and why
     steps: RecentSteps = field(default_factory=RecentSteps)  # its last steps' step_time_s, for the stall window
     recent_tok_s: list[float] = field(default_factory=list)  # its last RATE_STEPS steps' tok_s (`rank_rate`)
+    # A pipeline stage's compute thread, from its heartbeats (worker.events.Progress): the action it began last,
+    # the stage that action waits on, and since when (coordinator clock) its (step, action index) has not moved.
+    action: str | None = None
+    peer: int | None = None
+    action_at: tuple[int, int] | None = None
+    action_since: float | None = None
+    predicted_stage_s: float | None = None  # the plan's compute seconds per step of this stage (None: no plan)
+    stage_times: list[float] = field(default_factory=list)  # its last steps' busy_s
 
 
 class ObservationKind(StrEnum):
@@ -280,6 +288,7 @@ class PlannedRank:
     node: str
     batch_size: int
     calibrated_tokens_per_s: float | None = None
+    predicted_stage_s: float | None = None  # a pipeline stage's planned compute seconds per step
 
 
 @dataclass(frozen=True)
@@ -340,6 +349,110 @@ def classify_errors(own: list[RankError], world: int, *, node_evidence: bool,
     return None
 
 
+TRANSFERS = frozenset({"recv_act", "send_act", "recv_grad", "send_grad"})  # worker.events.TRANSFERS
+COLLECTIVE = "all_sum"
+
+
+@dataclass(frozen=True)
+class StageWait:
+    """A running pipeline stage's compute thread, from its heartbeats: the action it began last, the stage that
+    action waits on (a transfer's neighbour; None for a computation or the step's collective) and since when
+    (coordinator clock) it has not begun another."""
+
+    rank: int
+    action: str | None
+    peer: int | None
+    since: float | None
+
+
+@dataclass(frozen=True)
+class StageHang:
+    """The stage that stopped producing: `action` begun `for_s` seconds ago and never left, while `waiting`
+    (ranks) wait on it, directly or through a neighbour that waits on it."""
+
+    rank: int
+    action: str
+    for_s: float
+    window_s: float
+    waiting: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        who = f"stages {', '.join(map(str, self.waiting))} wait on it" if self.waiting else "no stage waits on it yet"
+        return {"action": self.action, "no_progress_for_s": round(self.for_s, 3), "window_s": round(self.window_s, 3),
+                "waited_on_by": list(self.waiting),
+                "reason": f"stage {self.rank} stopped producing: in {self.action} for {self.for_s:.0f}s (window "
+                          f"{self.window_s:.0f}s); {who}"}
+
+
+def evaluate_stage_hang(stages: Sequence[StageWait], *, now: float, window: float) -> StageHang | None:
+    """Which pipeline stage is hung, from where each running stage's compute thread is. Pure.
+
+    A stage in a transfer waits on its neighbour (`peer`); one in the step's collective waits on every stage:
+    neither is hung, however long it waits. A stage whose compute thread has been inside a computation (a forward,
+    a backward, the update) for more than `window` seconds stopped producing: it is the hung one, and the stages
+    whose chain of waits leads to it are named as waiting. None when no stage qualifies: every stage waits (a
+    transfer that never completes between two live stages: the link, not a stage, so no culprit here; the stall
+    rule ends the attempt), or none has been stuck long enough. The longest stuck stage first when several are."""
+    stuck = [s for s in stages if s.action is not None and s.action not in TRANSFERS and s.action != COLLECTIVE
+             and s.since is not None and now - s.since > window]
+    if not stuck:
+        return None
+    culprit = max(stuck, key=lambda s: (now - (s.since or now), -s.rank))
+    by_rank = {s.rank: s for s in stages}
+
+    def leads_to_culprit(s: StageWait) -> bool:
+        # Follow the transfers' peers: a chain that ends at the culprit, or at a stage in the collective (which
+        # waits on every stage), waits on it.
+        seen = set()
+        while s.action in TRANSFERS and s.peer in by_rank and s.rank not in seen:
+            seen.add(s.rank)
+            s = by_rank[s.peer]
+        return s.rank == culprit.rank or s.action == COLLECTIVE
+
+    waiting = tuple(sorted(s.rank for s in stages if s.rank != culprit.rank and leads_to_culprit(s)))
+    return StageHang(culprit.rank, str(culprit.action), now - (culprit.since or now), window, waiting)
+
+
+@dataclass(frozen=True)
+class StageStraggler:
+    """The bottleneck stage and how far it is off its yardstick (its predicted seconds, or its own first steps'),
+    against the other stages' own ratios."""
+
+    rank: int
+    stage_s: float
+    reference_s: float
+    others_ratio: float
+
+    @property
+    def ratio(self) -> float:
+        return self.stage_s / self.reference_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"busy_s": round(self.stage_s, 4), "predicted_stage_s": round(self.reference_s, 4),
+                "exceeds_prediction_by": round(self.ratio - 1.0, 3),
+                "relative_to_stages": round(self.ratio / self.others_ratio, 3),
+                "reason": f"stage {self.rank} is the bottleneck: {self.stage_s:.3g}s of compute per step, "
+                          f"{self.ratio:.2f}x its predicted {self.reference_s:.3g}s (the other stages run at "
+                          f"{self.others_ratio:.2f}x theirs)"}
+
+
+def evaluate_stage_straggler(stage_s: Mapping[int, float], reference_s: Mapping[int, float],
+                             fraction: float) -> StageStraggler | None:
+    """The pipeline's straggler at one step, if any. Pure. `stage_s`: each stage's measured compute seconds (its
+    forwards and backwards, no transfer); `reference_s`: each one's yardstick (the plan's prediction). The
+    bottleneck (the most seconds) straggles when its ratio to its yardstick exceeds the other stages' (their
+    median when 3+, else the lowest) by more than 1 / `fraction`. Needs 2+ stages."""
+    if len(stage_s) < 2 or set(stage_s) != set(reference_s):
+        return None
+    bottleneck = max(stage_s, key=lambda r: (stage_s[r], -r))
+    ratios = {r: stage_s[r] / reference_s[r] for r in stage_s}
+    others = sorted(x for r, x in ratios.items() if r != bottleneck)
+    typical = statistics.median(others) if len(others) >= 3 else others[0]
+    if typical <= 0 or ratios[bottleneck] * fraction <= typical:
+        return None
+    return StageStraggler(bottleneck, stage_s[bottleneck], reference_s[bottleneck], typical)
+
+
 @dataclass
 class Monitor:
     ranks: dict[int, RankView]
@@ -390,6 +503,7 @@ class Monitor:
         of stages and memory (`coordinator.run.stages`), for the views."""
         ranks = {p.rank: RankView(rank=p.rank, node=p.node, batch_size=p.batch_size,
                                   calibrated_tokens_per_s=p.calibrated_tokens_per_s,
+                                  predicted_stage_s=p.predicted_stage_s,
                                   max_tokens_per_step=p.batch_size * max_tokens_per_row if max_tokens_per_row else None)
                  for p in plan}
         policy = policy or FaultPolicy(heartbeat_timeout=heartbeat_timeout)
@@ -461,6 +575,10 @@ class Monitor:
             view.packing = event.packing_reason
         elif isinstance(event, HeartbeatEvent):
             view.phase = event.phase
+            view.action, view.peer = (event.action, event.peer) if event.phase == "step" else (None, None)
+            at = (event.step or 0, event.action_index or 0)
+            if view.action is not None and at != view.action_at:
+                view.action_at, view.action_since = at, obs.at
         elif isinstance(event, StepEvent):
             return self._step(view, event, obs)
         elif isinstance(event, DigestEvent):
@@ -547,17 +665,27 @@ class Monitor:
         view.compute_tokens_per_s = event.compute_tok_s
         local_loss = event.local_loss
         finite = event.local_loss_finite
-        if finite is False:
+        # A pipeline stage says whose a non-finite value at its boundary is: one it received is its neighbour's
+        # (the receiver is never blamed), one it computed from finite inputs is its own.
+        if event.nonfinite == "produced" or (finite is False and event.nonfinite != "received"):
+            evidence: dict[str, Any] = {"local_loss": obs.data.get("local_loss"), "loss": obs.data.get("loss")}
+            if event.nonfinite is not None:
+                evidence.update(reason=f"stage {view.rank} {event.nonfinite_at}: not finite, from finite inputs",
+                                nonfinite_at=event.nonfinite_at)
             found += self._add(Incident(kind=IncidentKind.NAN, node=obs.node, rank=view.rank, step=step, detected_after_s=0.0,
-                                        evidence={"local_loss": obs.data.get("local_loss"), "loss": obs.data.get("loss")},
-                                        action=Action.QUARANTINE, t=obs.at))
+                                        evidence=evidence, action=Action.QUARANTINE, t=obs.at))
+            finite = False
+        elif event.nonfinite == "received":
+            finite = None  # not this stage's: its neighbour's report names the source
         self.step_locals.setdefault(step, {})[view.rank] = (local_loss, event.local_grad_norm, finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
             self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
         total, wall = event.total_tokens, event.step_time_s
         if total is not None and total > 0 and wall is not None and wall > 0:
             self.step_totals.setdefault(step, total / wall)
-        found += self._stragglers(step, obs)
+        if event.busy_s is not None and event.busy_s > 0 and obs.at != self.first_step_at[view.rank]:
+            view.stage_times = [*view.stage_times[-(RATE_STEPS - 1):], event.busy_s]
+        found += self._stage_stragglers(step, obs) if self.replica_groups is not None else self._stragglers(step, obs)
         found += self._outliers(step, obs)
         return found
 
@@ -598,6 +726,42 @@ class Monitor:
                               "relative_to_fleet": round(value / ref, 3), "steps": view.slow_steps},
                     action=Action.WARN, t=obs.at))
         return found
+
+    def _stage_stragglers(self, step: int, obs: Observation) -> list[Incident]:
+        """A pipeline's straggler: the bottleneck stage (the most compute seconds per step: every other stage
+        waits on it) when it runs slower against its own yardstick than the other stages do against theirs, by
+        more than 1 / `straggler_fraction`, for `straggler_window` steps and `straggler_min_s` seconds. Its
+        yardstick is the plan's prediction for it (`PlannedRank.predicted_stage_s`), else its own first steps'
+        median (a fixed split): a uniformly wrong prediction makes no straggler, one stage far off it does.
+        Reported once, as a warning that names the stage, its layers' node and how far it exceeds its prediction."""
+        views = [v for v in self.ranks.values() if v.state is not WorkerState.FAILED]
+        if len(views) < 2 or any(not v.stage_times for v in views):
+            return []
+        refs = {v.rank: v.predicted_stage_s or self._own_stage_baseline(v) for v in views}
+        if any(r is None or r <= 0 for r in refs.values()):
+            return []
+        latest = {v.rank: v.stage_times[-1] for v in views}
+        verdict = evaluate_stage_straggler(latest, {r: x for r, x in refs.items() if x is not None},
+                                           self.policy.straggler_fraction)
+        found: list[Incident] = []
+        for v in views:
+            slow = verdict is not None and verdict.rank == v.rank
+            v.slow_steps = v.slow_steps + 1 if slow else 0
+            v.slow_since = (v.slow_since or obs.at) if slow else None
+            if slow and verdict is not None and v.slow_steps >= self.policy.straggler_window \
+                    and not v.straggler_reported and v.slow_since is not None \
+                    and obs.at - v.slow_since >= self.policy.straggler_min_s:
+                v.straggler_reported = True
+                evidence = {**verdict.to_json(), "steps": v.slow_steps,
+                            "yardstick": "plan" if v.predicted_stage_s else "its own first steps"}
+                found += self._add(Incident(kind=IncidentKind.STRAGGLER, node=v.node, rank=v.rank, step=step,
+                                            detected_after_s=None, evidence=evidence, action=Action.WARN, t=obs.at))
+        return found
+
+    def _own_stage_baseline(self, view: RankView) -> float | None:
+        """A stage without a prediction: the median of its first `straggler_window` measured steps."""
+        window = self.policy.straggler_window
+        return statistics.median(view.stage_times[:window]) if len(view.stage_times) > window else None
 
     @staticmethod
     def _relative(rates: dict[int, float], refs: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -716,7 +880,8 @@ class Monitor:
                 last = view.last_event_at or obs.at
                 return self._add(Incident(kind=IncidentKind.HANG, node=obs.node, rank=obs.rank, step=view.step,
                                           detected_after_s=max(0.0, obs.at - last),
-                                          evidence={"pid": obs.data.get("pid"), "state": "T (stopped)"},
+                                          evidence={"pid": obs.data.get("pid"), "state": "T (stopped)",
+                                                    **self._waited_on(view.rank)},
                                           action=Action.QUARANTINE, t=obs.at))
             return []
         view.stopped_since = None
@@ -835,10 +1000,39 @@ class Monitor:
                 found += self._add(Incident(kind=IncidentKind.HANG, node=view.node, rank=view.rank, step=view.step,
                                             detected_after_s=now - last,
                                             evidence={"silent_for_s": round(now - last, 3),
-                                                      "heartbeat_timeout": self.heartbeat_timeout},
+                                                      "heartbeat_timeout": self.heartbeat_timeout,
+                                                      **self._waited_on(view.rank)},
                                             action=Action.QUARANTINE, t=now))
+        found += self._stage_hangs(now)
         found += self._stalls(now)
         return found
+
+    def _waited_on(self, rank: int) -> dict[str, Any]:
+        """Evidence for a pipeline stage found hung: the stages whose compute thread waits on it (their transfer's
+        peer is this stage). Empty for data parallel."""
+        waiting = sorted(v.rank for v in self.ranks.values()
+                         if v.rank != rank and v.state is WorkerState.RUNNING and v.action in TRANSFERS and v.peer == rank)
+        return {"waited_on_by": waiting} if waiting else {}
+
+    def _stage_hangs(self, now: float) -> list[Incident]:
+        """`evaluate_stage_hang` over the pipeline's running stages: the one that stopped producing is hung (a
+        culprit); the stages that wait on it in a transfer are not. Before any fatal incident only (a stage that
+        died or stopped is found by its own rules, and its waiting neighbours are then echoes)."""
+        if self.first_fatal_at is not None or self.replica_groups is None:
+            return []
+        stages = [StageWait(v.rank, v.action, v.peer, v.action_since) for v in self.ranks.values()
+                  if v.state is WorkerState.RUNNING and v.phase == "step" and v.action is not None]
+        windows = [w for v in self.ranks.values() if (w := self.stall_window(v)) is not None]
+        if not stages or not windows:
+            return []
+        verdict = evaluate_stage_hang(stages, now=now, window=max(windows))
+        if verdict is None:
+            return []
+        view = self.ranks[verdict.rank]
+        view.state = WorkerState.FAILED
+        return self._add(Incident(kind=IncidentKind.HANG, node=view.node, rank=view.rank, step=view.step,
+                                  detected_after_s=verdict.for_s, evidence=verdict.to_json(),
+                                  action=Action.QUARANTINE, t=now))
 
     def stall_window(self, view: RankView) -> float | None:
         """Seconds without a finished step after which `view`'s rank is stalled; None before its first step (the
@@ -855,11 +1049,14 @@ class Monitor:
         found: list[Incident] = []
         if self.first_fatal_at is not None:
             return found
+        # A pipeline moves inside a step too: while any stage's compute thread begins actions, it is not stalled.
+        moved = max((v.action_since for v in self.ranks.values()
+                     if v.state is WorkerState.RUNNING and v.action_since is not None), default=0.0)
         for view in self.ranks.values():
             window = self.stall_window(view)
             if view.state is not WorkerState.RUNNING or view.phase != "step" or window is None:
                 continue
-            since = view.last_progress_at or view.started_at or self.started_at
+            since = max(view.last_progress_at or view.started_at or self.started_at, moved)
             if now - since > window:
                 found += self._add(Incident(
                     kind=IncidentKind.STALL, node=view.node, rank=view.rank, step=view.step,

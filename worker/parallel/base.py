@@ -28,7 +28,7 @@ from worker.chaos import arrays_sha256
 from worker.checkpoint import OPTIMIZER, STATE, WEIGHTS
 from worker.comm import Comm
 from worker.errors import TrainingError
-from worker.events import EventKind, EventLog
+from worker.events import EventKind, EventLog, Progress
 from worker.objectives import Micro
 from worker.runconfig import RunConfig
 from worker.step import Local, StepResult, flatten
@@ -85,6 +85,7 @@ class Strategy(ABC):
     def __init__(self, config: RunConfig, log: EventLog) -> None:
         self.config = config
         self.log = log
+        self.progress = Progress()  # where the compute thread is inside a step (the trainer's heartbeats report it)
         self.comm: Comm
         self.model: Any = None  # this rank's model: the whole model (dp) or its stage
         self.optimizer: Any = None

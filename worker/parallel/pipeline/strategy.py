@@ -81,6 +81,7 @@ class Pipeline(Strategy):
     stage: Stage
     busy_s: float = 0.0  # the last step's own computation and wait (`step_fields`)
     wait_s: float = 0.0
+    boundary: Boundary  # the last step's values at the stage's boundary (`step_fields`)
 
     # -- set-up ------------------------------------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class Pipeline(Strategy):
              before_apply: Callable[[float], None] | None = None) -> StepResult:
         clock = time.perf_counter
         tic = clock()
+        self.progress.reset()
         micros = list(build())
         chunks = self._chunks(micros)
         weight = mx.sum(mx.stack([c.weight for c in chunks]))
@@ -187,11 +189,15 @@ class Pipeline(Strategy):
         if int(scalar(weight)) != total_weight:
             raise WeightMismatch(f"the loss scores {int(scalar(weight))} targets, the host counted {total_weight}")
         self.busy_s = self.wait_s = 0.0
-        grads, loss_sum = self._run_schedule(chunks)
+        boundary = self.boundary = Boundary()
+        grads, loss_sum = self._run_schedule(chunks, boundary)
+        self.progress.begin("update")
         local = Local(grads, loss_sum, weight, tokens, None, _grad_sq(grads))
         if after_local is not None:
             local = after_local(local)
-        mx.eval(local.grads, local.loss_sum, local.grad_sq)
+        boundary.out(local.grad_sq, "its parameter gradients")
+        boundary.out(local.loss_sum, "its loss")
+        mx.eval(local.grads, local.loss_sum, local.grad_sq, *boundary.flags)
         if before_apply is not None:
             slowed = clock()
             before_apply(tic)
@@ -209,25 +215,30 @@ class Pipeline(Strategy):
         # The one collective of the step, for the report: the loss (only the last stage has it) and the squared
         # norm of the whole model's gradient (each stage has its part). Evaluated apart from the update, so that
         # its time is the stage's wait for the slowest one (`step_fields`).
-        summed = self.comm.all_sum(mx.stack([local.loss_sum * inverse, stage_sq]))
+        own_loss = local.loss_sum * inverse  # this stage's share of the loss: 0 but on the last stage
+        self.progress.begin("all_sum")
+        summed = self.comm.all_sum(mx.stack([own_loss, stage_sq]))
         loss, norm = summed[0], mx.sqrt(summed[1])
-        mx.eval(loss, norm)
+        mx.eval(loss, norm, own_loss)
         self.wait_s += clock() - summing
         if self.config.clear_cache:
             mx.clear_cache()
         elapsed = clock() - tic
-        return StepResult(micros, local, loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
+        return StepResult(micros, local, own_loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
 
     def step_fields(self) -> dict[str, Any]:
-        """The step's split of this stage's time (the views' measured bubble, `coordinator.run.stages`): `busy_s`,
-        its own computation (forwards, backwards, the update; a chaos slow-down too), and `wait_s`, blocked on its
-        neighbours (receiving and sending activations and gradients, and the closing all_sum that waits for the
-        slowest stage). The rest of `step_time_s` is building the batch."""
-        return {"busy_s": self.busy_s, "wait_s": self.wait_s}
+        """The step's split of this stage's time (the views' measured bubble, `coordinator.run.stages`; the
+        straggler rule's measure): `busy_s`, its own computation (forwards, backwards, the update; a chaos
+        slow-down too), and `wait_s`, blocked on its neighbours (receiving and sending activations and gradients,
+        and the closing all_sum that waits for the slowest stage). The rest of `step_time_s` is building the
+        batch. And, when a value at its boundary was not finite, whose it is (`Boundary.verdict`)."""
+        return {"busy_s": self.busy_s, "wait_s": self.wait_s, **self.boundary.verdict()}
 
-    def _run_schedule(self, chunks: Sequence[Chunk]) -> tuple[Any, mx.array]:
+    def _run_schedule(self, chunks: Sequence[Chunk], boundary: Boundary) -> tuple[Any, mx.array]:
         """Run this stage's actions over `chunks`; (the gradient SUM of its parameters, its loss sum: 0 but on
-        the last stage)."""
+        the last stage). Each action is announced to `progress`
+        before it begins (its heartbeats say where it is: computing, or waiting on which neighbour); every value
+        received and sent is noted in `boundary` (is it finite: checked once, at the end of the step)."""
         where = self.where
         prev, nxt = self.rank - 1, self.rank + 1
         inputs: dict[int, mx.array] = {}
@@ -237,21 +248,26 @@ class Pipeline(Strategy):
         grads: Any = None
         loss_sum = mx.array(0.0, mx.float32)
         clock = time.perf_counter
+        peers = {RECV_ACT: prev, SEND_GRAD: prev, RECV_GRAD: nxt, SEND_ACT: nxt}
         for action in build_schedule(self.config.layout.schedule, where.index, where.stages, len(chunks)):
             m, chunk = action.micro, chunks[action.micro]
+            self.progress.begin(action.kind, peers.get(action.kind))
             began = clock()
             if action.kind == RECV_ACT:
                 inputs[m] = self._recv(chunk, prev)
+                boundary.inp(inputs[m], f"the activations of micro-batch {m} from stage {prev}")
             elif action.kind == FORWARD:
                 if where.is_first:
                     inputs[m] = chunk.inputs
                 if not where.is_last:  # the last stage's forward runs inside its backward (one pass, no recompute)
                     outputs[m] = self.stage.forward(inputs[m], chunk)
                     mx.eval(outputs[m])
+                    boundary.out(outputs[m], f"its activations of micro-batch {m} (for stage {nxt})")
             elif action.kind == SEND_ACT:
                 self._send(outputs.pop(m), nxt)
             elif action.kind == RECV_GRAD:
                 received[m] = self._recv(chunk, nxt)
+                boundary.inp(received[m], f"the gradient of micro-batch {m} from stage {nxt}")
             elif action.kind == BACKWARD:
                 if where.is_last:
                     loss, g, dx = self.stage.loss_backward(inputs.pop(m), chunk)
@@ -262,6 +278,9 @@ class Pipeline(Strategy):
                 mx.eval(grads, loss_sum, *([dx] if dx is not None else []))
                 if dx is not None:
                     to_send[m] = dx
+                    boundary.out(dx, f"its input gradient of micro-batch {m} (for stage {prev})")
+                if where.is_last:
+                    boundary.out(loss_sum, f"its loss after micro-batch {m}")
             elif action.kind == SEND_GRAD:
                 self._send(to_send.pop(m), prev)
             # Every action is evaluated before the next (`_recv`, `_send`, the mx.eval above): its time is its own.
@@ -416,6 +435,36 @@ class Pipeline(Strategy):
 
 
 _DTYPE_CODES = [mx.float32, mx.bfloat16, mx.float16]
+
+
+class Boundary:
+    """What crossed a stage's boundary in one step, in the order the stage saw it: values received (`inp`) and
+    values it computed (`out`: activations and gradients it sends, its parameter gradients, its loss), each with
+    a lazy "all finite" flag, evaluated once at the end of the step (no extra synchronisation per micro-batch).
+    The step's first non-finite value says who made it: one this stage computed while everything it had received
+    so far was finite (`produced`), or one a neighbour sent (`received`): the receiver of a NaN is not its
+    source, and a NaN that comes back as a gradient does not blame the stage it came back to."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, str, mx.array]] = []  # (computed here, what, all finite)
+
+    @property
+    def flags(self) -> list[mx.array]:
+        return [flag for _, _, flag in self.seen]
+
+    def inp(self, x: mx.array, what: str) -> None:
+        self.seen.append((False, what, mx.all(mx.isfinite(x))))
+
+    def out(self, x: mx.array, what: str) -> None:
+        self.seen.append((True, what, mx.all(mx.isfinite(x))))
+
+    def verdict(self) -> dict[str, str]:
+        """{} when every value was finite; else nonfinite (produced | received) and nonfinite_at (which)."""
+        for here, what, flag in self.seen:
+            if not bool(flag.item()):
+                return {"nonfinite": "produced" if here else "received",
+                        "nonfinite_at": ("computed " if here else "received ") + what}
+        return {}
 
 
 def _grad_sq(grads: Any) -> mx.array:
