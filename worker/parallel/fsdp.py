@@ -49,20 +49,16 @@ from mlx.utils import tree_map_with_path, tree_unflatten
 
 from worker.chaos import arrays_sha256
 from worker.checkpoint import (
-    OPTIMIZER,
     STATE,
-    WEIGHTS,
     checkpoints_dir,
     list_checkpoints,
-    scan_checkpoints,
-    set_aside_invalid,
 )
 from worker.comm import scalar
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.memory import StepMemory
 from worker.objectives import Micro
-from worker.parallel.base import ResumeState, load_arrays, mismatch
+from worker.parallel.base import ResumeState, mismatch
 from worker.parallel.dp import REPLICA_RTOL, DataParallel
 from worker.parallel.pipeline.layout import layer_of
 from worker.parallel.pipeline.shards import (
@@ -70,16 +66,14 @@ from worker.parallel.pipeline.shards import (
     STAGE_DIR_PREFIX,
     StepVerdict,
     build_manifest,
-    evaluate_steps,
     plan_recut,
     read_shard_names,
-    scan_shards,
 )
+from worker.parallel.shardresume import load_verified, newest_common_step
 from worker.step import _LOSS_KEY, Local, StepResult, TrainStep, all_sum_arrays, flatten
 
 nn: Any = _nn  # mlx.nn has no type stubs that name Module / fully_shard
 SHARDED = ".module."  # a FullyShardedModule holds its module as `.module`: every sharded parameter's path has it
-RESUME_CANDIDATES = 8  # newest complete steps per rank compared when the ranks agree on a resume step
 
 
 def full_name(name: str) -> str:
@@ -330,37 +324,11 @@ class FullyShardedDataParallel(DataParallel):
                 raise TrainingError(f"ranks {existing} already have checkpoints under their run dir ({everything} "
                                     "here): set resume, or use a new run id")
             return None
-        invalid = [v for v in scan_checkpoints(root) if not v.valid]
-        for v in invalid:
-            self.on_invalid(v.step, v.path, v.reason)
-        steps = evaluate_steps(scan_shards(everything))
-        complete = [v.step for v in steps if v.complete][:RESUME_CANDIDATES]
-        whole = list_checkpoints(everything)  # dp's layout: fsdp before sharded checkpoints, or a dp run
-        gathered = self.comm.gather_ints([len(invalid) + len(steps) + len(whole), *complete,
-                                          *[-1] * (RESUME_CANDIDATES - len(complete))])
-        common = set.intersection(*({s for s in row[1:] if s >= 0} for row in gathered))
-        if invalid:
-            moved = [str(set_aside_invalid(root, v.step, v.code)) for v in invalid]
-            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
-                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
-        if not common:
-            some = any(row[0] or any(s >= 0 for s in row[1:]) for row in gathered)
-            if some and not cfg.restart_from_scratch:
-                why = "; ".join(f"step {v.step}: {v.missing}" for v in steps if not v.complete)[:1500]
-                raise ResumeRefused(
-                    "no step has a complete sharded fsdp checkpoint (a valid shard of every rank that wrote it) on "
-                    "every rank (complete steps per rank: " + "; ".join(
-                        f"rank {r}: {[s for s in row[1:] if s >= 0]}" for r, row in enumerate(gathered))
-                    + (f"; here: {why}" if why else "")
-                    + (f"; {len(whole)} whole (dp-layout) checkpoints here, which fsdp does not read: resume them "
-                       "with strategy dp" if whole else "")
-                    + "): refusing to start from step 0 over them (restart_from_scratch starts over)")
-            self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but the ranks hold no common complete checkpoint: starting at "
-                                  "step 0" + (" (restart_from_scratch)" if some else ""))
-            return None
-        verdict = next(v for v in steps if v.step == max(common))
-        return self._restore_from(verdict)
+        whole = len(list_checkpoints(everything))  # dp's layout: fsdp before sharded checkpoints, or a dp run
+        verdict = newest_common_step(self, root, everything, shard_of="rank that wrote it", holders="ranks",
+                                     others=whole, others_note=f"{whole} whole (dp-layout) checkpoints here, which "
+                                     "fsdp does not read: resume them with strategy dp")
+        return self._restore_from(verdict) if verdict is not None else None
 
     def _restore_from(self, verdict: StepVerdict) -> ResumeState:
         cfg = self.config
@@ -382,14 +350,7 @@ class FullyShardedDataParallel(DataParallel):
         weights: list[tuple[str, mx.array]] = []
         opt_state: dict[str, mx.array] = {}
         for i in sorted(set(w_plan.values()) | set(o_plan.values())):
-            shard = verdict.shards[i]
-            w_all, o_all = load_arrays(shard.path / WEIGHTS), load_arrays(shard.path / OPTIMIZER)
-            for label, arrays, digest in (("weights", w_all, shard.entry.weights_sha256),
-                                          ("optimizer state", o_all, shard.entry.optimizer_sha256)):
-                if (got := arrays_sha256(arrays)) != digest:
-                    raise ResumeRefused(f"{shard.path}: its {label} digest {got[:12]}... differs from the "
-                                        f"checkpoint manifest's {digest[:12]}...: the shard changed after it was "
-                                        "written")
+            w_all, o_all = load_verified(verdict.shards[i])
             for full, j in w_plan.items():
                 if j == i:
                     local = want_w[full]

@@ -32,14 +32,10 @@ from mlx.utils import tree_map, tree_map_with_path
 
 from worker.chaos import arrays_sha256
 from worker.checkpoint import (
-    OPTIMIZER,
     STATE,
-    WEIGHTS,
     checkpoints_dir,
     list_checkpoints,
     read_json,
-    scan_checkpoints,
-    set_aside_invalid,
 )
 from worker.comm import scalar
 from worker.data import build_batch, load_datasets
@@ -47,7 +43,7 @@ from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.modelsetup import count_parameters, make_optimizer
 from worker.objectives import Micro, SftObjective
-from worker.parallel.base import ResumeState, Strategy, load_arrays, mismatch
+from worker.parallel.base import ResumeState, Strategy, mismatch
 from worker.parallel.pipeline.layout import StageRange, to_global, to_local
 from worker.parallel.pipeline.schedule import (
     BACKWARD,
@@ -62,16 +58,13 @@ from worker.parallel.pipeline.shards import (
     MANIFEST_KEY,
     StepVerdict,
     build_manifest,
-    evaluate_steps,
     plan_recut,
     prune_other_shards,
     read_shard_names,
-    scan_shards,
 )
 from worker.parallel.pipeline.stage import Chunk, Stage, chunks_of, load_stage
+from worker.parallel.shardresume import load_verified, newest_common_step
 from worker.step import PACK_MIN_SAVING, Local, StepResult, WeightMismatch, flatten, packing_saving, padded_width
-
-RESUME_CANDIDATES = 8  # newest valid shards per stage compared when the stages agree on a resume step
 
 
 class Pipeline(Strategy):
@@ -353,34 +346,8 @@ class Pipeline(Strategy):
                 raise TrainingError(f"stages {existing} already have checkpoints ({root} here): set resume, or "
                                     "use a new run id")
             return None
-        invalid = [v for v in scan_checkpoints(root) if not v.valid]
-        for v in invalid:
-            self.on_invalid(v.step, v.path, v.reason)
-        steps = evaluate_steps(scan_shards(checkpoints_dir(cfg.run_dir)))
-        complete = [v.step for v in steps if v.complete][:RESUME_CANDIDATES]
-        gathered = self.comm.gather_ints([len(invalid) + len(steps), *complete,
-                                          *[-1] * (RESUME_CANDIDATES - len(complete))])
-        common = set.intersection(*({s for s in row[1:] if s >= 0} for row in gathered))
-        if invalid:
-            moved = [str(set_aside_invalid(root, v.step, v.code)) for v in invalid]
-            self.log.emit(EventKind.WARNING, code="set_aside_invalid",
-                          message=f"invalid checkpoints set aside (kept, never resumed from): {moved}")
-        if not common:
-            some = any(row[0] or any(s >= 0 for s in row[1:]) for row in gathered)
-            if some and not cfg.restart_from_scratch:
-                why = "; ".join(f"step {v.step}: {v.missing}" for v in steps if not v.complete)[:1500]
-                raise ResumeRefused(
-                    "no step has a complete checkpoint (a valid shard of every stage) on every rank (complete "
-                    "steps per rank: " + "; ".join(f"rank {r}: {[s for s in row[1:] if s >= 0]}"
-                                                   for r, row in enumerate(gathered))
-                    + (f"; here: {why}" if why else "")
-                    + "): refusing to start from step 0 over them (restart_from_scratch starts over)")
-            self.log.emit(EventKind.WARNING, code="no_checkpoint",
-                          message="resume requested but the stages hold no common complete checkpoint: starting "
-                                  "at step 0" + (" (restart_from_scratch)" if some else ""))
-            return None
-        verdict = next(v for v in steps if v.step == max(common))
-        return self._restore_from(verdict)
+        verdict = newest_common_step(self, root, checkpoints_dir(cfg.run_dir), shard_of="stage", holders="stages")
+        return self._restore_from(verdict) if verdict is not None else None
 
     def _restore_from(self, verdict: StepVerdict) -> ResumeState:
         """Load this rank's layers of a complete checkpoint, each source shard checked against the digest its
@@ -401,14 +368,7 @@ class Pipeline(Strategy):
         weights: dict[str, mx.array] = {}
         opt_state: dict[str, mx.array] = {}
         for i in sorted(set(w_plan.values()) | set(o_plan.values())):
-            shard = verdict.shards[i]
-            w_all, o_all = load_arrays(shard.path / WEIGHTS), load_arrays(shard.path / OPTIMIZER)
-            for label, arrays, want in (("weights", w_all, shard.entry.weights_sha256),
-                                        ("optimizer state", o_all, shard.entry.optimizer_sha256)):
-                if (got := arrays_sha256(arrays)) != want:
-                    raise ResumeRefused(f"{shard.path}: its {label} digest {got[:12]}... differs from the "
-                                        f"checkpoint manifest's {want[:12]}...: the shard changed after it was "
-                                        "written")
+            w_all, o_all = load_verified(verdict.shards[i])
             weights.update({n: w_all[n] for n, j in w_plan.items() if j == i})
             opt_state.update({n: o_all[n] for n, j in o_plan.items() if j == i})
         if problem := mismatch(weights, w_tmpl, "weights") or mismatch(opt_state, o_tmpl, "optimizer state"):
