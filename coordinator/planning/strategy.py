@@ -36,7 +36,7 @@ from typing import Any, Literal
 from coordinator.config.playbook import TrainConfig
 from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
-from coordinator.planning.estimate import GiB, ModelShape, estimate_training_memory, usable_memory
+from coordinator.planning.estimate import ModelShape, estimate_training_memory, usable_memory
 from coordinator.planning.pipeline import (
     LayerTiming,
     LinkTable,
@@ -117,7 +117,8 @@ class StrategyDecision:
 
 
 def _gb(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
+    """A memory size in words (`coordinator.units.format_bytes`): a tiny model's 986 KiB is not "0.0 GiB"."""
+    return format_bytes(n)
 
 
 def per_rank_need(shape: ModelShape, train: TrainConfig, *, world_size: int, budget: NodeBudget) -> tuple[int, int]:

@@ -13,12 +13,23 @@ from pathlib import Path
 import yaml
 
 from coordinator.planning.estimate import usable_memory
+from coordinator.units import format_bytes
 from tests.integration.conftest import RunCli
 from tests.testbed import TestBed
 from worker.tinymodel import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
+SIZE = r"[\d.]+ (?:B|KiB|MiB|GiB|TiB)"  # coordinator.units.format_bytes
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_size(text: str) -> float:
+    """`3.3 MiB` -> bytes: the inverse of format_bytes, to compare two sizes a summary shows."""
+    value, unit = text.split()
+    return float(value) * _UNITS[unit]
+
+
 RING_REASON = "[ring] sum_scatter not supported (mlx 0.32.4): fsdp needs nccl (CUDA nodes) or jaccl"
 
 
@@ -94,12 +105,12 @@ def test_capped_nodes_refuse_dp_with_their_cgroup_numbers_and_fit_a_pipeline(tes
     for name, cap in caps.items():
         # Each node's usable memory comes from its cgroup cap (less the process's runtime), not the machine's RAM.
         usable = usable_memory(cap, is_macos=False)
-        assert re.search(rf"{name}: {usable / 2**30:.1f} GiB usable, dp needs ~[\d.]+ GiB", strategy["summary"])
+        assert re.search(rf"{name}: {format_bytes(usable)} usable, dp needs ~{SIZE}", strategy["summary"])
     [chosen] = [r for r in json.loads(auto.stdout)["lint"] if r["id"] == "strategy"]
     assert chosen["summary"].startswith("pipeline (chosen by auto): "), chosen
-    stages = re.findall(r"(\S+) (\d+) blocks ~([\d.]+) GiB of ([\d.]+) GiB", chosen["summary"])
+    stages = re.findall(rf"(\S+) (\d+) blocks ~({SIZE}) of ({SIZE})", chosen["summary"])
     assert [s[0] for s in stages] == list(caps) and sum(int(s[1]) for s in stages) == 6
-    assert all(float(need) <= float(budget) for _, _, need, budget in stages)
+    assert all(parse_size(need) <= parse_size(budget) for _, _, need, budget in stages)
 
 
 def test_auto_trains_solo_on_the_node_that_holds_the_model(testbed: TestBed, run_cli: RunCli, tmp_path: Path) -> None:

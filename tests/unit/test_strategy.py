@@ -3,6 +3,7 @@ section and node budgets in, a decision or a refusal with the numbers out."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -340,3 +341,16 @@ def test_auto_by_memory_prefers_a_pipeline_over_every_node_else_dp_on_the_nodes_
                             budgets={"a": NodeBudget(10**12), "b": NodeBudget(GiB // 8)}, backend="nccl")
     [finding] = [r for r in results if r.id == "strategy"]
     assert finding.status is Status.WARN and "on a: the other nodes cannot hold a replica: b (" in finding.summary
+
+
+def test_a_tiny_models_candidate_lines_never_show_its_memory_as_zero() -> None:
+    """The demo's model needs a few MiB a node: the chosen line says so in MiB/KiB, not "~0.0 GiB" (seen in CI)."""
+    from coordinator.planning.strategy import FleetNode, compute_strategy_choice
+
+    tiny = ModelShape(params=200_000, hidden=64, layers=4, vocab=512, intermediate=128, heads=4)
+    train = TrainConfig(method="lora", batch_size=8, max_seq_length=128)
+    nodes = [FleetNode("a", NodeBudget(21 * GiB)), FleetNode("b", NodeBudget(21 * GiB))]
+    choice = compute_strategy_choice("auto", tiny, train, nodes, backend="ring")
+    lines = choice.reasons()
+    assert lines and not any("0.0 GiB" in line for line in lines), lines
+    assert any(re.search(r"~[\d.]+ (?:B|KiB|MiB) per node", line) for line in lines), lines
