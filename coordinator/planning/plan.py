@@ -236,11 +236,15 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
         if compute_gap >= -PREDICTION_TOLERANCE:
             return (text + f": {why}, and measured why: {measured}, as calibrated; the rest, {rest}, went to the "
                     "exchange and the ranks waiting for each other: the links were slower than when calibration timed "
-                    "the all_sum (other traffic), or one rank stalled. --recalibrate times it again "
+                    "the all_sum (other traffic), ranks sharing a machine's cores waited for each other, or one rank "
+                    "stalled. --recalibrate times it again "
                     "(docs/calibration.md)")
-        return (text + f": {why}. Measured: {measured}: the machine was busier than while calibrating (other work "
-                f"on it); the exchange and the waiting took {rest}. Run on a quiet machine, or --recalibrate while it "
-                "is as busy as it will be (docs/calibration.md)")
+        # Measured: the compute's gap and the exchange's share. Not measured: why; so the causes are offered as
+        # likely ones, never asserted (ranks sharing one machine's cores slow each other even with no other work).
+        return (text + f": {why}. Measured: {measured}, and the exchange and the waiting took {rest}. Likely: the "
+                "machine was busier than while calibrating (other work on it), or ranks sharing its cores slowed each "
+                "other (calibration times the compute and the all_sum apart, not side by side). Run on a quiet "
+                "machine, or --recalibrate while it is as busy as it will be (docs/calibration.md)")
     collective = f"the gradient all_sum between the {ranks} ranks, which the prediction leaves out (its exchange " \
                  "was not measured)"
     compute_gap = prediction_gap(compute, predicted)
