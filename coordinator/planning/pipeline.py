@@ -397,8 +397,7 @@ class PipelinePlan:
         of every micro-batch); no per-node rate (a stage's pace is the pipeline's)."""
         return Plan(split={s.node: 1.0 for s in self.stages}, batch={s.node: self.global_batch for s in self.stages},
                     global_batch=self.global_batch, mode=SplitMode.PIPELINE, seq_len=self.seq_len,
-                    predicted_step_s=self.step_s or 0.0, predicted_tokens_per_s=self.tokens_per_s or 0.0,
-                    planned_memory={s.node: s.need for s in self.stages})
+                    predicted_step_s=self.step_s or 0.0, predicted_tokens_per_s=self.tokens_per_s or 0.0)
 
     def layout(self) -> dict[str, object]:
         """The worker's `RunConfig.layout` (rank i = stage i)."""

@@ -143,7 +143,6 @@ class Plan:
     predicted_tokens_per_s: float
     per_node_step_s: dict[str, float] = field(default_factory=dict)
     fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
-    planned_memory: dict[str, int] = field(default_factory=dict)  # a pipeline stage's predicted peak, per node
     collective: CollectiveCost | None = None  # the gradient all_sum in predicted_step_s (None: left out)
 
     @property

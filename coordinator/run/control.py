@@ -214,12 +214,8 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
             # and checkpoints prove; every rank may even have finished before the stop).
             await launch.read_record(mon, record=False)
         state = mon.outcome() or RunState.STOPPED
-        layout = launch.run_layout
-        planned = ({r.node: r.need_bytes for r in layout.ranks if r.need_bytes is not None}
-                   if layout is not None and layout.pipeline else None)
         summary = summarize(launch, mon, launch.split(),
-                            "stopped by `coordinator stop`" if state is RunState.STOPPED else "",
-                            planned_memory=planned, strategy=launch.layout.kind)
+                            "stopped by `coordinator stop`" if state is RunState.STOPPED else "")
         summary.left_out = list(launch.left_out)
         write_summary(run_dir, summary)
         return StopResult(summary.run_id, str(summary.state), summary.steps, summary.message)

@@ -1020,9 +1020,7 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     # own compute to it and the rest of each step to the exchange.
     compute = final.plan.compute_tokens_per_s if final.plan is not None and final.plan.collective is not None else None
     summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None,
-                        predicted_compute_tokens_per_s=compute or None,
-                        planned_memory=final.plan.planned_memory if final.plan is not None else None,
-                        strategy=final.launch.layout.kind)
+                        predicted_compute_tokens_per_s=compute or None)
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]

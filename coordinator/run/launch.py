@@ -756,11 +756,13 @@ def _which(name: str) -> str | None:
 
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
               predicted_tokens_per_s: float | None = None,
-              predicted_compute_tokens_per_s: float | None = None,
-              planned_memory: Mapping[str, int] | None = None, strategy: str = "dp") -> RunSummary:
-    """`planned_memory`: each node's predicted peak (a pipeline stage's need), shown beside its measured peak;
-    `strategy`: the layout the ranks ran."""
+              predicted_compute_tokens_per_s: float | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
+    # Each node's predicted peak (a pipeline stage's need) from the launch's recorded layout: the one source the
+    # stage view reads too, so the end-of-run memory line and every view hold the same plan.
+    layout = launch.run_layout
+    planned = ({r.node: r.need_bytes for r in layout.ranks if r.need_bytes is not None}
+               if layout is not None and layout.pipeline else {})
     # Each rank's rate and verdict as every view shows them (coordinator.run.replay): the run has ended.
     judged = judge_monitor(mon, now=None, predicted=predicted_tokens_per_s)
     nodes = []
@@ -771,7 +773,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       "tokens_per_s": round(mine.tokens_per_s, 1) if mine and mine.tokens_per_s else None,
                       "verdict": str(mine.verdict) if mine else None,
                       "calibrated_tokens_per_s": view.calibrated_tokens_per_s, "peak_memory_bytes": view.peak_memory,
-                      "planned_memory_bytes": (planned_memory or {}).get(view.node),
+                      "planned_memory_bytes": planned.get(view.node),
                       "checkpoint": view.checkpoint, "run_dir": launch.remote_run_dirs.get(view.node)})
     ckpt = next((v.checkpoint for v in mon.ranks.values() if v.rank == 0 and v.checkpoint), None)
     run_rate = mon.run_tokens_per_s()
@@ -786,7 +788,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       predicted_compute_tokens_per_s=(round(predicted_compute_tokens_per_s, 2)
                                                       if predicted_compute_tokens_per_s else None),
                       stages=judged.stages.to_json(),
-                      strategy=strategy)
+                      strategy=launch.layout.kind)
 
 
 def write_summary(run_dir: Path, summary: RunSummary) -> Path:

@@ -71,7 +71,8 @@ def live_monitor(run: Path, upto: int | None = None) -> Monitor:
 
 
 def write_todays_summary(run: Path, mon: Monitor) -> dict[str, Any]:
-    launch = cast(Launch, SimpleNamespace(run_id=DEMO.name, run_dir=run, remote_run_dirs={}))
+    launch = cast(Launch, SimpleNamespace(run_id=DEMO.name, run_dir=run, remote_run_dirs={}, run_layout=None,
+                                          layout=SimpleNamespace(kind="dp")))
     predicted = json.loads((run / "plan.json").read_text())["predicted_tokens_per_s"]
     doc = summarize(launch, mon, {"local-a": 0.5, "local-b": 0.5}, predicted_tokens_per_s=predicted).to_json()
     validate_output("launch", json.loads(json.dumps(doc, default=str)))

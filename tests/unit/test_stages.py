@@ -173,7 +173,9 @@ def write_run(tmp_path: Path, *, ended: bool) -> tuple[Path, dict[str, Any] | No
     if not ended:
         return run, None
     mon = live_monitor(run_layout())
-    launch = cast(Launch, SimpleNamespace(run_id="pipe-1", run_dir=run, remote_run_dirs={}))
+    layout = run_layout()  # the launch's recorded layout: summarize reads the plan's memory from it
+    launch = cast(Launch, SimpleNamespace(run_id="pipe-1", run_dir=run, remote_run_dirs={}, run_layout=layout,
+                                          layout=layout.worker_layout()))
     summary = json.loads(json.dumps(summarize(launch, mon, {}).to_json(), default=str))
     validate_output("launch", summary)
     (run / "summary.json").write_text(json.dumps(summary))
@@ -185,6 +187,9 @@ def test_every_view_shows_the_same_stages(tmp_path: Path) -> None:
     assert summary is not None
     truth = summary["stages"]
     assert [r["stage"] for r in truth["ranks"]] == [0, 1, 2] and truth["bottleneck"] == 1
+    # the end-of-run memory line's plan (summary nodes) is the stage view's, from the one recorded layout
+    assert {n["node"]: n["planned_memory_bytes"] for n in summary["nodes"]} == \
+        {r["node"]: r["predicted_memory_bytes"] for r in truth["ranks"]}
     replay = RunReplay(meta())
     replay.feed(lines())
     assert replay.judge(None).stages.to_json() == truth  # the files, replayed
