@@ -4,7 +4,7 @@ In-process (fast): the config contract, the pure helpers of worker.chaos, the di
 during a long hash, and single-rank Trainer runs. End to end: real mlx.launch ring runs on 127.0.0.1 (the
 helpers of test_train_distributed), each started once by a module fixture (about a minute on 2 cores):
 
-    byz   3 ranks; rank 1 lies from step 2 and is slow (factor 5) from step 2; rank 2 diverges at step 3;
+    byz   3 ranks; rank 1 lies from step 2 and is slow (factor 10) from step 2; rank 2 diverges at step 3;
           digests every 2 steps. Everyone finishes.
     nan   2 ranks; rank 1's local loss is NaN at step 3.
     kill  2 ranks; rank 1 SIGKILLs itself at the start of step 3.
@@ -68,7 +68,7 @@ BASE: dict[str, Any] = {
     "method": "lora", "optimizer": "adam", "learning_rate": 5e-3, "save_every": 0, "steps_per_eval": 0,
     "lora": {"rank": 4, "scale": 20.0, "dropout": 0.0}, "consistency_every": 2,
 }
-SLOW_FACTOR = 5.0
+SLOW_FACTOR = 10.0
 # Generous: on a 2-core box shared with other work, starting 3 ranks (imports, ring, model) can take a minute.
 LAUNCH_TIMEOUT = 300.0
 ADAM: dict[str, Any] = {"optimizer": "adam", "learning_rate": 1e-3}  # in-process runs: run_in_process's SGD lr 0.5
@@ -407,8 +407,10 @@ def test_a_lying_rank_runs_ahead_in_its_reports_only(byz: Finished) -> None:
 def test_a_slow_rank_is_a_real_straggler(byz: Finished) -> None:
     compute = {r: [e["compute_s"] for e in kinds(byz.events(r), "step")[1:]] for r in range(3)}
     ratio = statistics.median(compute[1]) / statistics.median(compute[0] + compute[2])
-    # expected ~SLOW_FACTOR; generous bounds: timings on a loaded 2-core box are noisy
-    assert SLOW_FACTOR / 2.5 < ratio < SLOW_FACTOR * 4, (ratio, compute)
+    # ~SLOW_FACTOR when the ranks compute alike; wide bounds because they do not here: 3 ranks share 2 cores, and
+    # rank 1 computes alone while its peers wait in the all_sum, so its own (unslowed) compute can be 1/4 of theirs
+    # (seen in CI: ratio 1.3 at factor 5). Without the slowdown the ratio is ~1.
+    assert SLOW_FACTOR / 6 < ratio < SLOW_FACTOR * 4, (ratio, compute)
     # its peers waited for it in the collective: their step time covers its compute
     waits = [e["step_time_s"] for e in kinds(byz.events(0), "step")[1:]]
     assert statistics.median(waits) >= 0.8 * statistics.median(compute[1]), (waits, compute[1])
