@@ -28,6 +28,7 @@ run here). nccl has no send/recv: no pipeline over nccl, so on nccl `auto` choos
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -36,6 +37,13 @@ from typing import Any, Literal
 from coordinator.config.playbook import TrainConfig
 from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
+from coordinator.planning.collective import (
+    CollectiveCost,
+    CollectiveError,
+    CostSource,
+    derive_collective,
+    ring_allreduce_s,
+)
 from coordinator.planning.estimate import ModelShape, estimate_training_memory, usable_memory
 from coordinator.planning.pipeline import (
     LayerTiming,
@@ -46,8 +54,9 @@ from coordinator.planning.pipeline import (
     block_params,
     check_layer_split,
     compute_layer_split,
+    link_between,
 )
-from coordinator.planning.plan import NodeCalibration, Plan, PlanError, compute_plan
+from coordinator.planning.plan import NodeCalibration, Plan, PlanError, compute_plan, with_collective
 from coordinator.units import format_bytes
 
 Strategy = Literal["dp", "pipeline", "fsdp"]
@@ -362,8 +371,36 @@ def pipeline_job(shape: ModelShape, train: TrainConfig, *, fill: float = 1.0) ->
                        rows_per_example=train.rows_per_example)
 
 
+def dp_exchange(nodes: Sequence[FleetNode], links: LinkTable, backend: str) -> CollectiveCost | None:
+    """The gradient exchange a dp candidate over `nodes` (ring order) pays each step, derived by the ring model
+    (`planning.collective.derive_collective`) from the links measured for the pipeline: its slowest link between
+    ring neighbours and their largest latency. So a dp plan pays for what crosses the network as a pipeline pays
+    for its activations, and `auto` weighs them alike (launch then measures the chosen dp's all_sum itself). A pair
+    whose link was not measured (neighbours only in a smaller candidate's ring) counts free, as it does for a
+    pipeline. None for one node, a bench that did not count the gradients, or no measured link in the ring."""
+    gradients = next((n.calibration.gradients for n in nodes
+                      if n.calibration is not None and n.calibration.gradients is not None), None)
+    if len(nodes) < 2 or gradients is None:
+        return None
+    ring = [x for a, b in zip(nodes, [*nodes[1:], nodes[0]], strict=True)
+            if (x := link_between(links, a.node, b.node)) is not None]
+    if not ring:
+        return None
+    bandwidth = min(x.bytes_per_s for x in ring)
+    latency = max(x.latency_s for x in ring)
+    names = [n.node for n in nodes]
+    try:
+        if math.isinf(bandwidth):  # links that cost no measurable time per byte: the exchange is its latency
+            hops = ring_allreduce_s(0, len(names), 1.0, latency)
+            return CollectiveCost(hops, gradients.nbytes, len(names), backend, CostSource.DERIVED, small_s=hops,
+                                  nodes=tuple(names))
+        return derive_collective(gradients, names, backend, bandwidth, latency)
+    except CollectiveError:
+        return None
+
+
 def _dp_candidate(kind: CandidateKind, label: str, shape: ModelShape, train: TrainConfig, nodes: Sequence[FleetNode],
-                  split: str | Mapping[str, float]) -> Candidate:
+                  split: str | Mapping[str, float], exchange: CollectiveCost | None = None) -> Candidate:
     names = tuple(n.node for n in nodes)
     needs = [(n, per_rank_need(shape, train, world_size=len(nodes), budget=n.budget)[0]) for n in nodes]
     over = [f"{n.node} needs ~{_gb(need)} of {_gb(n.budget.usable)}" for n, need in needs if need > n.budget.usable]
@@ -381,6 +418,9 @@ def _dp_candidate(kind: CandidateKind, label: str, shape: ModelShape, train: Tra
     except PlanError as exc:
         return Candidate(kind, label, "dp", names, False, None, str(exc))
     batches = ", ".join(f"{n} {b}" for n, b in plan.batch.items())
+    if exchange is not None and len(nodes) > 1:
+        plan = with_collective(plan, exchange)
+        batches += f"; all_sum ~{1000 * exchange.seconds:.1f} ms (ring model, measured links)"
     rows = tuple(PlanRow(n.node, 0, shape.layers, need, n.budget.usable, plan.per_node_step_s.get(n.node))
                  for n, need in needs)
     return Candidate(kind, label, "dp", names, True, plan.predicted_tokens_per_s, f"{note}; batch {batches}", dp=plan,
@@ -422,20 +462,24 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
 
     Candidates: dp on every node; dp on the nodes whose replica fits (when that is some but not all, >= 2); the
     fastest node solo; a pipeline over every node (`train.layer_split` when pinned); pipelines over fewer nodes,
-    leaving out the slowest per block one at a time. `auto` takes the fitting candidate with the best predicted
-    tokens/s (where none is measured: dp on every node, a pipeline over every node, dp on some, a smaller
-    pipeline, solo, in that order); `dp` is dp on every node, `pipeline` the pipeline over every node. Raises
-    StrategyError with every candidate's numbers when the requested one (or, for auto, any) does not fit."""
+    leaving out the slowest per block one at a time. A dp candidate of several nodes pays its gradient exchange
+    where the links were measured (`dp_exchange`), as a pipeline pays for its activations. `auto` takes the
+    fitting candidate with the best predicted tokens/s (where none is measured: dp on every node, a pipeline over
+    every node, dp on some, a smaller pipeline, solo, in that order); `dp` is dp on every node, `pipeline` the
+    pipeline over every node. Raises StrategyError with every candidate's numbers when the requested one (or, for
+    auto, any) does not fit."""
     if not nodes:
         raise StrategyError("no node memory known: the strategy cannot be planned")
     fills = [n.calibration.fill for n in nodes if n.calibration is not None]
     job = pipeline_job(shape, train, fill=sum(fills) / len(fills) if fills else 1.0)
-    everyone = _dp_candidate(CandidateKind.DP_ALL, "dp on every node", shape, train, nodes, split)
+    table = links or {}
+    everyone = _dp_candidate(CandidateKind.DP_ALL, "dp on every node", shape, train, nodes, split,
+                             dp_exchange(nodes, table, backend))
     candidates = [everyone]
     solo_fit = [n for n in nodes if per_rank_need(shape, train, world_size=1, budget=n.budget)[0] <= n.budget.usable]
     if requested == "auto" and 2 <= len(solo_fit) < len(nodes):
         candidates.append(_dp_candidate(CandidateKind.DP_SOME, f"dp on {', '.join(n.node for n in solo_fit)}", shape,
-                                        train, solo_fit, "calibrated"))
+                                        train, solo_fit, "calibrated", dp_exchange(solo_fit, table, backend)))
     if requested == "auto" and len(nodes) > 1:
         solos = [_dp_candidate(CandidateKind.SOLO, f"solo on {n.node}", shape, train, [n], "calibrated")
                  for n in solo_fit]
@@ -450,13 +494,12 @@ def compute_strategy_choice(requested: str, shape: ModelShape, train: TrainConfi
                                        tuple(n.node for n in nodes), False, None,
                                        unsupported or pipeline_refusal(backend)))
         elif len(nodes) > 1 or requested == "pipeline":
-            pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_ALL, job, nodes, train.layer_split,
-                                                 links or {}))
+            pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_ALL, job, nodes, train.layer_split, table))
             if train.layer_split is None and requested == "auto":
                 left = list(nodes)
                 for out in _slowest_first(nodes)[:-2]:
                     left = [n for n in left if n.node != out.node]
-                    pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None, links or {}))
+                    pipelines.append(_pipeline_candidate(CandidateKind.PIPELINE_SOME, job, left, None, table))
     # Of the smaller pipelines only the best is worth a line.
     smaller = [c for c in pipelines if c.kind is CandidateKind.PIPELINE_SOME]
     if smaller:

@@ -392,3 +392,39 @@ def test_the_plan_record_keeps_each_stages_predicted_busy_seconds() -> None:
     out = compute_strategy_choice("pipeline", SHAPE, train, fleet, backend="ring").to_json()
     assert [r["predicted_busy_s"] for r in out["rows"]] == pytest.approx([4 * 0.6, 4 * 0.6])
     assert out["predicted_step_s"] == pytest.approx(5 * 0.6) and out["link_s"] == [None]
+
+
+def test_auto_charges_dp_the_gradient_exchange_over_the_measured_links() -> None:
+    """dp pays an all_sum of its gradients every step, as a pipeline pays for its activations: where the links were
+    measured (for the pipeline), each dp candidate of several nodes pays the ring model's exchange over them, so a
+    slow link can make one node solo the faster plan; without measured links no candidate pays for the network."""
+    from coordinator.planning.collective import GradientSize, ring_allreduce_s
+    from coordinator.planning.strategy import dp_exchange
+
+    grads = GradientSize((("bfloat16", 50_000_000),))  # 100 MB of gradients (+ the float32 loss)
+
+    def node(name: str, rate: float) -> FleetNode:
+        cal = NodeCalibration(name, tuple(CurvePoint(b, rate, GiB) for b in (1, 2, 4, 8)), 1.0, None, seq_len=512,
+                              gradients=grads)
+        return FleetNode(name, NodeBudget(BIG), calibration=cal)
+
+    fleet = [node("ultra", 4000.0), node("max", 3000.0)]
+    free = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring")
+    assert free.chosen.label == "dp on every node" and free.chosen.dp is not None
+    assert free.chosen.dp.collective is None
+    slow = LinkCost(0.002, 25e6)  # 200 Mbit/s
+    exchange = dp_exchange(fleet, {("ultra", "max"): slow}, "ring")
+    assert exchange is not None and exchange.nbytes == grads.nbytes
+    assert exchange.seconds == pytest.approx(ring_allreduce_s(grads.nbytes, 2, 25e6, 0.002))  # ~4 s
+    choice = compute_strategy_choice("auto", SHAPE, TRAIN, fleet, backend="ring", links={("max", "ultra"): slow})
+    dp = next(c for c in choice.candidates if c.label == "dp on every node")
+    assert dp.dp is not None and dp.dp.collective == exchange
+    assert dp.tokens_per_s == pytest.approx(dp.dp.global_batch * 512 / (max(dp.dp.per_node_step_s.values())
+                                                                         + exchange.seconds))
+    assert "all_sum ~" in dp.note
+    assert choice.chosen.label == "solo on ultra"  # no exchange: faster than two nodes waiting ~4 s on the link
+    # A pair the links do not cover counts free (as in a pipeline); no link measured in the ring: no exchange.
+    third = dp_exchange([*fleet, node("mini", 1000.0)], {("ultra", "max"): LinkCost(0.001, 1e9)}, "ring")
+    assert third is not None and third.seconds == pytest.approx(ring_allreduce_s(grads.nbytes, 3, 1e9, 0.001))
+    assert dp_exchange([fleet[0], node("mini", 1000.0)], {("ultra", "max"): slow}, "ring") is None
+    assert dp_exchange(fleet, {}, "ring") is None and dp_exchange(fleet[:1], {("ultra", "max"): slow}, "ring") is None
