@@ -132,7 +132,7 @@ def launch(inventory: str, playbook: str, as_json: bool, run_dir: Path, skip_pre
         throughput = describe_prediction(summary.tokens_per_s, summary.predicted_tokens_per_s, steps=summary.steps,
                                          ranks=len(summary.split), compute=summary.compute_tokens_per_s,
                                          predicted_compute=summary.predicted_compute_tokens_per_s,
-                                         pipeline=pipeline)
+                                         pipeline=pipeline, rehearsed=summary.rehearsed_steps)
         console.print(f"throughput: {throughput}", markup=False, highlight=False)
         memory = describe_memory(summary.nodes)
         if memory is not None:

@@ -136,6 +136,17 @@ class Barrier:
         return out
 
 
+def describe_shared(groups: Sequence[BenchGroup], planned: Sequence[str]) -> str | None:
+    """The planned nodes that share a machine, in words (`local-a, local-b share this machine`), or None when every
+    planned node has a machine of its own: where the run's step is rehearsed (`run/rehearse.py`)."""
+    parts = []
+    for group in groups:
+        members = [n for n in group.nodes if n in planned]
+        if len(members) > 1:
+            parts.append(f"{', '.join(members)} share {group.machine}")
+    return "; ".join(parts) or None
+
+
 def pool_curves(calibrations: Sequence[NodeCalibration], kinds: Mapping[str, Hashable]) -> list[NodeCalibration]:
     """The calibrations of one group measured together, each member whose `kinds` value it shares with another
     given their pooled curve: at every batch all of them measured, the mean rate and the largest peak memory;

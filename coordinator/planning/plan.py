@@ -125,6 +125,33 @@ class NodeCalibration:
 
 
 @dataclass(frozen=True)
+class Rehearsal:
+    """A few steps of the run itself, timed before it starts (`run/rehearse.py`), for ranks that share a machine.
+
+    They slow each other in ways that no measurement made apart sees: their compute side by side on shared cores
+    and memory bandwidth, the all_sum among ranks that are still computing, and the host work between steps (one
+    rank's checkpoint write delays the other's next all_sum). Calibration times the compute in lockstep and the
+    all_sum alone; the rehearsal times the step as the run takes it, so for these ranks it is the prediction.
+    `tokens_per_s` is the run's own statistic (`Monitor.run_tokens_per_s`: the median over steps of all ranks'
+    real tokens / step time), `compute_tokens_per_s` its compute part (`Monitor.run_compute_tokens_per_s`)."""
+
+    steps: int
+    tokens_per_s: float
+    compute_tokens_per_s: float | None
+    shared: str  # what shares a machine, in words: "local-a, local-b on this machine"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not (math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0):
+            raise PlanError(f"a rehearsal needs >= 1 step and a positive rate, got {self.steps}, {self.tokens_per_s}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 2),
+                "compute_tokens_per_s": (round(self.compute_tokens_per_s, 2) if self.compute_tokens_per_s is not None
+                                         else None),
+                "shared": self.shared}
+
+
+@dataclass(frozen=True)
 class Plan:
     """Rows per node for one optimizer step. `batch` and `split` keep the calibrations' (rank) order.
 
@@ -144,15 +171,21 @@ class Plan:
     per_node_step_s: dict[str, float] = field(default_factory=dict)
     fill: float = 1.0  # real tokens per row / seq_len: rates in real tokens = rows x seq_len x fill
     collective: CollectiveCost | None = None  # the gradient all_sum in predicted_step_s (None: left out)
+    rehearsal: Rehearsal | None = None  # the run's steps timed before it (`with_rehearsal`): then the prediction
 
     @property
     def compute_step_s(self) -> float:
-        """The predicted step without the exchange: the slowest node's compute."""
+        """The predicted step without the exchange: the slowest node's compute (calibration's, or the rehearsal's
+        compute part)."""
+        if self.rehearsal is not None and self.rehearsal.compute_tokens_per_s:
+            return self.global_batch * self.seq_len * self.fill / self.rehearsal.compute_tokens_per_s
         return self.predicted_step_s - (self.collective.seconds if self.collective is not None else 0.0)
 
     @property
     def compute_tokens_per_s(self) -> float:
         """The prediction without the exchange (what the ranks' own compute should run at); 0 when uncalibrated."""
+        if self.rehearsal is not None and self.rehearsal.compute_tokens_per_s:
+            return self.rehearsal.compute_tokens_per_s
         step = self.compute_step_s
         return self.global_batch * self.seq_len * self.fill / step if step > 0 else 0.0
 
@@ -190,14 +223,16 @@ PREDICTION_MIN_STEPS = 3
 
 def describe_prediction(actual: float | None, predicted: float | None, *, steps: int | None = None,
                         ranks: int = 1, compute: float | None = None,
-                        predicted_compute: float | None = None, pipeline: bool = False) -> str:
+                        predicted_compute: float | None = None, pipeline: bool = False,
+                        rehearsed: int | None = None) -> str:
     """The run's tokens/s next to the prediction, in words. A gap over PREDICTION_TOLERANCE says which way, why and
     what to do, in plain words; a run of fewer than PREDICTION_MIN_STEPS `steps` is not held to the prediction at
     all. `compute` (the run's rate without the gradient all_sum, `Monitor.run_compute_tokens_per_s`) turns the why
     into a measurement. `predicted_compute` is the prediction without the exchange, given when the prediction
     holds a measured exchange (`Plan.collective`): the run's compute is then held to it and the rest of each step
     to the exchange's predicted share. Without it (one rank, or an exchange not measured) the prediction is the
-    compute alone, and with `ranks` > 1 it leaves the collective out: said."""
+    compute alone, and with `ranks` > 1 it leaves the collective out: said. `rehearsed`: the steps of the rehearsal
+    whose rate is the prediction (`Rehearsal`), which then is what the run is held to."""
     if actual is None:
         return "no step finished: no tokens/s"
     text = f"{actual:,.0f} real tokens/s (median of the run's steps)"
@@ -209,6 +244,15 @@ def describe_prediction(actual: float | None, predicted: float | None, *, steps:
                 "first steps compile)")
     text += f" vs {predicted:,.0f} predicted ({100 * gap:+.0f}%)"
     tolerance = f"{100 * PREDICTION_TOLERANCE:.0f}%"
+    if rehearsed:
+        source = f"the rehearsal ({rehearsed} steps of the run timed before it: its ranks share a machine)"
+        if abs(gap) <= PREDICTION_TOLERANCE:
+            return text + f": within {tolerance} of {source}"
+        if gap > 0:
+            return (text + f": faster than {source}, by more than {tolerance}: the machine was busier while "
+                    "rehearsing than during the run (docs/calibration.md)")
+        return (text + f": slower than {source}, by more than {tolerance}: the machine was busier during the run than "
+                "while rehearsing (other work on it). Run on a quiet machine (docs/calibration.md)")
     included = ranks > 1 and predicted_compute is not None and predicted_compute > predicted
     exchange = (f"the gradient all_sum, {100 * (1 - predicted / predicted_compute):.0f}% of the predicted step"
                 if included and predicted_compute else "")
@@ -547,6 +591,16 @@ def with_collective(plan: Plan, cost: CollectiveCost | None) -> Plan:
                    predicted_tokens_per_s=plan.global_batch * plan.seq_len * plan.fill / step)
 
 
+def with_rehearsal(plan: Plan, rehearsal: Rehearsal | None) -> Plan:
+    """`plan` predicted by its rehearsal: the run's rate as its first steps ran, the split unchanged (calibration's
+    curves made it; the rehearsal only times it). The calibrated parts stay in `per_node_step_s` and `collective`
+    for the plan table. None, or a pipeline, comes back unchanged."""
+    if rehearsal is None or plan.mode == SplitMode.PIPELINE:
+        return plan
+    return replace(plan, rehearsal=rehearsal, predicted_tokens_per_s=rehearsal.tokens_per_s,
+                   predicted_step_s=plan.global_batch * plan.seq_len * plan.fill / rehearsal.tokens_per_s)
+
+
 def fixed_plan(names: Sequence[str], global_batch: int, split: str | Mapping[str, float], *, seq_len: int) -> Plan:
     """An `equal` or explicit `{node: fraction}` split without calibration curves (no memory caps, no predicted
     rates): what a playbook with a fixed split runs, so it never waits for a benchmark."""
@@ -575,6 +629,12 @@ def describe_step(plan: Plan) -> str:
     gradient all_sum (8%)`, or the compute alone with why the exchange is not in it."""
     if plan.predicted_step_s <= 0:
         return "no predicted step (uncalibrated split)"
+    if plan.rehearsal is not None:
+        calibrated = max(plan.per_node_step_s.values(), default=0.0) + (
+            plan.collective.seconds if plan.collective is not None else 0.0)
+        return (f"predicted step {1000 * plan.predicted_step_s:.1f} ms, timed by a rehearsal of {plan.rehearsal.steps} "
+                f"steps of the run ({plan.rehearsal.shared}: side by side, they slow each other); calibrated apart "
+                f"it was {1000 * calibrated:.1f} ms")
     if plan.collective is None:
         alone = "one rank: no exchange" if len(plan.batch) < 2 else "the gradient all_sum not measured, left out"
         return f"predicted step {1000 * plan.predicted_step_s:.1f} ms of compute ({alone})"

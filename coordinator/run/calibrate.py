@@ -357,7 +357,8 @@ def plan_step_json(plan: Plan) -> dict[str, Any]:
     gradient exchange (null where none is in the prediction) and its share of the step."""
     return {"predicted_s": round(plan.predicted_step_s, 6), "compute_s": round(plan.compute_step_s, 6),
             "collective": plan.collective.to_json() if plan.collective is not None else None,
-            "collective_share": round(plan.collective_share, 4)}
+            "collective_share": round(plan.collective_share, 4),
+            "rehearsal": plan.rehearsal.to_json() if plan.rehearsal is not None else None}
 
 
 def calibration_to_json(

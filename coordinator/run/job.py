@@ -29,7 +29,7 @@ from coordinator.fleet.gather import gather_facts
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, known_host_keys, known_hosts_path
 from coordinator.models import Inventory, Node, PreflightReport
 from coordinator.planning.collective import CollectiveCost, rescale_collective
-from coordinator.planning.colocate import compute_bench_groups
+from coordinator.planning.colocate import compute_bench_groups, describe_shared
 from coordinator.planning.estimate import ModelShape, model_shape
 from coordinator.planning.gpuranks import build_rank_nodes, pool_identical_gpus, rank_facts
 from coordinator.planning.hostfile import Hostfile, build_hostfile, resolve_backend
@@ -44,6 +44,7 @@ from coordinator.planning.plan import (
     fixed_plan,
     per_example_calibration,
     with_collective,
+    with_rehearsal,
 )
 from coordinator.planning.shards import MapRow
 from coordinator.planning.shortfall import compute_memory_shortfall
@@ -107,6 +108,7 @@ from coordinator.run.quarantine import (
     inventory_key,
     new_entry,
 )
+from coordinator.run.rehearse import rehearsal_steps, rehearse
 from coordinator.run.resume import ResumeDecision, ResumeRefused, check_resume
 from coordinator.run.rundir import EVENTS, PlanRecord
 from coordinator.run.supervision import (
@@ -839,6 +841,7 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
             # Before any rank starts: a resume with nothing valid to resume from refuses (ResumeRefused, exit 1).
             resumed = await _check_resume(fleet, nodes, run_id, run_dir, opts.restart_from_scratch, ui)
             check_reachable(chaos, after_step=resumed.step or 0)  # before any rank starts
+        plan = await rehearsed(fleet, pb, nodes, plan, state.facts, run_id, sup, ui)
         left = [lo.to_json() for lo in left_out]
         first = await _run_attempt(fleet, pb, nodes, plan, cals, state.facts, run_id, run_dir, 0,
                                    resume=opts.resume is not None, chaos=chaos, ui=ui,
@@ -847,6 +850,29 @@ async def _run_job(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, ch
                                    strategy=choice)
         return await supervise(fleet, inv, pb, opts, ui, store, run_id, run_dir, first, dict(state.facts), sup,
                                resumed=resumed)
+
+
+async def rehearsed(fleet: Fleet, pb: Playbook, nodes: Sequence[Node], plan: Plan, facts: Mapping[str, NodeFacts],
+                    run_id: str, sup: Supervision, ui: JobUI) -> Plan:
+    """`plan` predicted by a rehearsal of the run where its ranks share a machine (`run/rehearse.py`); else, or when
+    the rehearsal fails (said), unchanged. A dp (or fsdp) plan of a calibrated split and a run long enough only."""
+    steps = rehearsal_steps(pb.train.iters)
+    if steps is None or len(nodes) < 2 or plan.mode == SplitMode.PIPELINE or not plan.per_node_step_s:
+        return plan
+    shared = describe_shared(compute_bench_groups(nodes, facts), [n.name for n in nodes])
+    if shared is None:
+        return plan
+    sub = Inventory(tuple(nodes))
+    result = await rehearse(fleet, pb, nodes, plan, hostfile_for(sub, pb, facts), facts, run_id=run_id,
+                            layout=Layout(kind=resolve_strategy(sub, pb, facts)), sup=sup, shared=shared, steps=steps,
+                            progress=ui.message)
+    if isinstance(result, str):
+        ui.message(f"no rehearsal: {result}; the prediction stays calibration's")
+        return plan
+    ui.message(f"rehearsal: {result.tokens_per_s:,.0f} real tokens/s over {steps} steps "
+               f"({100 * (result.tokens_per_s / plan.predicted_tokens_per_s - 1):+.0f}% of the "
+               f"{plan.predicted_tokens_per_s:,.0f} calibrated apart): the prediction")
+    return with_rehearsal(plan, result)
 
 
 async def _check_resume(fleet: Fleet, nodes: Sequence[Node], run_id: str, run_dir: Path,
@@ -1020,7 +1046,9 @@ async def supervise(fleet: Fleet, inv: Inventory, pb: Playbook, opts: JobOptions
     # own compute to it and the rest of each step to the exchange.
     compute = final.plan.compute_tokens_per_s if final.plan is not None and final.plan.collective is not None else None
     summary = summarize(final.launch, final.monitor, split, message, predicted_tokens_per_s=predicted or None,
-                        predicted_compute_tokens_per_s=compute or None)
+                        predicted_compute_tokens_per_s=compute or None,
+                        rehearsed_steps=(final.plan.rehearsal.steps if final.plan is not None
+                                         and final.plan.rehearsal is not None else None))
     summary.incidents = [i for a in attempts for i in a.monitor.incidents]
     summary.attempts = final.number + 1
     summary.recoveries = [{k: v for k, v in r.items() if k not in ("detected_at", "first_step_at")} for r in recoveries]

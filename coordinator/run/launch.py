@@ -163,6 +163,8 @@ class RunSummary(SummaryBase):
     compute_tokens_per_s: float | None = None  # the same median without the all_sum (Monitor.run_compute_tokens_per_s)
     # The prediction without the gradient exchange, where the prediction holds a measured one (Plan.collective)
     predicted_compute_tokens_per_s: float | None = None
+    # The steps of the rehearsal that made the prediction (ranks sharing a machine: run/rehearse.py); None: calibration
+    rehearsed_steps: int | None = None
     resumed_from: dict[str, Any] | None = None  # the --resume decision (coordinator.run.resume.ResumeDecision)
     stages: dict[str, Any] | None = None  # the final attempt's stages and memory (coordinator.run.stages.StageView)
     strategy: str = "dp"  # the layout the ranks ran: dp | pipeline | fsdp
@@ -172,7 +174,8 @@ class RunSummary(SummaryBase):
                 "checkpoint": self.checkpoint,
                 "tokens_per_s": self.tokens_per_s, "predicted_tokens_per_s": self.predicted_tokens_per_s,
                 "compute_tokens_per_s": self.compute_tokens_per_s,
-                "predicted_compute_tokens_per_s": self.predicted_compute_tokens_per_s, "attempts": self.attempts,
+                "predicted_compute_tokens_per_s": self.predicted_compute_tokens_per_s,
+                "rehearsed_steps": self.rehearsed_steps, "attempts": self.attempts,
                 "recoveries": self.recoveries, "resumed_from": self.resumed_from, "stages": self.stages}
 
 
@@ -756,7 +759,7 @@ def _which(name: str) -> str | None:
 
 def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message: str = "", *,
               predicted_tokens_per_s: float | None = None,
-              predicted_compute_tokens_per_s: float | None = None) -> RunSummary:
+              predicted_compute_tokens_per_s: float | None = None, rehearsed_steps: int | None = None) -> RunSummary:
     state = mon.outcome() or RunState.FAILED
     # Each node's predicted peak (a pipeline stage's need) from the launch's recorded layout: the one source the
     # stage view reads too, so the end-of-run memory line and every view hold the same plan.
@@ -787,7 +790,7 @@ def summarize(launch: Launch, mon: Monitor, split: Mapping[str, float], message:
                       compute_tokens_per_s=round(compute_rate, 2) if compute_rate is not None else None,
                       predicted_compute_tokens_per_s=(round(predicted_compute_tokens_per_s, 2)
                                                       if predicted_compute_tokens_per_s else None),
-                      stages=judged.stages.to_json(),
+                      rehearsed_steps=rehearsed_steps, stages=judged.stages.to_json(),
                       strategy=launch.layout.kind)
 
 

@@ -149,14 +149,26 @@ class CollectiveOut(_Out):
     latency_s: float | None = Field(description="the ring model's per-hop latency")
 
 
+class RehearsalOut(_Out):
+    """The run's first steps, timed before it starts, for ranks that share a machine (docs/calibration.md)."""
+
+    steps: int
+    tokens_per_s: float = Field(description="median over the rehearsal's steps of all ranks' real tokens / step time")
+    compute_tokens_per_s: float | None = Field(description="the same without the all_sum and the waiting")
+    shared: str = Field(description="which nodes share which machine, in words")
+
+
 class PlanStepOut(_Out):
-    """The predicted step in parts: step = the slowest node's compute + the gradient exchange."""
+    """The predicted step in parts: step = the slowest node's compute + the gradient exchange; where ranks share a
+    machine, the step a rehearsal of the run timed (`rehearsal`), the calibrated parts kept beside it."""
 
     predicted_s: float
     compute_s: float
     collective: CollectiveOut | None = Field(description="null: no exchange in the prediction (one rank, a fixed "
                                                          "split, a pipeline, or not measured)")
     collective_share: float = Field(description="the exchange's share of the predicted step, 0..1")
+    rehearsal: RehearsalOut | None = Field(default=None, description="null: no rehearsal (no two ranks share a "
+                                                                      "machine); else the prediction is its rate")
 
 
 class CalibrateOut(_Out):
@@ -280,6 +292,9 @@ class RunSummaryOut(_SummaryOut):
         "the prediction without the gradient exchange (the slowest node's calibrated compute), where the "
         "prediction holds a measured all_sum (docs/calibration.md); null where it has none: one rank, a fixed "
         "split, or an exchange not measured"))
+    rehearsed_steps: int | None = Field(default=None, description=(
+        "the steps of the rehearsal whose rate is the prediction (ranks that share a machine: the run's first steps "
+        "timed before it, docs/calibration.md); null: the prediction is calibration's"))
     attempts: int
     recoveries: list[RecoveryOut]
     resumed_from: ResumedFromOut | None

@@ -476,7 +476,7 @@ def test_calibration_to_json_shape() -> None:
         # The predicted step in parts: no exchange measured here (the job adds it, planning/collective.py).
         "predicted_tokens_per_s": pytest.approx(plan.predicted_tokens_per_s),
         "step": {"predicted_s": pytest.approx(plan.predicted_step_s), "compute_s": pytest.approx(plan.predicted_step_s),
-                 "collective": None, "collective_share": 0.0},
+                 "collective": None, "collective_share": 0.0, "rehearsal": None},
     }
     assert list(out["nodes"][0]) == ["node", "tokens_per_s", "batch_size", "share", "curve"]
     json.dumps(out)  # serialisable
