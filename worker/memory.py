@@ -27,9 +27,9 @@ compiling warm-up, which is the measuring step there too, so the measured rate i
 
 `clear_cache` (`train.clear_cache`) still empties the buffer cache after every step, as mlx-lm does.
 
-Who calls it: `worker.step.TrainStep.run` (the dp and fsdp steps and calibration's). The pipeline step does not yet:
-their collectives (send/recv, gathers) run inside the step's evaluation, and a step with nothing in flight has
-not been checked against their schedules.
+Who calls it: `worker.step.TrainStep.run` (the dp and fsdp steps and calibration's) and the pipeline's step
+(`worker.parallel.pipeline.strategy.Pipeline.step`), whose schedule evaluates every action, each send and recv
+among them, before the next: a measuring step holds no collective back from its peer.
 
 Compatibility: Python 3.9+ (the nodes' python); mlx only.
 """

@@ -41,6 +41,7 @@ from worker.comm import scalar
 from worker.data import build_batch, load_datasets
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
+from worker.memory import StepMemory, batch_size_of
 from worker.modelsetup import count_parameters, make_optimizer
 from worker.objectives import Micro, SftObjective
 from worker.parallel.base import ResumeState, Strategy, mismatch
@@ -75,6 +76,7 @@ class Pipeline(Strategy):
     busy_s: float = 0.0  # the last step's own computation and wait (`step_fields`)
     wait_s: float = 0.0
     boundary: Boundary  # the last step's values at the stage's boundary (`step_fields`)
+    memory: StepMemory  # the step's bound (`train.memory_headroom`) and `train.clear_cache` (worker.memory)
 
     # -- set-up ------------------------------------------------------------------------------------------------
 
@@ -104,6 +106,7 @@ class Pipeline(Strategy):
         self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
         self.optimizer.init(self.model.trainable_parameters())
         mx.eval(self.model.parameters(), self.optimizer.state)
+        self.memory = StepMemory(cfg.memory_headroom, cfg.clear_cache)
 
     def check_start(self) -> None:
         """Every stage runs the same training settings over the same model depth, with the activations' width
@@ -170,10 +173,23 @@ class Pipeline(Strategy):
 
     def step(self, build: Callable[[], Sequence[Micro]], *, after_local: Callable[[Local], Local] | None = None,
              before_apply: Callable[[float], None] | None = None) -> StepResult:
+        """One step of this stage, bounded as dp's (`worker.memory`): every action of the schedule is evaluated
+        before the next, a send or recv among them, so a measuring step (nothing in flight) holds no collective
+        back from its peer."""
         clock = time.perf_counter
         tic = clock()
         self.progress.reset()
         micros = list(build())
+        self.memory.begin(batch_size_of([a for m in micros for a in m.inputs]))
+        try:
+            return self._step(micros, tic, after_local, before_apply)
+        except BaseException:
+            self.memory.release()  # a failed step must not leave every later eval waiting on each op
+            raise
+
+    def _step(self, micros: list[Micro], tic: float, after_local: Callable[[Local], Local] | None,
+              before_apply: Callable[[float], None] | None) -> StepResult:
+        clock = time.perf_counter
         chunks = self._chunks(micros)
         weight = mx.sum(mx.stack([c.weight for c in chunks]))
         tokens = mx.sum(mx.stack([c.tokens for c in chunks]))
@@ -214,8 +230,7 @@ class Pipeline(Strategy):
         loss, norm = summed[0], mx.sqrt(summed[1])
         mx.eval(loss, norm, own_loss)
         self.wait_s += clock() - summing
-        if self.config.clear_cache:
-            mx.clear_cache()
+        self.memory.end()
         elapsed = clock() - tic
         return StepResult(micros, local, own_loss, mx.sqrt(stage_sq), loss, norm, None, compute_s, elapsed)
 
