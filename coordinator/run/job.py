@@ -1172,9 +1172,6 @@ async def _run_attempt(
     launch.should_stop = sup.stop_reason
     launch.layout = (build_layout(strategy.chosen.pipeline) if strategy is not None and strategy.chosen.pipeline
                      is not None else Layout(kind=resolve_strategy(sub, pb, facts)))
-    if strategy is not None and strategy.chosen.pipeline is not None:
-        # The plan's busy seconds per step of each stage: the straggler rule's yardstick (Monitor._stage_stragglers).
-        launch.predicted_stage_s = {i: row.busy_s for i, row in enumerate(strategy.chosen.rows) if row.busy_s}
     # A pipeline splits blocks, not rows: its rows are the strategy's stages, not per-node batches.
     split_rows = bool(cals) and plan.mode != SplitMode.PIPELINE
     record = PlanRecord(nodes=build_plan_nodes(plan, [cals[n.name] for n in nodes]) if split_rows else (),

@@ -76,7 +76,7 @@ from coordinator.run.rundir import (
     RunMeta,
     SummaryBase,
 )
-from coordinator.run.stages import RunLayout, build_run_layout
+from coordinator.run.stages import RunLayout, build_run_layout, planned_busy_s
 from worker.runconfig import Layout
 
 TICK_S = 0.5
@@ -266,7 +266,6 @@ class Launch:
         # ... and the plan's stages and memory per node, for meta.json and the views (write_local_files; attach:
         # meta.json's)
         self.run_layout: RunLayout | None = None
-        self.predicted_stage_s: dict[int, float] = {}  # a pipeline's planned compute seconds per step, by rank
         self.launcher_pid: int | None = None  # an adopted launcher (attach): not our child
         self.current_monitor: Monitor | None = None
         self.predicted_tokens_per_s: float | None = None  # the plan's (write_local_files), for meta.json
@@ -543,8 +542,10 @@ class Launch:
         return train.max_seq_length * train.grad_accumulation * train.rows_per_example
 
     def new_monitor(self) -> Monitor:
+        # Each stage's planned busy seconds per step (the straggler rule's yardstick) from the recorded layout: the
+        # one source the replay of every view reads too (coordinator.run.replay), and what `attach` restores.
         plan = [PlannedRank(r.rank, r.node.name, r.batch_size, r.calibrated_tokens_per_s,
-                            self.predicted_stage_s.get(r.rank)) for r in self.ranks]
+                            planned_busy_s(self.run_layout, r.rank)) for r in self.ranks]
         pipeline = self.layout is not None and self.layout.kind == "pipeline"
         return Monitor.create(plan, self.pb.train.iters, now=time.monotonic(), policy=self.policy,
                               max_tokens_per_row=self.max_tokens_per_row(), earlier_errors=self.earlier_errors,

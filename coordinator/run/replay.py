@@ -36,7 +36,7 @@ from coordinator.run.monitor import (
     rank_verdict,
 )
 from coordinator.run.rundir import AttemptCounter, EventLine, RunMeta, parse_event_line
-from coordinator.run.stages import StageView, build_stage_view
+from coordinator.run.stages import StageView, build_stage_view, planned_busy_s
 from coordinator.units import format_bytes
 from worker.events import EventError
 
@@ -128,7 +128,8 @@ class RunReplay:
     def _new_monitor(self) -> Monitor:
         meta = self.meta
         sized = all(r.batch_size for r in meta.ranks)
-        plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s) for r in meta.ranks]
+        plan = [PlannedRank(r.rank, r.node, r.batch_size or 1, r.calibrated_tokens_per_s,
+                            planned_busy_s(meta.layout, r.rank)) for r in meta.ranks]
         pipeline = meta.layout is not None and meta.layout.pipeline
         return Monitor.create(plan, meta.iters or NO_ITERS, now=0.0, policy=self.policy,
                               max_tokens_per_row=meta.max_tokens_per_row if sized else None,

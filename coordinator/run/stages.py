@@ -94,6 +94,13 @@ class RunLayout:
                 "predicted_bubble": self.predicted_bubble, "ranks": [r.to_json() for r in self.ranks]}
 
 
+def planned_busy_s(layout: RunLayout | None, rank: int) -> float | None:
+    """A pipeline stage's planned busy seconds per step (the per-stage straggler rule's yardstick), None where
+    the layout has none: the live monitor and the replay read it here, from the one recorded layout."""
+    row = layout.of(rank) if layout is not None and layout.pipeline else None
+    return row.predicted_busy_s if row is not None else None
+
+
 def build_run_layout(layout: Layout, ranks: Sequence[tuple[int, str]],
                      strategy: Mapping[str, Any] | None) -> RunLayout:
     """The attempt's `RunLayout`: the worker's `layout`, the ranks (rank, node) and the plan's strategy

@@ -274,3 +274,43 @@ def test_attach_restores_the_launchs_pipeline_layout_from_the_run_record(tmp_pat
     (run_dir / "meta.json").write_text(json.dumps(doc))
     older = _adopt(Fleet(nodes), run_dir, read_meta(run_dir), inv, pb, None)
     assert older.layout == LAYOUT and older.run_layout == run_layout()
+
+
+def test_the_live_monitor_and_the_replay_judge_a_stage_by_the_same_planned_busy_time(tmp_path: Path) -> None:
+    """One rule, one yardstick: the per-stage straggler rule holds each stage's busy seconds to the plan's, read from
+    the one recorded layout by the launch's monitor (and attach's) and by the replay behind status and the report.
+    Before, the replay had no planned time and judged each stage by its own first steps: no verdict there."""
+    from dataclasses import replace
+
+    from coordinator.config.playbook import parse_playbook
+    from coordinator.fleet.transport import Fleet
+    from coordinator.planning.hostfile import Hostfile
+    from coordinator.run.launchfiles import RankPlan
+    from coordinator.run.monitor import FaultPolicy, IncidentKind
+    from coordinator.run.stages import planned_busy_s
+
+    rows = [{**row, "predicted_busy_s": busy} for row, busy in zip(STRATEGY["rows"], (0.5, 0.3, 0.6), strict=True)]
+    strategy = {**STRATEGY, "rows": rows}
+    layout = build_run_layout(LAYOUT, list(enumerate(NODES)), strategy)
+    assert [planned_busy_s(layout, r) for r in range(3)] == [0.5, 0.3, 0.6]
+    assert planned_busy_s(None, 0) is None and planned_busy_s(replace(layout, kind="dp"), 0) is None
+    policy = FaultPolicy(straggler_window=3, straggler_min_s=0.1)
+    nodes = [Node(n, "127.0.0.1", Connection.LOCAL, workdir=str(tmp_path / n)) for n in NODES]
+    pb = parse_playbook({"name": "t", "model": "/m", "data": "/d"}, path="pb.yaml").model_copy(update={"path": None})
+    launched = Launch(Fleet(nodes), pb, [RankPlan(i, n, 36) for i, n in enumerate(nodes)], Hostfile("ring", ()), {},
+                      run_id="t-1", run_dir=tmp_path / "runs" / "t-1")
+    launched.layout, launched.run_layout, launched.policy = LAYOUT, layout, policy
+    live = launched.new_monitor()
+    for doc in lines():
+        line = parse_event_line(doc)
+        assert line.rank is not None and line.node is not None and line.t is not None
+        live.observe(Observation(ObservationKind.EVENT, line.node, line.t, line.rank,
+                                 {k: v for k, v in doc.items() if k not in ("node", "attempt")}))
+    replay = RunReplay(replace(meta(layout), faults=policy))
+    replay.feed(lines())
+
+    def verdicts(mon: Monitor) -> list[tuple[str, int | None, Any]]:
+        return [(str(i.kind), i.rank, i.evidence.get("yardstick")) for i in mon.incidents
+                if i.kind == IncidentKind.STRAGGLER]
+
+    assert verdicts(live) == verdicts(replay.monitor) == [(str(IncidentKind.STRAGGLER), 1, "plan")]
