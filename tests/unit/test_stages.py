@@ -201,6 +201,9 @@ def test_every_view_shows_the_same_stages(tmp_path: Path) -> None:
         "bottleneck stage 1 on b" in page
     assert "500.0 MiB / plan 350.0 MiB / budget 400.0 MiB OVER BUDGET" in page
     assert "one shard per stage" in page and "differing manifests" not in page
+    # Every stage computes every row: no batch share, no per-node calibrated rate (blocks were measured).
+    assert "<h2>Nodes and stages</h2>" in page and "share of global batch" not in page
+    assert "calibrated real tokens/s" not in page
 
     runs = RunWatcher(run.parent).scan(now=2e9)
     status = build_status(Inventory(tuple(Node(n, "127.0.0.1") for n in NODES)), {}, {n: "x" for n in NODES},

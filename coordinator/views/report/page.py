@@ -118,8 +118,22 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
                    f"<figcaption>{esc(p.caption)}</figcaption></figure>")
 
     # nodes and split
-    out.append("<h2>Nodes and split</h2>")
-    if r.nodes:
+    pipeline = r.stages is not None and r.stages.pipeline
+    # A pipeline splits layers, not rows: every stage computes every row of the global batch (its stages and their
+    # shares of the step are the stage table below), and calibration measured blocks, not a per-node rate.
+    out.append("<h2>Nodes and stages</h2>" if pipeline else "<h2>Nodes and split</h2>")
+    if r.nodes and pipeline:
+        rows = [[f'<span class="nw">{esc(n.name)}</span>', fmt(n.rank, "d"),
+                 f'<span class="{"bad" if n.state == "failed" else ""}">{esc(n.state)}</span>',
+                 f'<span class="{"" if n.verdict in ("ok", None) else "bad"}">{esc(n.verdict or "–")}</span>',
+                 fmt(n.step, "d"), fmt(n.loss, ".4f"), fmt(n.tokens_per_s), esc(_mem(n.peak_memory))]
+                for n in r.nodes]
+        out.append(table(["node", "rank", "state", "verdict", "step", "loss", "real tokens/s", "peak memory"], rows,
+                         numeric=(1, 4, 5, 6, 7)))
+        out.append('<p class="sub">Each stage computes every row of the global batch on its own layers (the stage '
+                   "table below). A node's verdict: the monitor's rules with the run's own thresholds; status, the "
+                   "dashboard and summary.json show the same values.</p>")
+    elif r.nodes:
         rows = []
         for n in r.nodes:
             ratio = (n.tokens_per_s / n.calibrated_tokens_per_s
