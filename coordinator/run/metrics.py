@@ -256,6 +256,20 @@ def build_metric_families(nodes: Sequence[NodeStatus], runs: Sequence[RunStatus]
     rank_beat = gauge("mlxc_rank_last_heartbeat_age_seconds", "Seconds since the rank's newest event.", rank_labels)
     incidents = CounterMetricFamily("mlxc_run_incidents", "Incidents detected in the run, by kind.",
                                     labels=["run_id", "kind"])
+    # A pipeline's stages, from the run's one stage view (coordinator.run.stages), as status and the dashboard show.
+    stage_labels = ["run_id", "rank", "node", "stage"]
+    stage_busy = gauge("mlxc_stage_busy_share", "The stage's own computation, a share of its step time.", stage_labels)
+    stage_wait = gauge("mlxc_stage_wait_share", "The stage's wait on its neighbours, a share of its step time.",
+                       stage_labels)
+    stage_busy_s = gauge("mlxc_stage_busy_seconds", "The stage's computation per step (median of its last steps).",
+                         stage_labels)
+    stage_plan_s = gauge("mlxc_stage_predicted_busy_seconds", "The plan's computation per step for the stage.",
+                         stage_labels)
+    stage_peak = gauge("mlxc_stage_peak_memory_bytes", "The stage's peak memory.", stage_labels)
+    stage_need = gauge("mlxc_stage_predicted_memory_bytes", "The plan's peak memory for the stage.", stage_labels)
+    bubble = gauge("mlxc_run_bubble_ratio", "A pipeline's measured bubble: the stages' mean wait share.", ["run_id"])
+    plan_bubble = gauge("mlxc_run_predicted_bubble_ratio", "The plan's bubble, (P-1)/(M+P-1).", ["run_id"])
+    bottleneck = gauge("mlxc_run_bottleneck_stage", "The stage that paces the pipeline.", ["run_id"])
     for run in runs:
         active.add_metric([run.run_id], 1.0 if run.active else 0.0)
         run_step.add_metric([run.run_id], float(run.step))
@@ -269,8 +283,25 @@ def build_metric_families(nodes: Sequence[NodeStatus], runs: Sequence[RunStatus]
                     family.add_metric(labels, float(value))
         for kind, count in sorted(run.incident_counts.items()):
             incidents.add_metric([run.run_id, kind], float(count))
+        view = run.stages
+        if not view.pipeline:
+            continue
+        for family, value in ((bubble, view.bubble), (plan_bubble, view.predicted_bubble),
+                              (bottleneck, view.bottleneck)):
+            if value is not None:
+                family.add_metric([run.run_id], float(value))
+        for st in view.ranks:
+            if st.stage is None:
+                continue
+            labels = [run.run_id, str(st.rank), st.node, str(st.stage)]
+            for family, value in ((stage_busy, st.busy_share), (stage_wait, st.wait_share), (stage_busy_s, st.busy_s),
+                                  (stage_plan_s, st.predicted_busy_s), (stage_peak, st.peak_memory_bytes),
+                                  (stage_need, st.predicted_memory_bytes)):
+                if value is not None:
+                    family.add_metric(labels, float(value))
     return [up, mem_used, mem_total, pressure, load1, gpu, disk, quarantined, active, run_step, run_iters, rank_step,
-            rank_tok, rank_loss, rank_beat, incidents]
+            rank_tok, rank_loss, rank_beat, incidents, stage_busy, stage_wait, stage_busy_s, stage_plan_s, stage_peak,
+            stage_need, bubble, plan_bubble, bottleneck]
 
 
 class _StatusCollector(Collector):

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 from rich.console import Console
 
 from coordinator.models import Connection, Inventory, Node
@@ -317,3 +318,41 @@ def test_the_live_monitor_and_the_replay_judge_a_stage_by_the_same_planned_busy_
                 if i.kind == IncidentKind.STRAGGLER]
 
     assert verdicts(live) == verdicts(replay.monitor) == [(str(IncidentKind.STRAGGLER), 1, "plan")]
+
+
+def test_the_prometheus_stage_metrics_are_the_stage_views_numbers(tmp_path: Path) -> None:
+    from collections.abc import Iterator
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import Collector
+
+    from coordinator.run.metrics import build_metric_families
+
+    mon = live_monitor(run_layout())
+    live = run_status_from_monitor("pipe-1", mon, 100.0 + STEPS + 0.5)
+
+    class Fixed(Collector):
+        def collect(self) -> Iterator[Metric]:
+            return iter(build_metric_families([], [live]))
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())
+    got: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            got.setdefault(s.name, {})[s.labels.get("stage", "run")] = s.value
+    view = live.stages
+    assert got["mlxc_run_bottleneck_stage"] == {"run": 1.0} and view.bottleneck == 1
+    assert got["mlxc_run_bubble_ratio"]["run"] == pytest.approx(view.bubble)
+    assert got["mlxc_run_predicted_bubble_ratio"]["run"] == pytest.approx(0.25)
+    for st in view.ranks:
+        assert got["mlxc_stage_busy_share"][str(st.stage)] == pytest.approx(st.busy_share)
+        assert got["mlxc_stage_wait_share"][str(st.stage)] == pytest.approx(st.wait_share)
+        assert got["mlxc_stage_peak_memory_bytes"][str(st.stage)] == st.peak_memory_bytes
+        assert got["mlxc_stage_predicted_memory_bytes"][str(st.stage)] == st.predicted_memory_bytes
+    assert got["mlxc_stage_busy_share"] == {"0": 0.5, "1": 0.9, "2": 0.6}
+    # A data-parallel run has no stage metrics.
+    dp = run_status_from_monitor("dp-1", Monitor.create([PlannedRank(0, "a", 4)], 5, now=0.0), 1.0)
+    assert not [f for f in build_metric_families([], [dp]) if f.name.startswith("mlxc_stage") and f.samples]
