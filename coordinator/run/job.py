@@ -867,7 +867,8 @@ async def rehearsed(fleet: Fleet, pb: Playbook, nodes: Sequence[Node], plan: Pla
                             layout=Layout(kind=resolve_strategy(sub, pb, facts)), sup=sup, shared=shared, steps=steps,
                             progress=ui.message)
     if isinstance(result, str):
-        ui.message(f"no rehearsal: {result}; the prediction stays calibration's")
+        if sup.stop_reason() is None:  # a stop ends the run next, as during calibration: nothing to say here
+            ui.message(f"no rehearsal: {result}; the prediction stays calibration's")
         return plan
     ui.message(f"rehearsal: {result.tokens_per_s:,.0f} real tokens/s over {steps} steps "
                f"({100 * (result.tokens_per_s / plan.predicted_tokens_per_s - 1):+.0f}% of the "
