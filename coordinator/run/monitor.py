@@ -1253,18 +1253,21 @@ class Monitor:
                    + [v.checkpoint_step for v in self.ranks.values() if v.checkpoint_step is not None]
                    + list(self.checkpoint_dirs.values()), default=0)
 
-    def run_tokens_per_s(self) -> float | None:
+    def run_tokens_per_s(self, *, after: int = 0) -> float | None:
         """The run's tokens/s: the median over its steps of all ranks' tokens per second of step wall time. A
         median, so the first steps' compiles (seconds on a cold machine) do not stand for the run, and neither
-        does the last step alone."""
-        return statistics.median(list(self.step_totals.values())) if self.step_totals else None
+        does the last step alone. `after`: only the steps after this one (a short rehearsal leaves its first,
+        compiling steps out: in 16 steps a median does not outweigh them as it does in a run)."""
+        rates = [v for step, v in self.step_totals.items() if step > after]
+        return statistics.median(rates) if rates else None
 
-    def run_compute_tokens_per_s(self) -> float | None:
+    def run_compute_tokens_per_s(self, *, after: int = 0) -> float | None:
         """The run's rate had no rank waited for the gradient all_sum: the median over steps (those every rank
         reported) of the sum of the ranks' tokens / compute seconds (the step until it enters the collective).
         What calibration predicts, which times each node's step alone; its gap to `run_tokens_per_s` is what the
         collective (and the waiting for the slowest rank) cost."""
-        sums = [sum(rates.values()) for rates in self.step_rates.values() if len(rates) == len(self.ranks)]
+        sums = [sum(rates.values()) for step, rates in self.step_rates.items()
+                if len(rates) == len(self.ranks) and step > after]
         return statistics.median(sums) if sums else None
 
     def last_tokens_per_s(self) -> float | None:

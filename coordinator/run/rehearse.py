@@ -39,16 +39,20 @@ from coordinator.run.rundir import PlanRecord
 from coordinator.run.supervision import Supervision
 from worker.runconfig import Layout
 
-REHEARSAL_STEPS = 8  # the first compiles; the median of 8 holds against it and two more slow ones
+REHEARSAL_STEPS = 16
+# Its first steps trace the step's graphs for each new batch shape (per process, whatever MLX's kernel cache holds):
+# left out of its rate. 16 steps of the demo are ~1.5 s beside its ~5 s of start-up; with 8 and every step counted,
+# five demo rehearsals on a quiet 2-core machine ranged -23% to +39% of their runs (their medians of 8 swing).
+WARMUP_STEPS = 3
 SUFFIX = "-rehearsal"
 
 Progress = Callable[[str], None]
 
 
 def rehearsal_steps(iters: int) -> int | None:
-    """How many steps a run of `iters` rehearses: REHEARSAL_STEPS, or None for a run hardly longer than that (it
-    would take about as long as the run; the end-of-run line holds it to calibration)."""
-    return REHEARSAL_STEPS if iters > 2 * REHEARSAL_STEPS else None
+    """How many steps a run of `iters` rehearses: REHEARSAL_STEPS, or None for a run no longer than that (the
+    rehearsal would be the run again; the end-of-run line holds it to calibration)."""
+    return REHEARSAL_STEPS if iters > REHEARSAL_STEPS else None
 
 
 def rehearsal_playbook(pb: Playbook, steps: int) -> Playbook:
@@ -97,11 +101,12 @@ def read_rehearsal(monitor: Monitor, *, steps: int, shared: str) -> Rehearsal | 
         incident = next((i for i in monitor.incidents), None)
         what = f"{incident.kind} on {incident.node} at step {incident.step}" if incident is not None else str(outcome)
         return f"the rehearsal did not finish ({what})"
-    rate = monitor.run_tokens_per_s()
+    warmup = WARMUP_STEPS if steps > 2 * WARMUP_STEPS else 0
+    rate = monitor.run_tokens_per_s(after=warmup)
     if rate is None or rate <= 0:
         return "the rehearsal reported no step"
     try:
-        return Rehearsal(steps, rate, monitor.run_compute_tokens_per_s(), shared)
+        return Rehearsal(steps, rate, monitor.run_compute_tokens_per_s(after=warmup), shared)
     except PlanError as exc:
         return str(exc)
 
