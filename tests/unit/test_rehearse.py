@@ -94,7 +94,7 @@ def test_the_end_of_run_line_holds_the_run_to_its_rehearsal() -> None:
 
 
 def test_which_runs_rehearse_and_with_what() -> None:
-    assert rehearsal_steps(2 * REHEARSAL_STEPS) is None and rehearsal_steps(30) == REHEARSAL_STEPS
+    assert rehearsal_steps(REHEARSAL_STEPS) is None and rehearsal_steps(30) == REHEARSAL_STEPS == 16
     pb = load_playbook(REPO / "playbooks" / "smoke.yaml")
     cut = rehearsal_playbook(pb, 4)
     assert cut.train.iters == 4 and cut.train.steps_per_eval == 5  # no eval inside the rehearsal
@@ -145,3 +145,15 @@ def test_a_rehearsal_times_the_runs_steps_over_a_real_ring_and_leaves_nothing_be
     assert isinstance(failed, str) and failed.startswith("the rehearsal did not finish"), failed
     for node in ("a", "b"):
         assert not (tmp_path / node / "runs" / "t-broken-rehearsal").exists()
+
+
+def test_a_rehearsals_rate_leaves_its_compiling_first_steps_out() -> None:
+    from coordinator.run.monitor import Monitor, PlannedRank
+
+    mon = Monitor.create([PlannedRank(0, "a", 4), PlannedRank(1, "b", 4)], 16, now=0.0)
+    # 16 steps: the first three trace the graphs (slow), the rest run at ~1,000 real tokens/s.
+    mon.step_totals.update({s: (100.0 if s <= 3 else 1000.0 + s) for s in range(1, 17)})
+    mon.step_rates.update({s: {0: 50.0, 1: 50.0} if s <= 3 else {0: 700.0, 1: 700.0 + s} for s in range(1, 17)})
+    assert mon.run_tokens_per_s() == 1008.5  # the run's own statistic: every step
+    assert mon.run_tokens_per_s(after=3) == 1010.0 and mon.run_compute_tokens_per_s(after=3) == 1410.0
+    assert mon.run_tokens_per_s(after=16) is None
