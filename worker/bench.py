@@ -22,7 +22,7 @@ groups their batches by shape (a step's time follows its batch's shape, not its 
 (`choose_shapes`) one warm-up step (it compiles: a one-time cost) and then timed steps on its own batches (at least
 2 per shape, more while they are fast), and predicts (`predict_point`) the run's mean step time (each step as long
 as its slowest rank's slice) and the rate the run reports: the median over steps of real tokens / step time. A
-shape's time is the first quartile of its steps (noise only ever slows a step). tokens/s = this rank's share of
+shape's time is the median of its steps (the run's own statistic, its interference included). tokens/s = this rank's share of
 that median; rows/s = batch / the mean step; peak memory from `mx.reset_peak_memory()` / `mx.get_peak_memory()`
 around the point. A point whose steps spread by more than NOISY_SPREAD ((q3 - q1) / median of each step over its
 shape's median) gets one more window of steps; if it is still that noisy it is reported with `noisy: true`.
@@ -735,11 +735,13 @@ class _Trainer:
         return done.elapsed, sum(int(m.tokens or 0) for m in done.micros)
 
 
-def fast_quartile(times: list[float]) -> float:
-    """The first quartile of a point's step times (the fastest of 3-4, the second of 5-8, ...). Timing noise on
-    a busy machine is one-sided, interference only ever slows a step, so the fast end of the steps is the
-    node's speed; a median of 3 still carried single points 25% off."""
-    return sorted(times)[(len(times) - 1) // 4]
+def shape_seconds(times: list[float]) -> float:
+    """A shape's step time: the median of its timed steps. The run is held to the median of its own steps, which
+    carry the same interference (timing noise on a busy machine only ever slows a step): the first quartile used
+    before is the machine's speed undisturbed, not the run's, and on this 2-core VM it predicted one rank's run
+    8-56% too fast (three or four steps a shape at batch 4: the fastest of them), as the pipeline's blocks bench
+    found before it (worker.parallel.pipeline.measure)."""
+    return statistics.median(times)
 
 
 def spread(values: list[float]) -> float:
@@ -773,8 +775,8 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps (or MAX_STEPS); a noisy point
     (`pooled_spread`) gets one more window. A step expected to end past the measuring allowance is not started
     (the point is cut short: truncated); the first timed step always runs, since a compiling warm-up says nothing
-    of a step's real length (the watchdog bounds it). Each shape's time is the first quartile of its steps (noise
-    only slows a step); `predict_point` turns them into the run's mean step and median rate."""
+    of a step's real length (the watchdog bounds it). Each shape's time is the median of its steps (`shape_seconds`:
+    the run's statistic); `predict_point` turns them into the run's mean step and median rate."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
     mx.reset_peak_memory()
@@ -834,7 +836,7 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         # against the load they will train beside.
         state.phase = f"keeping batch {batch} running while the nodes sharing this machine time theirs"
         state.lockstep.wait(f"timed batch={batch}", busy=_filler(trainer, batch, budget))
-    measured = {shape: fast_quartile(ts) for shape, ts in timed.items() if ts}
+    measured = {shape: shape_seconds(ts) for shape, ts in timed.items() if ts}
     if not measured:
         return None, True
     predicted = predict_point(steps, measured, batch * trainer.world)
