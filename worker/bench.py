@@ -183,6 +183,22 @@ def next_batch(batch: int, max_batch: int) -> int:
     return min(batch * 2, max_batch)
 
 
+def sweep_points(max_batch: int) -> int:
+    """How many points a sweep to `max_batch` measures at most (1, 2, 4, ... and max_batch itself)."""
+    batch, points = 1, 1
+    while batch < max_batch:
+        batch, points = next_batch(batch, max_batch), points + 1
+    return points
+
+
+def point_window(time_budget: float, max_batch: int) -> float:
+    """Timed seconds per point: half the budget shared over the points the sweep can reach (the rest is room for a
+    noisy point's second window and for the stop rules), at least 5% of the budget and 0.5 s. A 0.3 s window gave
+    single points 25% off on a busy machine; the old `max(0.5 s, 5%)` left a 10 s budget 85% unused at 3 points
+    and timed 3 steps of a 0.25 s step, whose median moved 10% between calibrations."""
+    return max(0.5, 0.05 * time_budget, 0.5 * time_budget / sweep_points(max_batch))
+
+
 Shape = tuple[tuple[int, ...], ...]  # the shapes of one batch's input arrays: what a compiled step is keyed on
 
 
@@ -1005,9 +1021,10 @@ def gradient_elements(model: Any) -> dict[str, int]:
 
 def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     budget = state.budget
-    # Timed seconds per point: enough steps for a stable median (a 0.3 s window gave single points 25% off on a
-    # busy machine), small against the budget (1.5 s of 30, 3 s of the default 60).
-    window = max(0.5, 0.05 * float(args.time_budget))
+    window = point_window(float(args.time_budget), args.max_batch)
+    # The per-block mode times many calls per repetition (worker.parallel.pipeline.measure): its window is the
+    # floor, as before.
+    block_window = max(0.5, 0.05 * float(args.time_budget))
 
     model_path(args.model)
     # Importing mlx, the matmul probe and the model load take seconds, more on a busy machine (16 s measured with
@@ -1016,7 +1033,7 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     with ticker_running(Ticker("bench starting", _log, time.monotonic)):
         trainer = _start(args, state)
     if trainer is None:
-        return _run_blocks(args, state, window)
+        return _run_blocks(args, state, block_window)
     assert state.device is not None and state.meta is not None  # set by _start
     memory_limit, device, meta = state.memory_limit, state.device, state.meta
 

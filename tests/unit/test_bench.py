@@ -440,3 +440,13 @@ def test_nodes_of_one_machine_are_calibrated_together_in_lockstep(tiny_model: Pa
     assert any(n == "a" and "together with b" in line for n, line in lines)
     assert not any("lockstep" in line and line.startswith("bench lockstep") for _, line in lines)  # the gate's own
     assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 2
+
+
+def test_a_point_times_its_share_of_the_budget() -> None:
+    from worker.bench import point_window, sweep_points
+
+    assert [sweep_points(m) for m in (1, 2, 4, 16, 24, 64)] == [1, 2, 3, 5, 6, 7]
+    assert point_window(10.0, 4) == pytest.approx(10 / 6)  # 3 points: half of 10 s shared, not 0.5 s
+    assert point_window(60.0, 64) == pytest.approx(30 / 7)
+    assert point_window(60.0, 4096) == 3.0  # 13 points: 5% of the budget is more
+    assert point_window(2.0, 64) == 0.5
