@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from coordinator.config.playbook import Playbook
+from coordinator.errors import CoordinatorError
 from coordinator.facts.model import NodeFacts
 from coordinator.fleet.transport import Fleet
 from coordinator.models import Node
@@ -85,6 +86,8 @@ async def rehearse(fleet: Fleet, run_pb: Playbook, nodes: Sequence[Node], plan: 
         await launch.prepare()
         launch.start_launcher(local_hostfile)
         monitor = await launch.monitor()
+    except (CoordinatorError, OSError) as exc:  # nodes it could not prepare, a launcher that did not start
+        return f"the rehearsal could not start ({exc})"
     finally:
         await launch.teardown(monitor or launch.current_monitor)
         await _remove_node_dirs(fleet, launch, rid)

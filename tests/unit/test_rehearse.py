@@ -11,6 +11,7 @@ import asyncio
 import glob
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,19 @@ def test_a_rehearsal_times_the_runs_steps_over_a_real_ring_and_leaves_nothing_be
     assert isinstance(failed, str) and failed.startswith("the rehearsal did not finish"), failed
     for node in ("a", "b"):
         assert not (tmp_path / node / "runs" / "t-broken-rehearsal").exists()
+    # A node it cannot prepare (its workdir lies under a file): said, never raised at the run.
+    (tmp_path / "blocker").write_text("a file, not a dir")
+    stuck = [replace(inv.nodes[0]), replace(inv.nodes[1], workdir=str(tmp_path / "blocker" / "b"))]
+
+    async def unprepared() -> Rehearsal | str:
+        async with Fleet(stuck) as fleet:
+            return await rehearse(fleet, pb, stuck, plan, hostfile_for(inv, pb, {}), {}, run_id="t-stuck",
+                                  layout=Layout(kind="dp"), sup=Supervision(), shared="x", steps=4,
+                                  progress=said.append)
+
+    cannot = asyncio.run(unprepared())
+    assert isinstance(cannot, str) and cannot.startswith("the rehearsal could not start"), cannot
+    assert set(glob.glob(f"{tempfile.gettempdir()}/mlxc-rehearsal-*")) == temps
 
 
 def test_a_rehearsals_rate_leaves_its_compiling_first_steps_out() -> None:
