@@ -138,7 +138,7 @@ class Rehearsal:
     steps: int
     tokens_per_s: float
     compute_tokens_per_s: float | None
-    shared: str  # what shares a machine, in words: "local-a, local-b on this machine"
+    shared: str  # what shares a machine, in words (`colocate.describe_shared`): "local-a, local-b share this machine"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not (math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0):
@@ -592,7 +592,7 @@ def with_collective(plan: Plan, cost: CollectiveCost | None) -> Plan:
 
 
 def with_rehearsal(plan: Plan, rehearsal: Rehearsal | None) -> Plan:
-    """`plan` predicted by its rehearsal: the run's rate as its first steps ran, the split unchanged (calibration's
+    """`plan` predicted by its rehearsal: the run's rate over the rehearsed steps, the split unchanged (calibration's
     curves made it; the rehearsal only times it). The calibrated parts stay in `per_node_step_s` and `collective`
     for the plan table. None, or a pipeline, comes back unchanged."""
     if rehearsal is None or plan.mode == SplitMode.PIPELINE:
