@@ -49,6 +49,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of `proc`, killed when it outlives `timeout` seconds."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
 def spawn(mode: str, extra: list[str], world: int = 2, timeout: float = 400.0) -> list[dict[str, Any]]:
     """Run `mode` as `world` ranks, one GPU each; their last stdout JSON lines, by rank."""
     port = str(free_port())
@@ -60,11 +69,7 @@ def spawn(mode: str, extra: list[str], world: int = 2, timeout: float = 400.0) -
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
+        stdout, stderr = finish(p, timeout)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         out.append(json.loads(lines[-1]) if lines else {"rc": p.returncode, "stderr": stderr[-1500:]})
     return out
@@ -340,11 +345,7 @@ def drill_attach(root: Path, model: Path, data: Path) -> dict[str, Any]:
     out["steps_at_kill"] = at_kill
     out["steps_grew_under_attach"] = wait_for(lambda: step_count(root) >= at_kill + 3, 120)
     out["stop"] = coordinator(root, "stop", run_id, "--run-dir", str(runs), timeout=180)
-    try:
-        stdout, stderr = attach.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        attach.kill()
-        stdout, stderr = attach.communicate()
+    stdout, stderr = finish(attach, 180)
     out["attach_rc"] = attach.returncode
     out["attach_stderr_tail"] = stderr[-2500:]
     try:
@@ -377,11 +378,7 @@ def drill_real_quarantine(root: Path, model: Path, data: Path) -> dict[str, Any]
         out["killed"] = victims
         for pid in victims:
             os.kill(int(pid), signal.SIGKILL)
-        try:
-            stdout, _ = launch.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            launch.kill()
-            stdout, _ = launch.communicate()
+        stdout, _ = finish(launch, 240)
     out["launch_rc"] = launch.returncode
     out["launch_log_tail"] = log_path.read_text()[-2500:]
     try:

@@ -63,11 +63,11 @@ from worker.parallel.dp import REPLICA_RTOL, DataParallel
 from worker.parallel.pipeline.layout import layer_of
 from worker.parallel.pipeline.shards import (
     MANIFEST_KEY,
-    STAGE_DIR_PREFIX,
     StepVerdict,
     build_manifest,
     plan_recut,
     read_shard_names,
+    shard_dir,
 )
 from worker.parallel.shardresume import load_verified, newest_common_step
 from worker.step import _LOSS_KEY, Local, StepResult, TrainStep, all_sum_arrays, flatten
@@ -261,7 +261,7 @@ class FullyShardedDataParallel(DataParallel):
 
     @property
     def checkpoint_root(self) -> Path:
-        return checkpoints_dir(self.config.run_dir) / f"{STAGE_DIR_PREFIX}{self.rank}"
+        return shard_dir(checkpoints_dir(self.config.run_dir), self.rank)
 
     @property
     def is_writer(self) -> bool:

@@ -41,6 +41,12 @@ MANIFEST_KEY = "pipeline_checkpoint"  # the whole checkpoint's manifest, in each
 STAGE_DIR_PREFIX = "stage-"
 
 
+def shard_dir(checkpoints: Path, rank: int) -> Path:
+    """The directory of rank `rank`'s own shards under a run's checkpoints dir: every strategy whose ranks each write
+    their own shard (pipeline stages, fsdp ranks) keeps them there, in this module's format."""
+    return checkpoints / f"{STAGE_DIR_PREFIX}{rank}"
+
+
 @dataclass(frozen=True)
 class StageEntry:
     """One stage of a checkpoint's manifest: it holds blocks [first, last) and these digests."""

@@ -62,6 +62,7 @@ from worker.parallel.pipeline.shards import (
     plan_recut,
     prune_other_shards,
     read_shard_names,
+    shard_dir,
 )
 from worker.parallel.pipeline.stage import Chunk, Stage, chunks_of, load_stage
 from worker.parallel.shardresume import load_verified, newest_common_step
@@ -327,7 +328,7 @@ class Pipeline(Strategy):
 
     @property
     def checkpoint_root(self) -> Path:
-        return checkpoints_dir(self.config.run_dir) / f"stage-{self.rank}"
+        return shard_dir(checkpoints_dir(self.config.run_dir), self.rank)
 
     @property
     def is_writer(self) -> bool:
