@@ -37,10 +37,10 @@ from coordinator.run.launchfiles import (
     RankPlan,
     build_launcher_argv,
     build_rank_script,
+    build_rank_teardown,
     build_run_config,
     build_ssh_config,
     build_ssh_wrapper,
-    build_tmp_cleanup,
     new_run_id,
     node_run_dir,
     plan_ranks,
@@ -712,17 +712,8 @@ class Launch:
         async def clean(name: str) -> None:
             node = self.node_by_name[name]
             transport = self.fleet.transports[name]
-            kill = " ".join(str(p) for p in pids.get(name, []))
-            # By PID (from `started`), and by the run.json path in the command line for ranks that never
-            # reported a PID. SIGCONT first: a stopped (SIGSTOP) rank ignores SIGTERM until continued.
-            # `run.jso[n]`: the regex still matches the ranks' `run.json`, but not this script's own command line.
             run_dir = self.remote_run_dirs.get(name, node_run_dir(node, self.run_id))
-            config = shlex.quote(f"{run_dir}/run.jso[n]")
-            follower = shlex.quote(f"worker.follo[w] --run-dir {run_dir}( |$)")  # our channel is closed already
-            script = (f"for p in {kill}; do kill -CONT $p; kill -TERM $p; done 2>/dev/null; " if kill else "") + \
-                f"pkill -CONT -f {config}; pkill -TERM -f {config}; sleep 1; " + \
-                (f"for p in {kill}; do kill -KILL $p; done 2>/dev/null; " if kill else "") + \
-                f"pkill -KILL -f {config}; pkill -f {follower}; {build_tmp_cleanup(self.run_id)}; exit 0"
+            script = build_rank_teardown(run_dir, self.run_id, pids.get(name, []))
             with contextlib.suppress(TransportError):
                 await transport.run(["sh", "-c", script], timeout=15)
             del node

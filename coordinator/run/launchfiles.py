@@ -1,5 +1,5 @@
 """The pure half of `coordinator launch`: run ids, each rank's plan, and every file and argv the launch writes or
-runs (run.json, the rank script, ssh_config and its wrapper, the launcher's argv, the temp-dir cleanup). No I/O;
+runs (run.json, the rank script, ssh_config and its wrapper, the launcher's argv, a node's teardown). No I/O;
 `coordinator/run/launch.py` writes and runs them."""
 
 from __future__ import annotations
@@ -84,6 +84,26 @@ def remote_tmp_dir(run_id: str, token: str) -> str:
     can create the path before the attempt does, and `worker.privatedir` refuses it unless it is a 0700 dir of
     the SSH user (docs/faults.md, "Temp dirs")."""
     return f"{TMP_PREFIX}{run_id}-{token}"
+
+
+def build_rank_teardown(run_dir: str, run_id: str, pids: Sequence[int]) -> str:
+    """sh: end whatever of the run is left on a node, then remove its temp dirs.
+
+    Ranks are found by the run.json path in their command line, and by the PIDs they reported in `started` (a rank
+    whose command line hides it). A reported PID is signalled only while its command line still names this run's
+    dir: ranks that exited long ago leave PIDs the kernel hands to other processes (Linux's pid_max is often 32768),
+    and a teardown must never signal a stranger. SIGCONT first: a stopped (SIGSTOP) rank ignores SIGTERM until
+    continued. `run.jso[n]`: the regex still matches the ranks' `run.json`, but not this script's own command line."""
+    config = shlex.quote(f"{run_dir}/run.jso[n]")
+    follower = shlex.quote(f"worker.follo[w] --run-dir {run_dir}( |$)")  # the coordinator's channel is closed
+    ours = shlex.quote(f"{run_dir}/")
+    listed = " ".join(str(int(p)) for p in pids)
+    by_pid = (f'ours() {{ ps -ww -o command= -p "$1" 2>/dev/null | grep -qF -- {ours}; }}; '
+              f'sig_ours() {{ for p in {listed}; do ours "$p" && kill "$@" "$p"; done 2>/dev/null; }}; ') if listed else ""
+    return (by_pid + ("sig_ours -CONT; sig_ours -TERM; " if listed else "")
+            + f"pkill -CONT -f {config}; pkill -TERM -f {config}; sleep 1; "
+            + ("sig_ours -KILL; " if listed else "")
+            + f"pkill -KILL -f {config}; pkill -f {follower}; {build_tmp_cleanup(run_id)}; exit 0")
 
 
 def build_tmp_cleanup(run_id: str) -> str:

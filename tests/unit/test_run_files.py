@@ -11,6 +11,7 @@ import re
 import secrets
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,15 @@ from coordinator.models import Connection, Node
 from coordinator.planning.hostfile import Hostfile
 from coordinator.run.job import make_run_dir
 from coordinator.run.launch import Launch, write_private
-from coordinator.run.launchfiles import MAX_RUN_ID_LENGTH, RankPlan, build_tmp_cleanup, check_run_id, new_run_id, remote_tmp_dir
+from coordinator.run.launchfiles import (
+    MAX_RUN_ID_LENGTH,
+    RankPlan,
+    build_rank_teardown,
+    build_tmp_cleanup,
+    check_run_id,
+    new_run_id,
+    remote_tmp_dir,
+)
 from coordinator.run.rundir import PlanRecord
 
 EMPTY_PLAN = PlanRecord(split={}, batch={}, global_batch=0, mode="equal", predicted_tokens_per_s=None,
@@ -99,6 +108,28 @@ def test_a_resumed_run_dir_is_tightened_and_one_that_cannot_be_made_is_a_usage_e
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"cannot create the run dir .*file/runs/r1 \(Not a directory\)"):
         make_run_dir(tmp_path / "file" / "runs" / "r1", tmp_path / "file" / "runs")
+
+
+def test_teardown_signals_a_reported_pid_only_while_it_is_still_a_rank_of_the_run(tmp_path: Path) -> None:
+    """A rank's PID from `started` may belong to a stranger by teardown time (PIDs are reused): the stranger lives,
+    the run's own ranks end, whether the command line or only the reported PID finds them."""
+    run_dir = tmp_path / "runs" / "r1" / "h1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text("{}")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    rank = subprocess.Popen([*sleeper, "--config", f"{run_dir}/run.json"])
+    hidden = subprocess.Popen([*sleeper, f"{run_dir}/"])  # no run.json in its command line: found by PID alone
+    stranger = subprocess.Popen([*sleeper, str(tmp_path / "runs" / "r2" / "h1")])  # holds a stale, reused PID
+    try:
+        out = subprocess.run(["sh", "-c", build_rank_teardown(str(run_dir), "r1", [rank.pid, hidden.pid, stranger.pid])],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert rank.wait(timeout=10) != 0 and hidden.wait(timeout=10) != 0
+        assert stranger.poll() is None
+    finally:
+        for proc in (rank, hidden, stranger):
+            proc.kill()
+            proc.wait()
 
 
 def test_teardown_removes_only_the_runs_own_temp_dirs() -> None:
