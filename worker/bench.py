@@ -102,6 +102,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
+from worker import kernelcache
 from worker.runconfig import DEFAULT_HEADROOM
 
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
@@ -456,13 +457,6 @@ def advise_no_point(kind: str, *, limit: float, phase: str, step_s: float | None
             f"of batch 1 was measured{need}, or a smaller train.max_seq_length")
 
 
-def kernel_cache_dir(version: str, tmp: str | None = None) -> Path:
-    """Where MLX keeps the kernels it compiles for the CPU backend (the system temp dir: $TMPDIR or /tmp)."""
-    import tempfile
-
-    return Path(tmp or tempfile.gettempdir()) / "mlx" / version
-
-
 def describe_first_step(batch: int, cache: Path, cold: bool) -> str:
     """The announcement of a batch's first (compiling) step: on a cold kernel cache, where the time goes and that it
     is paid once."""
@@ -589,7 +583,7 @@ class _State:
     one_time: dict[str, Any] = field(default_factory=dict)  # import, matmul, load (s); first_steps {batch: s}
     step_s: float | None = None  # the latest single-step time seen (the warm-up's until a timed step ran)
     lockstep: Lockstep | None = None  # --lockstep: the group's barrier
-    kernel_cache: Path = Path()  # MLX's kernel cache (`kernel_cache_dir`)
+    kernel_cache: Path = Path()  # MLX's shared kernel cache (`kernelcache.shared_dir`)
     cold_kernels: bool = False  # it was empty when the bench started: the first step compiles everything
     linger: Callable[[], None] | None = None  # --lockstep: after the result, load the machine until released
 
@@ -972,13 +966,15 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     meta, one-time costs)."""
     state.phase = "importing mlx"
     mark = time.monotonic()
+    env = dict(os.environ)  # before isolate() points TMPDIR at this process's own dir
+    kernelcache.isolate()
     import mlx.core as mx
     import mlx_lm
 
     device, memory = _device(mx)
     state.one_time["import"] = time.monotonic() - mark
     # Looked at before anything runs: the matmul probe below already writes kernels there.
-    state.kernel_cache = kernel_cache_dir(str(getattr(mx, "__version__", "")))
+    state.kernel_cache = kernelcache.shared_dir(str(getattr(mx, "__version__", "")), env)
     state.cold_kernels = not any(state.kernel_cache.glob("*/*"))
     memory_limit = int(memory * args.memory_fraction)
     state.device, state.memory_limit = device, memory_limit

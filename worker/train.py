@@ -62,6 +62,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from worker import kernelcache
 from worker.chaos import RankChaos, lie_about, perturb, signal_self
 from worker.checkpoint import (
     ADAPTER_CONFIG,
@@ -494,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Workers never download: a model/tokenizer that is not on disk must fail, not fetch from the Hub on N nodes.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    kernelcache.isolate()  # before the first compile: no rank loads a kernel file another process is writing
     env_rank = int(os.environ.get("MLX_RANK", "0"))
     log = EventLog(events_path(config.run_dir, env_rank), config.run_id, env_rank)
     heartbeat = Heartbeat(log, config.heartbeat_s, fence=config.fence)

@@ -402,9 +402,10 @@ def test_heartbeat_lines_come_while_the_first_step_runs() -> None:
 
 
 def test_first_step_announcement_names_the_cold_kernel_cache(tmp_path: Path) -> None:
-    from worker.bench import describe_first_step, kernel_cache_dir
+    from worker.bench import describe_first_step
+    from worker.kernelcache import shared_dir
 
-    cache = kernel_cache_dir("0.32.4", str(tmp_path))
+    cache = shared_dir("0.32.4", {"TMPDIR": str(tmp_path)})
     assert cache == tmp_path / "mlx" / "0.32.4"
     cold = describe_first_step(1, cache, cold=True)
     assert "compiling MLX's kernels" in cold and str(cache) in cold and "one-time" in cold
