@@ -194,7 +194,9 @@ class Command:
             dst.touch()
             argv = [sys.executable, "-m", self.module, "--input", str(src), "--output", str(dst), *self.args]
             with err.open("w") as err_fh, dst.open(encoding="utf-8") as reader:
-                proc = subprocess.Popen(argv, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=err_fh)
+                # No bytecode written into the user's data dir (it is theirs, and may be read-only).
+                env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+                proc = subprocess.Popen(argv, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=err_fh, env=env)
                 emitted, pending = 0, ""
                 while True:
                     finished = proc.poll() is not None  # read after the exit check: nothing written is missed

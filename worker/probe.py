@@ -243,7 +243,9 @@ def scan_dir(path: str, exclude: tuple[str, ...] = ()) -> Scan:
     """Every regular file under `path`, sorted by relative path.
 
     Symlinks are followed (to files and to dirs; a link back to an ancestor dir is skipped, not looped).
-    Hidden files are included. Files whose real path is in `exclude` (and `<exclude>.*.tmp`) are left out.
+    Hidden files are included. Files whose real path is in `exclude` (and `<exclude>.*.tmp`) are left out, and so
+    are `__pycache__` dirs: Python writes its bytecode there when a map task's module in the data dir is imported,
+    stamped with the node's own source mtime and interpreter, so hashing it would make identical copies differ.
     FIFOs, sockets and devices are ignored. Dangling symlinks and unlistable dirs are reported in `errors`.
     """
     top = os.path.abspath(os.path.expanduser(path))
@@ -285,6 +287,8 @@ def scan_dir(path: str, exclude: tuple[str, ...] = ()) -> Scan:
             # Only symlinks need the (costly) realpath walk; below a real dir a plain entry's real path is known.
             real = os.path.realpath(entry.path) if is_link else os.path.join(real_dir, entry.name)
             if stat.S_ISDIR(st.st_mode):
+                if entry.name == "__pycache__":
+                    continue
                 key = (st.st_dev, st.st_ino)
                 if key in ancestors:
                     errors.append(f"symlink loop skipped: {rel}")

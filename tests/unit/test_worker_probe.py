@@ -264,7 +264,8 @@ def test_sha256_file_streams_big_files() -> None:
 def test_nested_dirs_sorted_hidden_and_symlinks(tmp_path: Path) -> None:
     d = tmp_path / "d"
     outside = write(tmp_path / "outside.bin", b"outside")
-    for rel in ["b/x.txt", "a/z.txt", "a/b/c.txt", "A.txt", ".hidden", "a/.git/HEAD", "a-b.txt"]:
+    for rel in ["b/x.txt", "a/z.txt", "a/b/c.txt", "A.txt", ".hidden", "a/.git/HEAD", "a-b.txt",
+                "__pycache__/mod.cpython-311.pyc", "a/__pycache__/m.pyc"]:  # bytecode: each node's own, never hashed
         write(d / rel, rel.encode())
     (d / "link.bin").symlink_to(outside)  # symlink to a file: followed
     (d / "linkdir").symlink_to(d / "b", target_is_directory=True)  # symlink to a dir: followed
