@@ -29,7 +29,7 @@ def test_a_dp_run_exports_its_full_copy(tmp_path: Path, method: str) -> None:
                        run_dir=str(run), method=method, learning_rate=0.05, optimizer="sgd",
                        ranks=[{"rank": 0, "node": "local", "batch_size": 2}], lora={"rank": 4, "scale": 2.0})
     proc = run_direct(cfg)
-    require_finished(run, [0], proc.stderr)
+    require_finished(run, [0], f"{proc.stderr}\nexit {proc.returncode}")
     result = build_export([run / "checkpoints"], None, tmp_path / "out")
     assert result["kind"] == "dp" and result["step"] == 2 and result["method"] == method
     trained = load_arrays(run / "checkpoints" / "step-000002" / WEIGHTS)

@@ -171,7 +171,7 @@ def ring_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         ref = root / f"dp-{method}"
         proc = run_direct(write_config(ref / "run.json", **base, method=method, run_id=ref.name, run_dir=str(ref),
                                        ranks=[{"rank": 0, "node": "local", "batch_size": 4}]))
-        require_finished(ref, [0], proc.stderr)
+        require_finished(ref, [0], f"{proc.stderr}\nexit {proc.returncode}")
         run = root / f"fsdp-{method}"
         cfg = write_config(run / "run.json", **base, method=method, run_id=run.name, run_dir=str(run),
                            layout={"kind": "fsdp"}, ranks=[{"rank": r, "node": "local", "batch_size": 2}
@@ -194,7 +194,7 @@ def ring_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     cfg = write_config(one / "resume.json", **base, method="full", run_id=two.name, run_dir=str(one), resume=True,
                        layout={"kind": "fsdp"}, ranks=[{"rank": 0, "node": "local", "batch_size": 4}])
     proc = run_direct(cfg)
-    require_finished(one, [0], proc.stderr)
+    require_finished(one, [0], f"{proc.stderr}\nexit {proc.returncode}")
     out["resumed"], out["resharded"] = (two, out["full"][1]), (one, out["full"][1])
     return out
 

@@ -87,7 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
             cfg = write_config(ref / "run.json", **common, run_id=ref.name, run_dir=str(ref),
                                ranks=[{"rank": 0, "node": "local", "batch_size": 4}])
             proc = run_direct(cfg)
-            require_finished(ref, [0], proc.stderr)
+            require_finished(ref, [0], f"{proc.stderr}\nexit {proc.returncode}")
             refs[key] = ref
         pipe = root / case.name
         n = len(case.split)
@@ -104,7 +104,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     ref3 = root / "ref-3-steps"
     proc = run_direct(write_config(ref3 / "run.json", **common, run_id=ref3.name, run_dir=str(ref3),
                                    ranks=[{"rank": 0, "node": "local", "batch_size": 4}]))
-    require_finished(ref3, [0], proc.stderr)
+    require_finished(ref3, [0], f"{proc.stderr}\nexit {proc.returncode}")
     pipe = out[case.name][0]
     cfg = write_config(pipe / "resume.json", **common, run_id=case.name, run_dir=str(pipe), resume=True,
                        ranks=[{"rank": r, "node": "local", "batch_size": 4} for r in range(len(case.split))],
