@@ -464,17 +464,21 @@ def events_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "events" / f"rank{rank}.jsonl"
 
 
+_LAST_WORDS = frozenset({EventKind.FINISHED.value, EventKind.ERROR.value})
+
+
 class EventLog:
     """Thread-safe appender of one rank's events (the heartbeat thread and the main thread share it).
 
-    After `close()` further events are dropped silently: the process is ending and its last word (finished or
-    error) has been written."""
+    A rank's last word (`finished` or `error`) stays its last line: a heartbeat after it is dropped (the heartbeat
+    thread runs until the process stops it, after that word), and after `close()` every event is."""
 
     def __init__(self, path: Path, run_id: str, rank: int) -> None:
         self.path = path
         self.run_id = run_id
         self.rank = rank
         self._lock = threading.Lock()
+        self._said_last_word = False
         path.parent.mkdir(parents=True, exist_ok=True)
         # Line-buffered text append: each write of a full line reaches the file at once (O_APPEND).
         self._fh: TextIO | None = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
@@ -484,9 +488,10 @@ class EventLog:
         record.update(_clean(fields))
         line = json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n"
         with self._lock:
-            if self._fh is not None:
+            if self._fh is not None and not (self._said_last_word and record["event"] == EventKind.HEARTBEAT):
                 self._fh.write(line)
                 self._fh.flush()
+            self._said_last_word = self._said_last_word or record["event"] in _LAST_WORDS
         return record
 
     def close(self) -> None:

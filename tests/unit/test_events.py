@@ -97,6 +97,20 @@ def test_what_the_event_log_writes_parses_to_the_record(kind: EventKind, tmp_pat
     assert parsed == type(event)(**{**{f.name: getattr(event, f.name) for f in fields(event)}, "t": parsed.t})
 
 
+@pytest.mark.parametrize("last", [EventKind.FINISHED, EventKind.ERROR])
+def test_a_ranks_last_word_stays_its_last_line(last: EventKind, tmp_path: Path) -> None:
+    """The heartbeat thread beats until the process stops it, after `finished`/`error`: a beat that lands in
+    between is dropped, so every reader finds the last word last (CI met a finished run ending in a heartbeat)."""
+    log = EventLog(tmp_path / "rank0.jsonl", "run-1", 0)
+    log.emit(EventKind.HEARTBEAT, step=1, phase="step", pid=1)
+    log.emit(last, step=2)
+    log.emit(EventKind.HEARTBEAT, step=2, phase="idle", pid=1)
+    log.close()
+    log.emit(EventKind.WARNING, code="late", message="after close")
+    events = [json.loads(line)["event"] for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert events == ["heartbeat", str(last)]
+
+
 @pytest.mark.parametrize(("value", "expected"), [
     (3, 3), (3.0, 3), (-2.0, -2), (None, None), (3.5, None), ("3", None), (True, None), (float("inf"), None), ([3], None),
 ])
