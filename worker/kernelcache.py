@@ -38,6 +38,9 @@ from pathlib import Path
 ELF_MAGIC = b"\x7fELF"
 MACHO_MAGIC_64 = b"\xcf\xfa\xed\xfe"  # MH_MAGIC_64, little-endian (arm64 and x86_64 Macs)
 LIBRARY_SUFFIXES = (".so", ".dylib")
+# The kernels' sources: written by MLX just before it compiles them and never read back (the CPU backend looks for
+# the library, the CUDA one for .ptx and .txt), so neither seeded nor shared: half the files each process links.
+SOURCE_SUFFIXES = (".cpp", ".cu")
 
 Read = Callable[[int, int], bytes]  # (offset, length) -> the bytes there
 
@@ -143,11 +146,11 @@ def is_complete(path: Path) -> bool:
 
 
 def _files(root: Path) -> list[tuple[Path, Path]]:
-    """(path, path relative to root) of every regular file under root, none of our in-flight temp files."""
+    """(path, path relative to root) of every regular file under root but sources and our in-flight temp files."""
     out = []
     for dirpath, _dirs, names in os.walk(root):
         for name in names:
-            if name.startswith(".") and ".tmp-" in name:
+            if (name.startswith(".") and ".tmp-" in name) or name.endswith(SOURCE_SUFFIXES):
                 continue
             path = Path(dirpath) / name
             with contextlib.suppress(OSError):
