@@ -45,9 +45,6 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                                         contiguous and cover the model; every rank's `batch_size` is the global
                                         batch (all equal), split into `micro_batches` (<= the global batch).
                                         SFT only (method lora, dora or full; not dpo, not train_embeddings)
-    data_steps        null | [k1, k2, ...] (null): step i reads the rows the run's step k_i (0-based) reads
-                      (stream position k_i x rows per step) instead of the next rows: the rehearsal's steps
-                      spread over the run it stands for (coordinator/run/rehearse.py); at least `iters` entries
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
@@ -220,7 +217,6 @@ class RunConfig:
     fence: tuple[float, float] | None = None  # (factor, min_s)
     chaos: tuple[ChaosSpec, ...] = ()
     debug: DebugSpec = field(default_factory=DebugSpec)
-    data_steps: tuple[int, ...] | None = None  # step i reads the run's step data_steps[i-1]'s rows (a rehearsal)
 
     # -- plan arithmetic ------------------------------------------------------------------------------------
 
@@ -307,8 +303,6 @@ class RunConfig:
             out["debug"] = asdict(self.debug)
         if self.layout != Layout():
             out["layout"] = self.layout.to_json()
-        if self.data_steps is not None:
-            out["data_steps"] = list(self.data_steps)
         return out
 
 
@@ -320,7 +314,6 @@ _TOP_KEYS = {
     "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
     "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence", "layout",
-    "data_steps",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -588,7 +581,6 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         fence=_parse_fence(raw.get("fence")),
         chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
         debug=_parse_debug(raw.get("debug")),
-        data_steps=_parse_data_steps(raw.get("data_steps"), _int(raw, "iters", 1000, minimum=1)),
     )
     if config.train_embeddings and (config.fine_tune_type != "full" or config.num_layers not in (None, -1)):
         raise ConfigError("train_embeddings needs full fine-tuning of all layers (num_layers null or -1)")
@@ -601,16 +593,6 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
             raise ConfigError("layout pipeline does not train embeddings/lm_head (train_embeddings): the first and "
                               "last stages would both hold tied embeddings")
     return config
-
-
-def _parse_data_steps(raw: Any, iters: int) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in raw):
-        raise ConfigError("data_steps must be null or a list of step numbers >= 0")
-    if len(raw) < iters:
-        raise ConfigError(f"data_steps names {len(raw)} steps, fewer than iters ({iters})")
-    return tuple(raw)
 
 
 def _parse_fence(raw: Any) -> tuple[float, float] | None:

@@ -217,8 +217,6 @@ class Trainer:
         offset, count = self.strategy.rows()
 
         def build() -> list[Micro]:
-            if cfg.data_steps is not None:  # a rehearsal: this step stands for one further into the run
-                self.position = cfg.data_steps[step - 1] * cfg.rows_per_step
             micros = []
             for _ in range(cfg.grad_accumulation):
                 micro = self.objective.micro(self.train_set, self.position, cfg.global_batch, cfg.seed,

@@ -263,7 +263,6 @@ class Launch:
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
-        self.data_steps: tuple[int, ...] | None = None  # a rehearsal's: the run's steps whose rows it reads
         # ... and the plan's stages and memory per node, for meta.json and the views (write_local_files; attach:
         # meta.json's)
         self.run_layout: RunLayout | None = None
@@ -311,8 +310,7 @@ class Launch:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
-                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout,
-                                  data_steps=self.data_steps)
+                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:

@@ -7,9 +7,7 @@ a rank's all_sum waits on a neighbour still computing on the same cores, and one
 prediction built from those parts. So for these ranks the step is measured as the run takes it: REHEARSAL_STEPS
 steps of the run itself (its playbook, split, hostfile, data and checkpoint cadence; its eval left out, which no
 step time counts), launched, monitored and torn down as an attempt is (`launch.Launch`), under a run id of its own
-(`<run id>-rehearsal`). The steps its rate counts read rows from all over the run (`rehearsal_data_steps`: the
-worker's `data_steps`), not its first rows. Its rate, the run's own statistic, becomes the prediction
-(`plan.with_rehearsal`).
+(`<run id>-rehearsal`). Its rate, the run's own statistic, becomes the prediction (`plan.with_rehearsal`).
 
 Nothing of it is kept: its local run dir is a temp dir, and on each node its own run dir (made by this launch, under
 `<workdir>/runs/<run id>-rehearsal/<node>`) is removed afterwards.
@@ -58,17 +56,6 @@ def rehearsal_steps(iters: int) -> int | None:
     return REHEARSAL_STEPS if iters > REHEARSAL_STEPS else None
 
 
-def rehearsal_data_steps(run_iters: int, steps: int) -> tuple[int, ...]:
-    """The run's steps (0-based) whose rows the rehearsal's `steps` steps read. The steps its rate leaves out (the
-    warm-up, `read_rehearsal`) read the run's first rows; the timed ones are spread evenly over the whole run, so
-    that on variable-length data it times the mix of rows the run will take, not only its first rows (on the
-    bench's variable set the first 16 steps of a 30-step run held 19% more real tokens than the run's 30). Pure."""
-    warmup = WARMUP_STEPS if steps > 2 * WARMUP_STEPS else 0
-    timed = steps - warmup
-    span = max(run_iters - warmup, timed)
-    return tuple(range(warmup)) + tuple(warmup + (j * span) // timed for j in range(timed))
-
-
 def rehearsal_playbook(pb: Playbook, steps: int) -> Playbook:
     """The run's playbook cut to `steps` steps, its eval left out (no step time counts it)."""
     return pb.model_copy(update={"train": pb.train.model_copy(update={"iters": steps,
@@ -87,7 +74,6 @@ async def rehearse(fleet: Fleet, run_pb: Playbook, nodes: Sequence[Node], plan: 
     local = Path(tempfile.mkdtemp(prefix="mlxc-rehearsal-"))
     launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=rid, run_dir=local / rid)
     launch.layout = layout
-    launch.data_steps = rehearsal_data_steps(run_pb.train.iters, steps)
     launch.should_stop = sup.stop_reason
     monitor: Monitor | None = None
     progress(f"rehearsing {steps} steps of the run: {shared}, and ranks side by side slow each other in ways "
@@ -142,5 +128,4 @@ async def _remove_node_dirs(fleet: Fleet, launch: Launch, rid: str) -> None:
     await asyncio.gather(*(one(n, p) for n, p in launch.remote_run_dirs.items()), return_exceptions=True)
 
 
-__all__ = ["REHEARSAL_STEPS", "read_rehearsal", "rehearsal_data_steps", "rehearsal_playbook", "rehearsal_steps",
-           "rehearse"]
+__all__ = ["REHEARSAL_STEPS", "read_rehearsal", "rehearsal_playbook", "rehearsal_steps", "rehearse"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import itertools
 import shutil
 import tempfile
 from dataclasses import replace
@@ -36,14 +35,7 @@ from coordinator.planning.plan import (
 )
 from coordinator.run.calibrate import plan_step_json
 from coordinator.run.job import hostfile_for
-from coordinator.run.rehearse import (
-    REHEARSAL_STEPS,
-    WARMUP_STEPS,
-    rehearsal_data_steps,
-    rehearsal_playbook,
-    rehearsal_steps,
-    rehearse,
-)
+from coordinator.run.rehearse import REHEARSAL_STEPS, rehearsal_playbook, rehearsal_steps, rehearse
 from coordinator.run.supervision import Supervision
 from coordinator.views.jsonout import PlanStepOut
 from worker.runconfig import Layout
@@ -109,22 +101,6 @@ def test_which_runs_rehearse_and_with_what() -> None:
     assert cut.train.iters == 4 and cut.train.steps_per_eval == 5  # no eval inside the rehearsal
     assert cut.train.save_every == pb.train.save_every and cut.train.batch_size == pb.train.batch_size
     assert pb.train.iters == 30  # the run's playbook is not touched
-
-
-def test_a_rehearsals_timed_steps_read_rows_from_all_over_the_run() -> None:
-    """The warm-up reads the run's first rows; the steps the rate counts are spread evenly over the whole run, each
-    a distinct step of it, so that a variable-length data set's mix is what gets timed."""
-    for iters in (17, 30, 64, 1000, 250_000):
-        picked = rehearsal_data_steps(iters, REHEARSAL_STEPS)
-        assert len(picked) == REHEARSAL_STEPS and len(set(picked)) == REHEARSAL_STEPS
-        assert picked[:WARMUP_STEPS] == tuple(range(WARMUP_STEPS))
-        timed = picked[WARMUP_STEPS:]
-        assert list(timed) == sorted(timed) and timed[0] == WARMUP_STEPS and timed[-1] < iters
-        gaps = [b - a for a, b in itertools.pairwise(timed)]
-        assert max(gaps) - min(gaps) <= 1  # even
-        assert iters - timed[-1] <= max(gaps) + 1  # reaches the end of the run
-    assert rehearsal_data_steps(30, 16) == (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27)
-    assert rehearsal_data_steps(40, 4) == (0, 10, 20, 30)  # too short for a warm-up: every step timed
 
 
 def _local_run(tmp: Path, model: str) -> tuple[Path, Path]:
