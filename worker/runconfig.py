@@ -45,6 +45,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                                         contiguous and cover the model; every rank's `batch_size` is the global
                                         batch (all equal), split into `micro_batches` (<= the global batch).
                                         SFT only (method lora, dora or full; not dpo, not train_embeddings)
+    cpu_shares        {"<rank>": [index, count], ...} ({}): ranks that share a machine and compute on its CPU, each
+                      pinned to the index-th of `count` equal slices of the CPUs it may use (worker.cpus)
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
@@ -217,6 +219,7 @@ class RunConfig:
     fence: tuple[float, float] | None = None  # (factor, min_s)
     chaos: tuple[ChaosSpec, ...] = ()
     debug: DebugSpec = field(default_factory=DebugSpec)
+    cpu_shares: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (index, count): worker.cpus
 
     # -- plan arithmetic ------------------------------------------------------------------------------------
 
@@ -303,6 +306,8 @@ class RunConfig:
             out["debug"] = asdict(self.debug)
         if self.layout != Layout():
             out["layout"] = self.layout.to_json()
+        if self.cpu_shares:
+            out["cpu_shares"] = {str(rank): list(share) for rank, share in sorted(self.cpu_shares.items())}
         return out
 
 
@@ -314,6 +319,7 @@ _TOP_KEYS = {
     "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
     "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence", "layout",
+    "cpu_shares",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -581,6 +587,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         fence=_parse_fence(raw.get("fence")),
         chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
         debug=_parse_debug(raw.get("debug")),
+        cpu_shares=_parse_cpu_shares(raw.get("cpu_shares"), len(ranks)),
     )
     if config.train_embeddings and (config.fine_tune_type != "full" or config.num_layers not in (None, -1)):
         raise ConfigError("train_embeddings needs full fine-tuning of all layers (num_layers null or -1)")
@@ -593,6 +600,23 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
             raise ConfigError("layout pipeline does not train embeddings/lm_head (train_embeddings): the first and "
                               "last stages would both hold tied embeddings")
     return config
+
+
+def _parse_cpu_shares(raw: Any, world: int) -> dict[int, tuple[int, int]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError('cpu_shares must be an object {"<rank>": [index, count]}')
+    out: dict[int, tuple[int, int]] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < world):
+            raise ConfigError(f"cpu_shares: {key!r} is not a rank of this run (0..{world - 1})")
+        ok = (isinstance(value, list) and len(value) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 0 <= value[0] < value[1])
+        if not ok:
+            raise ConfigError(f"cpu_shares[{key}] must be [index, count] with 0 <= index < count, got {value!r}")
+        out[int(key)] = (value[0], value[1])
+    return out
 
 
 def _parse_fence(raw: Any) -> tuple[float, float] | None:

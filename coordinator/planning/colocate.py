@@ -32,6 +32,7 @@ from enum import StrEnum
 
 from coordinator.facts.model import NodeFacts
 from coordinator.models import Connection, Node
+from coordinator.planning.hostfile import has_cuda
 from coordinator.planning.plan import CurvePoint, NodeCalibration
 
 THIS_MACHINE = "this machine"
@@ -145,6 +146,26 @@ def describe_shared(groups: Sequence[BenchGroup], planned: Sequence[str]) -> str
         if len(members) > 1:
             parts.append(f"{', '.join(members)} share {group.machine}")
     return "; ".join(parts) or None
+
+
+def computes_on_cpu(facts: NodeFacts | None) -> bool:
+    """A Linux node without an NVIDIA GPU: MLX runs its ranks on the CPU. (A Mac's ranks run on its GPU through
+    Metal; a node whose facts are unknown is left as it is.)"""
+    return facts is not None and facts.os is not None and facts.os.system == "Linux" and not has_cuda(facts)
+
+
+def cpu_shares(groups: Sequence[BenchGroup], ranks: Sequence[tuple[int, str]],
+               facts: Mapping[str, NodeFacts]) -> dict[int, tuple[int, int]]:
+    """Rank -> (index, count) for the ranks that share a machine and compute on its CPU: each takes the index-th of
+    `count` equal slices of the machine's CPUs (`worker.cpus`). Left to the scheduler, two such ranks meet on one
+    core now and then: the demo's runs differed by up to 1.5x from one launch to the next, and ran ~30% slower
+    than pinned (docs/benchmarks.md). `ranks`: (rank, node) of the run. Pure."""
+    out: dict[int, tuple[int, int]] = {}
+    for group in groups:
+        members = sorted(rank for rank, node in ranks if node in group.nodes)
+        if len(members) > 1 and all(computes_on_cpu(facts.get(node)) for _, node in ranks if node in group.nodes):
+            out.update({rank: (i, len(members)) for i, rank in enumerate(members)})
+    return out
 
 
 def pool_curves(calibrations: Sequence[NodeCalibration], kinds: Mapping[str, Hashable]) -> list[NodeCalibration]:

@@ -31,6 +31,7 @@ from coordinator.facts.probe import shell_path
 from coordinator.fleet.ship import ship_worker
 from coordinator.fleet.transport import Fleet, Transport, python_argv
 from coordinator.models import LOCAL_HOST, Node
+from coordinator.planning.colocate import compute_bench_groups, cpu_shares
 from coordinator.planning.hostfile import Hostfile, build_hostfile
 from coordinator.run.chaos import Chaos
 from coordinator.run.launchfiles import (
@@ -309,8 +310,12 @@ class Launch:
     async def prepare(self) -> None:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
+        nodes = list({r.node.name: r.node for r in self.ranks}.values())
+        shares = cpu_shares(compute_bench_groups(nodes, self.facts), [(r.rank, r.node.name) for r in self.ranks],
+                            self.facts)
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
-                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout)
+                                  restart_from_scratch=self.restart_from_scratch, layout=self.layout,
+                                  cpu_shares=shares)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:

@@ -125,11 +125,12 @@ def build_layout(plan: PipelinePlan | None) -> Layout:
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
                      chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False,
-                     layout: Layout | None = None) -> RunConfig:
+                     layout: Layout | None = None, cpu_shares: Mapping[int, tuple[int, int]] | None = None) -> RunConfig:
     """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
     worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
     `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node.
-    `layout`: how the ranks share the work (`build_layout`; dp when None)."""
+    `layout`: how the ranks share the work (`build_layout`; dp when None). `cpu_shares`: the ranks that share a CPU
+    machine and their slices of it (`colocate.cpu_shares`)."""
     t = pb.train
     if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
         raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
@@ -152,6 +153,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
                FENCE_OVER_STALL * max(pb.faults.stall_min_s, pb.heartbeat_timeout + 1.0)) if pb.faults.fence else None,
         chaos=tuple(chaos),
         layout=layout or Layout(),  # dp, a pipeline's stages (build_layout) or fsdp (preflight.pipeline.resolve_strategy)
+        cpu_shares=dict(cpu_shares or {}),
     )
 
 

@@ -6,12 +6,20 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from coordinator.facts.model import CudaDevice, Gpu, NodeFacts
+from coordinator.facts.model import CudaDevice, Gpu, NodeFacts, OsInfo
 from coordinator.models import Connection, Node
-from coordinator.planning.colocate import THIS_MACHINE, Barrier, BenchGroup, compute_bench_groups, machine_of
+from coordinator.planning.colocate import (
+    THIS_MACHINE,
+    Barrier,
+    BenchGroup,
+    compute_bench_groups,
+    cpu_shares,
+    machine_of,
+)
 from worker.bench import Lockstep
 
 
@@ -194,3 +202,26 @@ def test_interchangeable_members_share_one_curve_the_mean_of_theirs() -> None:
     assert pa.noisy == pb.noisy == (1, 4) and (pa.node, pb.node) == ("a", "b")
     assert compute_plan([pa, pb], 8, seq_len=128).batch == {"a": 4, "b": 4}
     assert pool_curves([a, b], {"a": "cpu", "b": "other cpu"}) == [a, b]  # different kinds: untouched
+
+
+def on(system: str, name: str, *uuids: str) -> NodeFacts:
+    facts = gpus(name, *uuids) if uuids else NodeFacts(node=name)
+    return replace(facts, os=OsInfo(system=system, arch="x86_64", kernel="6", name=system, version="1"))
+
+
+def test_ranks_that_share_a_cpu_machine_take_equal_slices_of_it() -> None:
+    """The demo's two local ranks and two on one Linux address: a slice each, in rank order. Alone on a machine,
+    on a GPU (CUDA or a Mac's Metal) or with unknown facts: left to the scheduler."""
+    nodes = [local("a"), local("b"), ssh("c", "10.0.0.2"), ssh("d", "10.0.0.2"), ssh("e", "10.0.0.3")]
+    facts = {n.name: on("Linux", n.name) for n in nodes}
+    ranks = [(0, "a"), (1, "c"), (2, "b"), (3, "d"), (4, "e")]
+    groups = compute_bench_groups(nodes, facts)
+    assert cpu_shares(groups, ranks, facts) == {0: (0, 2), 2: (1, 2), 1: (0, 2), 3: (1, 2)}
+    assert cpu_shares(groups, [(0, "a"), (1, "e")], facts) == {}  # b is not in this run: a is alone
+    macs = {**facts, "a": on("Darwin", "a"), "b": on("Darwin", "b")}
+    assert cpu_shares(groups, ranks, macs) == {1: (0, 2), 3: (1, 2)}
+    unknown = {k: v for k, v in facts.items() if k != "b"}
+    assert cpu_shares(groups, ranks, unknown) == {1: (0, 2), 3: (1, 2)}
+    box = [ssh("gpu0", "10.0.0.9"), ssh("gpu1", "10.0.0.9")]
+    cuda = {"gpu0": on("Linux", "gpu0", "GPU-1"), "gpu1": on("Linux", "gpu1", "GPU-2")}
+    assert cpu_shares(compute_bench_groups(box, cuda), [(0, "gpu0"), (1, "gpu1")], cuda) == {}
