@@ -1,8 +1,8 @@
 """A rank's share of its machine's CPUs, where ranks share a machine and compute on its CPU (Linux).
 
-Two ranks on one machine left to the scheduler meet on one core now and then, and the demo's 30 steps ran at
-2,592 to 3,992 tokens/s from one launch to the next on a quiet 2-core VM; each rank on a core of its own ran at
-3,962 to 5,125 (5 launches each, interleaved; docs/benchmarks.md). So the coordinator gives each such rank a share
+Two ranks on one machine left to the scheduler meet on one core now and then: in six interleaved pairs of demo
+launches on a quiet 2-core VM they ran 2,396-2,799 real tokens/s, and 2,654-2,990 with a core each (1.16x the
+median; docs/benchmarks.md). So the coordinator gives each such rank a share
 (`run.json` `cpu_shares`: rank -> [index, count], `coordinator/planning/colocate.cpu_shares`), and the rank takes
 the index-th of `count` equal slices of the CPUs it may use (its cgroup's, as `sched_getaffinity` says), for every
 thread it has. Where the machine has fewer CPUs than shares, or the OS has no affinity call (macOS), nothing is

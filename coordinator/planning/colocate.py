@@ -158,8 +158,8 @@ def cpu_shares(groups: Sequence[BenchGroup], ranks: Sequence[tuple[int, str]],
                facts: Mapping[str, NodeFacts]) -> dict[int, tuple[int, int]]:
     """Rank -> (index, count) for the ranks that share a machine and compute on its CPU: each takes the index-th of
     `count` equal slices of the machine's CPUs (`worker.cpus`). Left to the scheduler, two such ranks meet on one
-    core now and then: the demo's runs differed by up to 1.5x from one launch to the next, and ran ~30% slower
-    than pinned (docs/benchmarks.md). `ranks`: (rank, node) of the run. Pure."""
+    core now and then: the demo ran 1.16x faster pinned, and steadier (docs/benchmarks.md). `ranks`: (rank, node)
+    of the run. Pure."""
     out: dict[int, tuple[int, int]] = {}
     for group in groups:
         members = sorted(rank for rank, node in ranks if node in group.nodes)
