@@ -164,6 +164,72 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
     return result
 
 
+# --- dpstep: where a dp step of several ranks spends its time (the weak-scaling gap) ---------------------------
+
+
+def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
+    """The worker's own step (worker.step.TrainStep, full fine-tune, Adam) on `batch` rows per rank, timed as the
+    run times it, in variants run one after another on the same model: `world1` (each rank alone: the one-GPU
+    path, one compiled graph), `split-nocomm` (the several-rank path with an identity all_sum: what the path costs
+    without communicating), then the several-rank path over NCCL with gradient buckets of 32 MiB (the run's),
+    256 MiB and one per dtype; each with the run's memory bound (headroom 0.1) and without. Median step seconds
+    after 2 warm-up steps, and compute_s (up to the collective)."""
+    import functools
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx_lm.utils import load
+
+    import worker.step as ws
+    from worker.memory import StepMemory
+
+    group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
+    rank, world = group.rank(), group.size()
+    result: dict[str, Any] = {"rank": rank, "world": world}
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    x = mx.random.randint(0, vocab, (batch, seq + 1), key=mx.random.key(rank))
+    units = batch * seq
+
+    def loss_fn(model: Any, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        logits = model(x[:, :-1])
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), x[:, 1:], reduction="sum")
+        return ce, mx.array(units, mx.int32), mx.array(units, mx.int32)
+
+    model, _ = load(model_dir)
+    model.unfreeze()
+    model.train()
+    opt = optim.Adam(learning_rate=1e-6)
+    opt.init(model.trainable_parameters())
+    mx.eval(model.parameters(), opt.state)
+    original = ws.all_sum_arrays
+    variants = [("world1", 1, None, None), ("split-nocomm", 2, "identity", ws.ALL_REDUCE_BYTES),
+                ("nccl-32MiB", 2, "nccl", ws.ALL_REDUCE_BYTES), ("nccl-256MiB", 2, "nccl", 256 * 1024**2),
+                ("nccl-whole", 2, "nccl", 1 << 40)]
+    for headroom in (0.1, None):
+        for label, w, comm, bucket in variants:
+            ws.all_sum_arrays = functools.partial(original, bucket_bytes=bucket) if bucket else original
+            reduce = (lambda a: a) if comm == "identity" else (lambda a: mx.distributed.all_sum(a, group=group))
+            step = ws.TrainStep(model, opt, loss_fn, all_sum=reduce, world_size=w,
+                                memory=StepMemory(headroom, False))
+            total = units * (world if w > 1 else 1)
+            times, computes = [], []
+            for i in range(steps + 2):
+                done = step.run(lambda: [SimpleNamespace(inputs=(x,), weight=units, total_weight=total)])
+                if i >= 2:
+                    times.append(done.elapsed)
+                    computes.append(done.compute_s)
+            step.memory.release()
+            result[f"{label} headroom={headroom}"] = {
+                "step_s": round(statistics.median(times), 5), "compute_s": round(statistics.median(computes), 5),
+                "tok_per_s": round(units * (world if w > 1 else 1) / statistics.median(times))}
+            del step
+            mx.clear_cache()
+    ws.all_sum_arrays = original
+    return result
+
+
 # --- launch: coordinator runs on the 2-GPU host ----------------------------------------------------------------
 
 
@@ -396,6 +462,59 @@ def drill_real_quarantine(root: Path, model: Path, data: Path) -> dict[str, Any]
     return out
 
 
+def checkpoint_tree(run_dir: Path) -> dict[str, Any]:
+    """{relative dir: MB} of every step dir of a run's checkpoints (fsdp: one `stage-<rank>` shard per rank)."""
+    ck = run_dir / "checkpoints"
+    return {str(d.relative_to(ck)): round(sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 1e6, 1)
+            for d in sorted(ck.glob("**/step-*")) if d.is_dir()} if ck.is_dir() else {}
+
+
+def drill_fsdp_checkpoints(root: Path, model: Path, data: Path) -> dict[str, Any]:
+    """fsdp's sharded checkpoints on the GPUs: a 2-GPU full fine-tune (saves every 4) whose rank 1 is killed at
+    step 6 resumes on what is left (2 shards re-cut onto 1 rank); `coordinator export` of the finished run, loaded by
+    mlx_lm; then `--resume` of that run with more steps on both GPUs (1 rank's shard re-cut onto 2)."""
+    shutil.rmtree(root / "node", ignore_errors=True)
+    runs = root / "runs-ckpt"
+    inv, pb = write_job(root, "ckpt", model, data, "full", 12, None, "x", 100, "equal", "fsdp")
+    base = ["-i", str(inv), "--run-dir", str(runs), "--json"]
+    out: dict[str, Any] = {}
+    first = coordinator(root, "launch", str(pb), *base, "--skip-preflight", "--chaos", "kill:rank=1,step=6",
+                        timeout=300)
+    summary = first.get("json") or {}
+    out["killed"] = {k: summary.get(k) for k in ("state", "steps", "attempts", "recoveries", "resumed_from",
+                                                  "message", "split")} or first
+    run_id = summary.get("run_id")
+    node_dirs = [Path(n["run_dir"]) for n in summary.get("nodes") or []]
+    out["tree_after_kill"] = {str(d): checkpoint_tree(d) for d in node_dirs}
+    if not run_id:
+        out["first"] = first
+        return out
+    exported = root / "export-ckpt"
+    shutil.rmtree(exported, ignore_errors=True)
+    out["export"] = coordinator(root, "export", run_id, *base, "--out", str(exported), timeout=300)
+    probe = ("import sys, mlx.core as mx; from mlx_lm import load; m, t = load(sys.argv[1]); "
+             "ids = mx.array([t.encode('the quick brown fox jumps')]); "
+             "print(sorted(p.name for p in __import__('pathlib').Path(sys.argv[1]).iterdir()), "
+             "m(ids).shape, float(m(ids).astype(mx.float32).abs().mean()))")
+    loaded = subprocess.run([sys.executable, "-c", probe, str(exported)], capture_output=True, text=True,
+                            timeout=180)
+    out["mlx_lm_load"] = {"rc": loaded.returncode, "stdout": loaded.stdout[-800:], "stderr": loaded.stderr[-800:]}
+    _, pb16 = write_job(root, "ckpt", model, data, "full", 16, None, "x", 100, "equal", "fsdp")
+    again = coordinator(root, "launch", str(pb16), *base, "--skip-preflight", "--resume", run_id, timeout=300)
+    summary = again.get("json") or {}
+    out["resumed"] = {k: summary.get(k) for k in ("state", "steps", "attempts", "resumed_from", "message",
+                                                   "split")} or again
+    if not summary:
+        out["resumed_raw"] = again
+    out["tree_after_resume"] = {str(d): checkpoint_tree(d) for d in node_dirs}
+    for d in node_dirs:
+        for rank in range(2):
+            evs = events(d, rank)
+            out[f"{d.name}/rank{rank}"] = [(e.get("step"), round(e.get("loss") or 0, 5), e.get("peak_memory"))
+                                           for e in evs if e.get("event") == "step"][-6:]
+    return out
+
+
 def drills(args: argparse.Namespace) -> dict[str, Any]:
     root, model, data = build_inputs(args)
     results: dict[str, Any] = {}
@@ -411,6 +530,8 @@ def drills(args: argparse.Namespace) -> dict[str, Any]:
                                        timeout=300)
         elif name == "realq":
             results[name] = drill_real_quarantine(root, model, data)
+        elif name == "fsdpckpt":
+            results[name] = drill_fsdp_checkpoints(root, model, data)
         elif name == "quarantine":
             q: dict[str, Any] = {"kill": launch_one(root, "kill", model, data, "lora", 12, None, "kill:rank=1,step=6", 4,
                                                     "equal")}
@@ -432,7 +553,7 @@ def write(path: Path, obj: Any) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["stream", "fsdp", "launch", "drills"])
+    p.add_argument("mode", choices=["stream", "fsdp", "dpstep", "launch", "drills"])
     p.add_argument("--as-rank", action="store_true")
     p.add_argument("--out", default="bench-gpus-out")
     p.add_argument("--model")
@@ -445,7 +566,10 @@ def main() -> int:
     p.add_argument("--size", default="M")
     args = p.parse_args()
     if args.as_rank:
-        result = stream_rank() if args.mode == "stream" else fsdp_rank(args.model, args.steps, args.batch, args.seq)
+        rank_fn = {"stream": lambda: stream_rank(),
+                   "fsdp": lambda: fsdp_rank(args.model, args.steps, args.batch, args.seq),
+                   "dpstep": lambda: dpstep_rank(args.model, args.steps, args.batch, args.seq)}[args.mode]
+        result = rank_fn()
         print(json.dumps(result), flush=True)
         return 0
     if args.mode == "launch":
