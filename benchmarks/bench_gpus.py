@@ -205,8 +205,7 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
     mx.eval(model.parameters(), opt.state)
     original = ws.all_sum_arrays
     variants = [("world1", 1, None, None), ("split-nocomm", 2, "identity", ws.ALL_REDUCE_BYTES),
-                ("nccl-32MiB", 2, "nccl", ws.ALL_REDUCE_BYTES), ("nccl-256MiB", 2, "nccl", 256 * 1024**2),
-                ("nccl-whole", 2, "nccl", 1 << 40)]
+                ("nccl-32MiB", 2, "nccl", ws.ALL_REDUCE_BYTES), ("nccl-256MiB", 2, "nccl", 256 * 1024**2)]
     for headroom in (0.1,):
         for label, w, comm, bucket in variants:
             ws.all_sum_arrays = functools.partial(original, bucket_bytes=bucket) if bucket else original
@@ -228,11 +227,17 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
             mx.clear_cache()
     ws.all_sum_arrays = original
     comm_stream = mx.new_stream(mx.gpu) if mx.default_device() == mx.gpu else mx.default_stream(mx.default_device())
-    for label, stream, bucket in (("overlap-same-stream-256MiB", None, 256 * 1024**2),
-                                  ("overlap-comm-stream-256MiB", comm_stream, 256 * 1024**2),
-                                  ("overlap-comm-stream-64MiB", comm_stream, 64 * 1024**2)):
+    variants2 = [("overlap-same-stream-256MiB", None, 256 * 1024**2, False, True),
+                 ("boundary-then-dispatch-256MiB", None, 256 * 1024**2, True, True),
+                 ("boundary-then-dispatch-32MiB", None, 32 * 1024**2, True, True),
+                 ("overlap-forward-order-256MiB", None, 256 * 1024**2, False, False),
+                 ("overlap-same-stream-32MiB", None, 32 * 1024**2, False, True)]
+    if os.environ.get("DPSTEP_COMM_STREAM"):
+        variants2 += [("overlap-comm-stream-256MiB", comm_stream, 256 * 1024**2, False, True)]
+    for label, stream, bucket, boundary, reverse in variants2:
         try:
-            result[label] = overlapped_steps(model, opt, loss_fn, x, units * world, group, stream, bucket, steps)
+            result[label] = overlapped_steps(model, opt, loss_fn, x, units * world, group, stream, bucket, steps,
+                                             boundary, reverse)
         except Exception as exc:  # noqa: BLE001 -- recorded, that is the measurement
             result[label] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(result), flush=True)
@@ -240,7 +245,8 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
 
 
 def overlapped_steps(model: Any, opt: Any, loss_fn: Any, x: Any, total: int, group: Any, stream: Any,
-                     bucket_bytes: int, steps: int) -> dict[str, Any]:
+                     bucket_bytes: int, steps: int, boundary: bool = False, reverse: bool = True
+                     ) -> dict[str, Any]:
     """A dp step whose gradient all_sums are dispatched bucket by bucket in backward order (the last layers' first)
     with no evaluation between the backward and the collectives, on `stream` (None: the default one): whether
     NCCL overlaps the backward that way. Same math as the run's step (scale by 1/W before the sum, Adam)."""
@@ -251,14 +257,18 @@ def overlapped_steps(model: Any, opt: Any, loss_fn: Any, x: Any, total: int, gro
 
     step = ws.TrainStep(model, opt, loss_fn, all_sum=lambda a: a, world_size=2, memory=StepMemory(None, False))
     kw = {"stream": stream} if stream is not None else {}
-    times = []
+    times: list[float] = []
+    computes: list[float] = []
     for i in range(steps + 2):
         mx.synchronize()
         tic = time.perf_counter()
         grads, loss_sum, _, _, _ = step._first(x)
+        if boundary:  # the rank's own compute ends here (what the run reports as compute_s)
+            mx.eval(grads, loss_sum)
+            computes.append(time.perf_counter() - tic)
         grads, loss = step._scale(grads, loss_sum, mx.array(1.0 / total, mx.float32))
         flat = dict(ws.flatten(grads))
-        names = list(reversed(list(flat)))
+        names = list(reversed(list(flat))) if reverse else list(flat)
         summed: dict[str, Any] = {}
         bucket: list[str] = []
         size = 0
@@ -282,7 +292,7 @@ def overlapped_steps(model: Any, opt: Any, loss_fn: Any, x: Any, total: int, gro
         if i >= 2:
             times.append(time.perf_counter() - tic)
     return {"step_s": round(statistics.median(times), 5), "tok_per_s": round(total / statistics.median(times)),
-            "loss": float(new_loss)}
+            "compute_s": round(statistics.median(computes[2:]), 5) if computes else None, "loss": float(new_loss)}
 
 
 # --- launch: coordinator runs on the 2-GPU host ----------------------------------------------------------------
