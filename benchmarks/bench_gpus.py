@@ -171,10 +171,10 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
     """The worker's own step (worker.step.TrainStep, full fine-tune, Adam) on `batch` rows per rank, timed as the
     run times it, in variants run one after another on the same model: `world1` (each rank alone: the one-GPU
     path, one compiled graph), `split-nocomm` (the several-rank path with an identity all_sum: what the path costs
-    without communicating), then the several-rank path over NCCL with gradient buckets of 32 MiB (the run's),
-    256 MiB and one per dtype; each with the run's memory bound (headroom 0.1) and without. Median step seconds
-    after 2 warm-up steps, and compute_s (up to the collective)."""
-    import functools
+    without communicating), then the several-rank path over NCCL (worker.exchange): buckets evaluated on their
+    own (the CPU's way) of 32 and 256 MiB, dispatched as built in 32 MiB ones, and the device's default; each with
+    the run's memory bound (headroom 0.1). Median step seconds after 2 warm-up steps, and compute_s (up to the
+    collective). (The commit before worker.exchange, d413f8b, also timed hand-built exchanges, `overlap-*`.)"""
     from types import SimpleNamespace
 
     import mlx.core as mx
@@ -183,6 +183,7 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
     from mlx_lm.utils import load
 
     import worker.step as ws
+    from worker.exchange import Exchange
     from worker.memory import StepMemory
 
     group = mx.distributed.init(backend=os.environ.get("BENCH_BACKEND", "nccl"), strict=os.environ.get("BENCH_BACKEND") is None)
@@ -203,15 +204,16 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
     opt = optim.Adam(learning_rate=1e-6)
     opt.init(model.trainable_parameters())
     mx.eval(model.parameters(), opt.state)
-    original = ws.all_sum_arrays
-    variants = [("world1", 1, None, None), ("split-nocomm", 2, "identity", ws.ALL_REDUCE_BYTES),
-                ("nccl-32MiB", 2, "nccl", ws.ALL_REDUCE_BYTES), ("nccl-256MiB", 2, "nccl", 256 * 1024**2)]
+    variants = [("world1", 1, None, None), ("split-nocomm", 2, "identity", Exchange(False, ws.ALL_REDUCE_BYTES)),
+                ("evaluated-32MiB", 2, "nccl", Exchange(False, 32 * 1024**2)),
+                ("evaluated-256MiB", 2, "nccl", Exchange(False, 256 * 1024**2)),
+                ("pipelined-32MiB", 2, "nccl", Exchange(True, 32 * 1024**2)),
+                ("pipelined-device-default", 2, "nccl", None)]
     for headroom in (0.1,):
-        for label, w, comm, bucket in variants:
-            ws.all_sum_arrays = functools.partial(original, bucket_bytes=bucket) if bucket else original
+        for label, w, comm, exchange in variants:
             reduce = (lambda a: a) if comm == "identity" else (lambda a: mx.distributed.all_sum(a, group=group))
             step = ws.TrainStep(model, opt, loss_fn, all_sum=reduce, world_size=w,
-                                memory=StepMemory(headroom, False))
+                                memory=StepMemory(headroom, False), exchange=exchange)
             total = units * (world if w > 1 else 1)
             times, computes = [], []
             for i in range(steps + 2):
@@ -222,77 +224,12 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
             step.memory.release()
             result[f"{label} headroom={headroom}"] = {
                 "step_s": round(statistics.median(times), 5), "compute_s": round(statistics.median(computes), 5),
-                "tok_per_s": round(units * (world if w > 1 else 1) / statistics.median(times))}
+                "tok_per_s": round(units * (world if w > 1 else 1) / statistics.median(times)),
+                "exchange": str(step.exchange)}
             del step
             mx.clear_cache()
-    ws.all_sum_arrays = original
-    comm_stream = mx.new_stream(mx.gpu) if mx.default_device() == mx.gpu else mx.default_stream(mx.default_device())
-    variants2 = [("overlap-same-stream-256MiB", None, 256 * 1024**2, False, True),
-                 ("boundary-then-dispatch-256MiB", None, 256 * 1024**2, True, True),
-                 ("boundary-then-dispatch-32MiB", None, 32 * 1024**2, True, True),
-                 ("overlap-forward-order-256MiB", None, 256 * 1024**2, False, False),
-                 ("overlap-same-stream-32MiB", None, 32 * 1024**2, False, True)]
-    if os.environ.get("DPSTEP_COMM_STREAM"):
-        variants2 += [("overlap-comm-stream-256MiB", comm_stream, 256 * 1024**2, False, True)]
-    for label, stream, bucket, boundary, reverse in variants2:
-        try:
-            result[label] = overlapped_steps(model, opt, loss_fn, x, units * world, group, stream, bucket, steps,
-                                             boundary, reverse)
-        except Exception as exc:  # noqa: BLE001 -- recorded, that is the measurement
-            result[label] = f"{type(exc).__name__}: {exc}"
-        print(json.dumps(result), flush=True)
+            print(json.dumps(result), flush=True)
     return result
-
-
-def overlapped_steps(model: Any, opt: Any, loss_fn: Any, x: Any, total: int, group: Any, stream: Any,
-                     bucket_bytes: int, steps: int, boundary: bool = False, reverse: bool = True
-                     ) -> dict[str, Any]:
-    """A dp step whose gradient all_sums are dispatched bucket by bucket in backward order (the last layers' first)
-    with no evaluation between the backward and the collectives, on `stream` (None: the default one): whether
-    NCCL overlaps the backward that way. Same math as the run's step (scale by 1/W before the sum, Adam)."""
-    import mlx.core as mx
-
-    import worker.step as ws
-    from worker.memory import StepMemory
-
-    step = ws.TrainStep(model, opt, loss_fn, all_sum=lambda a: a, world_size=2, memory=StepMemory(None, False))
-    kw = {"stream": stream} if stream is not None else {}
-    times: list[float] = []
-    computes: list[float] = []
-    for i in range(steps + 2):
-        mx.synchronize()
-        tic = time.perf_counter()
-        grads, loss_sum, _, _, _ = step._first(x)
-        if boundary:  # the rank's own compute ends here (what the run reports as compute_s)
-            mx.eval(grads, loss_sum)
-            computes.append(time.perf_counter() - tic)
-        grads, loss = step._scale(grads, loss_sum, mx.array(1.0 / total, mx.float32))
-        flat = dict(ws.flatten(grads))
-        names = list(reversed(list(flat))) if reverse else list(flat)
-        summed: dict[str, Any] = {}
-        bucket: list[str] = []
-        size = 0
-        for n in names + [None]:
-            if n is not None and (not bucket or (size + flat[n].nbytes <= bucket_bytes
-                                                 and flat[n].dtype == flat[bucket[0]].dtype)):
-                bucket.append(n)
-                size += flat[n].nbytes
-                continue
-            cat = mx.concatenate([flat[b].reshape(-1) for b in bucket]) if len(bucket) > 1 else flat[bucket[0]].reshape(-1)
-            red = mx.distributed.all_sum(cat, group=group, **kw)
-            mx.async_eval(red)
-            bounds = ws.np.cumsum([flat[b].size for b in bucket])[:-1].tolist()
-            for b, part in zip(bucket, mx.split(red, bounds) if bounds else [red]):
-                summed[b] = part.reshape(flat[b].shape)
-            if n is not None:
-                bucket, size = [n], flat[n].nbytes
-        loss = mx.distributed.all_sum(loss, group=group, **kw)
-        new_loss, norm = step._update(ws.tree_unflatten(list(summed.items())), loss)
-        mx.eval(model.parameters(), opt.state, new_loss, norm)
-        if i >= 2:
-            times.append(time.perf_counter() - tic)
-    return {"step_s": round(statistics.median(times), 5), "tok_per_s": round(total / statistics.median(times)),
-            "compute_s": round(statistics.median(computes[2:]), 5) if computes else None, "loss": float(new_loss)}
 
 
 # --- launch: coordinator runs on the 2-GPU host ----------------------------------------------------------------

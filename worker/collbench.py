@@ -8,8 +8,8 @@ Every rank is started with the environment its backend reads (MLX_RANK and the b
 mlx.launch gives them); `--file NAME=CONTENT` writes CONTENT to a private temp file and exports NAME as its path
 (ring's MLX_HOSTFILE, jaccl's MLX_IBV_DEVICES), removed at exit. The rank joins the group (`strict`: a group of
 the wrong size is an error, never a silent size-1 world) and builds the run's buckets: per dtype, the elements cut
-in buckets of `worker.step.ALL_REDUCE_BYTES` (as `all_sum_arrays` concatenates the gradients; the loss rides in
-the float32 elements). Then:
+in buckets of the size the run's step uses on this device (`worker.exchange`; as `all_sum_arrays` concatenates
+the gradients; the loss rides in the float32 elements). Then:
 
 - a warm-up exchange (connections, first allocations), whose slowest time sets how many exchanges fit in
   `--budget` seconds (at least 3, at most `--max-samples`; every rank agrees on the count: it is the all_sum of
@@ -40,8 +40,9 @@ import threading
 import time
 from typing import Any
 
+from worker.exchange import exchange_for
+
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-BUCKET_BYTES = 32 * 1024**2  # worker.step.ALL_REDUCE_BYTES (not imported: that module imports mlx at once)
 SMALL_SAMPLES = 9
 
 
@@ -58,7 +59,7 @@ def parse_elements(text: str) -> dict[str, int]:
     return out
 
 
-def plan_buckets(elements: dict[str, int], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[str, int]]:
+def plan_buckets(elements: dict[str, int], bucket_bytes: int) -> list[tuple[str, int]]:
     """(dtype, elements) of each all_sum of one exchange, in the run's order (dtypes sorted by name): each dtype's
     elements cut in buckets of `bucket_bytes` counted at 4 bytes an element, as `worker.step.bucket_names` counts."""
     per_bucket = max(1, bucket_bytes // 4)
@@ -110,7 +111,8 @@ def measure(backend: str, ranks: int, elements: dict[str, int], budget_s: float,
     size, rank = int(group.size()), int(group.rank())
     if size != ranks:
         raise RuntimeError(f"joined a group of {size} ranks, expected {ranks}")
-    buckets = [mx.ones((n,), dtype=getattr(mx, dtype)) for dtype, n in plan_buckets(elements)]
+    bucket_bytes = exchange_for(mx.default_device() == mx.gpu).bucket_bytes
+    buckets = [mx.ones((n,), dtype=getattr(mx, dtype)) for dtype, n in plan_buckets(elements, bucket_bytes)]
     one = mx.array(1.0, dtype=mx.float32)
     mx.eval(buckets, one)
 

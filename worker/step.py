@@ -4,7 +4,7 @@ that what calibration times is what the run executes.
     local(batch) ──compiled──► loss sum, weight, gradient of the loss SUM (in the parameters' dtype)
         [grad_accumulation: more micro-batches added inside the compiled graph]
         [the caller evaluates here: compute_s ends; chaos and the Byzantine checks read the local values]
-    apply(grads, loss sum, 1/W) ──compiled──► scale by 1/W ─► all_sum over the ranks (buckets, evaluated on its own)
+    apply(grads, loss sum, 1/W) ──compiled──► scale by 1/W ─► all_sum over the ranks (buckets: worker.exchange)
         ──compiled──► grad norm, optimizer update (one rank: scale and update are one compiled graph)
 
 Exact weighting without a count collective: every rank knows every rank's rows (the data order and the split are
@@ -40,9 +40,10 @@ from mlx.nn.losses import cross_entropy
 from mlx.nn.utils import value_and_grad as nn_value_and_grad
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from worker.exchange import CPU_BUCKET_BYTES, Exchange, exchange_for
 from worker.memory import StepMemory, batch_size_of
 
-ALL_REDUCE_BYTES = 32 * 1024**2  # gradient buckets per all_sum call (as mlx's average_gradients)
+ALL_REDUCE_BYTES = CPU_BUCKET_BYTES  # gradient buckets per all_sum call by default (worker.exchange: by device)
 PACK_MIN_SAVING = 0.10  # pack only when it saves at least this share of the computed positions
 PACK_EXACT_RTOL = 2e-4  # packed vs unpacked loss on the real model, relative (float32 rounding of attention)
 
@@ -324,11 +325,11 @@ def bucket_names(sizes: Mapping[str, int], bucket_bytes: int, itemsize: int = 4)
     return buckets
 
 
-def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
-                   bucket_bytes: int = ALL_REDUCE_BYTES) -> dict[str, mx.array]:
+def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum, bucket_bytes: int = ALL_REDUCE_BYTES,
+                   dispatch: Callable[[mx.array], None] | None = None) -> dict[str, mx.array]:
     """`all_sum` every array, concatenating same-dtype arrays into buckets: few large collectives instead of
     one per parameter. Shapes and names are preserved. Every rank issues the same collectives in the same
-    (rank-independent, sorted) order."""
+    (rank-independent, sorted) order. `dispatch` (mx.async_eval) is given each summed bucket as it is built."""
     out: dict[str, mx.array] = {}
     by_dtype: dict[Any, dict[str, int]] = {}
     for name, arr in arrays.items():
@@ -338,6 +339,8 @@ def all_sum_arrays(arrays: Mapping[str, mx.array], all_sum: AllSum,
             flat = mx.concatenate([arrays[n].reshape(-1) for n in bucket]) if len(bucket) > 1 \
                 else arrays[bucket[0]].reshape(-1)
             summed = all_sum(flat)
+            if dispatch is not None:
+                dispatch(summed)
             bounds = np.cumsum([arrays[n].size for n in bucket])[:-1].tolist()
             parts = mx.split(summed, bounds) if bounds else [summed]
             if len(parts) != len(bucket):  # zip(strict=True) is 3.10+: the worker runs on 3.9 too
@@ -411,12 +414,14 @@ class TrainStep:
 
     `memory` (worker.memory): the step's memory bound (`train.memory_headroom`) and `train.clear_cache`, applied
     around every step inside its time (calibration takes the same step, so it measures their cost); default: no
-    bound, and `clear_cache` alone."""
+    bound, and `clear_cache` alone. `exchange` (worker.exchange): how several ranks exchange the gradients;
+    default: what the device computing the step calls for."""
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
                  world_size: int, compiled: bool = True, stats: bool = False, clear_cache: bool = False,
-                 memory: StepMemory | None = None) -> None:
+                 memory: StepMemory | None = None, exchange: Exchange | None = None) -> None:
         self.model, self.optimizer = model, optimizer
+        self.exchange = exchange if exchange is not None else exchange_for(mx.default_device() == mx.gpu)
         self.memory = memory if memory is not None else StepMemory(headroom=None, clear_cache=clear_cache)
         self.world_size = world_size
         self.stats = stats  # the loss has extra sums (DPO): they need the general path
@@ -505,8 +510,11 @@ class TrainStep:
         grads, loss = self._scale(local.grads, local.loss_sum, inverse)
         flat = flatten(grads)
         flat[_LOSS_KEY] = loss.reshape(1)
-        summed = all_sum_arrays(flat, self.all_sum)
-        mx.eval(summed)
+        pipelined = self.exchange.pipelined
+        summed = all_sum_arrays(flat, self.all_sum, self.exchange.bucket_bytes,
+                                dispatch=mx.async_eval if pipelined else None)
+        if not pipelined:
+            mx.eval(summed)
         loss = summed.pop(_LOSS_KEY).reshape(())
         loss, norm = self._update(tree_unflatten(list(summed.items())), loss)
         return loss, norm

@@ -1,11 +1,12 @@
 """The gradient exchange's cost in a data-parallel step. Pure: no I/O, no clock (the measurement is
 `coordinator/run/collective.py`, its node side `worker/collbench.py`).
 
-How a dp step exchanges (worker/step.py, `TrainStep.apply`): once every rank has evaluated its local gradient
-sums (its compute ends there), the gradients are scaled, concatenated per dtype into buckets of about
-`ALL_REDUCE_BYTES` (32 MiB) and each bucket is all_summed; all of them are evaluated together, then the update
-runs. Nothing overlaps the exchange: no bucket starts before the whole backward is done (the all_sum runs between
-two compiled graphs: inside one, 2-rank ring runs deadlocked). So the step of a dp run is
+How a dp step exchanges (worker/step.py, `TrainStep.apply`; worker/exchange.py): once every rank has evaluated its
+local gradient sums (its compute ends there), the gradients are scaled, concatenated per dtype into buckets (32 MiB
+on the CPU, 512 MiB on a GPU, counted at 4 bytes an element) and each bucket is all_summed: on the CPU all of them
+are evaluated together, then the update runs; on a GPU each is dispatched as it is built and the update follows in
+the same evaluation. No bucket starts before the whole backward is done (the all_sum runs between two compiled
+graphs: inside one, 2-rank ring runs deadlocked). So the step of a dp run is
 
     step = max_i compute_i(b_i) + exchange(G)
 

@@ -527,6 +527,53 @@ def test_one_rank_takes_the_whole_step_in_one_graph_with_the_same_update(tiny: P
         assert mx.allclose(value, p2[name], atol=1e-6, rtol=1e-4), name
 
 
+def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Path) -> None:
+    """worker.exchange: on a GPU the summed buckets are dispatched as they are built (mx.async_eval) and the update
+    follows in the step's last evaluation; on the CPU they are evaluated on their own first. Same buckets, same
+    update, bit for bit (two identical ranks: the all_sum doubles), and every bucket dispatched once."""
+    import mlx.optimizers as optim
+
+    import worker.step as step_mod
+    from worker.exchange import Exchange, exchange_for
+    from worker.objectives import Micro
+    from worker.step import TrainStep
+
+    assert exchange_for(True).pipelined and not exchange_for(False).pipelined
+    assert exchange_for(True).bucket_bytes > exchange_for(False).bucket_bytes == step_mod.ALL_REDUCE_BYTES
+    _, tok = load_tiny(tiny)
+    rows = rows_of(tok, 4)
+    weight, tokens = sft_weight(rows, 64)
+    micro = Micro(build_batch(rows, 64), weight, 2 * weight, tokens, 2 * tokens, 4)
+    results = []
+    for exchange in (Exchange(False, 4096), Exchange(True, 4096)):
+        model, _ = load_tiny(tiny)
+        mx.random.seed(0)
+        apply_method(model, "lora", None, LoraSpec(rank=4))
+        opt = optim.Adam(learning_rate=1e-2)
+        opt.init(model.trainable_parameters())
+        reduced: list[mx.array] = []
+        dispatched: list[int] = []
+        real_async = step_mod.mx.async_eval
+
+        def all_sum(x: mx.array) -> mx.array:
+            reduced.append(x * 2)
+            return reduced[-1]
+
+        step_mod.mx.async_eval = lambda *a: (dispatched.append(len(a)), real_async(*a))[1]
+        try:
+            step = TrainStep(model, opt, token_loss_sum, all_sum=all_sum, world_size=2, exchange=exchange)
+            done = step.run(lambda: [micro])
+        finally:
+            step_mod.mx.async_eval = real_async
+        assert len(reduced) >= 3  # small buckets: several collectives
+        assert len(dispatched) == (len(reduced) if exchange.pipelined else 0)
+        results.append((scalar(done.loss), scalar(done.norm), flatten(model.trainable_parameters())))
+    (l1, n1, p1), (l2, n2, p2) = results
+    assert l1 == l2 and n1 == n2
+    for name, value in p1.items():
+        assert mx.array_equal(value, p2[name]), name
+
+
 def test_train_step_clear_cache_gives_the_cache_back_after_each_step(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`train.clear_cache`: mx.clear_cache() after the step's evaluation, on both paths of TrainStep.run; the
     step's result is the same."""
