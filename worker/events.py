@@ -63,7 +63,9 @@ class EventKind(_StrEnum):
     #                    state); every `consistency_every` steps and at the last step, after the update.
     #                    Identical on honest data-parallel replicas (see worker.chaos.arrays_sha256)
     EVAL = "eval"  # step, val_loss, val_tokens, eval_time_s
-    CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256), writer (rank that wrote this node's copy)
+    CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256; a sharded checkpoint, fsdp or pipeline:
+    #                            of the whole checkpoint's manifest, the same on every rank), writer (rank that wrote
+    #                            this node's copy)
     CHECKPOINT_INVALID = "checkpoint_invalid"  # step, path, reason (skipped while looking for a resume point)
     WARNING = "warning"  # code, message
     HEARTBEAT = "heartbeat"  # step, phase, pid; a pipeline stage inside a step adds where its compute thread is

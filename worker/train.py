@@ -66,7 +66,6 @@ from worker import kernelcache
 from worker.chaos import RankChaos, lie_about, perturb, signal_self
 from worker.checkpoint import (
     ADAPTER_CONFIG,
-    MANIFEST,
     OPTIMIZER,
     STATE,
     WEIGHTS,
@@ -88,7 +87,7 @@ from worker.parallel import Strategy, make_strategy
 from worker.parallel.base import STATE_FORMAT, ResumeState, load_arrays
 from worker.runconfig import ConfigError, RunConfig, load_run_config
 from worker.step import TrainStep, WeightMismatch
-from worker.tensorfile import sha256_file, write_safetensors
+from worker.tensorfile import write_safetensors
 
 # Re-exported: tests and tools import them from here.
 __all__ = ["STATE_FORMAT", "ResumeRefused", "ResumeState", "Trainer", "TrainingError", "load_arrays", "main",
@@ -349,7 +348,7 @@ class Trainer:
         self.hb.set(phase=Phase.SYNC)
         self.comm.barrier()
         self.strategy.checkpoint_done(step)
-        self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=sha256_file(path / MANIFEST),
+        self.log.emit(EventKind.CHECKPOINT, step=step, path=str(path), sha256=self.strategy.checkpoint_sha256(path),
                       writer=self.strategy.writer())
         self.last_checkpoint = path
         return path

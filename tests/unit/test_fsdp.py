@@ -214,6 +214,11 @@ def test_fsdp_over_two_ranks_equals_dp(ring_runs: dict[str, tuple[Path, Path]], 
         assert started["sharded_modules"] > 0 and started["world_size"] == 2
         # the whole model's counts, not this rank's shard's
         assert started["total_params"] == kinds(read_events(ref, 0), "started")[0]["total_params"]
+    # Each rank's checkpoint event names the whole checkpoint, the same on both: the coordinator votes on it as on
+    # dp's replicas (each shard's own manifest.sha256 differs: reported, it read as a mismatch with no majority,
+    # and every fsdp run on 2 GPUs stopped and relaunched at its first checkpoint).
+    shas = [[e["sha256"] for e in kinds(read_events(run, rank), "checkpoint")] for rank in (0, 1)]
+    assert shas[0] and shas[0] == shas[1]
     # Each rank saved its own shard (its blocks, whole, dp's names; rank 0 also what is outside the blocks);
     # merged, they are dp's checkpoint.
     for rank, layers in ((0, ["0"]), (1, ["1"])):

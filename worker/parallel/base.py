@@ -25,13 +25,14 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from worker.chaos import arrays_sha256
-from worker.checkpoint import OPTIMIZER, STATE, WEIGHTS
+from worker.checkpoint import MANIFEST, OPTIMIZER, STATE, WEIGHTS
 from worker.comm import Comm
 from worker.errors import TrainingError
 from worker.events import EventKind, EventLog, Progress
 from worker.objectives import Micro
 from worker.runconfig import RunConfig
 from worker.step import Local, StepResult, flatten
+from worker.tensorfile import sha256_file
 
 STATE_FORMAT = "mlx-coordinator-checkpoint/1"
 
@@ -136,6 +137,12 @@ class Strategy(ABC):
         """Fields this strategy adds to its checkpoints' state.json (none for dp: its copies stay byte-identical
         to those written before strategies existed)."""
         return {}
+
+    def checkpoint_sha256(self, path: Path) -> str:
+        """What this rank's `checkpoint` event reports for the checkpoint at `path`, which the coordinator compares
+        across the ranks that must agree (monitor: `checkpoint manifest`): its manifest's digest (dp's replicas
+        write the same files). Strategies whose ranks each write their own shard report the whole checkpoint's."""
+        return sha256_file(path / MANIFEST)
 
     # -- steps ----------------------------------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ from worker.parallel.pipeline.shards import (
     plan_recut,
     read_shard_names,
     shard_dir,
+    whole_sha256,
 )
 from worker.parallel.shardresume import load_verified, newest_common_step
 from worker.step import _LOSS_KEY, Local, StepResult, TrainStep, all_sum_arrays, flatten
@@ -294,6 +295,9 @@ class FullyShardedDataParallel(DataParallel):
         opt_state = self._gather_mine(flatten(self.optimizer.state))
         self._saved = (weights, opt_state)
         return weights, opt_state
+
+    def checkpoint_sha256(self, path: Path) -> str:
+        return whole_sha256(path)  # each rank's shard differs; the whole checkpoint's manifest is the same
 
     def state_fields(self) -> dict[str, Any]:
         """The shard's place and the whole checkpoint's manifest (every rank's range and digests, gathered): the

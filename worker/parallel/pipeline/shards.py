@@ -108,6 +108,17 @@ class StepVerdict:
         return not self.missing
 
 
+def whole_sha256(path: Path) -> str:
+    """The digest of the whole checkpoint a shard dir belongs to: its state.json's step, data position and manifest
+    (every stage's layers and digests), canonical JSON. The same in every shard of one checkpoint, so it is what a
+    rank's `checkpoint` event reports for ranks to be compared by (each shard's own files, hence its
+    manifest.sha256, differ from rank to rank)."""
+    state = json.loads((path / STATE).read_text())
+    doc = {"step": state.get("step"), "data_position": state.get("data_position"),
+           MANIFEST_KEY: state.get(MANIFEST_KEY)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def build_manifest(step: int, data_position: int, model_layers: int,
                    stages: Sequence[tuple[int, int, str, str]]) -> Manifest:
     """The manifest from each stage's (first, last, weights digest, optimizer digest), in stage order. Raises

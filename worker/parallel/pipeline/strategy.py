@@ -63,6 +63,7 @@ from worker.parallel.pipeline.shards import (
     prune_other_shards,
     read_shard_names,
     shard_dir,
+    whole_sha256,
 )
 from worker.parallel.pipeline.stage import Chunk, Stage, chunks_of, load_stage
 from worker.parallel.shardresume import load_verified, newest_common_step
@@ -137,6 +138,9 @@ class Pipeline(Strategy):
                 "last_layer": w.last, "model_layers": self.stage.total_layers,
                 "micro_batches": layout.micro_batches, "schedule": layout.schedule,
                 "digest_peers": list(self.digest_peers())}
+
+    def checkpoint_sha256(self, path: Path) -> str:
+        return whole_sha256(path)  # each rank's shard differs; the whole checkpoint's manifest is the same
 
     def state_fields(self) -> dict[str, Any]:
         """The stage, and the manifest of the whole checkpoint (`worker.parallel.pipeline.shards`): every stage's layers
