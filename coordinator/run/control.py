@@ -18,12 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.config.inventory import load_inventory
 from coordinator.config.playbook import Playbook, load_playbook
 from coordinator.errors import ConfigError, CoordinatorError
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet
 from coordinator.models import Inventory
-from coordinator.planning.gpuranks import rank_node_from_name
 from coordinator.run.job import Attempt, JobOptions, JobUI, QuietUI, run_log, supervise, supervised_run, watch
 from coordinator.run.launch import Launch, RunSummary, ViewFn, summarize, write_summary
 from coordinator.run.launchfiles import RankPlan
@@ -40,6 +38,7 @@ from coordinator.run.rundir import (
     read_json_object,
     read_meta,
     read_summary,
+    run_inventory,
 )
 from coordinator.run.stages import recorded_layout
 from coordinator.run.supervision import (
@@ -112,20 +111,6 @@ def ended_summary(run_dir: Path) -> SummaryFile | None:
     return read_summary(run_dir)
 
 
-def _inventory(meta: RunMeta, inventory: str | None) -> Inventory:
-    path = inventory or meta.inventory
-    if not path:
-        raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
-    inv = load_inventory(path)
-    # A node with several GPUs ran as its rank nodes (`machine/gpu<i>`, coordinator.planning.gpuranks).
-    by_name = {n.name: n for n in inv.nodes}
-    nodes = [by_name.get(name) or rank_node_from_name(inv, name) for name in meta.nodes]
-    missing = [name for name, node in zip(meta.nodes, nodes, strict=True) if node is None]
-    if missing:
-        raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
-    return Inventory(tuple(n for n in nodes if n is not None), inv.path)
-
-
 async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | None = None,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, supervision: Supervision | None = None,
                  allow_shared: bool = True) -> RunSummary:
@@ -136,7 +121,7 @@ async def attach(run_dir: Path, *, inventory: str | None = None, ui: JobUI | Non
     sup = supervision or Supervision()
     meta = read_meta(run_dir)
     run_id = meta.run_id
-    inv = _inventory(meta, inventory)
+    inv = run_inventory(meta, inventory)
     pb = _playbook(run_dir, meta)
     with supervised_run(run_dir, run_id, inv.nodes, verb="attach", allow_shared=allow_shared, ui=ui):
         ended = ended_summary(run_dir)  # under the lock: the coordinator that saw the end has written it
@@ -203,7 +188,7 @@ async def stop(run_dir: Path, *, inventory: str | None = None, connect_timeout: 
         ended = ended_summary(run_dir)
         if ended is not None:
             return StopResult(run_id, ended.state or "failed", ended.steps or 0, ended.message or "")
-        inv = _inventory(meta, inventory)
+        inv = run_inventory(meta, inventory)
         async with Fleet(inv.nodes, connect_timeout=connect_timeout) as fleet:
             await fleet.connect_all()
             launch = _adopt(fleet, run_dir, meta, inv, _playbook(run_dir, meta), None)

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.config.inventory import load_inventory
 from coordinator.errors import ConfigError, CoordinatorError, TransportError
 from coordinator.fleet.ship import ship_worker
 from coordinator.fleet.transport import DEFAULT_CONNECT_TIMEOUT, Fleet, Transport, python_argv
 from coordinator.models import Node
-from coordinator.run.rundir import read_meta
+from coordinator.run.rundir import read_meta, run_inventory
 
 EXPORT_TIMEOUT_S = 3600.0  # a full fine-tune's weights are large
 CHUNK = 1 << 20
@@ -132,14 +131,8 @@ async def export_run(run_dir: Path, *, out: Path | None = None, inventory: str |
     target = (out or run_dir / "export").resolve()
     if target.exists():
         raise ConfigError(f"{target} exists: an export never writes over another (pass --out NEW_DIR)")
-    path = inventory or meta.inventory
-    if not path:
-        raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
-    inv = load_inventory(path)
-    if missing := [n for n in meta.nodes if n not in inv.names()]:
-        raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
-    by_name = {n.name: n for n in inv.nodes}
-    nodes = [by_name[name] for name in meta.nodes if name in meta.remote_run_dirs]
+    inv = run_inventory(meta, inventory)
+    nodes = [n for n in inv.nodes if n.name in meta.remote_run_dirs]
     if not nodes:
         raise ConfigError(f"{run_dir}: the run records no node run dirs (was it launched?)")
     async with Fleet(nodes, connect_timeout=connect_timeout) as fleet:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.config.inventory import load_inventory
 from coordinator.errors import ConfigError
+from coordinator.models import Inventory
+from coordinator.planning.gpuranks import rank_node_from_name
 from coordinator.planning.hostfile import Hostfile
 from coordinator.run.monitor import FaultPolicy, Incident
 from coordinator.run.stages import RunLayout, parse_run_layout
@@ -201,6 +204,21 @@ def parse_meta(doc: Mapping[str, Any], *, name: str = META, default_run_id: str 
         faults=parse_faults(doc.get("faults")), iters=coerce_int(doc.get("iters")),
         predicted_tokens_per_s=coerce_float(doc.get("predicted_tokens_per_s")) or None,
         max_tokens_per_row=coerce_int(doc.get("max_tokens_per_row")), layout=parse_run_layout(doc.get("layout")))
+
+
+def run_inventory(meta: RunMeta, inventory: str | None) -> Inventory:
+    """The run's nodes out of `inventory` (default: the one it was launched with), in meta.json's order: a node with
+    several GPUs ran as its rank nodes (`machine/gpu<i>`). ConfigError naming what the inventory lacks."""
+    path = inventory or meta.inventory
+    if not path:
+        raise ConfigError("the run does not record its inventory: pass -i INVENTORY")
+    inv = load_inventory(path)
+    by_name = {n.name: n for n in inv.nodes}
+    nodes = [by_name.get(name) or rank_node_from_name(inv, name) for name in meta.nodes]
+    missing = [name for name, node in zip(meta.nodes, nodes, strict=True) if node is None]
+    if missing:
+        raise ConfigError(f"the inventory {path} lacks the run's node(s) {', '.join(missing)}")
+    return Inventory(tuple(n for n in nodes if n is not None), inv.path)
 
 
 def read_meta(run_dir: Path) -> RunMeta:

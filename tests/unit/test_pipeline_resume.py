@@ -224,10 +224,13 @@ def test_nothing_is_exported_without_a_complete_checkpoint(runs: dict[str, Path]
     assert not list(tmp_path.iterdir())
 
 
-def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("nodes", [("n-a", "n-b"), ("box/gpu0", "box/gpu1")])
+def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str, Path], tmp_path: Path,
+                                                                  nodes: tuple[str, str]) -> None:
     # Two `connection: local` nodes, each holding only its own stage's shards (as two machines would), and the
     # run's record as `coordinator launch` leaves it: `coordinator export` must gather stage 1's shards onto the
-    # first node, assemble there and bring the result back.
+    # first node, assemble there and bring the result back. Also for the rank nodes of one machine with two GPUs
+    # (`box/gpu<i>`, which the inventory names as `box`: on 2 H100s the export refused, "lacks the run's node(s)").
     import json
     import subprocess
 
@@ -236,13 +239,14 @@ def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str
     from coordinator.run.rundir import META, RunMeta
     from coordinator.views.jsonout import validate_output
 
-    node_dirs = {name: tmp_path / "nodes" / name / "runs" / "r" for name in ("n-a", "n-b")}
+    node_dirs = {name: tmp_path / "nodes" / name / "runs" / "r" for name in nodes}
     for rank, name in enumerate(node_dirs):
         shutil.copytree(runs["same"] / "checkpoints" / f"stage-{rank}",
                         node_dirs[name] / "checkpoints" / f"stage-{rank}", symlinks=True)
+    machines = sorted({name.split("/gpu")[0] for name in nodes})
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text("defaults:\n  connection: local\nnodes:\n" + "".join(
-        f"  - name: {name}\n    workdir: {tmp_path / 'nodes' / name}\n" for name in node_dirs))
+        f"  - name: {name}\n    workdir: {tmp_path / 'nodes' / name}\n" for name in machines))
     record = tmp_path / "runs" / "r"
     record.mkdir(parents=True)
     meta = RunMeta(run_id="r", inventory=str(inventory), nodes=tuple(node_dirs),
@@ -254,16 +258,16 @@ def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str
     doc = json.loads(done.stdout.strip().splitlines()[-1])
     validate_output("export", doc)
     assert doc["out"] == str((record / "export").resolve()) and doc["step"] == 3
-    assert doc["kind"] == "pipeline" and doc["gathered_from"] == ["n-b"] and doc["node"] == "n-a"
+    assert doc["kind"] == "pipeline" and doc["gathered_from"] == [nodes[1]] and doc["node"] == nodes[0]
     model, _ = load(doc["out"])
     want = pipeline_logits(runs["model"], runs["same"], 3, (2, 4), "full", TOKENS)
     assert scalar(mx.max(mx.abs(model(TOKENS).astype(mx.float32) - want))) <= LOGIT_ATOL
     # The staging dirs on the assembler are gone; a second export into the same dir is refused (exit 2).
-    assert sorted(p.name for p in node_dirs["n-a"].iterdir()) == ["checkpoints"]
+    assert sorted(p.name for p in node_dirs[nodes[0]].iterdir()) == ["checkpoints"]
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 2 and "exists" in again.stderr
     # Without stage 1's node's shards there is no complete checkpoint: refused, naming the stage.
-    shutil.rmtree(node_dirs["n-b"] / "checkpoints")
+    shutil.rmtree(node_dirs[nodes[1]] / "checkpoints")
     lost = subprocess.run([*argv[:-1], "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600,
                           check=False)
     assert lost.returncode != 0 and "no valid shard of stage 1 (layers [2, 6))" in lost.stderr
