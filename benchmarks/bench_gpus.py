@@ -218,7 +218,7 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
             total = units * (world if w > 1 else 1)
             times, computes = [], []
             for i in range(steps + 2):
-                done = step.run(lambda: [SimpleNamespace(inputs=(x,), weight=units, total_weight=total)])
+                done = step.run(lambda t=total: [SimpleNamespace(inputs=(x,), weight=units, total_weight=t)])
                 if i >= 2:
                     times.append(done.elapsed)
                     computes.append(done.compute_s)
@@ -509,11 +509,6 @@ def drill_fsdp_checkpoints(root: Path, model: Path, data: Path) -> dict[str, Any
                                                    "resumed_from", "message", "split")}
     out["resumed_stderr_tail"] = again.get("stderr_tail")
     out["tree_after_resume"] = {str(d): checkpoint_tree(d) for d in node_dirs}
-    for d in node_dirs:
-        for rank in range(2):
-            evs = events(d, rank)
-            out[f"{d.name}/rank{rank}"] = [(e.get("step"), round(e.get("loss") or 0, 5), e.get("peak_memory"))
-                                           for e in evs if e.get("event") == "step"][-6:]
     return out
 
 

@@ -544,6 +544,7 @@ def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Pa
     rows = rows_of(tok, 4)
     weight, tokens = sft_weight(rows, 64)
     micro = Micro(build_batch(rows, 64), weight, 2 * weight, tokens, 2 * tokens, 4)
+    real_async = step_mod.mx.async_eval
     results = []
     for exchange in (Exchange(False, 4096), Exchange(True, 4096)):
         model, _ = load_tiny(tiny)
@@ -553,13 +554,12 @@ def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Pa
         opt.init(model.trainable_parameters())
         reduced: list[mx.array] = []
         dispatched: list[int] = []
-        real_async = step_mod.mx.async_eval
 
-        def all_sum(x: mx.array) -> mx.array:
+        def all_sum(x: mx.array, reduced: list[mx.array] = reduced) -> mx.array:
             reduced.append(x * 2)
             return reduced[-1]
 
-        step_mod.mx.async_eval = lambda *a: (dispatched.append(len(a)), real_async(*a))[1]
+        step_mod.mx.async_eval = lambda *a, seen=dispatched: (seen.append(len(a)), real_async(*a))[1]
         try:
             step = TrainStep(model, opt, token_loss_sum, all_sum=all_sum, world_size=2, exchange=exchange)
             done = step.run(lambda: [micro])
