@@ -209,7 +209,7 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
                 ("evaluated-256MiB", 2, "nccl", Exchange(False, 256 * 1024**2)),
                 ("pipelined-32MiB", 2, "nccl", Exchange(True, 32 * 1024**2)),
                 ("pipelined-256MiB", 2, "nccl", Exchange(True, 256 * 1024**2)),
-                ("pipelined-device-default", 2, "nccl", None)]
+                ("device-default", 2, "nccl", None)]
     for headroom in (0.1, None):
         for label, w, comm, exchange in variants:
             reduce = (lambda a: a) if comm == "identity" else (lambda a: mx.distributed.all_sum(a, group=group))

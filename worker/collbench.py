@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from worker.exchange import exchange_for
+from worker.exchange import bucket_bytes_for
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SMALL_SAMPLES = 9
@@ -111,7 +111,7 @@ def measure(backend: str, ranks: int, elements: dict[str, int], budget_s: float,
     size, rank = int(group.size()), int(group.rank())
     if size != ranks:
         raise RuntimeError(f"joined a group of {size} ranks, expected {ranks}")
-    bucket_bytes = exchange_for(mx.default_device() == mx.gpu).bucket_bytes
+    bucket_bytes = bucket_bytes_for(mx.default_device() == mx.gpu)
     buckets = [mx.ones((n,), dtype=getattr(mx, dtype)) for dtype, n in plan_buckets(elements, bucket_bytes)]
     one = mx.array(1.0, dtype=mx.float32)
     mx.eval(buckets, one)

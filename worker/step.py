@@ -415,14 +415,15 @@ class TrainStep:
     `memory` (worker.memory): the step's memory bound (`train.memory_headroom`) and `train.clear_cache`, applied
     around every step inside its time (calibration takes the same step, so it measures their cost); default: no
     bound, and `clear_cache` alone. `exchange` (worker.exchange): how several ranks exchange the gradients;
-    default: what the device computing the step calls for."""
+    default: what the device computing the step and the memory bound call for."""
 
     def __init__(self, model: Any, optimizer: Any, loss_fn: Callable[..., Any], *, all_sum: AllSum,
                  world_size: int, compiled: bool = True, stats: bool = False, clear_cache: bool = False,
                  memory: StepMemory | None = None, exchange: Exchange | None = None) -> None:
         self.model, self.optimizer = model, optimizer
-        self.exchange = exchange if exchange is not None else exchange_for(mx.default_device() == mx.gpu)
         self.memory = memory if memory is not None else StepMemory(headroom=None, clear_cache=clear_cache)
+        self.exchange = exchange if exchange is not None else exchange_for(mx.default_device() == mx.gpu,
+                                                                           self.memory.headroom is not None)
         self.world_size = world_size
         self.stats = stats  # the loss has extra sums (DPO): they need the general path
         self.all_sum = all_sum

@@ -3,10 +3,10 @@
 
 How a dp step exchanges (worker/step.py, `TrainStep.apply`; worker/exchange.py): once every rank has evaluated its
 local gradient sums (its compute ends there), the gradients are scaled, concatenated per dtype into buckets (32 MiB
-on the CPU, 512 MiB on a GPU, counted at 4 bytes an element) and each bucket is all_summed: on the CPU all of them
-are evaluated together, then the update runs; on a GPU each is dispatched as it is built and the update follows in
-the same evaluation. No bucket starts before the whole backward is done (the all_sum runs between two compiled
-graphs: inside one, 2-rank ring runs deadlocked). So the step of a dp run is
+on the CPU, 256 MiB on a GPU, counted at 4 bytes an element) and each bucket is all_summed: all of them are
+evaluated together, then the update runs (on a GPU with no memory bound each is dispatched as it is built and the
+update follows in the same evaluation). No bucket starts before the whole backward is done (the all_sum runs
+between two compiled graphs: inside one, 2-rank ring runs deadlocked). So the step of a dp run is
 
     step = max_i compute_i(b_i) + exchange(G)
 

@@ -41,7 +41,7 @@ from coordinator.planning.plan import (
 from coordinator.run.calibrate import NodeFingerprint
 from coordinator.run.collective import measure_collective
 from worker.collbench import parse_elements, plan_buckets, samples_for
-from worker.exchange import exchange_for
+from worker.exchange import bucket_bytes_for
 
 MB = 1_000_000
 
@@ -109,10 +109,9 @@ def test_collbench_buckets_match_the_runs_all_sum_buckets() -> None:
     # the device's buckets (32 MiB on the CPU) counted at 4 bytes an element, dtypes in name order
     # (worker.step.all_sum_arrays)
     per = 32 * 1024**2 // 4
-    assert plan_buckets({"float32": 2 * per + 5, "bfloat16": 3}, exchange_for(False).bucket_bytes) == [
+    assert plan_buckets({"float32": 2 * per + 5, "bfloat16": 3}, bucket_bytes_for(False)) == [
         ("bfloat16", 3), ("float32", per), ("float32", per), ("float32", 5)]
-    assert plan_buckets({"bfloat16": per * 16 + 1}, exchange_for(True).bucket_bytes) == [
-        ("bfloat16", per * 16), ("bfloat16", 1)]
+    assert plan_buckets({"bfloat16": per * 8 + 1}, bucket_bytes_for(True)) == [("bfloat16", per * 8), ("bfloat16", 1)]
     assert samples_for(0.01, 3.0, 20) == 20 and samples_for(0.5, 3.0, 20) == 6 and samples_for(9.0, 3.0, 20) == 3
 
 
