@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_gpus.py stream  --out DIR   # the Stream(gpu, 1) trap: nccl all_sum on the CPU stream
     python3 benchmarks/bench_gpus.py fsdp    --out DIR --model DIR [--steps 3]   # dp vs nn.fully_shard, full FT
+    python3 benchmarks/bench_gpus.py dpstep  --out DIR --model DIR --steps 8 --batch 8 --seq 512   # the exchange
     python3 benchmarks/bench_gpus.py launch  --out DIR --root DIR --what lora1,lora2,full2,kill [--iters 20]
     python3 benchmarks/bench_gpus.py drills  --out DIR --root DIR --what attach,invalid,quarantine
 
@@ -19,7 +20,11 @@ on one GPU; the others keep the global batch at 8 (strong scaling). `lorafsdp2`:
 SIGKILLed after its 3rd step, `coordinator attach` of it, then `coordinator stop` while attach supervises;
 `invalid` the old layout (two inventory nodes on one machine, both given GPU 0 by `env: CUDA_VISIBLE_DEVICES`):
 NCCL's `invalid usage` must end the job as its error, no relaunch loop; `quarantine` the kill drill (rank 1 killed,
-its rank node quarantined), `quarantine list`, a fresh launch (which must leave h100/gpu1 out), `quarantine clear`.
+its rank node quarantined), `quarantine list`, a fresh launch (which must leave h100/gpu1 out), `quarantine clear`;
+`fsdpckpt` fsdp's sharded checkpoints: a full fine-tune on both GPUs whose rank 1 is killed (re-cut 2 -> 1), the
+export of the finished run loaded by mlx_lm, and `--resume` with more steps on both GPUs (re-cut 1 -> 2).
+`dpstep` (issue 27's weak-scaling gap) times the worker's own dp step in variants of its gradient exchange
+(`worker.exchange`) against one GPU alone.
 NCCL_NVLS_ENABLE=0 is set for every process (the lent machine's rule: NVLink multicast stays off).
 """
 

@@ -11,6 +11,10 @@
 #   call 3: same carry                                              bash .dev27/benchmarks/device_gpus.sh drills
 #           (attach + stop on a running 2-rank launch; the old layout's NCCL `invalid usage`; kill, quarantine,
 #           a fresh launch, quarantine clear)
+# Session 4 (2026-11-27), after `stage`, same carry:
+#   bash benchmarks/device_gpus.sh drills fsdpckpt     (fsdp's sharded checkpoints: kill, export, resume)
+#   python3 benchmarks/bench_gpus.py dpstep --out $OUT --model /tmp/bench-gpus/model-M --steps 8 --batch 8 --seq 512
+#   GOALS_S=360 ITERS=12 bash benchmarks/device_gpus.sh goals full1,full2w,lora1,lora2w
 # Everything lands in $OUT (at most 8 files come back). NCCL_NVLS_ENABLE=0 throughout (the machine's rule).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
