@@ -6,7 +6,7 @@ Run by the coordinator on each node (the worker package is shipped alone: stdlib
                            [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
-                           [--lockstep] [--blocks K --micro-batch MB]
+                           [--lockstep [--cpu-share I/N]] [--blocks K --micro-batch MB]
 
 What is measured: THE RUN'S STEP on THE RUN'S BATCHES. The model is set up by `worker.modelsetup.apply_method` (the
 run's own), the step is `worker.step.TrainStep.run` (what the run calls for every step: the batch's build on the
@@ -45,7 +45,9 @@ waits for a line on stdin; after them it says `bench lockstep timed batch=B` and
 that batch until the next line, so a node that finished its window early still loads the machine while the others
 time theirs; after its result it keeps taking untimed steps of its best batch until stdin ends (the whole group is
 done). The coordinator answers each wait once every member of the group is waiting (`coordinator.planning.colocate`).
-Waiting is charged to the one-time allowance; stdin at its end releases every wait at once.
+Waiting is charged to the one-time allowance; stdin at its end releases every wait at once. With `--cpu-share I/N`
+(members that compute on the machine's CPU) the bench first takes the I-th of N equal slices of its CPUs, as the
+run's rank will (`worker.cpus`; the result then names them: "cpus").
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
@@ -103,6 +105,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
 from worker import kernelcache
+from worker.cpus import take_share
 from worker.runconfig import DEFAULT_HEADROOM
 
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
@@ -586,6 +589,7 @@ class _State:
     kernel_cache: Path = Path()  # MLX's shared kernel cache (`kernelcache.shared_dir`)
     cold_kernels: bool = False  # it was empty when the bench started: the first step compiles everything
     linger: Callable[[], None] | None = None  # --lockstep: after the result, load the machine until released
+    cpus: tuple[int, ...] | None = None  # --cpu-share: the CPUs this bench was pinned to (None: not pinned)
 
     def extra(self) -> dict[str, Any]:
         """The one-time costs and measuring time, as the result reports them."""
@@ -593,7 +597,7 @@ class _State:
         one_time = {k: round(v, 3) for k, v in self.one_time.items() if k != "first_steps"}
         one_time["first_steps"] = {str(b): round(v, 3) for b, v in first.items()}
         return {"one_time_s": one_time, "one_time_total_s": round(self.budget.used(ONE_TIME), 3),
-                "measure_s": round(self.budget.used(MEASURE), 3)}
+                "measure_s": round(self.budget.used(MEASURE), 3), **({"cpus": list(self.cpus)} if self.cpus else {})}
 
 
 def _log(message: str) -> None:
@@ -884,6 +888,13 @@ def _headroom(text: str) -> float | None:
     return value
 
 
+def _cpu_share(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"expected INDEX/COUNT with 0 <= INDEX < COUNT, got {text!r}")
+    return int(index), int(count)
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="worker.bench", description="Measure training tokens/s per batch size.")
     parser.add_argument("--model", required=True, help="model directory on this node (config.json + safetensors)")
@@ -912,6 +923,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--lockstep", action="store_true",
                         help="measure in step with the nodes sharing this machine (waits on stdin; see the docstring)")
+    parser.add_argument("--cpu-share", type=_cpu_share, default=None, metavar="INDEX/COUNT",
+                        help="take the INDEX-th of COUNT equal slices of this machine's CPUs, as the run's rank will "
+                             "(worker.cpus; the coordinator passes it to the benches of nodes sharing a CPU machine)")
     parser.add_argument("--memory-fraction", type=float, default=0.8)
     parser.add_argument("--blocks", type=int, default=0,
                         help="time K transformer blocks alone, as a pipeline stage (0: the whole model's curve)")
@@ -968,6 +982,10 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     mark = time.monotonic()
     env = dict(os.environ)  # before isolate() points TMPDIR at this process's own dir
     kernelcache.isolate()
+    if args.cpu_share is not None:  # before mlx starts its threads: they inherit the slice
+        state.cpus = take_share(*args.cpu_share)
+        _log(f"bench: share {args.cpu_share[0] + 1} of {args.cpu_share[1]} of this machine's CPUs: "
+             + (f"pinned to CPU {', '.join(map(str, state.cpus))}" if state.cpus else "not pinned (too few CPUs)"))
     import mlx.core as mx
     import mlx_lm
 

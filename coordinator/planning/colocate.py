@@ -40,14 +40,26 @@ THIS_MACHINE = "this machine"
 
 @dataclass(frozen=True)
 class BenchGroup:
-    """Nodes measured together (in inventory order); `machine` names what they share, for messages."""
+    """Nodes measured together (in inventory order); `machine` names what they share, for messages. `on_cpu`: every
+    member computes on the machine's CPU (`computes_on_cpu`), so that members side by side each take an equal slice
+    of its CPUs (`member_shares`), in their benches as in the run."""
 
     nodes: tuple[str, ...]
     machine: str
+    on_cpu: bool = False
 
     @property
     def together(self) -> bool:
         return len(self.nodes) > 1
+
+    def member_shares(self, present: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Node -> (index, count) of CPU slices for the members of `present` (those that will compute side by side:
+        a run's nodes, or the benches measured together), in the group's order; {} unless the group computes on
+        the CPU and two or more of its members are present."""
+        members = [n for n in self.nodes if n in present]
+        if not self.on_cpu or len(members) < 2:
+            return {}
+        return {node: (i, len(members)) for i, node in enumerate(members)}
 
 
 def machine_of(node: Node) -> str:
@@ -96,7 +108,8 @@ def compute_bench_groups(nodes: Sequence[Node], facts: Mapping[str, NodeFacts]) 
     members: dict[int, list[int]] = {}
     for i in range(len(nodes)):
         members.setdefault(find(i), []).append(i)
-    return tuple(BenchGroup(tuple(nodes[i].name for i in idx), machine_of(nodes[idx[0]]))
+    return tuple(BenchGroup(tuple(nodes[i].name for i in idx), machine_of(nodes[idx[0]]),
+                            on_cpu=all(computes_on_cpu(facts.get(nodes[i].name)) for i in idx))
                  for _, idx in sorted(members.items()))
 
 
@@ -154,16 +167,15 @@ def computes_on_cpu(facts: NodeFacts | None) -> bool:
     return facts is not None and facts.os is not None and facts.os.system == "Linux" and not has_cuda(facts)
 
 
-def cpu_shares(groups: Sequence[BenchGroup], ranks: Sequence[tuple[int, str]],
-               facts: Mapping[str, NodeFacts]) -> dict[int, tuple[int, int]]:
+def cpu_shares(groups: Sequence[BenchGroup], ranks: Sequence[tuple[int, str]]) -> dict[int, tuple[int, int]]:
     """Rank -> (index, count) for the ranks that share a machine and compute on its CPU: each takes the index-th of
     `count` equal slices of the machine's CPUs (`worker.cpus`). Left to the scheduler, two such ranks meet on one
-    core now and then: the demo ran 1.16x faster pinned, and steadier (docs/benchmarks.md). `ranks`: (rank, node)
-    of the run. Pure."""
+    core now and then: the demo ran 1.16x faster pinned, and steadier (docs/benchmarks.md). Calibration's lockstep
+    benches take the same slices (`BenchGroup.member_shares`). `ranks`: (rank, node) of the run. Pure."""
     out: dict[int, tuple[int, int]] = {}
     for group in groups:
         members = sorted(rank for rank, node in ranks if node in group.nodes)
-        if len(members) > 1 and all(computes_on_cpu(facts.get(node)) for _, node in ranks if node in group.nodes):
+        if group.on_cpu and len(members) > 1:
             out.update({rank: (i, len(members)) for i, rank in enumerate(members)})
     return out
 

@@ -159,10 +159,11 @@ class BenchSpec:
 
 
 def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
-                      worker_digest: str = "", *, together: Sequence[str] = ()) -> str:
+                      worker_digest: str = "", *, together: Sequence[str] = (), pinned: bool = False) -> str:
     """Digest of everything that changes a node's curve, the worker code that takes the step included (a new
     step is measured again, never predicted from the old one's curve), and the nodes it was measured beside
-    (`together`: the others of its machine; a curve measured alone is not one measured under their load). The
+    (`together`: the others of its machine; a curve measured alone is not one measured under their load; `pinned`:
+    each on its own slice of the machine's CPUs, as their ranks will run, not left to the scheduler). The
     time budget is left out on purpose: it only decides how far a sweep got, not what its points mean
     (`--recalibrate` measures again)."""
     inputs = {
@@ -187,15 +188,19 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
     }
     if together:  # only when set: the keys of nodes alone on their machine stay
         inputs["together"] = sorted(together)
+    if pinned:
+        inputs["pinned"] = True
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: float,
-                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, *, lockstep: bool = False) -> list[str]:
+                     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, *, lockstep: bool = False,
+                     cpu_share: tuple[int, int] | None = None) -> list[str]:
     """The remote command, in the environment a rank of the training gets (`launchfiles.build_rank_script`): the job env
     overlaid with the node's inventory env, and the worker dir prepended to the PYTHONPATH that leaves (the node's
-    own when neither sets one), through the same `pythonpath_prepend`."""
+    own when neither sets one), through the same `pythonpath_prepend`. `cpu_share`: the slice of its machine's CPUs
+    the bench takes, as the node's rank will (`colocate.BenchGroup.member_shares`)."""
     env = sorted({**dict(spec.env), **node.env_dict}.items())
     return build_worker_argv(
         node.python, worker_dir, env, "-m", "worker.bench",
@@ -221,6 +226,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         "--memory-fraction", f"{spec.memory_fraction:g}",
         *(["--blocks", str(spec.blocks), "--micro-batch", str(spec.micro_batch)] if spec.blocks else []),
         *(["--lockstep"] if lockstep else []),
+        *(["--cpu-share", f"{cpu_share[0]}/{cpu_share[1]}"] if cpu_share is not None else []),
     )
 
 
@@ -515,10 +521,11 @@ async def _lockstep_lines(transport: Transport, node: Node, argv: Sequence[str],
 async def run_bench(
     transport: Transport, node: Node, spec: BenchSpec, *, time_budget: float,
     one_time_budget: float = DEFAULT_ONE_TIME_BUDGET, progress: Progress | None = None,
-    gate: GroupGate | None = None,
+    gate: GroupGate | None = None, cpu_share: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Ship the worker, run the bench on `node`, return its JSON object (not yet checked for `error`). With a
-    `gate` the bench runs in lockstep with the other members of its group (`worker.bench --lockstep`).
+    `gate` the bench runs in lockstep with the other members of its group (`worker.bench --lockstep`), on its
+    `cpu_share` of their machine's CPUs where they compute on them.
 
     Raises TransportError (ship failed, timeout) or CalibrationError (no JSON, or a non-zero exit without an
     error JSON explaining it)."""
@@ -528,7 +535,8 @@ async def run_bench(
         if gate is not None:
             gate.finish(node.name)
         raise
-    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget, lockstep=gate is not None)
+    argv = build_bench_argv(node, worker_dir, spec, time_budget, one_time_budget, lockstep=gate is not None,
+                            cpu_share=cpu_share)
     stdout: list[str] = []
     stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
     status = None
@@ -605,7 +613,7 @@ async def calibrate(
         group = group_of.get(node.name)
         together = tuple(n for n in group.nodes if n != node.name) if group is not None else ()
         keys[node.name] = (compute_cache_key(node.name, fingerprint, spec, model_digest, worker_bundle()[0],
-                                             together=together)
+                                             together=together, pinned=bool(group and group.on_cpu and together))
                            if fingerprint is not None and fingerprint.known else None)
         key = keys[node.name]
         if key is not None and not recalibrate:
@@ -617,11 +625,13 @@ async def calibrate(
     measure = {n.name for n in asked if n.name not in cached
                or (n.name in group_of and any(m not in cached for m in group_of[n.name].nodes))}
     gates: dict[str, GroupGate] = {}
+    shares: dict[str, tuple[int, int]] = {}  # the CPU slices of the members measured together, as their ranks'
     for group in {id(g): g for g in group_of.values()}.values():
         members = [n for n in group.nodes if n in measure and n in fleet.connected]
         if len(members) > 1:
             gate = GroupGate(members)
             gates.update(dict.fromkeys(members, gate))
+            shares.update(group.member_shares(members))
 
     async def one(node: Node, transport: Transport) -> NodeCalibration | CoordinatorError:
         key = keys[node.name]
@@ -630,13 +640,16 @@ async def calibrate(
             say(node.name, f"calibration cached ({(key or '')[:12]})" + describe_reuse(hit))
             return hit
         gate = gates.get(node.name)
+        share = shares.get(node.name)
         together = (f"; together with {', '.join(n for n in gate.barrier.state if n != node.name)} "
-                    f"(they share {group_of[node.name].machine}), in lockstep") if gate is not None else ""
+                    f"(they share {group_of[node.name].machine}), in lockstep"
+                    + (f", on CPU slice {share[0] + 1} of {share[1]} as its rank will run" if share else "")
+                    ) if gate is not None else ""
         say(node.name, f"calibrating ({spec.method}, seq_len {spec.seq_len}, {time_budget:g}s of timed steps; "
                        f"one-time costs up to {one_time_budget:g}s{together})")
         try:
             obj = await run_bench(transport, node, spec, time_budget=time_budget, one_time_budget=one_time_budget,
-                                  progress=progress, gate=gate)
+                                  progress=progress, gate=gate, cpu_share=shares.get(node.name))
             calibration = calibration_from_bench(node.name, obj)
         except CoordinatorError as exc:
             say(node.name, f"calibration failed: {exc}")

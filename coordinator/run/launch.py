@@ -311,8 +311,7 @@ class Launch:
         """Ship the worker, write each node's run.json, then ONE rank script covering every rank to every
         node: nodes that share a /tmp (local nodes, or an NFS-mounted one) then still find their own rank."""
         nodes = list({r.node.name: r.node for r in self.ranks}.values())
-        shares = cpu_shares(compute_bench_groups(nodes, self.facts), [(r.rank, r.node.name) for r in self.ranks],
-                            self.facts)
+        shares = cpu_shares(compute_bench_groups(nodes, self.facts), [(r.rank, r.node.name) for r in self.ranks])
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
                                   restart_from_scratch=self.restart_from_scratch, layout=self.layout,
                                   cpu_shares=shares)

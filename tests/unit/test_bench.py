@@ -415,7 +415,11 @@ def test_first_step_announcement_names_the_cold_kernel_cache(tmp_path: Path) -> 
 def test_nodes_of_one_machine_are_calibrated_together_in_lockstep(tiny_model: Path, tmp_path: Path) -> None:
     """The local demo's shape: two `connection: local` nodes. Their benches run in lockstep over the real
     LocalTransport (each waits on stdin, the coordinator releases both), both sweep the same batches, and being
-    interchangeable they come back with one curve: the even split, every time."""
+    interchangeable they come back with one curve: the even split, every time. Computing on this Linux machine's
+    CPU, each bench takes its own slice of the CPUs first, as their ranks will (`colocate.cpu_shares`)."""
+    from dataclasses import replace
+
+    from coordinator.facts.model import NodeFacts, OsInfo
     from coordinator.planning.colocate import compute_bench_groups
 
     nodes = [Node(name=n, host="127.0.0.1", connection=Connection.LOCAL, python=sys.executable,
@@ -431,16 +435,24 @@ def test_nodes_of_one_machine_are_calibrated_together_in_lockstep(tiny_model: Pa
             return await calibrate(fleet, spec, fingerprints={"a": fingerprint, "b": fingerprint}, model_digest="tiny",
                                    recalibrate=False, cache_dir=tmp_path / "cache", time_budget=10,
                                    progress=lambda n, line: lines.append((n, line)),
-                                   groups=compute_bench_groups(nodes, {}))
+                                   groups=compute_bench_groups(nodes, facts))
+
+    facts = {n.name: replace(NodeFacts(node=n.name), os=OsInfo(system="Linux", arch="x86_64", kernel="6", name="l",
+                                                               version="1")) for n in nodes}
 
     result = asyncio.run(go())
     a, b = result["a"], result["b"]
     assert isinstance(a, NodeCalibration) and isinstance(b, NodeCalibration), result
     assert a.curve == b.curve and [p.batch for p in a.curve] == [1, 2]
     assert compute_plan([a, b], 4, seq_len=32).batch == {"a": 2, "b": 2}
-    assert any(n == "a" and "together with b" in line for n, line in lines)
+    assert any(n == "a" and "together with b" in line and "on CPU slice 1 of 2" in line for n, line in lines)
+    assert any(n == "b" and "on CPU slice 2 of 2" in line for n, line in lines)
     assert not any("lockstep" in line and line.startswith("bench lockstep") for _, line in lines)  # the gate's own
-    assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 2
+    records = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("calibration-*.json")]
+    assert len(records) == 2
+    pinned = {r["node"]: r["bench"].get("cpus") for r in records}
+    if len(os.sched_getaffinity(0)) >= 2:  # each bench on its own CPUs, as the run's ranks
+        assert pinned["a"] and pinned["b"] and not set(pinned["a"]) & set(pinned["b"])
 
 
 def test_a_point_times_its_share_of_the_budget() -> None:

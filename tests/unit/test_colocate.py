@@ -53,7 +53,7 @@ def test_machine_of(node: Node, machine: str) -> None:
 
 def test_the_local_demo_is_one_group() -> None:
     groups = compute_bench_groups([local("local-a"), local("local-b")], {})
-    assert groups == (BenchGroup(("local-a", "local-b"), THIS_MACHINE),)
+    assert groups == (BenchGroup(("local-a", "local-b"), THIS_MACHINE),)  # facts unknown: not known to be CPUs
     assert groups[0].together
 
 
@@ -178,6 +178,8 @@ def test_the_cache_key_names_the_nodes_measured_beside() -> None:
     assert beside_b != alone
     assert compute_cache_key("a", fp, spec, "d", together=("c", "b")) == compute_cache_key(
         "a", fp, spec, "d", together=("b", "c")) != beside_b
+    # measured each on its own slice of the CPUs is not measured left to the scheduler
+    assert compute_cache_key("a", fp, spec, "d", together=("b",), pinned=True) != beside_b
 
 
 def test_interchangeable_members_share_one_curve_the_mean_of_theirs() -> None:
@@ -216,12 +218,17 @@ def test_ranks_that_share_a_cpu_machine_take_equal_slices_of_it() -> None:
     facts = {n.name: on("Linux", n.name) for n in nodes}
     ranks = [(0, "a"), (1, "c"), (2, "b"), (3, "d"), (4, "e")]
     groups = compute_bench_groups(nodes, facts)
-    assert cpu_shares(groups, ranks, facts) == {0: (0, 2), 2: (1, 2), 1: (0, 2), 3: (1, 2)}
-    assert cpu_shares(groups, [(0, "a"), (1, "e")], facts) == {}  # b is not in this run: a is alone
+    assert cpu_shares(groups, ranks) == {0: (0, 2), 2: (1, 2), 1: (0, 2), 3: (1, 2)}
+    assert cpu_shares(groups, [(0, "a"), (1, "e")]) == {}  # b is not in this run: a is alone
     macs = {**facts, "a": on("Darwin", "a"), "b": on("Darwin", "b")}
-    assert cpu_shares(groups, ranks, macs) == {1: (0, 2), 3: (1, 2)}
+    assert cpu_shares(compute_bench_groups(nodes, macs), ranks) == {1: (0, 2), 3: (1, 2)}
     unknown = {k: v for k, v in facts.items() if k != "b"}
-    assert cpu_shares(groups, ranks, unknown) == {1: (0, 2), 3: (1, 2)}
+    assert cpu_shares(compute_bench_groups(nodes, unknown), ranks) == {1: (0, 2), 3: (1, 2)}
     box = [ssh("gpu0", "10.0.0.9"), ssh("gpu1", "10.0.0.9")]
     cuda = {"gpu0": on("Linux", "gpu0", "GPU-1"), "gpu1": on("Linux", "gpu1", "GPU-2")}
-    assert cpu_shares(compute_bench_groups(box, cuda), [(0, "gpu0"), (1, "gpu1")], cuda) == {}
+    assert cpu_shares(compute_bench_groups(box, cuda), [(0, "gpu0"), (1, "gpu1")]) == {}
+    # Calibration's lockstep benches take the same slices: the members measured together, in the group's order.
+    g = groups[0]
+    assert g.nodes == ("a", "b") and g.on_cpu
+    assert g.member_shares(["a", "b"]) == {"a": (0, 2), "b": (1, 2)} and g.member_shares(["b"]) == {}
+    assert compute_bench_groups(nodes, macs)[0].member_shares(["a", "b"]) == {}

@@ -378,6 +378,9 @@ def test_build_bench_argv() -> None:
                     "--memory-headroom", "0.1", "--time-budget", "45", "--one-time-budget", "300", "--max-batch", "64",
                     "--memory-fraction", "0.8"]
     assert "--clear-cache" not in argv and "--clear-cache" in build_bench_argv(node, "/w", replace(SPEC, clear_cache=True), 45.0)
+    assert "--cpu-share" not in argv
+    assert build_bench_argv(node, "/w", SPEC, 45.0, lockstep=True, cpu_share=(1, 2))[-3:] == ["--lockstep",
+                                                                                             "--cpu-share", "1/2"]
     unbounded = build_bench_argv(node, "/w", replace(SPEC, memory_headroom=None), 45.0)
     assert unbounded[unbounded.index("--memory-headroom") + 1] == "none"
     assert "--blocks" not in argv
