@@ -105,7 +105,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
 from worker import kernelcache
-from worker.cpus import take_share
+from worker.cpus import describe_share, take_share
 from worker.runconfig import DEFAULT_HEADROOM
 
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
@@ -984,8 +984,8 @@ def _start(args: argparse.Namespace, state: _State) -> _Trainer | None:
     kernelcache.isolate()
     if args.cpu_share is not None:  # before mlx starts its threads: they inherit the slice
         state.cpus = take_share(*args.cpu_share)
-        _log(f"bench: share {args.cpu_share[0] + 1} of {args.cpu_share[1]} of this machine's CPUs: "
-             + (f"pinned to CPU {', '.join(map(str, state.cpus))}" if state.cpus else "not pinned (too few CPUs)"))
+        index, count = args.cpu_share
+        _log("bench: " + describe_share(index, count, state.cpus))
     import mlx.core as mx
     import mlx_lm
 

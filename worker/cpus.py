@@ -30,7 +30,7 @@ def take_share(index: int, count: int) -> tuple[int, ...] | None:
     where nothing was pinned."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    mine = share_of(sorted(os.sched_getaffinity(0)), index, count)
+    mine = share_of(list(os.sched_getaffinity(0)), index, count)
     if mine is None:
         return None
     try:
@@ -41,3 +41,9 @@ def take_share(index: int, count: int) -> tuple[int, ...] | None:
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, mine)
     return mine
+
+
+def describe_share(index: int, count: int, cpus: tuple[int, ...] | None) -> str:
+    """What a process says of its share (`take_share`'s answer `cpus`), the run's ranks and the benches alike."""
+    return (f"share {index + 1} of {count} of this machine's CPUs: "
+            + (f"pinned to CPU {', '.join(map(str, cpus))}" if cpus else "not pinned (too few CPUs)"))

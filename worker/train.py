@@ -76,7 +76,7 @@ from worker.checkpoint import (
     writer_lock,
 )
 from worker.comm import Comm, scalar
-from worker.cpus import take_share
+from worker.cpus import describe_share, take_share
 from worker.data import eval_batches
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
@@ -499,10 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     env_rank = int(os.environ.get("MLX_RANK", "0"))
     share = config.cpu_shares.get(env_rank)
     if share is not None:
-        cpus = take_share(*share)
-        print(f"worker.train rank {env_rank}: share {share[0] + 1} of {share[1]} of this machine's CPUs (its ranks "
-              f"share it): " + (f"pinned to CPU {', '.join(map(str, cpus))}" if cpus else "not pinned (too few CPUs)"),
-              file=sys.stderr)
+        print(f"worker.train rank {env_rank} (its ranks share this machine): "
+              + describe_share(*share, take_share(*share)), file=sys.stderr)
     log = EventLog(events_path(config.run_dir, env_rank), config.run_id, env_rank)
     heartbeat = Heartbeat(log, config.heartbeat_s, fence=config.fence)
     finished = threading.Event()
