@@ -482,11 +482,12 @@ class TrainStep:
         self._whole = wrap(whole)
 
     def local(self, micro_batches: Sequence[Sequence[mx.array]],
-              between: Callable[[Local], None] | None = None) -> Local:
+              between: Callable[[Local], None] | None = None, *, lazy_last: bool = False) -> Local:
         """The rank's sums over its micro-batches (evaluated one at a time, like mlx-lm's accumulation: the
-        activations of one micro-batch are freed before the next). `between(partial)` runs after each."""
+        activations of one micro-batch are freed before the next). `between(partial)` runs after each evaluated
+        one. `lazy_last`: the last micro-batch is left lazy (the fused exchange dispatches it)."""
         acc: Local | None = None
-        for inputs in micro_batches:
+        for index, inputs in enumerate(micro_batches):
             if acc is None:
                 grads, loss_sum, weight, tokens, stats = self._first(*inputs)
             else:
@@ -494,6 +495,8 @@ class TrainStep:
                 loss_sum, weight, tokens = acc.loss_sum + loss_sum, acc.weight + weight, acc.tokens + tokens
                 stats = stats if acc.stats is None else acc.stats + stats
             acc = Local(grads, loss_sum, weight, tokens, stats if stats.size else None, mx.array(0.0))
+            if lazy_last and index == len(micro_batches) - 1:
+                break
             mx.eval(acc.grads, acc.loss_sum, acc.weight, acc.tokens, *([acc.stats] if acc.stats is not None else []))
             if between is not None:
                 between(acc)
@@ -514,7 +517,7 @@ class TrainStep:
         pipelined = self.exchange.pipelined
         summed = all_sum_arrays(flat, self.all_sum, self.exchange.bucket_bytes,
                                 dispatch=mx.async_eval if pipelined else None)
-        if not pipelined:
+        if not pipelined and not self.exchange.fused:
             mx.eval(summed)
         loss = summed.pop(_LOSS_KEY).reshape(())
         loss, norm = self._update(tree_unflatten(list(summed.items())), loss)
@@ -541,6 +544,8 @@ class TrainStep:
              before_apply: Callable[[float], None] | None, clock: Callable[[], float]) -> StepResult:
         if self.world_size == 1 and len(micros) == 1 and after_local is None and not self.stats:
             return self._run_whole(micros, tic, before_apply, clock)
+        if self.world_size > 1 and self.exchange.fused and after_local is None:
+            return self._run_fused(micros, tic, before_apply, clock)
         local = self.local([m.inputs for m in micros])
         weight = sum(m.weight for m in micros)
         _check_weight(local.weight, weight)
@@ -558,6 +563,30 @@ class TrainStep:
             # An objective with extras (DPO) sums its completion tokens and statistics in ONE more collective; for
             # SFT every count is known on the host.
             extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
+        self.memory.end()
+        return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)
+
+    def _run_fused(self, micros: list[Any], tic: float, before_apply: Callable[[float], None] | None,
+                   clock: Callable[[], float]) -> StepResult:
+        """`run` for several ranks with the fused exchange (worker.exchange): the rank's compute (its last
+        micro-batch's backward and its own statistics) is dispatched, the exchange and the update are built behind
+        it (pipelined: dispatched too), and only then does the host wait for the compute's arrays: compute_s is
+        when they are complete. Unpipelined, the exchange is dispatched after that, with the update, in the step's
+        last evaluation: one wait for the host between the backward and the update instead of three."""
+        local = self.local([m.inputs for m in micros], lazy_last=True)
+        local_loss, local_norm = local.local_stats()
+        mx.async_eval(*local.arrays(), local_loss, local_norm)
+        loss, norm = self.apply(local, sum(m.total_weight for m in micros))
+        extras = None
+        if local.stats is not None:
+            extras = self.all_sum(mx.concatenate([local.tokens.astype(mx.float32).reshape(1), local.stats]))
+        mx.eval(local_loss, local_norm, local.grad_sq)  # all scheduled: this waits for the compute alone
+        _check_weight(local.weight, sum(m.weight for m in micros))
+        if before_apply is not None:
+            # Pipelined, this rank's exchange is queued already: a slowdown here holds its next step's back.
+            before_apply(tic)
+        compute_s = clock() - tic
         mx.eval(self.model.parameters(), self.optimizer.state, loss, norm, *([extras] if extras is not None else []))
         self.memory.end()
         return StepResult(micros, local, local_loss, local_norm, loss, norm, extras, compute_s, clock() - tic)

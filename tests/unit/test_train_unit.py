@@ -527,11 +527,11 @@ def test_one_rank_takes_the_whole_step_in_one_graph_with_the_same_update(tiny: P
         assert mx.allclose(value, p2[name], atol=1e-6, rtol=1e-4), name
 
 
-def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Path) -> None:
+def test_a_pipelined_or_fused_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Path) -> None:
     """worker.exchange: on a GPU without a memory bound the summed buckets are dispatched as they are built
     (mx.async_eval) and the update follows in the step's last evaluation; else they are evaluated on their own
-    first. Same buckets, same update, bit for bit (two identical ranks: the all_sum doubles), and every bucket
-    dispatched once."""
+    first; fused, the backward is not evaluated before the exchange is queued. Same buckets, same update, bit for
+    bit (two identical ranks: the all_sum doubles), and every bucket dispatched once."""
     import mlx.optimizers as optim
 
     import worker.step as step_mod
@@ -544,13 +544,16 @@ def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Pa
         True, False, False, False]
     gpu, cpu = exchange_for(True, True).bucket_bytes, exchange_for(False, False).bucket_bytes
     assert gpu > cpu == step_mod.ALL_REDUCE_BYTES
+    assert [exchange_for(gpu, bounded).fused for gpu in (True, False) for bounded in (False, True)] == [
+        True, True, False, False]  # never on the CPU backend: its collectives stay out of lazy graphs
     _, tok = load_tiny(tiny)
     rows = rows_of(tok, 4)
     weight, tokens = sft_weight(rows, 64)
     micro = Micro(build_batch(rows, 64), weight, 2 * weight, tokens, 2 * tokens, 4)
     real_async = step_mod.mx.async_eval
     results = []
-    for exchange in (Exchange(False, 4096), Exchange(True, 4096)):
+    for exchange in (Exchange(False, 4096), Exchange(True, 4096), Exchange(False, 4096, fused=True),
+                     Exchange(True, 4096, fused=True)):
         model, _ = load_tiny(tiny)
         mx.random.seed(0)
         apply_method(model, "lora", None, LoraSpec(rank=4))
@@ -570,12 +573,15 @@ def test_a_pipelined_exchange_makes_the_same_update_as_an_evaluated_one(tiny: Pa
         finally:
             step_mod.mx.async_eval = real_async
         assert len(reduced) >= 3  # small buckets: several collectives
-        assert len(dispatched) == (len(reduced) if exchange.pipelined else 0)
+        # fused: the rank's compute is dispatched once, before the exchange is built
+        assert len(dispatched) == (len(reduced) if exchange.pipelined else 0) + exchange.fused
+        assert 0 < done.compute_s <= done.elapsed
         results.append((scalar(done.loss), scalar(done.norm), flatten(model.trainable_parameters())))
-    (l1, n1, p1), (l2, n2, p2) = results
-    assert l1 == l2 and n1 == n2
-    for name, value in p1.items():
-        assert mx.array_equal(value, p2[name]), name
+    (l1, n1, p1), *others = results
+    for l2, n2, p2 in others:
+        assert l1 == l2 and n1 == n2
+        for name, value in p1.items():
+            assert mx.array_equal(value, p2[name]), name
 
 
 def test_train_step_clear_cache_gives_the_cache_back_after_each_step(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
