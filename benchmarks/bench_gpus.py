@@ -14,6 +14,7 @@ model (953.8M parameters, batch 8 x 512, long rows, bf16): `lora1` with `gpus: 1
 evaluation every 4 steps so rank 1 evaluates before it dies) and resumed by the coordinator. Each run's
 summary.json and the ranks' step events give tokens/s (the run's total real tokens per step / the step's time,
 median after 3 warm-up steps) and per-rank peak memory (the largest, and each step's); DIR/launch.json collects them.
+`BENCH_HEADROOM=null` runs every launch with `train.memory_headroom: null` (no memory bound).
 Cells ending in `w` (`lora2w`, `full2w`) are weak scaling: batch 8 per GPU (16 in all) against `lora1`/`full1`'s 8
 on one GPU; the others keep the global batch at 8 (strong scaling). `lorafsdp2`: LoRA under fsdp on both GPUs.
 `drills` (issue 27's runs on rank nodes; DIR/drills.json): `attach` a LoRA launch on both GPUs whose coordinator is
@@ -172,14 +173,16 @@ def fsdp_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any
 # --- dpstep: where a dp step of several ranks spends its time (the weak-scaling gap) ---------------------------
 
 
-def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
+def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int, what: str = "") -> dict[str, Any]:
     """The worker's own step (worker.step.TrainStep, full fine-tune, Adam) on `batch` rows per rank, timed as the
     run times it, in variants run one after another on the same model: `world1` (each rank alone: the one-GPU
     path, one compiled graph), `split-nocomm` (the several-rank path with an identity all_sum: what the path costs
     without communicating), then the several-rank path over NCCL (worker.exchange): buckets evaluated on their
-    own (the CPU's way) of 32 and 256 MiB, dispatched as built in 32 MiB ones, and the device's default; each with
-    the run's memory bound (headroom 0.1). Median step seconds after 2 warm-up steps, and compute_s (up to the
-    collective). (The commit before worker.exchange, d413f8b, also timed hand-built exchanges, `overlap-*`.)"""
+    own (the CPU's way) of 32 and 256 MiB, 256 MiB ones dispatched as built, fused (no evaluation between the
+    backward and the exchange) with evaluated or dispatched buckets, and the device's default; each with
+    the run's memory bound (headroom 0.1). Median step seconds after 2 warm-up steps, compute_s (up to the
+    collective) and the largest peak of a timed step. `what`: "LABEL,...[@HEADROOM,...]" to run fewer (`none`:
+    no bound). (The commit before worker.exchange, d413f8b, also timed hand-built exchanges, `overlap-*`.)"""
     from types import SimpleNamespace
 
     import mlx.core as mx
@@ -212,25 +215,34 @@ def dpstep_rank(model_dir: str, steps: int, batch: int, seq: int) -> dict[str, A
     variants = [("world1", 1, None, None), ("split-nocomm", 2, "identity", Exchange(False, ws.ALL_REDUCE_BYTES)),
                 ("evaluated-32MiB", 2, "nccl", Exchange(False, 32 * 1024**2)),
                 ("evaluated-256MiB", 2, "nccl", Exchange(False, 256 * 1024**2)),
-                ("pipelined-32MiB", 2, "nccl", Exchange(True, 32 * 1024**2)),
                 ("pipelined-256MiB", 2, "nccl", Exchange(True, 256 * 1024**2)),
+                ("fused-256MiB", 2, "nccl", Exchange(False, 256 * 1024**2, fused=True)),
+                ("fused-pipelined-256MiB", 2, "nccl", Exchange(True, 256 * 1024**2, fused=True)),
                 ("device-default", 2, "nccl", None)]
-    for headroom in (0.1, None):
+    labels, _, bounds = what.partition("@")
+    if labels:
+        variants = [v for v in variants if v[0] in labels.split(",")]
+    headrooms = [None if h == "none" else float(h) for h in bounds.split(",")] if bounds else [0.1, None]
+    for headroom in headrooms:
         for label, w, comm, exchange in variants:
             reduce = (lambda a: a) if comm == "identity" else (lambda a: mx.distributed.all_sum(a, group=group))
             step = ws.TrainStep(model, opt, loss_fn, all_sum=reduce, world_size=w,
                                 memory=StepMemory(headroom, False), exchange=exchange)
             total = units * (world if w > 1 else 1)
-            times, computes = [], []
+            times, computes, peaks = [], [], []
             for i in range(steps + 2):
+                if i >= 2:
+                    mx.reset_peak_memory()  # after the measuring step (the first), which resets it itself
                 done = step.run(lambda t=total: [SimpleNamespace(inputs=(x,), weight=units, total_weight=t)])
                 if i >= 2:
                     times.append(done.elapsed)
                     computes.append(done.compute_s)
+                    peaks.append(mx.get_peak_memory())
             step.memory.release()
             result[f"{label} headroom={headroom}"] = {
                 "step_s": round(statistics.median(times), 5), "compute_s": round(statistics.median(computes), 5),
                 "tok_per_s": round(units * (world if w > 1 else 1) / statistics.median(times)),
+                "peak_gb": round(max(peaks) / 1e9, 2),
                 "exchange": str(step.exchange)}
             del step
             mx.clear_cache()
@@ -258,7 +270,8 @@ def write_job(root: Path, name: str, model: Path, data: Path, method: str, iters
                   f"backend: {os.environ.get('BENCH_BACKEND', 'nccl')}\nsplit: {split}\nenv:\n  NCCL_NVLS_ENABLE: '0'\ntrain:\n"
                   f"  method: {method}\n  strategy: {strategy}\n  iters: {iters}\n  batch_size: {batch}\n"
                   "  learning_rate: 1.0e-5\n  max_seq_length: 512\n  num_layers: -1\n  optimizer: adam\n  seed: 0\n"
-                  f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
+                  + (f"  memory_headroom: {os.environ['BENCH_HEADROOM']}\n" if os.environ.get("BENCH_HEADROOM") else "")
+                  + f"  save_every: {4 if chaos else iters}\n  steps_per_eval: {eval_every}\n  val_batches: 1\n"
                   "faults:\n  max_restarts: 2\n  min_nodes: 1\n"
                   "calibration:\n  time_budget: 8\n  max_batch: 8\n")
     return inv, pb
@@ -348,7 +361,8 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
             "fsdp2": ("full", None, None, args.iters, "equal", "fsdp", 8),
             "kill": ("lora", None, "kill:rank=1,step=6", 4, "equal", "dp", 8),
             "killfsdp": ("full", None, "kill:rank=1,step=6", 4, "equal", "fsdp", 8)}
-    for name in filter(None, args.what.split(",")):  # "" builds the model and data only
+    for name in filter(None, (args.what if args.what is not None else "lora1,lora2,full2,kill").split(",")):
+        # "" builds the model and data only
         method, gpus, chaos, eval_every, split, strategy, batch = plan[name]
         bt.log(f"launch {name}")
         results[name] = launch_one(root, name, model, data, method, args.iters if not chaos else 12, gpus, chaos,
@@ -520,7 +534,7 @@ def drill_fsdp_checkpoints(root: Path, model: Path, data: Path) -> dict[str, Any
 def drills(args: argparse.Namespace) -> dict[str, Any]:
     root, model, data = build_inputs(args)
     results: dict[str, Any] = {}
-    for name in filter(None, args.what.split(",")):
+    for name in filter(None, (args.what or "").split(",")):
         tic = time.perf_counter()
         if name == "attach":
             results[name] = drill_attach(root, model, data)
@@ -563,14 +577,16 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4, help="rows per rank (fsdp)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--root", default="/tmp/bench-gpus")
-    p.add_argument("--what", default="lora1,lora2,full2,kill")
+    p.add_argument("--what", default=None, help="launch: runs (lora1,lora2,full2,kill); drills: drills; dpstep: "
+                   "variants[@headrooms]")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--size", default="M")
     args = p.parse_args()
     if args.as_rank:
         rank_fn = {"stream": lambda: stream_rank(),
                    "fsdp": lambda: fsdp_rank(args.model, args.steps, args.batch, args.seq),
-                   "dpstep": lambda: dpstep_rank(args.model, args.steps, args.batch, args.seq)}[args.mode]
+                   "dpstep": lambda: dpstep_rank(args.model, args.steps, args.batch, args.seq,
+                                                        args.what or "")}[args.mode]
         result = rank_fn()
         print(json.dumps(result), flush=True)
         return 0
@@ -582,6 +598,7 @@ def main() -> int:
         return 0
     extra = [] if args.mode == "stream" else ["--model", args.model, "--steps", str(args.steps), "--batch",
                                               str(args.batch), "--seq", str(args.seq)]
+    extra += ["--what", args.what] if args.mode == "dpstep" and args.what else []
     result = spawn(args.mode, extra)
     write(Path(args.out) / f"{args.mode}.json", result)
     print(json.dumps(result, indent=1)[:6000])
