@@ -15,8 +15,9 @@ With tied embeddings a full pipeline fine-tune trains two copies of the embeddin
 embedding and the last stage's head); the export keeps the first stage's, the one the model's input uses.
 
 Writes into `DIR.tmp-<pid>` and renames it to DIR at the end: DIR is never left half-written, and an existing DIR
-is refused rather than overwritten. Prints one JSON object ({"out", "kind", "step", "method", "files"}); errors
-on stderr, exit 1."""
+is refused rather than overwritten. Prints one JSON object ({"out", "kind", "step", "method", "files"}; kind:
+`sharded`, a pipeline's or fsdp's checkpoint assembled from its shards, or `whole`, a dp run's); errors on stderr,
+exit 1."""
 
 from __future__ import annotations
 
@@ -46,16 +47,16 @@ class ExportError(Exception):
 
 
 def gather_trained(roots: Sequence[Path]) -> tuple[int, str, dict[str, mx.array], dict[str, Any]]:
-    """(step, layout kind, trained arrays under the model's names, adapter_config) of the newest complete
-    checkpoint under the checkpoints dirs `roots` (a pipeline's shards may be spread over several: the run's own
-    and those gathered from other nodes; a dp run's is the first)."""
+    """(step, checkpoint kind (`sharded` or `whole`), trained arrays under the model's names, adapter_config) of the newest complete
+    checkpoint under the checkpoints dirs `roots` (a pipeline's or fsdp's shards may be spread over several: the
+    run's own and those gathered from other nodes; a dp run's is the first)."""
     checkpoints = roots[0]
     if any(stage_dirs(r) for r in roots):
         steps = evaluate_steps([s for r in roots for s in scan_shards(r)])
         verdict = next((v for v in steps if v.complete), None)
         if verdict is None or verdict.manifest is None:
             why = "; ".join(f"step {v.step}: {v.missing}" for v in steps) or "no shards"
-            raise ExportError(f"{', '.join(map(str, roots))}: no complete pipeline checkpoint ({why})")
+            raise ExportError(f"{', '.join(map(str, roots))}: no complete sharded checkpoint ({why})")
         merged: dict[str, mx.array] = {}
         for shard in verdict.shards:
             arrays = load_arrays(shard.path / WEIGHTS)
@@ -69,11 +70,11 @@ def gather_trained(roots: Sequence[Path]) -> tuple[int, str, dict[str, mx.array]
                     raise ExportError(f"{shard.path}: holds {name}, outside its layers")
                 merged[name] = arr
         config = read_json(verdict.shards[0].path / ADAPTER_CONFIG)
-        return verdict.step, "pipeline", merged, config
+        return verdict.step, "sharded", merged, config
     found = find_valid_checkpoint(checkpoints)
     if found is None:
         raise ExportError(f"{checkpoints}: no valid checkpoint")
-    return found.step, "dp", load_arrays(found.path / WEIGHTS), read_json(found.path / ADAPTER_CONFIG)
+    return found.step, "whole", load_arrays(found.path / WEIGHTS), read_json(found.path / ADAPTER_CONFIG)
 
 
 def build_export(roots: Sequence[Path], model: Path | None, out: Path) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class ExportResult:
     run_id: str
     out: str
     node: str  # where it was assembled
-    kind: str  # pipeline | dp
+    kind: str  # sharded (a pipeline's or fsdp's shards) | whole (a dp run's checkpoint)
     step: int
     method: str
     files: tuple[str, ...]
@@ -171,4 +171,4 @@ async def export_on(fleet: Fleet, nodes: Sequence[Node], dirs: Mapping[str, str]
     gathered = tuple(n.name for n in others)
     return ExportResult(run_id, str(target), assembler.name, str(doc.get("kind", "")), int(doc["step"]),
                         str(doc.get("method", "")), tuple(sorted(p.name for p in target.iterdir())),
-                        gathered if doc.get("kind") == "pipeline" else ())
+                        gathered if doc.get("kind") == "sharded" else ())

@@ -704,11 +704,12 @@ class ExportOut(_Out):
     run_id: str
     out: str = Field(description="the local dir written: a model dir (full) or an adapter dir (LoRA)")
     node: str = Field(description="the node that assembled it (the run's first node)")
-    kind: Literal["pipeline", "dp"]
+    kind: Literal["sharded", "whole"] = Field(description="sharded: a pipeline's or fsdp's checkpoint, assembled "
+                                              "from its shards; whole: a dp run's")
     step: int = Field(description="the step of the newest complete checkpoint")
     method: str = Field(description="fine_tune_type: full, lora or dora")
     files: list[str]
-    gathered_from: list[str] = Field(description="the nodes whose stage shards were copied to the assembler")
+    gathered_from: list[str] = Field(description="the nodes whose shards were copied to the assembler")
 
 
 VERBS: dict[str, VerbOutput] = {

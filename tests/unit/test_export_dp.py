@@ -31,7 +31,7 @@ def test_a_dp_run_exports_its_full_copy(tmp_path: Path, method: str) -> None:
     proc = run_direct(cfg)
     require_finished(run, [0], f"{proc.stderr}\nexit {proc.returncode}")
     result = build_export([run / "checkpoints"], None, tmp_path / "out")
-    assert result["kind"] == "dp" and result["step"] == 2 and result["method"] == method
+    assert result["kind"] == "whole" and result["step"] == 2 and result["method"] == method
     trained = load_arrays(run / "checkpoints" / "step-000002" / WEIGHTS)
     if method == "lora":
         got, _ = load(str(model), adapter_path=result["out"])

@@ -191,7 +191,7 @@ def test_a_full_pipeline_exports_a_model_dir_mlx_lm_loads(runs: dict[str, Path],
 
     out = tmp_path / "export"
     result = build_export([runs["resplit"] / "checkpoints"], None, out)
-    assert result["step"] == 3 and result["kind"] == "pipeline" and result["method"] == "full"
+    assert result["step"] == 3 and result["kind"] == "sharded" and result["method"] == "full"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(result["files"])
     model, tokenizer = load(str(out))
     assert tokenizer.encode("hello") == load(str(runs["model"]))[1].encode("hello")
@@ -219,7 +219,7 @@ def test_a_lora_pipeline_exports_an_adapter_dir_mlx_lm_loads(runs: dict[str, Pat
 
 
 def test_nothing_is_exported_without_a_complete_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match=r"no complete pipeline checkpoint .*no valid shard of stage 1"):
+    with pytest.raises(ExportError, match=r"no complete sharded checkpoint .*no valid shard of stage 1"):
         build_export([runs["lost"] / "checkpoints"], runs["model"], tmp_path / "x")
     assert not list(tmp_path.iterdir())
 
@@ -258,7 +258,7 @@ def test_the_export_verb_gathers_the_stage_shards_from_every_node(runs: dict[str
     doc = json.loads(done.stdout.strip().splitlines()[-1])
     validate_output("export", doc)
     assert doc["out"] == str((record / "export").resolve()) and doc["step"] == 3
-    assert doc["kind"] == "pipeline" and doc["gathered_from"] == [nodes[1]] and doc["node"] == nodes[0]
+    assert doc["kind"] == "sharded" and doc["gathered_from"] == [nodes[1]] and doc["node"] == nodes[0]
     model, _ = load(doc["out"])
     want = pipeline_logits(runs["model"], runs["same"], 3, (2, 4), "full", TOKENS)
     assert scalar(mx.max(mx.abs(model(TOKENS).astype(mx.float32) - want))) <= LOGIT_ATOL
