@@ -512,6 +512,10 @@ def run_ours(root: Path, inventory: Path, playbook: Path, env: Mapping[str, str]
     for each in summary["nodes"]:
         shutil.rmtree(Path(each["run_dir"]) / "checkpoints", ignore_errors=True)
     figures = ours_figures(events, warmup)
+    plan_path = root / "runs" / str(summary.get("run_id")) / "plan.json"
+    rehearsal = (json.loads(plan_path.read_text(encoding="utf-8")).get("step") or {}).get("rehearsal") \
+        if plan_path.exists() else None
+    figures.update({"rehearsal": rehearsal})  # its own rate (timed_tokens_per_s) and the step tokens it was moved by
     figures.update({"summary_tokens_per_s": summary.get("tokens_per_s"),
                     "predicted_tokens_per_s": summary.get("predicted_tokens_per_s"),
                     "summary_peak_memory": node.get("peak_memory"), "run_id": summary.get("run_id"),

@@ -42,7 +42,8 @@ class EventKind(_StrEnum):
     #                      packing_reason (text: why the run packs rows into sequences, or why not);
     #                      a pipeline rank adds strategy ("pipeline"), stage, stages, first_layer, last_layer
     #                      (exclusive), model_layers, micro_batches, schedule, digest_peers (the ranks whose
-    #                      digests must equal its own: itself only, a stage has no replica)
+    #                      digests must equal its own: itself only, a stage has no replica); rank 0 of a run
+    #                      with `token_census` adds step_tokens_median (its steps' median real tokens)
     STEP = "step"  # step, loss (global mean per token), tokens (this rank), total_tokens (all ranks), tok_s (this
     #                rank, per second of step wall time), step_time_s, peak_memory (bytes), grad_norm, lr,
     #                data_position (global rows consumed), epoch; and this rank's own values before the
@@ -249,6 +250,7 @@ class StartedEvent(Event):
     micro_batches: int | None = None
     schedule: str | None = None
     digest_peers: list[int] | None = None
+    step_tokens_median: float | None = None  # rank 0 of a run with `token_census`: its steps' median real tokens
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,11 @@ class SftObjective:
         inputs = pack_rows(mine, length, self.width).arrays() if self.packing else build_batch(mine, length)
         return Micro(inputs, weight, total_weight, tokens, total_tokens, global_batch)
 
+    def rows_tokens(self, dataset: Any, position: int, rows: int, seed: int) -> int | None:
+        """The real tokens of the rows at stream positions [position, position + rows), as `micro` counts its
+        `total_tokens`; no arrays built."""
+        return sft_weight([dataset[i] for i in stream_rows(position, rows, len(dataset), seed)], self.max_seq_length)[1]
+
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
         return loss_sum, weight, None
@@ -82,6 +88,10 @@ class DpoObjective:
         ref, _ = sequence_logps(self.reference, batch, lengths)
         return batch, lengths, mx.stop_gradient(ref)
 
+    def rows_tokens(self, dataset: Any, position: int, rows: int, seed: int) -> int | None:
+        """None: a DPO step reports its tokens after its collective, not from the data order."""
+        return None
+
     def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
         rows = stream_rows(position, global_batch, len(dataset), seed)
         mine = rank_slice(rows, offset, size)
@@ -90,6 +100,20 @@ class DpoObjective:
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, pairs, _, stats = dpo_loss_sum(model, *self._inputs(dataset, rows), self.beta)
         return loss_sum, pairs, stats
+
+
+CENSUS_STEPS = 1024  # steps counted at most by `median_step_tokens` (evenly spaced past that)
+
+
+def median_step_tokens(objective: Any, dataset: Any, steps: int, rows_per_step: int, seed: int) -> float | None:
+    """The median real tokens of the data order's steps 1..`steps` from its start (`rows_per_step` stream rows
+    each), or None where the objective counts none: what a rehearsal's rate is moved to
+    (coordinator/planning/steptime.py)."""
+    picks = range(steps) if steps <= CENSUS_STEPS else [k * steps // CENSUS_STEPS for k in range(CENSUS_STEPS)]
+    counts = [objective.rows_tokens(dataset, k * rows_per_step, rows_per_step, seed) for k in picks]
+    if not counts or any(c is None for c in counts):
+        return None
+    return float(statistics.median(counts))
 
 
 def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:

@@ -47,6 +47,9 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                                         SFT only (method lora, dora or full; not dpo, not train_embeddings)
     cpu_shares        {"<rank>": [index, count], ...} ({}): ranks that share a machine and compute on its CPU, each
                       pinned to the index-th of `count` equal slices of the CPUs it may use (worker.cpus)
+    token_census      (0)          N > 0: rank 0's `started` event reports `step_tokens_median`, the median real
+                      tokens of the steps 1..N of the data order (evenly sampled past CENSUS_STEPS of them): a
+                      rehearsal's run, so its rate can be moved to the run's tokens (coordinator/planning/steptime.py)
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
@@ -220,6 +223,7 @@ class RunConfig:
     chaos: tuple[ChaosSpec, ...] = ()
     debug: DebugSpec = field(default_factory=DebugSpec)
     cpu_shares: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (index, count): worker.cpus
+    token_census: int = 0  # the steps whose median real tokens rank 0 reports when it starts (a rehearsal's)
 
     # -- plan arithmetic ------------------------------------------------------------------------------------
 
@@ -308,6 +312,8 @@ class RunConfig:
             out["layout"] = self.layout.to_json()
         if self.cpu_shares:
             out["cpu_shares"] = {str(rank): list(share) for rank, share in sorted(self.cpu_shares.items())}
+        if self.token_census:
+            out["token_census"] = self.token_census
         return out
 
 
@@ -319,7 +325,7 @@ _TOP_KEYS = {
     "train_embeddings", "num_layers", "lora",
     "save_every", "steps_per_eval", "val_batches", "seed", "keep_checkpoints", "ranks", "run_dir", "resume",
     "restart_from_scratch", "heartbeat_s", "consistency_every", "chaos", "debug", "dpo", "fence", "layout",
-    "cpu_shares",
+    "cpu_shares", "token_census",
 }
 _CHAOS_KEYS = {"kind", "rank", "step", "factor"}
 
@@ -588,6 +594,7 @@ def parse_run_config(raw: Any, config_path: Path | None = None) -> RunConfig:
         chaos=_parse_chaos(raw.get("chaos"), len(ranks)),
         debug=_parse_debug(raw.get("debug")),
         cpu_shares=_parse_cpu_shares(raw.get("cpu_shares"), len(ranks)),
+        token_census=_int(raw, "token_census", 0, minimum=0),
     )
     if config.train_embeddings and (config.fine_tune_type != "full" or config.num_layers not in (None, -1)):
         raise ConfigError("train_embeddings needs full fine-tuning of all layers (num_layers null or -1)")

@@ -82,7 +82,7 @@ from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.memory import peak_memory
 from worker.modelsetup import adapter_config, trainable_text
-from worker.objectives import Micro, stats_fields
+from worker.objectives import Micro, median_step_tokens, stats_fields
 from worker.parallel import Strategy, make_strategy
 from worker.parallel.base import STATE_FORMAT, ResumeState, load_arrays
 from worker.runconfig import ConfigError, RunConfig, load_run_config
@@ -399,6 +399,9 @@ class Trainer:
             checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
             valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
             packing=self.packing[0], packing_reason=self.packing[1], **self.strategy.started_fields(),
+            **({"step_tokens_median": median_step_tokens(self.objective, self.train_set, cfg.token_census,
+                                                         cfg.global_batch * cfg.grad_accumulation, cfg.seed)}
+               if cfg.token_census and self.rank == 0 else {}),
         )
 
     def _loop(self, start: int) -> None:

@@ -133,12 +133,16 @@ class Rehearsal:
     rank's checkpoint write delays the other's next all_sum). Calibration times the compute in lockstep and the
     all_sum alone; the rehearsal times the step as the run takes it, so for these ranks it is the prediction.
     `tokens_per_s` is the run's own statistic (`Monitor.run_tokens_per_s`: the median over steps of all ranks'
-    real tokens / step time), `compute_tokens_per_s` its compute part (`Monitor.run_compute_tokens_per_s`)."""
+    real tokens / step time) moved to the run's tokens a step (planning/steptime.py), `compute_tokens_per_s` its
+    compute part (`Monitor.run_compute_tokens_per_s`, moved alike). `timed_tokens_per_s`: the rehearsal's own rate
+    before that; `step_tokens`: (the rehearsal's median real tokens a step, the run's), where both were counted."""
 
     steps: int
     tokens_per_s: float
     compute_tokens_per_s: float | None
     shared: str  # what shares a machine, in words (`colocate.describe_shared`): "local-a, local-b share this machine"
+    timed_tokens_per_s: float | None = None
+    step_tokens: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or not (math.isfinite(self.tokens_per_s) and self.tokens_per_s > 0):
@@ -148,7 +152,19 @@ class Rehearsal:
         return {"steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 2),
                 "compute_tokens_per_s": (round(self.compute_tokens_per_s, 2) if self.compute_tokens_per_s is not None
                                          else None),
-                "shared": self.shared}
+                "shared": self.shared,
+                "timed_tokens_per_s": (round(self.timed_tokens_per_s, 2) if self.timed_tokens_per_s is not None
+                                       else None),
+                "step_tokens": list(self.step_tokens) if self.step_tokens is not None else None}
+
+    def describe_tokens(self) -> str:
+        """How the rehearsal's rate was moved to the run's tokens, in words ("" where it was not, or by < 1%)."""
+        if self.step_tokens is None or self.timed_tokens_per_s is None or \
+                abs(self.tokens_per_s / self.timed_tokens_per_s - 1.0) < 0.01:
+            return ""
+        timed, run = self.step_tokens
+        return (f"its steps carried a median {timed:,.0f} real tokens and the run's carry {run:,.0f}: "
+                f"{self.timed_tokens_per_s:,.0f} tokens/s timed, {self.tokens_per_s:,.0f} over the run's steps")
 
 
 @dataclass(frozen=True)
@@ -636,9 +652,10 @@ def describe_step(plan: Plan) -> str:
     if plan.rehearsal is not None:
         calibrated = max(plan.per_node_step_s.values(), default=0.0) + (
             plan.collective.seconds if plan.collective is not None else 0.0)
+        moved = plan.rehearsal.describe_tokens()
         return (f"predicted step {1000 * plan.predicted_step_s:.1f} ms, timed by a rehearsal of {plan.rehearsal.steps} "
                 f"steps of the run ({plan.rehearsal.shared}: side by side, they slow each other); calibrated apart "
-                f"it was {1000 * calibrated:.1f} ms")
+                f"it was {1000 * calibrated:.1f} ms" + (f"; {moved}" if moved else ""))
     if plan.collective is None:
         alone = "one rank: no exchange" if len(plan.batch) < 2 else "the gradient all_sum not measured, left out"
         return f"predicted step {1000 * plan.predicted_step_s:.1f} ms of compute ({alone})"

@@ -870,9 +870,10 @@ async def rehearsed(fleet: Fleet, pb: Playbook, nodes: Sequence[Node], plan: Pla
         if sup.stop_reason() is None:  # a stop ends the run next, as during calibration: nothing to say here
             ui.message(f"no rehearsal: {result}; the prediction stays calibration's")
         return plan
+    moved = result.describe_tokens()
     ui.message(f"rehearsal: {result.tokens_per_s:,.0f} real tokens/s over {steps} steps "
                f"({100 * (result.tokens_per_s / plan.predicted_tokens_per_s - 1):+.0f}% of the "
-               f"{plan.predicted_tokens_per_s:,.0f} calibrated apart): the prediction")
+               f"{plan.predicted_tokens_per_s:,.0f} calibrated apart): the prediction" + (f" ({moved})" if moved else ""))
     return with_rehearsal(plan, result)
 
 

@@ -264,6 +264,7 @@ class Launch:
         self.left_out: list[dict[str, str]] = []  # inventory nodes the run started without ({node, reason})
         self.drill = False  # a --chaos run: its culprits are left out of this run only, never quarantined
         self.layout = Layout()  # how the ranks share the work (launchfiles.build_layout, job.resolve_strategy)
+        self.token_census = 0  # a rehearsal's: the run's steps whose median tokens rank 0 reports (run.json)
         # ... and the plan's stages and memory per node, for meta.json and the views (write_local_files; attach:
         # meta.json's)
         self.run_layout: RunLayout | None = None
@@ -314,7 +315,7 @@ class Launch:
         shares = cpu_shares(compute_bench_groups(nodes, self.facts), [(r.rank, r.node.name) for r in self.ranks])
         config = build_run_config(self.pb, self.ranks, self.run_id, resume=self.resume, chaos=self.chaos,
                                   restart_from_scratch=self.restart_from_scratch, layout=self.layout,
-                                  cpu_shares=shares)
+                                  cpu_shares=shares, token_census=self.token_census)
         entries: list[tuple[int, str, str, str]] = []
 
         async def one(name: str) -> list[tuple[int, str, str, str]]:

@@ -125,12 +125,14 @@ def build_layout(plan: PipelinePlan | None) -> Layout:
 
 def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, resume: bool,
                      chaos: Sequence[Chaos] = (), restart_from_scratch: bool = False,
-                     layout: Layout | None = None, cpu_shares: Mapping[int, tuple[int, int]] | None = None) -> RunConfig:
+                     layout: Layout | None = None, cpu_shares: Mapping[int, tuple[int, int]] | None = None,
+                     token_census: int = 0) -> RunConfig:
     """The worker's run config (identical on every node; each rank finds its node's run dir by its rank): the
     worker's own record (worker.runconfig), so what the coordinator writes is what the worker parses.
     `run_dir` is left empty (Path()): the same file cannot name two nodes' dirs, `prepare` fills it per node.
     `layout`: how the ranks share the work (`build_layout`; dp when None). `cpu_shares`: the ranks that share a CPU
-    machine and their slices of it (`colocate.cpu_shares`)."""
+    machine and their slices of it (`colocate.cpu_shares`). `token_census`: a rehearsal's, the run's steps whose
+    median real tokens rank 0 reports (planning/steptime.py)."""
     t = pb.train
     if pb.data is None:  # the playbook's validator requires it for kind train; a programming error otherwise
         raise ConfigError(f"playbook {pb.name!r} has no data directory: a training run needs one")
@@ -154,6 +156,7 @@ def build_run_config(pb: Playbook, ranks: Sequence[RankPlan], run_id: str, *, re
         chaos=tuple(chaos),
         layout=layout or Layout(),  # dp, a pipeline's stages (build_layout) or fsdp (preflight.pipeline.resolve_strategy)
         cpu_shares=dict(cpu_shares or {}),
+        token_census=token_census,
     )
 
 

@@ -465,6 +465,9 @@ class Monitor:
     # step -> the whole run's tokens/s at that step (all ranks' tokens / the step's wall time), from the first
     # rank to report it: what the run delivers, as opposed to what one rank computes.
     step_totals: dict[int, float] = field(default_factory=dict)
+    # step -> (all ranks' real tokens, the step's wall seconds), as step_totals: a rehearsal's fit (planning/steptime)
+    step_work: dict[int, tuple[float, float]] = field(default_factory=dict)
+    run_step_tokens: float | None = None  # rank 0's `step_tokens_median` (a run with `token_census`: a rehearsal)
     digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
     last_consistent_step: int | None = None
@@ -573,6 +576,8 @@ class Monitor:
                 view.step = view.resumed_from
             view.trainable = event.trainable
             view.packing = event.packing_reason
+            if event.step_tokens_median is not None:
+                self.run_step_tokens = event.step_tokens_median
         elif isinstance(event, HeartbeatEvent):
             view.phase = event.phase
             view.action, view.peer = (event.action, event.peer) if event.phase == "step" else (None, None)
@@ -683,6 +688,7 @@ class Monitor:
         total, wall = event.total_tokens, event.step_time_s
         if total is not None and total > 0 and wall is not None and wall > 0:
             self.step_totals.setdefault(step, total / wall)
+            self.step_work.setdefault(step, (float(total), float(wall)))
         if event.busy_s is not None and event.busy_s > 0 and obs.at != self.first_step_at[view.rank]:
             view.stage_times = [*view.stage_times[-(RATE_STEPS - 1):], event.busy_s]
         found += self._stage_stragglers(step, obs) if self.replica_groups is not None else self._stragglers(step, obs)

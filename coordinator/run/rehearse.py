@@ -7,7 +7,9 @@ a rank's all_sum waits on a neighbour still computing on the same cores, and one
 prediction built from those parts. So for these ranks the step is measured as the run takes it: REHEARSAL_STEPS
 steps of the run itself (its playbook, split, hostfile, data and checkpoint cadence; its eval left out, which no
 step time counts), launched, monitored and torn down as an attempt is (`launch.Launch`), under a run id of its own
-(`<run id>-rehearsal`). Its rate, the run's own statistic, becomes the prediction (`plan.with_rehearsal`).
+(`<run id>-rehearsal`). Its rate, the run's own statistic, becomes the prediction (`plan.with_rehearsal`), moved
+from the tokens its steps carried to those the run's steps carry (rank 0 counts them from the data order:
+`token_census`; planning/steptime.py): on variable-length rows the run's first steps are not its typical ones.
 
 Nothing of it is kept: its local run dir is a temp dir, and on each node its own run dir (made by this launch, under
 `<workdir>/runs/<run id>-rehearsal/<node>`) is removed afterwards.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import statistics
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +36,7 @@ from coordinator.fleet.transport import Fleet
 from coordinator.models import Node
 from coordinator.planning.hostfile import Hostfile
 from coordinator.planning.plan import Plan, PlanError, Rehearsal
+from coordinator.planning.steptime import rate_over_run
 from coordinator.run.launch import Launch
 from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import Monitor, RunState
@@ -74,6 +78,7 @@ async def rehearse(fleet: Fleet, run_pb: Playbook, nodes: Sequence[Node], plan: 
     local = Path(tempfile.mkdtemp(prefix="mlxc-rehearsal-"))
     launch = Launch(fleet, pb, ranks, hostfile, facts, run_id=rid, run_dir=local / rid)
     launch.layout = layout
+    launch.token_census = run_pb.train.iters  # the run's steps: their median tokens (planning/steptime.py)
     launch.should_stop = sup.stop_reason
     monitor: Monitor | None = None
     progress(f"rehearsing {steps} steps of the run: {shared}, and ranks side by side slow each other in ways "
@@ -108,8 +113,16 @@ def read_rehearsal(monitor: Monitor, *, steps: int, shared: str) -> Rehearsal | 
     rate = monitor.run_tokens_per_s(after=warmup)
     if rate is None or rate <= 0:
         return "the rehearsal reported no step"
+    samples = [work for step, work in sorted(monitor.step_work.items()) if step > warmup]
+    over_run = rate_over_run(samples, monitor.run_step_tokens, rate)
+    moved = over_run / rate
+    compute = monitor.run_compute_tokens_per_s(after=warmup)
+    step_tokens = None
+    if monitor.run_step_tokens is not None and samples:
+        step_tokens = (float(statistics.median(t for t, _ in samples)), monitor.run_step_tokens)
     try:
-        return Rehearsal(steps, rate, monitor.run_compute_tokens_per_s(after=warmup), shared)
+        return Rehearsal(steps, over_run, compute * moved if compute is not None else None, shared,
+                         timed_tokens_per_s=rate, step_tokens=step_tokens)
     except PlanError as exc:
         return str(exc)
 

@@ -153,9 +153,14 @@ class RehearsalOut(_Out):
     """The run's first steps, timed before it starts, for ranks that share a machine (docs/calibration.md)."""
 
     steps: int
-    tokens_per_s: float = Field(description="median over the rehearsal's steps of all ranks' real tokens / step time")
+    tokens_per_s: float = Field(description="the prediction: median over the rehearsal's steps of all ranks' real "
+                                "tokens / step time, moved to the tokens the run's steps carry (docs/calibration.md)")
     compute_tokens_per_s: float | None = Field(description="the same without the all_sum and the waiting")
     shared: str = Field(description="which nodes share which machine, in words")
+    timed_tokens_per_s: float | None = Field(default=None, description="the rehearsal's own median rate, before it "
+                                             "was moved to the run's tokens")
+    step_tokens: list[float] | None = Field(default=None, description="[the rehearsal's, the run's] median real "
+                                            "tokens a step; null where the run's were not counted (DPO)")
 
 
 class PlanStepOut(_Out):

@@ -48,7 +48,7 @@ FULL: dict[EventKind, Event] = {
                                     checkpoint_dir="/ckpt", train_rows=500, valid_rows=50, packing=False,
                                     packing_reason="rows are short", strategy="pipeline", stage=1, stages=3,
                                     first_layer=1, last_layer=4, model_layers=6, micro_batches=8, schedule="1f1b",
-                                    digest_peers=[1]),
+                                    digest_peers=[1], step_tokens_median=412.5),
     EventKind.STEP: StepEvent(**BASE, step=3, loss=2.5, tokens=512, total_tokens=1024, tok_s=256.0, step_time_s=2.0,
                               peak_memory=1 << 30, grad_norm=0.7, lr=1e-5, data_position=12, epoch=0, local_loss=2.4,
                               local_loss_finite=True, local_grad_norm=0.6, compute_s=1.5, compute_tok_s=341.3,

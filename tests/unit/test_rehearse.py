@@ -70,7 +70,8 @@ def test_a_rehearsed_plan_predicts_the_rehearsals_rate_and_keeps_the_calibrated_
     assert rehearsed.compute_step_s == pytest.approx(4 * 64 / 2500.0)
     step = plan_step_json(rehearsed)
     assert step["rehearsal"] == {"steps": 8, "tokens_per_s": 1500.0, "compute_tokens_per_s": 2500.0,
-                                 "shared": "a, b share this machine"}
+                                 "shared": "a, b share this machine", "timed_tokens_per_s": None,
+                                 "step_tokens": None}
     PlanStepOut.model_validate(step)
     assert plan_step_json(plan)["rehearsal"] is None
     assert "timed by a rehearsal of 8 steps of the run (a, b share this machine" in describe_step(rehearsed)
@@ -137,6 +138,9 @@ def test_a_rehearsal_times_the_runs_steps_over_a_real_ring_and_leaves_nothing_be
     assert isinstance(result, Rehearsal), (result, said)
     assert result.steps == 4 and result.tokens_per_s > 0 and result.shared == "local-a, local-b share this machine"
     assert result.compute_tokens_per_s is not None and result.compute_tokens_per_s > 0
+    # rank 0 counted the tokens of the run's 40 steps (token_census) and the rate was moved to them
+    assert result.step_tokens is not None and result.step_tokens[1] > 0, result
+    assert result.timed_tokens_per_s is not None and result.timed_tokens_per_s > 0
     assert said and said[0].startswith("rehearsing 4 steps of the run: local-a, local-b share this machine")
     # Its checkpoints (save_every 2) and events lived in dirs of its own: gone, with its local temp dir.
     for node in ("a", "b"):
@@ -171,3 +175,30 @@ def test_a_rehearsals_rate_leaves_its_compiling_first_steps_out() -> None:
     assert mon.run_tokens_per_s() == 1008.5  # the run's own statistic: every step
     assert mon.run_tokens_per_s(after=3) == 1010.0 and mon.run_compute_tokens_per_s(after=3) == 1410.0
     assert mon.run_tokens_per_s(after=16) is None
+
+
+def test_a_rehearsals_rate_is_moved_to_the_tokens_of_the_runs_steps() -> None:
+    """planning/steptime via read_rehearsal: the steps it timed carried more tokens than the run's will; a step's
+    time is mostly fixed cost here, so the run's rate is predicted lower by about the tokens' ratio."""
+    from coordinator.run.monitor import Monitor, PlannedRank, RunState
+    from coordinator.run.rehearse import read_rehearsal
+
+    mon = Monitor.create([PlannedRank(0, "a", 4), PlannedRank(1, "b", 4)], 16, now=0.0)
+    # (tokens, seconds): 0.04 s fixed + 10 us a token; the first three steps compile (slow), left out
+    work = {s: (300.0 + 10 * (s % 5), (2.0 if s <= 3 else 0.04 + 1e-5 * (300.0 + 10 * (s % 5)))) for s in range(1, 17)}
+    mon.step_work.update(work)
+    mon.step_totals.update({s: t / w for s, (t, w) in work.items()})
+    mon.step_rates.update({s: {0: t / w, 1: t / w} for s, (t, w) in work.items()})
+    mon.run_step_tokens = 200.0
+    mon.outcome = lambda: RunState.SUCCEEDED  # type: ignore[method-assign]
+    got = read_rehearsal(mon, steps=16, shared="a, b share this machine")
+    assert isinstance(got, Rehearsal), got
+    timed = got.timed_tokens_per_s
+    assert timed == mon.run_tokens_per_s(after=3)
+    assert got.step_tokens == (320.0, 200.0)
+    assert got.tokens_per_s == pytest.approx(200.0 / (0.04 + 2e-3), rel=1e-6)  # the fit's rate at 200 tokens
+    assert got.compute_tokens_per_s == pytest.approx(2 * timed * got.tokens_per_s / timed, rel=1e-6)
+    assert "the run's carry 200: " in got.describe_tokens()
+    mon.run_step_tokens = None  # not counted (DPO): the rehearsal's own rate
+    plain = read_rehearsal(mon, steps=16, shared="x")
+    assert isinstance(plain, Rehearsal) and plain.tokens_per_s == timed and plain.step_tokens is None
