@@ -47,9 +47,9 @@ class ExportError(Exception):
 
 
 def gather_trained(roots: Sequence[Path]) -> tuple[int, str, dict[str, mx.array], dict[str, Any]]:
-    """(step, checkpoint kind (`sharded` or `whole`), trained arrays under the model's names, adapter_config) of the newest complete
-    checkpoint under the checkpoints dirs `roots` (a pipeline's or fsdp's shards may be spread over several: the
-    run's own and those gathered from other nodes; a dp run's is the first)."""
+    """(step, checkpoint kind (`sharded` or `whole`), trained arrays under the model's names, adapter_config) of
+    the newest complete checkpoint under the checkpoints dirs `roots` (a pipeline's or fsdp's shards may be spread
+    over several: the run's own and those gathered from other nodes; a dp run's is the first)."""
     checkpoints = roots[0]
     if any(stage_dirs(r) for r in roots):
         steps = evaluate_steps([s for r in roots for s in scan_shards(r)])

@@ -576,7 +576,7 @@ class TrainStep:
         last evaluation: one wait for the host between the backward and the update instead of three."""
         local = self.local([m.inputs for m in micros], lazy_last=True)
         local_loss, local_norm = local.local_stats()
-        mx.async_eval(*local.arrays(), local_loss, local_norm)
+        mx.async_eval(*local.arrays(), local_loss, local_norm)  # type: ignore[no-untyped-call]
         loss, norm = self.apply(local, sum(m.total_weight for m in micros))
         extras = None
         if local.stats is not None:

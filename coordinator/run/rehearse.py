@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import statistics
 import shutil
+import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path

@@ -56,6 +56,7 @@ from worker.checkpoint import (
 from worker.comm import scalar
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
+from worker.exchange import Exchange
 from worker.memory import StepMemory
 from worker.objectives import Micro
 from worker.parallel.base import ResumeState, mismatch
@@ -71,7 +72,7 @@ from worker.parallel.pipeline.shards import (
     whole_sha256,
 )
 from worker.parallel.shardresume import load_verified, newest_common_step
-from worker.step import _LOSS_KEY, Local, StepResult, TrainStep, all_sum_arrays, flatten
+from worker.step import _LOSS_KEY, ALL_REDUCE_BYTES, Local, StepResult, TrainStep, all_sum_arrays, flatten
 
 nn: Any = _nn  # mlx.nn has no type stubs that name Module / fully_shard
 SHARDED = ".module."  # a FullyShardedModule holds its module as `.module`: every sharded parameter's path has it
@@ -225,9 +226,12 @@ class FullyShardedDataParallel(DataParallel):
         if self._step is None:
             # Not compiled: the gathers and reduce-scatters run inside the forward/backward, and a collective
             # inside a compiled graph is what deadlocked dp on ring (worker.step); nccl orders them on its stream.
+            # Never fused (worker.exchange): fsdp's own exchange (ShardedStep.apply) follows the evaluated compute,
+            # whose gathers and reduce-scatters already wait for the peers.
             self._step = ShardedStep(self.model, self.optimizer, self.objective.loss, all_sum=self.comm.all_sum,
                                      world_size=self.comm.size, stats=bool(self.objective.stats), compiled=False,
-                                     memory=StepMemory(self.config.memory_headroom, self.config.clear_cache))
+                                     memory=StepMemory(self.config.memory_headroom, self.config.clear_cache),
+                                     exchange=Exchange(pipelined=False, bucket_bytes=ALL_REDUCE_BYTES))
         return self._step.run(build, after_local=after_local, before_apply=before_apply)
 
     # -- consistency ---------------------------------------------------------------------------------------------
