@@ -108,7 +108,9 @@ CENSUS_STEPS = 1024  # steps counted at most by `median_step_tokens` (evenly spa
 def median_step_tokens(objective: Any, dataset: Any, steps: int, rows_per_step: int, seed: int) -> float | None:
     """The median real tokens of the data order's steps 1..`steps` from its start (`rows_per_step` stream rows
     each), or None where the objective counts none: what a rehearsal's rate is moved to
-    (coordinator/planning/steptime.py)."""
+    (coordinator/planning/steptime.py). Past the first epoch only its steps are counted: every epoch is another
+    order of the same rows, so the steps' tokens have the same spread, and one epoch's order is computed once."""
+    steps = min(steps, max(1, len(dataset) // max(1, rows_per_step)))
     picks = range(steps) if steps <= CENSUS_STEPS else [k * steps // CENSUS_STEPS for k in range(CENSUS_STEPS)]
     counts = [objective.rows_tokens(dataset, k * rows_per_step, rows_per_step, seed) for k in picks]
     if not counts or any(c is None for c in counts):

@@ -58,12 +58,17 @@ def test_the_worker_counts_the_tokens_each_step_of_the_run_will_carry(tmp_path) 
     from worker.objectives import CENSUS_STEPS, DpoObjective, SftObjective, median_step_tokens
 
     lengths = [5, 40, 17, 3, 64, 90, 12, 33, 8, 70, 21, 50, 6, 44]
-    dataset = [([1] * n, 0) for n in lengths]
+    dataset = [([1] * n, 0) for n in lengths * 3]  # 42 rows: 10 steps of 4 an epoch
     objective = SftObjective(max_seq_length=48, packing=False)
     steps, rows, seed = 9, 4, 3
     counted = [objective.micro(dataset, k * rows, rows, seed, 0, rows).total_tokens for k in range(steps)]
     assert median_step_tokens(objective, dataset, steps, rows, seed) == statistics.median(counted)
-    # past CENSUS_STEPS, evenly sampled: still a count of real steps, every one capped at max_seq_length
-    many = median_step_tokens(objective, dataset, 3 * CENSUS_STEPS, rows, seed)
+    # a run longer than an epoch: the first epoch's steps (the same rows in another order each epoch)
+    epoch = len(dataset) // rows
+    first = [objective.micro(dataset, k * rows, rows, seed, 0, rows).total_tokens for k in range(epoch)]
+    assert median_step_tokens(objective, dataset, 50, rows, seed) == statistics.median(first)
+    # past CENSUS_STEPS steps in an epoch, evenly sampled: still a count of real steps, each capped at the length
+    big = dataset * (CENSUS_STEPS // 2)
+    many = median_step_tokens(objective, big, 3 * CENSUS_STEPS, rows, seed)
     assert many is not None and 4 * 3 <= many <= 4 * 48
     assert median_step_tokens(DpoObjective(None, 0.1, 48), dataset, steps, rows, seed) is None
