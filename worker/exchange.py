@@ -21,9 +21,12 @@ The gradients are scaled, concatenated per dtype into buckets and each bucket is
 Measured on 2x H200 (NCCL, M model 954M, full fine-tune of every weight, batch 8 x 512 per GPU,
 `benchmarks/bench_gpus.py dpstep`, side by side in one process, medians of 8 steps, seconds per step, rank 0 /
 rank 1; one GPU alone 0.072-0.076). With the bound (headroom 0.1, the default): evaluated 0.095 / 0.094, fused
-0.091 / 0.092, fused and pipelined 0.083 / 0.085 (0.091 / 0.094 in a second process). Without it: evaluated 0.092 /
-0.092, fused 0.085 / 0.085, fused and pipelined 0.077 / 0.077 (1.89x one GPU, at 26.5 GB a rank against 18.0 GB
-bounded). Through `coordinator launch` (docs/benchmarks.md): full 1.72-1.73x one GPU bounded, 1.90x unbounded.
+0.091 / 0.092, fused and pipelined 0.083 / 0.085; in another process evaluated 0.099 / 0.099, fused 0.099 / 0.101
+and 0.087 / 0.086 (the same configuration twice), fused and pipelined 0.091 / 0.094: bounded, fusing is within
+the noise. Without it: evaluated 0.092 / 0.092, fused 0.085 / 0.085, fused and pipelined 0.077 / 0.077 (1.89x one
+GPU, at 26.5 GB a rank against 18.0 GB bounded; unfused and pipelined, the default before, 0.089 / 0.090 in the
+other process, where fused and pipelined took 0.079 / 0.079). Through `coordinator launch` (docs/benchmarks.md):
+full 1.72-1.73x one GPU bounded, 1.90x unbounded.
 Bucket sizes are counted at 4 bytes an element, as `bucket_names` counts (256 MiB: 128 MiB of bfloat16).
 """
 
