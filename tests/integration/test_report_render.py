@@ -123,7 +123,9 @@ def test_every_view_of_the_real_run_agrees(real_run: tuple[Path, str], run_cli: 
 
     report = build_report(read_run_files(root, run_id))
     assert {n.name: (round(n.tokens_per_s or 0, 1), n.verdict) for n in report.nodes} == truth
-    assert round(report.predicted_tokens_per_s or 0, 1) == predicted
+    # summary.json stores the prediction to 2 decimals, the report reads plan.json's: equal to that precision
+    # (rounding both to 1 decimal once told 3998.6 from 3998.7 for 3998.649 and its stored 3998.65)
+    assert report.predicted_tokens_per_s == pytest.approx(summary["predicted_tokens_per_s"], abs=0.006)
     assert len(report.attempts) == 1 and summary["attempts"] == 1
     assert len({c.step for c in report.checkpoints}) == len(report.checkpoints) <= summary["steps"]
 
