@@ -36,6 +36,11 @@ class Micro:
     consumed: int  # stream rows the global micro-batch used
 
 
+def _items(dataset: Any, position: int, rows: int, seed: int) -> list[Any]:
+    """The rows at stream positions [position, position + rows) in the run's order."""
+    return [dataset[i] for i in stream_rows(position, rows, len(dataset), seed)]
+
+
 class SftObjective:
     """Next-token cross-entropy; the weight unit is the scored target (mlx-lm's `default_loss`, combined
     exactly). A rank's rows are padded as mlx-lm pads them, or packed (`packing`, worker.step.pack_rows): the
@@ -51,7 +56,7 @@ class SftObjective:
 
     def micro(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int, size: int) -> Micro:
         length = self.max_seq_length
-        items = [dataset[i] for i in stream_rows(position, global_batch, len(dataset), seed)]
+        items = _items(dataset, position, global_batch, seed)
         mine = rank_slice(items, offset, size)
         (weight, tokens), (total_weight, total_tokens) = sft_weight(mine, length), sft_weight(items, length)
         inputs = pack_rows(mine, length, self.width).arrays() if self.packing else build_batch(mine, length)
@@ -60,7 +65,7 @@ class SftObjective:
     def rows_tokens(self, dataset: Any, position: int, rows: int, seed: int) -> int | None:
         """The real tokens of the rows at stream positions [position, position + rows), as `micro` counts its
         `total_tokens`; no arrays built."""
-        return sft_weight([dataset[i] for i in stream_rows(position, rows, len(dataset), seed)], self.max_seq_length)[1]
+        return sft_weight(_items(dataset, position, rows, seed), self.max_seq_length)[1]
 
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))

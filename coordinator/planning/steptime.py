@@ -44,10 +44,20 @@ class StepTime:
         return tokens / (self.fixed_s + self.token_s * tokens)
 
 
+def _usable(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(t, s) for t, s in samples if t > 0 and s > 0]
+
+
+def median_tokens(samples: Sequence[tuple[float, float]]) -> float | None:
+    """The median tokens of the usable (tokens, seconds) samples: the tokens the timed rate stands for."""
+    points = _usable(samples)
+    return float(statistics.median(t for t, _ in points)) if points else None
+
+
 def fit_step_time(samples: Sequence[tuple[float, float]]) -> StepTime | None:
     """The Theil-Sen fit of (tokens, seconds) samples, clamped to a >= 0 and b >= 0; None where the tokens hardly
     differ (`FLAT_SPREAD`) or fewer than 3 samples have positive tokens and seconds."""
-    points = [(t, s) for t, s in samples if t > 0 and s > 0]
+    points = _usable(samples)
     if len(points) < 3:
         return None
     tokens = [t for t, _ in points]
@@ -67,10 +77,10 @@ def rate_over_run(samples: Sequence[tuple[float, float]], run_tokens: float | No
     `run_tokens` the median real tokens of the run's steps (None: not counted, e.g. DPO), `timed_rate` the
     rehearsal's own median rate. The rehearsal's rate where there is nothing to fit or nothing to fit it to."""
     fit = fit_step_time(samples)
-    if fit is None or run_tokens is None or run_tokens <= 0:
+    timed_tokens = median_tokens(samples)
+    if fit is None or timed_tokens is None or run_tokens is None or run_tokens <= 0:
         return timed_rate
-    timed_tokens = statistics.median(t for t, s in samples if t > 0 and s > 0)
     return timed_rate * fit.rate(run_tokens) / fit.rate(timed_tokens)
 
 
-__all__ = ["FLAT_SPREAD", "StepTime", "fit_step_time", "rate_over_run"]
+__all__ = ["FLAT_SPREAD", "StepTime", "fit_step_time", "median_tokens", "rate_over_run"]

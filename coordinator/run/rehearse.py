@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import shlex
 import shutil
-import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from coordinator.fleet.transport import Fleet
 from coordinator.models import Node
 from coordinator.planning.hostfile import Hostfile
 from coordinator.planning.plan import Plan, PlanError, Rehearsal
-from coordinator.planning.steptime import rate_over_run
+from coordinator.planning.steptime import median_tokens, rate_over_run
 from coordinator.run.launch import Launch
 from coordinator.run.launchfiles import RankPlan
 from coordinator.run.monitor import Monitor, RunState
@@ -117,9 +116,10 @@ def read_rehearsal(monitor: Monitor, *, steps: int, shared: str) -> Rehearsal | 
     over_run = rate_over_run(samples, monitor.run_step_tokens, rate)
     moved = over_run / rate
     compute = monitor.run_compute_tokens_per_s(after=warmup)
+    timed_tokens = median_tokens(samples)
     step_tokens = None
-    if monitor.run_step_tokens is not None and samples:
-        step_tokens = (float(statistics.median(t for t, _ in samples)), monitor.run_step_tokens)
+    if monitor.run_step_tokens is not None and timed_tokens is not None:
+        step_tokens = (timed_tokens, monitor.run_step_tokens)
     try:
         return Rehearsal(steps, over_run, compute * moved if compute is not None else None, shared,
                          timed_tokens_per_s=rate, step_tokens=step_tokens)
