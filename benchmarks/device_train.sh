@@ -7,6 +7,7 @@
 #   bash benchmarks/device_train.sh run SIZES [ARGS]  # THERE, device call 2.. (carry benchmarks/out/whl-b)
 #   bash benchmarks/device_train.sh phases [ARGS]     # THERE, instead of `run`: bench_train_phases.py's memory matrix
 #   bash benchmarks/device_train.sh headroom [ARGS]   # THERE: the same per train.memory_headroom (none, 0.05, 0.1, 0.25)
+#   bash benchmarks/device_train.sh collect [DIR]     # THERE, after a `run ... --keep DIR`: its runs' evidence, $OUT/keep.tgz
 #
 # What the device machine is and what that implies (/work/.library/device/README.md and KINDS.md, 2026-11):
 # - x86_64, one H100 (nvidia-h100-x1) or H200; nothing can be fetched there: every missing Python package travels
@@ -212,6 +213,18 @@ run_headroom() {
     done
 }
 
+collect() {
+    # The evidence of the runs a `run ... --keep DIR` left (DIR, default /tmp/bench-keep): every run's events,
+    # plan and summary, the calibration cache's bench results (each point's per-step `sample`) and the data, as
+    # $OUT/keep.tgz; never the models, checkpoints or kernels. For holding a run's steps against calibration's.
+    local keep="${1:-/tmp/bench-keep}" out="${OUT:-$REPO/benchmarks/out}"
+    [ -d "$keep" ] || die "no $keep: run with --keep $keep first (on this machine, while it is warm)"
+    mkdir -p "$out"
+    (cd "$keep" && find . -path './model-*' -prune -o -type f \( -name '*.json' -o -name '*.jsonl' \
+        -o -name '*.yaml' -o -name '*.log' \) -size -8M -print0 | tar czf "$out/keep.tgz" --null -T -)
+    ls -l "$out/keep.tgz"
+}
+
 cd "$REPO"
 case "${1:-}" in
     wheelhouse) wheelhouse ;;
@@ -221,5 +234,6 @@ case "${1:-}" in
     run) shift; run_bench "$@" ;;
     phases) shift; run_phases "$@" ;;
     headroom) shift; run_headroom "$@" ;;
-    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS] | headroom [ARGS]" ;;
+    collect) shift; collect "$@" ;;
+    *) die "usage: $0 wheelhouse | stamp | stage-a | install | run SIZES [bench_train.py args] | phases [ARGS] | headroom [ARGS] | collect [DIR]" ;;
 esac

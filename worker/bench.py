@@ -51,7 +51,9 @@ run's rank will (`worker.cpus`; the result then names them: "cpus").
 
 Output: ONE JSON object on stdout (progress lines go to stderr):
     {"curve": [{"batch", "tokens_per_s", "rows_per_s", "tokens_per_row", "peak_memory", "step_time_s", "steps",
-                "spread", "noisy", "shapes", "timed_shapes", "sampled_steps"}], "best_batch", "packing": [bool, why],
+                "spread", "noisy", "shapes", "timed_shapes", "sampled_steps",
+                "shape_times": [[positions, median_s, steps]], "sample": [[stream_position, tokens, predicted_s]]}],
+     "best_batch", "packing": [bool, why],
      "tokens_per_row" (the data's: the run's first FILL_ROWS rows),
      "best_tokens_per_s", "matmul_gflops", "matmul_dtype", "device": {...}, "memory_limit",
      "stopped_because": "throughput_fell|memory|max_batch|time_budget|one_time_budget", "seconds", "seq_len",
@@ -143,6 +145,11 @@ class Point:
     shapes: int = 1  # distinct batch shapes among the sampled steps' slices
     timed_shapes: int = 1  # of which timed (the others interpolated: `shape_time`)
     sampled_steps: int = 0  # the run's steps sampled over the data (`plan_sample`)
+    # The evidence behind the rate, so a run's steps can be held against it step by step: each timed shape's
+    # (input positions, median seconds, timed steps), and each sampled step's (stream position, real tokens,
+    # predicted seconds).
+    shape_times: tuple[tuple[int, float, int], ...] = ()
+    sample: tuple[tuple[int, int, float], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -158,6 +165,8 @@ class Point:
             "shapes": self.shapes,
             "timed_shapes": self.timed_shapes,
             "sampled_steps": self.sampled_steps,
+            "shape_times": [[size, round(t, 6), n] for size, t, n in self.shape_times],
+            "sample": [[position, tokens, round(t, 6)] for position, tokens, t in self.sample],
         }
 
 
@@ -213,6 +222,7 @@ class SampledStep:
 
     shapes: tuple[Shape, ...]
     tokens: int
+    position: int = 0  # rank 0's stream position: the run's step is position // global batch
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,7 @@ class StepPrediction:
     mean_step_s: float  # the run's mean step time (each step: its slowest rank's slice)
     median_tokens_per_s: float  # median over steps of all ranks' real tokens / step time: what the run reports
     tokens_per_row: float  # mean real tokens per row of the sampled slices
+    durations: tuple[float, ...] = ()  # each sampled step's predicted seconds, in the steps' order
 
 
 def shape_size(shape: Shape) -> int:
@@ -295,6 +306,7 @@ def predict_point(steps: Sequence[SampledStep], timed: Mapping[Shape, float], ro
         mean_step_s=statistics.fmean(durations),
         median_tokens_per_s=statistics.median(rates),
         tokens_per_row=sum(step.tokens for step in steps) / (len(steps) * rows_per_step),
+        durations=tuple(durations),
     )
 
 
@@ -798,7 +810,8 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     where: dict[Shape, list[int]] = {}
     for positions in plan_sample(len(trainer.dataset), trainer.global_batch, batch, trainer.world):
         parts = [trainer.slice_of(batch, p) for p in positions]
-        steps.append(SampledStep(tuple(shape for shape, _ in parts), sum(tokens for _, tokens in parts)))
+        steps.append(SampledStep(tuple(shape for shape, _ in parts), sum(tokens for _, tokens in parts),
+                                 positions[0]))
         for p, (shape, _) in zip(positions, parts):
             where.setdefault(shape, []).append(p)
     counts = {shape: sum(step.shapes.count(shape) for step in steps) for shape in where}
@@ -869,6 +882,8 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         shapes=len(where),
         timed_shapes=len(measured),
         sampled_steps=len(steps),
+        shape_times=tuple((shape_size(s), measured[s], len(timed[s])) for s in sorted(measured, key=shape_size)),
+        sample=tuple((step.position, step.tokens, d) for step, d in zip(steps, predicted.durations)),
     )
     return point, truncated
 

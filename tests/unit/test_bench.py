@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -231,6 +232,11 @@ def test_bench_times_the_runs_step_on_the_runs_batches(tmp_path: Path) -> None:
     for p in result["curve"]:
         assert 0 < p["tokens_per_row"] < 128  # the smoke rows are short: real tokens, not padded positions
         assert p["sampled_steps"] >= 1 and 1 <= p["timed_shapes"] <= p["shapes"]
+        # The evidence: one entry per timed shape and per sampled step, the steps' median rate is the point's.
+        assert len(p["shape_times"]) == p["timed_shapes"] and len(p["sample"]) == p["sampled_steps"]
+        assert all(t > 0 and n >= 1 for _, t, n in p["shape_times"])
+        rates = [tokens / t for _, tokens, t in p["sample"]]
+        assert p["tokens_per_s"] == pytest.approx(statistics.median(rates), rel=1e-3)
         # The point's rate is the run's median step rate, its step the mean: the two agree within the spread of
         # the steps' fill.
         assert p["tokens_per_s"] == pytest.approx(p["rows_per_s"] * p["tokens_per_row"], rel=0.5)
