@@ -2,7 +2,8 @@
 
 Run by the coordinator on each node (the worker package is shipped alone: stdlib + mlx + mlx_lm only):
     python -m worker.bench --model DIR --seq-len N --method lora|dora|full [--num-layers K] [--grad-checkpoint]
-                           [--data DIR [--mask-prompt] [--packing auto|on|off] [--global-batch B] [--seed S]]
+                           [--data DIR [--mask-prompt] [--packing auto|on|off] [--global-batch B] [--steps N]
+                            [--seed S]]
                            [--world-size N] [--optimizer adam] [--learning-rate LR] [--lora-rank R] [--lora-scale S]
                            [--lora-dropout D] [--train-embeddings]
                            [--time-budget 60] [--one-time-budget 600] [--max-batch 64] [--memory-fraction 0.8]
@@ -17,7 +18,8 @@ the run pads or packs them (`worker.objectives.SftObjective`; packing decided by
 `--data` (tests, a node without the dataset) rows of `seq_len` random tokens stand in.
 
 For batch 1, 2, 4, 8, ... (and finally --max-batch itself), a point samples THE RUN'S STEPS OVER THE DATA
-(`plan_sample`: the run's steps spread over its first epoch, each with the slice of every rank of --world-size),
+(`plan_sample`: the run's steps spread over its first epoch, or over its own steps when --steps is shorter, each
+with the slice of every rank of --world-size),
 groups their batches by shape (a step's time follows its batch's shape, not its real tokens), gives each timed shape
 (`choose_shapes`) one warm-up step (it compiles: a one-time cost) and then timed steps on its own batches (at least
 2 per shape, more while they are fast), and predicts (`predict_point`) the run's mean step time (each step as long
@@ -247,17 +249,20 @@ def spread_indices(total: int, count: int) -> list[int]:
     return [(2 * k + 1) * total // (2 * count) for k in range(count)]
 
 
-def plan_sample(rows: int, global_batch: int, batch: int, world: int) -> list[tuple[int, ...]]:
+def plan_sample(rows: int, global_batch: int, batch: int, world: int, horizon: int = 0) -> list[tuple[int, ...]]:
     """The steps a point samples: for each, the stream position of every rank's slice of `batch` rows.
 
     The run's step j reads stream rows [j*G, (j+1)*G) and rank r its slice from j*G + r*batch (`worker.data`).
-    Steps are spread over the first epoch (rows // G of them; a stride of batch*world when a point's batch is above
-    an equal share of G), at most SAMPLE_STEPS and SAMPLE_ROWS rows, at least MIN_SAMPLE_STEPS: the lengths of the
-    whole data set, not its first rows. Pure; the same on every node."""
-    if rows < 1 or batch < 1 or world < 1:
-        raise ValueError(f"rows, batch and world must be positive, got {rows}, {batch}, {world}")
+    Steps are spread over the rows the run reads in its first epoch: its first `horizon` steps' rows (`--steps`:
+    a short run's median is that of its own steps, not of the data's), or the whole epoch (horizon 0, or a run
+    longer than an epoch); rows // G steps of them, a stride of batch*world when a point's batch is above an equal
+    share of G. At most SAMPLE_STEPS and SAMPLE_ROWS rows, at least MIN_SAMPLE_STEPS. Pure; the same on every
+    node."""
+    if rows < 1 or batch < 1 or world < 1 or horizon < 0:
+        raise ValueError(f"rows, batch and world must be positive, got {rows}, {batch}, {world} (horizon {horizon})")
     stride = max(global_batch, batch * world)
-    steps = max(1, rows // stride)
+    read = min(rows, horizon * global_batch) if horizon and global_batch else rows
+    steps = max(1, read // stride)
     count = max(min(MIN_SAMPLE_STEPS, steps), min(SAMPLE_STEPS, steps, SAMPLE_ROWS // (batch * world)))
     return [tuple(j * stride + r * batch for r in range(world)) for j in spread_indices(steps, count)]
 
@@ -732,12 +737,14 @@ class _Trainer:
         self.dataset, self.seed = dataset, args.seed
         self.world = max(1, args.world_size)
         self.global_batch = args.global_batch
+        self.horizon = args.steps
         # The data's fill: mean real tokens per row over the run's first FILL_ROWS rows (its order, as the run counts
-        # them), steadier than any one point's sample.
+        # them; a shorter run's own rows), steadier than any one point's sample.
         from worker.data import stream_rows
         from worker.step import sft_weight
 
-        rows = [dataset[i] for i in stream_rows(0, min(len(dataset), FILL_ROWS), len(dataset), args.seed)]
+        read = args.steps * args.global_batch if args.steps and args.global_batch else FILL_ROWS
+        rows = [dataset[i] for i in stream_rows(0, min(len(dataset), FILL_ROWS, read), len(dataset), args.seed)]
         self.tokens_per_row = sft_weight(rows, args.seq_len)[1] / max(len(rows), 1)
         # The run's path for its world: one rank takes the whole step as one compiled graph, several take it in two
         # around the all_sum (timed here without the collective itself, which no single node can measure).
@@ -808,7 +815,7 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     mx.reset_peak_memory()
     steps: list[SampledStep] = []
     where: dict[Shape, list[int]] = {}
-    for positions in plan_sample(len(trainer.dataset), trainer.global_batch, batch, trainer.world):
+    for positions in plan_sample(len(trainer.dataset), trainer.global_batch, batch, trainer.world, trainer.horizon):
         parts = [trainer.slice_of(batch, p) for p in positions]
         steps.append(SampledStep(tuple(shape for shape, _ in parts), sum(tokens for _, tokens in parts),
                                  positions[0]))
@@ -924,6 +931,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-headroom", type=_headroom, default=DEFAULT_HEADROOM,
                         help="a step's run-ahead bound over its working set (train.memory_headroom; none: unbounded)")
     parser.add_argument("--global-batch", type=int, default=0, help="the run's global batch (packing decision)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="the run's steps (stream rows read: steps x global batch): a short run's sample is its "
+                             "own steps; 0: the whole first epoch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1, help="ranks of the run: the step's path depends on it")
     parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
@@ -958,6 +968,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     _positive(args.one_time_budget, "--one-time-budget")
     if args.max_batch < 1:
         raise BenchError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.steps < 0:
+        raise BenchError(f"--steps must be >= 0 (0: the whole first epoch), got {args.steps}")
     if not 0 < args.memory_fraction <= 1:
         raise BenchError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     return args

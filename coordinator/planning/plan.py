@@ -365,8 +365,8 @@ class _NodeModel:
         self.rates = lift_dips(self.batches, [p.tokens_per_s for p in cal.curve])
         best = max(self.rates)
         self.plateau = best if self.rates[-1] >= PLATEAU_RATIO * best else self.rates[-1]
-        raw = [b * seq_len / r for b, r in zip(self.batches, self.rates, strict=True)]
-        self.fitted = isotonic(raw, [float(b) for b in self.batches])
+        self.raw = [b * seq_len / r for b, r in zip(self.batches, self.rates, strict=True)]
+        self.fitted = isotonic(self.raw, [float(b) for b in self.batches])
 
     def rate(self, batch: int) -> float:
         batches, rates = self.batches, self.rates
@@ -380,6 +380,16 @@ class _NodeModel:
                 t = (batch - batches[i]) / (batches[i + 1] - batches[i])
                 return rates[i] + t * (rates[i + 1] - rates[i])
         raise AssertionError("unreachable: batch inside the curve's range")
+
+    def predicted_step_s(self, batch: int) -> float:
+        """The step the plan predicts for `batch` rows: the point measured at that batch where there is one, else
+        the fit (`step_s`). The fit serves the split, whose greedy needs step times that never fall; a measured
+        point is the run's own batch on the run's steps, and on variable-length rows a larger batch's step can
+        truly be shorter (fewer packed sequences a row, or a GPU's faster kernels for its shape). Pooling it with
+        a smaller batch's point predicted an H100's S LoRA run 13-18% slow (docs/benchmarks-history.md)."""
+        if batch in self.batches:
+            return self.raw[self.batches.index(batch)]
+        return self.step_s(batch)
 
     def step_s(self, batch: int) -> float:
         """Non-decreasing step time: the isotonic fit at the measured batches, interpolated between them."""
@@ -495,7 +505,7 @@ def _explicit_fractions(names: Sequence[str], split: Mapping[str, float]) -> lis
 
 def predicted_step_s(cal: NodeCalibration, batch: int, seq_len: int) -> float:
     """The step time the node's curve predicts for `batch` rows of `seq_len` tokens (the model above)."""
-    return _NodeModel(cal, seq_len).step_s(batch)
+    return _NodeModel(cal, seq_len).predicted_step_s(batch)
 
 
 def per_example_calibration(cal: NodeCalibration, rows_per_example: int) -> NodeCalibration:
@@ -581,7 +591,7 @@ def compute_plan(
                 f"{mode} split of global batch {global_batch} at seq_len {seq_len} exceeds memory: {'; '.join(over)}"
             )
 
-    per_node = {name: model.step_s(count) for name, model, count in zip(names, models, counts, strict=True)}
+    per_node = {name: model.predicted_step_s(count) for name, model, count in zip(names, models, counts, strict=True)}
     step = max(per_node.values())
     # The nodes measured the same rows (the run's order, the same data), so their fills agree up to the batches
     # each timed; the mean is the data's.

@@ -49,6 +49,9 @@ from coordinator.run.rundir import RATE_UNITS, CurveRecord, PlanNode
 # 3: the run's steps sampled over the data, a point's rate the run's median step rate; 2: the run's step on its
 # first batches (rows_per_s, tokens_per_row); 1 timed random tokens
 CACHE_SCHEMA = 3
+# Runs of at most this many steps are sampled on their own steps (`sample_horizon`): past it a run's median step
+# rate is within a few percent of its data's (the steps are a random draw of the epoch's).
+HORIZON_STEPS = 1000
 # Beyond the bench's own budget: SSH exec, python start-up and the output. The bench's watchdog ends it anyway.
 TIMEOUT_SLACK_S = 30.0
 DEFAULT_ONE_TIME_BUDGET = 600.0  # imports, model load, first compile of each shape: a cold GPU took 85 s for 10 steps
@@ -131,6 +134,8 @@ class BenchSpec:
     mask_prompt: bool = False
     packing: str = "auto"
     global_batch: int = 0
+    # The run's steps whose rows the bench samples (`worker.bench --steps`, `sample_horizon`); 0: the first epoch.
+    steps: int = 0
     seed: int = 0
     optimizer: str = "adam"
     learning_rate: float = 1e-5
@@ -156,6 +161,16 @@ class BenchSpec:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pure parts.
+
+
+def sample_horizon(iters: int, grad_accumulation: int = 1) -> int:
+    """The steps (micro-batches of the global batch) whose rows calibration samples for a run of `iters` steps:
+    all of them for a run of at most HORIZON_STEPS steps, whose median tokens/s is that of its own few steps (the
+    bench times its actual batches); 0 (the whole first epoch) for a longer one, whose steps are drawn from the
+    shuffled epoch so many times that the data's median is theirs. A short run's horizon is in the cache key (a
+    run of another length is measured again); long runs share one curve."""
+    return iters * grad_accumulation if iters <= HORIZON_STEPS else 0
+
 
 
 def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
@@ -185,6 +200,7 @@ def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, 
         # MLX_* variables change what mlx does (TF32, graphs, buffer sizes); others (logging, tokens) do not.
         "mlx_env": [[k, v] for k, v in spec.env if k.startswith("MLX_")],
         **({"blocks": [spec.blocks, spec.micro_batch]} if spec.blocks else {}),  # only when set: old keys stay
+        **({"steps": spec.steps} if spec.data and spec.steps else {}),  # only a short run's: long runs share a curve
     }
     if together:  # only when set: the keys of nodes alone on their machine stay
         inputs["together"] = sorted(together)
@@ -211,6 +227,7 @@ def build_bench_argv(node: Node, worker_dir: str, spec: BenchSpec, time_budget: 
         *(["--grad-checkpoint"] if spec.grad_checkpoint else []),
         *(["--data", spec.data, "--packing", spec.packing, "--global-batch", str(spec.global_batch)]
           if spec.data else []),
+        *(["--steps", str(spec.steps)] if spec.data and spec.steps else []),
         *(["--mask-prompt"] if spec.mask_prompt else []),
         "--seed", str(spec.seed),
         "--world-size", str(spec.world_size),

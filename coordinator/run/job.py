@@ -90,6 +90,7 @@ from coordinator.run.calibrate import (
     calibrate_layers,
     fingerprint_from_facts,
     plan_step_json,
+    sample_horizon,
 )
 from coordinator.run.chaos import Chaos, check_reachable
 from coordinator.run.collective import measure_collective
@@ -232,7 +233,8 @@ def bench_spec(pb: Playbook, world_size: int = 1) -> BenchSpec:
                      grad_checkpoint=t.grad_checkpoint, max_batch=pb.calibration.max_batch,
                      memory_fraction=pb.calibration.memory_fraction,
                      data=(pb.data or "") if t.method != "dpo" else "", packing=t.packing,
-                     global_batch=t.batch_size * t.rows_per_example, seed=t.seed, optimizer=t.optimizer,
+                     global_batch=t.batch_size * t.rows_per_example,
+                     steps=sample_horizon(t.iters, t.grad_accumulation), seed=t.seed, optimizer=t.optimizer,
                      learning_rate=t.learning_rate, lora=(t.lora.rank, t.lora.scale, t.lora.dropout),
                      train_embeddings=t.train_embeddings, clear_cache=t.clear_cache, env=tuple(sorted(pb.job_env().items())),
                      world_size=world_size, memory_headroom=t.memory_headroom)

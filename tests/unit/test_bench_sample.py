@@ -59,6 +59,18 @@ def test_plan_sample_takes_the_runs_steps_over_the_whole_epoch() -> None:
     assert plan_sample(64, 8, 2, 1)[:3] == [(0,), (8,), (16,)]
 
 
+def test_plan_sample_of_a_short_run_is_its_own_steps() -> None:
+    # 256 rows, global batch 8 (32 steps an epoch), a run of 20 steps: exactly its 20 steps, not the epoch's 32
+    # (an H100's 20-step run read none of the epoch's few 8-sequence steps that calibration timed).
+    assert plan_sample(256, 8, 8, 1, horizon=20) == [(8 * j,) for j in range(20)]
+    # Longer than the epoch, or 0: the epoch.
+    assert plan_sample(256, 8, 8, 1, horizon=500) == plan_sample(256, 8, 8, 1) == [(8 * j,) for j in range(32)]
+    # A point above an equal share strides over the same 160 rows the run reads.
+    assert plan_sample(256, 8, 16, 1, horizon=20) == [(16 * j,) for j in range(10)]
+    with pytest.raises(ValueError):
+        plan_sample(256, 8, 8, 1, horizon=-1)
+
+
 def test_plan_sample_gives_every_rank_its_slice_of_a_step() -> None:
     # 2 ranks of 2 rows of a global batch of 4: rank r's slice starts at j * 4 + r * 2 (worker.data.rank_slice).
     assert plan_sample(64, 4, 2, 2)[:2] == [(0, 2), (4, 6)]
