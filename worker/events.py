@@ -43,7 +43,9 @@ class EventKind(_StrEnum):
     #                      a pipeline rank adds strategy ("pipeline"), stage, stages, first_layer, last_layer
     #                      (exclusive), model_layers, micro_batches, schedule, digest_peers (the ranks whose
     #                      digests must equal its own: itself only, a stage has no replica); rank 0 of a run
-    #                      with `token_census` adds step_tokens_median (its steps' median real tokens)
+    #                      with `token_census` adds step_tokens_median (its steps' median real tokens),
+    #                      census_tokens (each counted step's real tokens, all ranks) and census_new_shape (the
+    #                      indices into census_tokens of the steps on which a rank meets a new batch shape)
     STEP = "step"  # step, loss (global mean per token), tokens (this rank), total_tokens (all ranks), tok_s (this
     #                rank, per second of step wall time), step_time_s, peak_memory (bytes), grad_norm, lr,
     #                data_position (global rows consumed), epoch; and this rank's own values before the
@@ -51,8 +53,9 @@ class EventKind(_StrEnum):
     #                (bool), local_grad_norm (L2 norm of its gradient of the loss sum / its tokens), compute_s
     #                (wall time from the step's start until it enters the gradient all_sum: forward/backward
     #                of every micro-batch plus any chaos/debug slowdown, never time blocked in the collective),
-    #                compute_tok_s (tokens / compute_s). A `lie` chaos rank reports step+1000 and 10x tokens,
-    #                tok_s, compute_tok_s.
+    #                compute_tok_s (tokens / compute_s), new_shape (bool: the step's batch shape is new to this
+    #                rank's process, which traced and compiled it: a one-time cost the run's rate leaves out).
+    #                A `lie` chaos rank reports step+1000 and 10x tokens, tok_s, compute_tok_s.
     #                When the global loss is not finite every rank still emits its step event (so the
     #                rank whose local_loss_finite is false can be named), then an error event.
     #                A pipeline stage adds busy_s (what it computes alone: its forwards, backwards and update, any
@@ -251,6 +254,8 @@ class StartedEvent(Event):
     schedule: str | None = None
     digest_peers: list[int] | None = None
     step_tokens_median: float | None = None  # rank 0 of a run with `token_census`: its steps' median real tokens
+    census_tokens: list[int] | None = None  # and each counted step's real tokens (worker.objectives.StepCensus)
+    census_new_shape: list[int] | None = None  # and which of those steps meet a new batch shape on some rank
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,7 @@ class StepEvent(Event):
     local_grad_norm: float | None = None
     compute_s: float | None = None
     compute_tok_s: float | None = None
+    new_shape: bool | None = None  # None: a worker from before the field (its steps all count)
     # A pipeline stage's step (`Pipeline.step_fields`): its own computation (forwards, backwards, the update) and
     # its time blocked on its neighbours (activation/gradient transfers, the step's closing all_sum); None for dp.
     busy_s: float | None = None

@@ -15,8 +15,12 @@ from worker.data import build_batch, rank_slice, sequence_logps, stream_rows
 from worker.dpo import STATS as DPO_STATS
 from worker.dpo import build_pair_batch, dpo_loss_sum
 from worker.step import (
+    input_positions,
     pack_rows,
     packed_loss_sum,
+    padded_width,
+    plan_packing,
+    sequence_bucket,
     sft_weight,
     token_loss_sum,
 )
@@ -67,6 +71,19 @@ class SftObjective:
         `total_tokens`; no arrays built."""
         return sft_weight(_items(dataset, position, rows, seed), self.max_seq_length)[1]
 
+    def slice_shape(self, dataset: Any, position: int, global_batch: int, seed: int, offset: int,
+                    size: int) -> tuple[int, int]:
+        """The (rows or sequences, positions) of the batch `micro` builds for this slice; no arrays built. A step
+        on a shape its process has not met before traces and compiles it."""
+        mine = rank_slice(_items(dataset, position, global_batch, seed), offset, size)
+        lengths = [len(t) for t, _ in mine] or [1]
+        width = padded_width(lengths, self.max_seq_length)
+        if not self.packing:
+            return len(mine), width + 1  # build_batch's tokens hold the last target too
+        width = max(self.width or 0, width)
+        seqs, _ = plan_packing([input_positions(n, self.max_seq_length) for n in lengths], width, len(lengths))
+        return sequence_bucket(sum(1 for seq in seqs if seq), len(lengths)), width
+
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
         return loss_sum, weight, None
@@ -107,20 +124,53 @@ class DpoObjective:
         return loss_sum, pairs, stats
 
 
-CENSUS_STEPS = 1024  # steps counted at most by `median_step_tokens` (evenly spaced past that)
+CENSUS_STEPS = 1024  # steps counted at most by `step_census` (evenly spaced past that)
 
 
-def median_step_tokens(objective: Any, dataset: Any, steps: int, rows_per_step: int, seed: int) -> float | None:
-    """The median real tokens of the data order's steps 1..`steps` from its start (`rows_per_step` stream rows
-    each), or None where the objective counts none: what a rehearsal's rate is moved to
-    (coordinator/planning/steptime.py). Past the first epoch only its steps are counted: every epoch is another
-    order of the same rows, so the steps' tokens have the same spread, and one epoch's order is computed once."""
-    steps = min(steps, max(1, len(dataset) // max(1, rows_per_step)))
+@dataclass(frozen=True)
+class StepCensus:
+    """The run's steps from the data order, before the first one runs (a rehearsal's `token_census`): each
+    counted step's real tokens (all ranks) and the indices of the steps on which some rank meets a batch shape
+    new to its process (it traces and compiles it: a one-time cost that, on variable-length rows, falls on the
+    steps with the largest batches yet). coordinator/planning/steptime.py predicts the run's rate over them."""
+
+    tokens: tuple[int, ...]
+    new_shape: tuple[int, ...]
+
+    def median_tokens(self) -> float:
+        return float(statistics.median(self.tokens))
+
+
+def step_census(objective: Any, dataset: Any, steps: int, global_batch: int, accumulation: int,
+                slices: Sequence[tuple[int, int]], seed: int) -> StepCensus | None:
+    """The census of the data order's steps 1..`steps` (each `accumulation` micro-batches of `global_batch`
+    stream rows, rank r's slice (offset, size) of each), or None where the objective counts no tokens (DPO).
+    Past the first epoch only its steps are counted: every epoch is another order of the same rows, so the steps'
+    tokens have the same spread, and one epoch's order is computed once. Past CENSUS_STEPS steps they are spread
+    evenly, and a new shape is new among the counted steps (an approximation: a long run meets its shapes early,
+    and its rate is not moved by a handful of them)."""
+    per_step = global_batch * accumulation
+    steps = min(steps, max(1, len(dataset) // max(1, per_step)))
     picks = range(steps) if steps <= CENSUS_STEPS else [k * steps // CENSUS_STEPS for k in range(CENSUS_STEPS)]
-    counts = [objective.rows_tokens(dataset, k * rows_per_step, rows_per_step, seed) for k in picks]
-    if not counts or any(c is None for c in counts):
-        return None
-    return float(statistics.median(counts))
+    shaped = hasattr(objective, "slice_shape")
+    seen: list[set[Any]] = [set() for _ in slices]
+    tokens: list[int] = []
+    new: list[int] = []
+    for index, k in enumerate(picks):
+        count = objective.rows_tokens(dataset, k * per_step, per_step, seed)
+        if count is None:
+            return None
+        tokens.append(int(count))
+        fresh = False
+        for rank, (offset, size) in enumerate(slices):
+            shape = tuple(objective.slice_shape(dataset, k * per_step + m * global_batch, global_batch, seed,
+                                                offset, size) for m in range(accumulation)) if shaped else ()
+            if shape not in seen[rank]:
+                seen[rank].add(shape)
+                fresh = True
+        if fresh:
+            new.append(index)
+    return StepCensus(tuple(tokens), tuple(new)) if tokens else None
 
 
 def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:

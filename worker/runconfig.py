@@ -49,8 +49,9 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
                       pinned to the index-th of `count` equal slices of the CPUs it may use (worker.cpus)
     token_census      (0)          N > 0: rank 0's `started` event reports `step_tokens_median`, the median real
                       tokens of the steps 1..N of the data order (the first epoch's at most; evenly sampled
-                      past CENSUS_STEPS of them): a rehearsal's run, so its rate can be moved to the run's tokens
-                      (coordinator/planning/steptime.py)
+                      past CENSUS_STEPS of them), each step's tokens (`census_tokens`) and the steps on which
+                      some rank meets a new batch shape (`census_new_shape`): a rehearsal's run, so its rate can be
+                      moved to the run's steps (worker.objectives.step_census, coordinator/planning/steptime.py)
     run_dir           this node's run dir ("~" expanded; "" = the directory holding the config file)
     resume            (false)      heartbeat_s        (1.0; clamped to <= 2.0)
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them

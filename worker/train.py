@@ -82,7 +82,7 @@ from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind, EventLog, Heartbeat, Phase, events_path
 from worker.memory import peak_memory
 from worker.modelsetup import adapter_config, trainable_text
-from worker.objectives import Micro, median_step_tokens, stats_fields
+from worker.objectives import Micro, StepCensus, stats_fields, step_census
 from worker.parallel import Strategy, make_strategy
 from worker.parallel.base import STATE_FORMAT, ResumeState, load_arrays
 from worker.runconfig import ConfigError, RunConfig, load_run_config
@@ -97,6 +97,14 @@ __all__ = ["STATE_FORMAT", "ResumeRefused", "ResumeState", "Trainer", "TrainingE
 def step_seed(seed: int, step: int) -> int:
     """The mx.random seed of `step`: a hash, so that neighbouring (seed, step) pairs give unrelated streams."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") >> 1
+
+
+def census_fields(census: StepCensus | None) -> dict[str, Any]:
+    """The `started` event's census fields (worker/events.py); none where the objective counts no tokens."""
+    if census is None:
+        return {}
+    return {"step_tokens_median": census.median_tokens(), "census_tokens": list(census.tokens),
+            "census_new_shape": list(census.new_shape)}
 
 
 class Trainer:
@@ -115,6 +123,9 @@ class Trainer:
         self.comm: Comm
         self.position = 0
         self.last_loss: float | None = None
+        # The batch shapes this process has stepped on: a step on a new one traces and compiles it (a one-time
+        # cost of seconds on a cold machine) and says so in its event (`new_shape`): the run's rate leaves it out.
+        self.seen_shapes: set[tuple[tuple[int, ...], ...]] = set()
         self.last_checkpoint: Path | None = None
         self.chaos = RankChaos()  # this rank's planned faults: set in init_distributed, once the rank is known
 
@@ -248,6 +259,9 @@ class Trainer:
             self.model.load_weights(list(perturb(self.trainable_flat()).items()), strict=False)
             mx.eval(self.model.parameters())
         elapsed = done.elapsed
+        shape = tuple(tuple(a.shape) for m in micros for a in m.inputs)
+        new_shape = shape not in self.seen_shapes
+        self.seen_shapes.add(shape)
         if extras is not None:
             my_tokens, total_tokens = int(scalar(local.tokens)), int(scalar(extras[0]))
         else:
@@ -268,7 +282,7 @@ class Trainer:
             "lr": scalar(mx.array(self.optimizer.learning_rate)), "data_position": self.position,
             "epoch": self.position // len(self.train_set),
             "local_loss": local_loss_value, "local_loss_finite": math.isfinite(local_loss_value),
-            "local_grad_norm": scalar(local_norm), "compute_s": compute_s,
+            "local_grad_norm": scalar(local_norm), "compute_s": compute_s, "new_shape": new_shape,
             "compute_tok_s": my_tokens / compute_s if compute_s > 0 else None,
             **self.strategy.step_fields(),
         }
@@ -399,10 +413,15 @@ class Trainer:
             checkpoint_writer=self.is_writer, checkpoint_dir=str(self.root), train_rows=len(self.train_set),
             valid_rows=len(self.valid_set) if self.valid_set is not None else 0,
             packing=self.packing[0], packing_reason=self.packing[1], **self.strategy.started_fields(),
-            **({"step_tokens_median": median_step_tokens(self.objective, self.train_set, cfg.token_census,
-                                                         cfg.global_batch * cfg.grad_accumulation, cfg.seed)}
-               if cfg.token_census and self.rank == 0 else {}),
+            **(census_fields(self.census()) if cfg.token_census and self.rank == 0 else {}),
         )
+
+    def census(self) -> StepCensus | None:
+        """The run's steps from the data order (`token_census` of them), every rank's slice: a rehearsal's."""
+        cfg = self.config
+        slices = [(cfg.rank_offset(r), cfg.rank_spec(r).batch_size) for r in range(self.comm.size)]
+        return step_census(self.objective, self.train_set, cfg.token_census, cfg.global_batch, cfg.grad_accumulation,
+                           slices, cfg.seed)
 
     def _loop(self, start: int) -> None:
         cfg = self.config

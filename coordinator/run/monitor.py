@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from coordinator.planning.steptime import Census
 from coordinator.run.signatures import error_signature, explain_error
 from coordinator.run.stages import RunLayout, StageFold
 from worker.events import (
@@ -468,6 +469,10 @@ class Monitor:
     # step -> (all ranks' real tokens, the step's wall seconds), as step_totals: a rehearsal's fit (planning/steptime)
     step_work: dict[int, tuple[float, float]] = field(default_factory=dict)
     run_step_tokens: float | None = None  # rank 0's `step_tokens_median` (a run with `token_census`: a rehearsal)
+    run_census: Census | None = None  # and its census of the run's steps (planning/steptime.py)
+    # Steps on which some rank traced and compiled a batch shape new to its process (its step event's `new_shape`):
+    # what a rehearsal's fit tells from a step's tokens (planning/steptime.py).
+    compiling_steps: set[int] = field(default_factory=set)
     digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
     last_consistent_step: int | None = None
@@ -578,6 +583,9 @@ class Monitor:
             view.packing = event.packing_reason
             if event.step_tokens_median is not None:
                 self.run_step_tokens = event.step_tokens_median
+            if event.census_tokens:
+                self.run_census = Census(tuple(float(t) for t in event.census_tokens),
+                                         frozenset(event.census_new_shape or ()))
         elif isinstance(event, HeartbeatEvent):
             view.phase = event.phase
             view.action, view.peer = (event.action, event.peer) if event.phase == "step" else (None, None)
@@ -685,6 +693,8 @@ class Monitor:
         self.step_locals.setdefault(step, {})[view.rank] = (local_loss, event.local_grad_norm, finite is not False)
         if view.compute_tokens_per_s is not None and view.compute_tokens_per_s > 0:
             self.step_rates.setdefault(step, {})[view.rank] = view.compute_tokens_per_s
+        if event.new_shape:
+            self.compiling_steps.add(step)
         total, wall = event.total_tokens, event.step_time_s
         if total is not None and total > 0 and wall is not None and wall > 0:
             self.step_totals.setdefault(step, total / wall)

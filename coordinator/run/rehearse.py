@@ -112,8 +112,10 @@ def read_rehearsal(monitor: Monitor, *, steps: int, shared: str) -> Rehearsal | 
     rate = monitor.run_tokens_per_s(after=warmup)
     if rate is None or rate <= 0:
         return "the rehearsal reported no step"
-    samples = [work for step, work in sorted(monitor.step_work.items()) if step > warmup]
-    over_run = rate_over_run(samples, monitor.run_step_tokens, rate)
+    timed_steps = [step for step in sorted(monitor.step_work) if step > warmup]
+    samples = [monitor.step_work[step] for step in timed_steps]
+    over_run = rate_over_run(samples, monitor.run_step_tokens, rate, census=monitor.run_census,
+                             compiled=[step in monitor.compiling_steps for step in timed_steps])
     moved = over_run / rate
     compute = monitor.run_compute_tokens_per_s(after=warmup)
     timed_tokens = median_tokens(samples)

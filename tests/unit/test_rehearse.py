@@ -202,3 +202,35 @@ def test_a_rehearsals_rate_is_moved_to_the_tokens_of_the_runs_steps() -> None:
     mon.run_step_tokens = None  # not counted (DPO): the rehearsal's own rate
     plain = read_rehearsal(mon, steps=16, shared="x")
     assert isinstance(plain, Rehearsal) and plain.tokens_per_s == timed and plain.step_tokens is None
+
+
+def test_a_rehearsal_reads_the_runs_census_and_its_own_compiling_steps_from_the_events() -> None:
+    """Rank 0's `started` event carries the run's census (each step's tokens, the steps that meet a new batch
+    shape) and each step event its `new_shape`: the monitor keeps both, and the rehearsal's prediction models the
+    run's compiling steps (planning/steptime.py) instead of moving the rate by the median tokens alone."""
+    from coordinator.planning.steptime import Census
+    from coordinator.run.monitor import Monitor, Observation, PlannedRank, RunState
+    from coordinator.run.rehearse import read_rehearsal
+
+    def ev(node: str, rank: int, at: float, **data: object) -> Observation:
+        return Observation("event", node, at, rank, {"rank": rank, **data})
+
+    mon = Monitor.create([PlannedRank(0, "a", 4), PlannedRank(1, "b", 4)], 16, now=0.0)
+    run_tokens = [300, 150, 160, 170, 140, 310, 150, 165, 155, 145, 320, 150] * 3
+    mon.observe(ev("a", 0, 0.1, event="started", pid=10, step_tokens_median=157.5, census_tokens=run_tokens,
+                   census_new_shape=[0, 5, 10, 17, 29]))
+    mon.observe(ev("b", 1, 0.1, event="started", pid=11))
+    assert mon.run_census == Census(tuple(float(t) for t in run_tokens), frozenset({0, 5, 10, 17, 29}))
+    for step in range(1, 17):  # the run's first 16 steps: 0.05 s, 0.15 s where one rank met a new shape
+        tokens = run_tokens[step - 1]
+        compiled = step - 1 in {0, 5, 10}
+        for rank, node in ((0, "a"), (1, "b")):
+            mon.observe(ev(node, rank, float(step), event="step", step=step, loss=1.0, tok_s=1.0, total_tokens=tokens,
+                           step_time_s=0.15 if compiled else 0.05, new_shape=compiled and rank == 1))
+    assert mon.compiling_steps == {1, 6, 11}
+    mon.outcome = lambda: RunState.SUCCEEDED  # type: ignore[method-assign]
+    got = read_rehearsal(mon, steps=16, shared="a, b share this machine")
+    assert isinstance(got, Rehearsal), got
+    # steps 4-16 timed: fixed cost 0.05 s, compiles +0.10 s; the run's 36 steps, five of them compiling
+    modelled = sorted(t / (0.05 + (0.10 if i in {0, 5, 10, 17, 29} else 0.0)) for i, t in enumerate(run_tokens))
+    assert got.tokens_per_s == pytest.approx((modelled[17] + modelled[18]) / 2, rel=1e-6)

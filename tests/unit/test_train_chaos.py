@@ -207,6 +207,8 @@ def test_local_values_and_digests_in_one_rank(tiny: Path, tmp_path: Path) -> Non
         assert e["local_grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-4)
         assert 0 < e["compute_s"] <= e["step_time_s"] and e["compute_tok_s"] == pytest.approx(
             e["tokens"] / e["compute_s"])
+    # The first step traces and compiles its batch shape: its event says so (the run's rate leaves it out).
+    assert steps[0]["new_shape"] is True and all(isinstance(e["new_shape"], bool) for e in steps)
     a, b, d = (events_of(tmp_path / n, "digest") for n in "abd")
     assert [e["step"] for e in a] == [2, 3]  # every 2 steps and the last
     assert [(e["params_sha256"], e["optimizer_sha256"]) for e in a] == \
