@@ -172,7 +172,6 @@ def sample_horizon(iters: int, grad_accumulation: int = 1) -> int:
     return iters * grad_accumulation if iters <= HORIZON_STEPS else 0
 
 
-
 def compute_cache_key(node: str, fingerprint: NodeFingerprint, spec: BenchSpec, model_digest: str,
                       worker_digest: str = "", *, together: Sequence[str] = (), pinned: bool = False) -> str:
     """Digest of everything that changes a node's curve, the worker code that takes the step included (a new

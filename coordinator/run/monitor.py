@@ -471,7 +471,7 @@ class Monitor:
     run_step_tokens: float | None = None  # rank 0's `step_tokens_median` (a run with `token_census`: a rehearsal)
     run_census: Census | None = None  # and its census of the run's steps (planning/steptime.py)
     # Steps on which some rank traced and compiled a batch shape new to its process (its step event's `new_shape`):
-    # what a rehearsal's fit tells from a step's tokens (planning/steptime.py).
+    # a rehearsal fits its step time on the others and prices these apart (planning/steptime.py).
     compiling_steps: set[int] = field(default_factory=set)
     digests: dict[int, dict[int, tuple[str, str]]] = field(default_factory=dict)
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
