@@ -15,12 +15,10 @@ from worker.data import build_batch, rank_slice, sequence_logps, stream_rows
 from worker.dpo import STATS as DPO_STATS
 from worker.dpo import build_pair_batch, dpo_loss_sum
 from worker.step import (
-    input_positions,
     pack_rows,
     packed_loss_sum,
+    packed_plan,
     padded_width,
-    plan_packing,
-    sequence_bucket,
     sft_weight,
     token_loss_sum,
 )
@@ -75,14 +73,16 @@ class SftObjective:
                     size: int) -> tuple[int, int]:
         """The (rows or sequences, positions) of the batch `micro` builds for this slice; no arrays built. A step
         on a shape its process has not met before traces and compiles it."""
-        mine = rank_slice(_items(dataset, position, global_batch, seed), offset, size)
+        return self.batch_shape(rank_slice(_items(dataset, position, global_batch, seed), offset, size))
+
+    def batch_shape(self, mine: Sequence[Any]) -> tuple[int, int]:
+        """`slice_shape` of a slice's rows: packed, (sequences, width) as `pack_rows` plans them; padded, `build_batch`'s
+        (rows, width)."""
         lengths = [len(t) for t, _ in mine] or [1]
-        width = padded_width(lengths, self.max_seq_length)
-        if not self.packing:
-            return len(mine), width + 1  # build_batch's tokens hold the last target too
-        width = max(self.width or 0, width)
-        seqs, _ = plan_packing([input_positions(n, self.max_seq_length) for n in lengths], width, len(lengths))
-        return sequence_bucket(sum(1 for seq in seqs if seq), len(lengths)), width
+        if self.packing:
+            width, _, count = packed_plan(lengths, self.max_seq_length, self.width)
+            return count, width
+        return len(mine), padded_width(lengths, self.max_seq_length) + 1  # build_batch's tokens hold the last target
 
     def eval_sums(self, model: Any, dataset: Any, rows: Sequence[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         loss_sum, weight, _ = token_loss_sum(model, *build_batch([dataset[i] for i in rows], self.max_seq_length))
@@ -152,7 +152,7 @@ def step_census(objective: Any, dataset: Any, steps: int, global_batch: int, acc
     per_step = global_batch * accumulation
     steps = min(steps, max(1, len(dataset) // max(1, per_step)))
     picks = range(steps) if steps <= CENSUS_STEPS else [k * steps // CENSUS_STEPS for k in range(CENSUS_STEPS)]
-    shaped = hasattr(objective, "slice_shape")
+    shaped = hasattr(objective, "batch_shape")
     seen: list[set[Any]] = [set() for _ in slices]
     tokens: list[int] = []
     new: list[int] = []
@@ -161,10 +161,12 @@ def step_census(objective: Any, dataset: Any, steps: int, global_batch: int, acc
         if count is None:
             return None
         tokens.append(int(count))
+        # Each micro-batch's rows read once; every rank's shape is its slice of them.
+        micros = [_items(dataset, k * per_step + m * global_batch, global_batch, seed)
+                  for m in range(accumulation)] if shaped else []
         fresh = False
         for rank, (offset, size) in enumerate(slices):
-            shape = tuple(objective.slice_shape(dataset, k * per_step + m * global_batch, global_batch, seed,
-                                                offset, size) for m in range(accumulation)) if shaped else ()
+            shape = tuple(objective.batch_shape(rank_slice(rows, offset, size)) for rows in micros)
             if shape not in seen[rank]:
                 seen[rank].add(shape)
                 fresh = True

@@ -220,16 +220,26 @@ def sequence_bucket(needed: int, rows: int) -> int:
     return max(size, needed)
 
 
+def packed_plan(lengths: Sequence[int], max_seq_length: int, width: int | None = None
+                ) -> tuple[int, list[list[int]], int]:
+    """How `pack_rows` packs rows of these token lengths: (the sequence width, the rows (indices into `lengths`)
+    of each filled sequence, the sequences the batch is given: `sequence_bucket`). The width is the run's (from
+    `decide_packing`: one width for the whole run, so that a batch's shape takes a few values only), never
+    narrower than these rows' padded batch. Host work only: the batch's shape is (sequences, width)."""
+    width = max(width or 0, padded_width(lengths, max_seq_length))
+    seqs, used = plan_packing([input_positions(n, max_seq_length) for n in lengths], width, len(lengths))
+    if used != len(lengths):
+        raise AssertionError(f"packed {used} of {len(lengths)} rows")
+    filled = [seq for seq in seqs if seq]
+    return width, filled, sequence_bucket(len(filled), len(lengths))
+
+
 def pack_rows(items: Sequence[tuple[Sequence[int], int]], max_seq_length: int, width: int | None = None) -> Packed:
-    """One rank's rows packed into as few sequences as they fit in, padded with empty sequences to
-    `sequence_bucket`. Each sequence is `width` wide (the run's, from `decide_packing`: one width for the whole
-    run, so that a batch's shape takes a few values only), never narrower than these rows' padded batch."""
-    width = max(width or 0, padded_width([len(t) for t, _ in items], max_seq_length))
-    seqs, used = plan_packing([input_positions(len(t), max_seq_length) for t, _ in items], width, len(items))
-    if used != len(items):
-        raise AssertionError(f"packed {used} of {len(items)} rows")
-    filled = [[items[k] for k in seq] for seq in seqs if seq]
-    empty: list[list[tuple[Sequence[int], int]]] = [[] for _ in range(sequence_bucket(len(filled), len(items)) - len(filled))]
+    """One rank's rows packed into as few sequences as they fit in (`packed_plan`), padded with empty sequences
+    to `sequence_bucket`."""
+    width, plan, count = packed_plan([len(t) for t, _ in items], max_seq_length, width)
+    filled = [[items[k] for k in seq] for seq in plan]
+    empty: list[list[tuple[Sequence[int], int]]] = [[] for _ in range(count - len(filled))]
     return build_packed(filled + empty, max_seq_length, width)
 
 

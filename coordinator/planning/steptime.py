@@ -105,14 +105,15 @@ def median_rate(fit: StepTime, tokens: Sequence[float], compiled: Sequence[bool]
 def rate_over_run(samples: Sequence[tuple[float, float]], run_tokens: float | None, timed_rate: float, *,
                   census: Census | None = None, compiled: Sequence[bool] = ()) -> float:
     """The run's median tokens/s from its rehearsal: `samples` (tokens, seconds) of the rehearsal's timed steps,
-    `compiled` whether each compiled a new batch shape (its rank's `new_shape`), `timed_rate` the rehearsal's own
-    median rate. With the run's `census` every step of the run is modelled (the fit, plus the compile cost on the
-    steps that meet a new shape: on variable-length rows those are the steps with the largest batches yet, whose
-    slow steps pull the run's median below the rate at its median tokens) and the rehearsal's steps the same way;
+    `compiled` whether each compiled a new batch shape (its rank's `new_shape`; empty: none did), `timed_rate` the
+    rehearsal's own median rate. With the run's `census` every step of the run is modelled (the fit, plus the
+    compile cost on the steps that meet a new shape: on variable-length rows those are the steps with the largest
+    batches yet, whose slow steps pull the run's median below the rate at its median tokens) and the rehearsal's
+    steps the same way;
     the prediction is the rehearsal's rate moved by the ratio of the two modelled medians. Without one,
     `run_tokens` (the median real tokens of the run's steps) moves it along the fit. The rehearsal's rate where
     there is nothing to fit or nothing to fit it to (None: not counted, e.g. DPO)."""
-    flags = (list(compiled) + [False] * len(samples))[:len(samples)]
+    flags = list(compiled) or [False] * len(samples)
     clean = [p for p, c in zip(samples, flags, strict=True) if not c]
     fit = fit_step_time(clean if len(clean) >= 3 else samples)
     timed_tokens = median_tokens(samples)
