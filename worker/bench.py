@@ -696,7 +696,7 @@ class _Trainer:
 
         from worker.data import load_datasets
         from worker.memory import StepMemory
-        from worker.modelsetup import apply_method, make_optimizer
+        from worker.modelsetup import apply_method, ready_optimizer
         from worker.objectives import SftObjective
         from worker.runconfig import LoraSpec
         from worker.step import TrainStep, decide_packing
@@ -731,8 +731,7 @@ class _Trainer:
         self.packing = decide_packing(args.packing, model, dataset, max_seq_length=args.seq_len,
                                       global_batch=args.global_batch or args.max_batch, seed=args.seed)
         self.objective = SftObjective(args.seq_len, self.packing[0], self.packing[2])
-        optimizer = make_optimizer(args.optimizer, args.learning_rate)
-        optimizer.init(model.trainable_parameters())
+        optimizer = ready_optimizer(model, args.optimizer, args.learning_rate)
         self.mx, self.model, self.optimizer = mx, model, optimizer
         self.dataset, self.seed = dataset, args.seed
         self.world = max(1, args.world_size)

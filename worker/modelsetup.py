@@ -74,6 +74,24 @@ def make_optimizer(name: str, learning_rate: float) -> Any:
     return classes[name](learning_rate=learning_rate)
 
 
+def ready_optimizer(model: Any, name: str, learning_rate: float) -> Any:
+    """The optimizer over `model`'s trainable parameters, with its state and the model's parameters evaluated
+    before the first step: how every step that is timed or trained starts (the run's strategies and calibration's
+    benches), so that calibration times the step the run takes.
+
+    Why the evaluation matters beyond the first step: a step compiled and first run while the optimizer state was
+    still lazy ran slower for as long as the process lived. On an H100 (M = 954M, full, batch 8 x 512, bf16) the
+    bench's trainer without it took 0.151-0.156 s a step, with it 0.133-0.135 s, the run's rank 0.136-0.137 s
+    (two rounds each, one lease: benchmarks/probe_rank_vs_bench.py, docs/benchmarks-history.md); calibration
+    predicted that run 16% slow."""
+    import mlx.core as mx
+
+    optimizer = make_optimizer(name, learning_rate)
+    optimizer.init(model.trainable_parameters())
+    mx.eval(model.parameters(), optimizer.state)
+    return optimizer
+
+
 def adapter_config(config: RunConfig, num_layers: int) -> dict[str, Any]:
     """mlx-lm's adapter_config.json, so a checkpoint dir works as `load(model, adapter_path=dir)`."""
     out: dict[str, Any] = {"fine_tune_type": config.fine_tune_type, "num_layers": num_layers, "model": config.model}

@@ -38,7 +38,7 @@ from worker.dpo import load_preference_datasets
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.memory import StepMemory
-from worker.modelsetup import apply_method, make_optimizer
+from worker.modelsetup import apply_method, ready_optimizer
 from worker.objectives import DpoObjective, Micro, SftObjective
 from worker.parallel.base import ResumeState, Strategy, mismatch, read_checkpoint
 from worker.step import Local, StepResult, TrainStep, decide_packing, flatten
@@ -88,9 +88,7 @@ class DataParallel(Strategy):
                                           global_batch=cfg.global_batch, seed=cfg.seed)
             self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
         self.prepare_model()
-        self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
-        self.optimizer.init(self.model.trainable_parameters())
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.optimizer = ready_optimizer(self.model, cfg.optimizer, cfg.learning_rate)
 
     def prepare_model(self) -> None:
         """The model once set up, before the optimizer sees it (fsdp shards it here; dp keeps it whole)."""

@@ -75,7 +75,7 @@ def measure_blocks(model_dir: Path, *, blocks: int, micro_batch: int, seq_len: i
     method with `num_layers` trains first); raises ValueError when the model has fewer than K blocks."""
     from mlx_lm.utils import load_config
 
-    from worker.modelsetup import make_optimizer
+    from worker.modelsetup import ready_optimizer
 
     config = load_config(model_dir)
     vocab = int(config["vocab_size"])
@@ -88,9 +88,7 @@ def measure_blocks(model_dir: Path, *, blocks: int, micro_batch: int, seq_len: i
     head_s, embed_s, head_bytes, embed_bytes, x, chunk = _ends(model_dir, probe_total, micro_batch, width, vocab,
                                                                common, window, clock)
     stage, count = load_stage(model_dir, StageRange(1, 3, probe_total - blocks, probe_total), **common)
-    opt = make_optimizer(optimizer, learning_rate)
-    opt.init(stage.model.trainable_parameters())
-    mx.eval(opt.state)
+    opt = ready_optimizer(stage.model, optimizer, learning_rate)
     weights_bytes = sum(int(v.nbytes) for v in flatten(stage.model.parameters()).values())
     dy = mx.random.normal((micro_batch, width, stage.hidden)).astype(stage.dtype)
     forward_s, _ = _timed(lambda: stage.forward(x, chunk), window, clock)

@@ -42,7 +42,7 @@ from worker.data import build_batch, load_datasets
 from worker.errors import ResumeRefused, TrainingError
 from worker.events import EventKind
 from worker.memory import StepMemory, batch_size_of
-from worker.modelsetup import count_parameters, make_optimizer
+from worker.modelsetup import count_parameters, ready_optimizer
 from worker.objectives import Micro, SftObjective
 from worker.parallel.base import ResumeState, Strategy, mismatch
 from worker.parallel.pipeline.layout import StageRange, to_global, to_local
@@ -105,9 +105,7 @@ class Pipeline(Strategy):
         self.packing = decide_pipeline_packing(cfg.packing, self.train_set, max_seq_length=cfg.max_seq_length,
                                                global_batch=cfg.global_batch, seed=cfg.seed)
         self.objective = SftObjective(cfg.max_seq_length, self.packing[0], self.packing[2])
-        self.optimizer = make_optimizer(cfg.optimizer, cfg.learning_rate)
-        self.optimizer.init(self.model.trainable_parameters())
-        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.optimizer = ready_optimizer(self.model, cfg.optimizer, cfg.learning_rate)
         self.memory = StepMemory(cfg.memory_headroom, cfg.clear_cache)
 
     def check_start(self) -> None:
