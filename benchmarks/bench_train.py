@@ -648,6 +648,7 @@ class Options:
     ranks: list[int] = field(default_factory=lambda: [1])
     memory_headroom: str | None = None
     ci: bool = False
+    build_only: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -675,6 +676,8 @@ def parse_args(argv: Sequence[str]) -> Options:
                    "on two local ranks over ring: the prediction vs the run)")
     p.add_argument("--ci", action="store_true", help="the CI-sized form: tiny, 4 one-rank cells and a 2-rank one, "
                    "8 iters")
+    p.add_argument("--build-only", action="store_true",
+                   help="build the cells' models and data sets into --keep and stop (for the probes in benchmarks/)")
     args = p.parse_args(argv)
     if args.ci:
         args.sizes, args.shapes, args.methods, args.ranks = "tiny", ",".join(CI_SHAPES), "lora,full", "1,2"
@@ -691,9 +694,11 @@ def parse_args(argv: Sequence[str]) -> Options:
                    pick(args.methods, METHODS, "methods"), args.iters, args.rounds, args.warmup, args.dtype,
                    args.calibration_budget, args.recalibrate, args.skip_preflight, args.json_path, args.keep,
                    clear_cache=args.clear_cache, ranks=[int(r) for r in pick(args.ranks, ["1", "2"], "ranks")],
-                   ci=args.ci, memory_headroom=args.memory_headroom)
+                   ci=args.ci, memory_headroom=args.memory_headroom, build_only=args.build_only)
     if opts.iters < 2 or opts.rounds < 1 or opts.warmup < 0 or opts.calibration_budget <= 0:
         p.error("--iters >= 2, --rounds >= 1, --warmup >= 0 and --calibration-budget > 0 are required")
+    if opts.build_only and opts.keep is None:
+        p.error("--build-only needs --keep DIR: what it builds is kept there")
     if opts.warmup >= opts.iters:
         p.error(f"--warmup ({opts.warmup}) must be below --iters ({opts.iters}): no step would be left to measure")
     opts.command = shlex.join([".venv/bin/python", "benchmarks/bench_train.py", *argv])
@@ -777,6 +782,10 @@ def run(opts: Options) -> int:
                           "mlx_lm_argv": mlx_lm_argv(model, data, size, method, opts.iters, root / f"adapters-{tag}"),
                           "tag": tag})
         results["cells"] = cells
+        if opts.build_only:
+            for (name, shape), data in datas.items():
+                print(f"{name} {shape}: model {models[name]} data {data}")
+            return 0
         for rnd in range(1, opts.rounds + 1):
             for cell in cells:
                 for position, tool in enumerate(round_order(rnd, cell["ranks"]), 1):

@@ -1,21 +1,27 @@
 """Does a rank process take the same step slower or faster than calibration's bench process? (issue 25)
 
 On one H100 calibration's bench took M full's batch-8 step in 0.150 s and the run's rank, minutes later on the same
-machine, in 0.117-0.133 s (docs/benchmarks-history.md, session 6). This times both kinds of process on the same
-steps, one after the other, `--rounds` times:
+machine, in 0.117-0.133 s (docs/benchmarks-history.md, session 6). This times the kinds of process below on the
+same steps, one after the other, `--rounds` times, each in its own process:
 
-- `rank`: `python -m worker.train --config C` started directly (no coordinator, no mlx.launch), C being a kept
-  run's own config (`--run-json`) with a fresh run dir, `--steps` iterations and no evaluation; its step times are
-  its step events' `step_time_s`.
+- `rank`: `python -m worker.train --config C` started directly (no coordinator, no mlx.launch), C a one-rank run
+  config of `--steps` iterations at `--batch` rows, no evaluation, checkpoint at the end; its step times are its
+  step events' `step_time_s`.
 - `bench`: the bench's trainer (`worker.bench._Trainer`, the run's own `TrainStep`) on the same rows in the run's
   order (stream position 0, batch, 2 x batch, ...), as calibration builds it.
-- `bench+`: the same with what the rank does and the bench does not before its first step: the model's parameters
-  and the optimizer state evaluated (`+eval`), `mx.distributed.init()` called (`+dist`), MLX's kernel cache
-  isolated (`worker.kernelcache.isolate`, `+kc`); `bench+eval`, `bench+dist+kc`, ...: some of them.
+- `bench+eval`, `bench+dist`, `bench+kc`, `bench+hist` (any of them joined by `+`; `bench+` is the first three):
+  the same with what the rank does and the bench did not before its first step: the model's parameters and the
+  optimizer state evaluated (`eval`; the bench does it since 360603f), `mx.distributed.init()` called (`dist`),
+  MLX's kernel cache isolated (`kc`, `worker.kernelcache.isolate`); or with calibration's sweep before it (`hist`:
+  `--hist-steps` steps at each batch 1, 2, 4, ... below `--batch`).
+- `calib`: `python -m worker.bench` itself with the arguments calibration gives it (`--max-batch` the batch, a
+  `--time-budget` of 10 s); its point at `--batch`: each timed shape's median step time.
 
-Prints one JSON line per process: its kind, round, the median of its steps after the first, and every step time.
+Prints one JSON line per process: its kind, round, the median of its steps after the first (calib: the shapes'
+times), and every step time.
 
-    PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --run-json KEEP/node/runs/RUN/bench/run.json [--steps 20]
+    PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model DIR --data DIR [--method full] [--batch 8]
+        [--steps 20] [--rounds 2] [--kinds rank,bench,calib]
 """
 
 from __future__ import annotations
@@ -31,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-
-
 RANK_LIKE = ("eval", "dist", "kc")
+OTHER = ("hist",)
 
 
 def variants(kind: str) -> set[str]:
@@ -41,12 +46,20 @@ def variants(kind: str) -> set[str]:
     if kind == "bench+":
         return set(RANK_LIKE)
     parts = kind.split("+")
-    if parts[0] != "bench" or not set(parts[1:]) <= set(RANK_LIKE):
-        raise SystemExit(f"unknown kind {kind!r}: rank, bench, bench+ or bench+" + "+".join(RANK_LIKE))
+    if parts[0] != "bench" or not set(parts[1:]) <= set(RANK_LIKE + OTHER):
+        raise SystemExit(f"unknown kind {kind!r}: rank, calib, bench, bench+ or bench+" + "+".join(RANK_LIKE + OTHER))
     return set(parts[1:])
 
 
-def bench_steps(config: dict[str, Any], steps: int, like_rank: set[str]) -> list[float]:
+def bench_argv(a: argparse.Namespace, batch: int) -> list[str]:
+    """worker.bench's arguments for this probe's run, as coordinator.run.calibrate.build_bench_argv gives them."""
+    return ["--model", a.model, "--seq-len", str(a.seq_len), "--method", a.method, "--num-layers", "-1",
+            "--data", a.data, "--packing", "auto", "--global-batch", str(a.batch), "--steps", str(a.steps),
+            "--seed", "0", "--world-size", "1", "--optimizer", "adam", "--learning-rate", "1e-05",
+            "--memory-headroom", a.headroom, "--max-batch", str(batch)]
+
+
+def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[float]:
     """Time `steps` steps of the bench's trainer on the run's rows in the run's order (in this process)."""
     import mlx.core as mx
 
@@ -58,42 +71,50 @@ def bench_steps(config: dict[str, Any], steps: int, like_rank: set[str]) -> list
         kernelcache.isolate()
     if "dist" in like_rank:
         mx.distributed.init()
-    batch = config["ranks"][0]["batch_size"]
-    headroom = config.get("memory_headroom")
-    args = bench._parse_args([
-        "--model", config["model"], "--seq-len", str(config["max_seq_length"]), "--method", config["method"],
-        "--num-layers", str(config["num_layers"] if config.get("num_layers") is not None else -1),
-        "--data", config["data"], "--global-batch", str(batch), "--max-batch", str(batch),
-        "--memory-headroom", "none" if headroom is None else str(headroom)])
-    trainer = bench._Trainer(args)
+    trainer = bench._Trainer(bench._parse_args(bench_argv(a, a.batch)))
     if "eval" in like_rank:
         mx.eval(trainer.model.parameters(), trainer.optimizer.state)
-    return [trainer.step(batch, k * batch)[0] for k in range(steps)]
+    if "hist" in like_rank:
+        smaller = 1
+        while smaller < a.batch:
+            for k in range(a.hist_steps):
+                trainer.step(smaller, k * smaller)
+            smaller *= 2
+    return [trainer.step(a.batch, k * a.batch)[0] for k in range(a.steps)]
 
 
-def rank_steps(config: dict[str, Any], steps: int) -> list[float]:
-    """Run `worker.train` on a copy of the kept run's config; its step events' times."""
+def rank_steps(a: argparse.Namespace) -> list[float]:
+    """Run `worker.train` on a one-rank config of this probe's run; its step events' times."""
     with tempfile.TemporaryDirectory(prefix="probe-rank-") as tmp:
         run_dir = Path(tmp) / "run"
-        own = {**config, "run_dir": str(run_dir), "iters": steps, "save_every": 0, "steps_per_eval": 0,
-               "resume": False, "chaos": [], "cpu_shares": {},
-               "ranks": [{**config["ranks"][0], "rank": 0}]}  # one process: rank 0
+        config = {"run_id": "probe", "model": a.model, "data": a.data, "method": a.method, "iters": a.steps,
+                  "learning_rate": 1e-5, "optimizer": "adam", "max_seq_length": a.seq_len,
+                  "memory_headroom": None if a.headroom == "none" else float(a.headroom), "num_layers": None,
+                  "save_every": 0, "steps_per_eval": 0, "seed": 0, "run_dir": str(run_dir),
+                  "ranks": [{"rank": 0, "node": "probe", "batch_size": a.batch}]}
         path = Path(tmp) / "run.json"
-        path.write_text(json.dumps(own))
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        env.pop("MLX_RANK", None)
-        env.pop("MLX_HOSTFILE", None)
+        path.write_text(json.dumps(config))
+        env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+        env["PYTHONPATH"] = str(REPO)
         proc = subprocess.run([sys.executable, "-m", "worker.train", "--config", str(path)], env=env,
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"worker.train exited {proc.returncode}: {proc.stderr[-2000:]}")
-        times = []
-        for events in sorted(run_dir.glob("events/rank*.jsonl")):
-            for line in events.read_text().splitlines():
-                event = json.loads(line)
-                if event.get("event") == "step":
-                    times.append(float(event["step_time_s"]))
-        return times
+        return [float(event["step_time_s"])
+                for events in sorted(run_dir.glob("events/rank*.jsonl"))
+                for event in map(json.loads, events.read_text().splitlines()) if event.get("event") == "step"]
+
+
+def calib_point(a: argparse.Namespace) -> dict[str, Any]:
+    """worker.bench as calibration runs it; its point at --batch."""
+    argv = [sys.executable, "-m", "worker.bench", *bench_argv(a, a.batch), "--time-budget", "10",
+            "--one-time-budget", "600"]
+    proc = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker.bench exited {proc.returncode}: {proc.stderr[-2000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return next(p for p in result["curve"] if p["batch"] == a.batch)
 
 
 def report(kind: str, round_: int, times: list[float]) -> None:
@@ -104,34 +125,42 @@ def report(kind: str, round_: int, times: list[float]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--run-json", type=Path, required=True, help="a kept run's rank config (RUN/<node>/run.json)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--method", default="full")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--headroom", default="0.1")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--hist-steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--kinds", default="rank,bench,bench+")
+    p.add_argument("--kinds", default="rank,bench,calib")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: one bench process of that kind
     a = p.parse_args()
-    config = json.loads(a.run_json.read_text())
-    config["model"], config["data"] = os.path.expanduser(config["model"]), os.path.expanduser(config["data"])
+    a.model, a.data = os.path.expanduser(a.model), os.path.expanduser(a.data)
     if a.one:
-        times = bench_steps(config, a.steps, variants(a.one))
-        print(json.dumps(times), flush=True)
+        print(json.dumps(bench_steps(a, variants(a.one))), flush=True)
         return 0
     kinds = a.kinds.split(",")
     for kind in kinds:
-        if kind != "rank":
+        if kind not in ("rank", "calib"):
             variants(kind)
     for round_ in range(1, a.rounds + 1):
         for kind in kinds:
             if kind == "rank":
-                report(kind, round_, rank_steps(config, a.steps))
-                continue
-            # Each bench in its own process: nothing of the one before it (buffers, compiled graphs) is shared.
-            proc = subprocess.run([sys.executable, __file__, "--run-json", str(a.run_json), "--steps", str(a.steps),
-                                   "--one", kind], env={**os.environ, "PYTHONPATH": str(REPO)},
-                                  capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{kind} exited {proc.returncode}: {proc.stderr[-2000:]}")
-            report(kind, round_, json.loads(proc.stdout.strip().splitlines()[-1]))
+                report(kind, round_, rank_steps(a))
+            elif kind == "calib":
+                point = calib_point(a)
+                print(json.dumps({"kind": kind, "round": round_, "shape_times": point["shape_times"],
+                                  "step_time_s": point["step_time_s"], "steps": point["steps"]}), flush=True)
+            else:
+                # Each bench in its own process: nothing of the one before it (buffers, compiled graphs) is shared.
+                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", kind],
+                                      env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                                      check=False)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{kind} exited {proc.returncode}: {proc.stderr[-2000:]}")
+                report(kind, round_, json.loads(proc.stdout.strip().splitlines()[-1]))
     return 0
 
 
