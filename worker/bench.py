@@ -811,6 +811,12 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     the run's statistic); `predict_point` turns them into the run's mean step and median rate."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
+    # Each point starts as the run's process starts: nothing in MLX's buffer cache from another batch (or from the
+    # matmul probe). Buffers cached for a smaller batch are the wrong sizes for this one; under the step's memory
+    # bound (worker.memory) the allocator frees them as it goes, and on an H100 M full's batch-8 steps after the
+    # smaller points took 0.130-0.139 s a step against 0.123-0.127 s in a fresh process (the run's rank: 0.123-0.125 s;
+    # benchmarks/probe_rank_vs_bench.py `bench+hist`, docs/benchmarks-history.md).
+    mx.clear_cache()
     mx.reset_peak_memory()
     steps: list[SampledStep] = []
     where: dict[Shape, list[int]] = {}
