@@ -206,12 +206,19 @@ def sweep_points(max_batch: int) -> int:
     return points
 
 
-def point_window(time_budget: float, max_batch: int) -> float:
-    """Timed seconds per point: half the budget shared over the points the sweep can reach (the rest is room for a
-    noisy point's second window and for the stop rules), at least 5% of the budget and 0.5 s. A 0.3 s window gave
-    single points 25% off on a busy machine; the old `max(0.5 s, 5%)` left a 10 s budget 85% unused at 3 points
-    and timed 3 steps of a 0.25 s step, whose median moved 10% between calibrations."""
-    return max(0.5, 0.05 * time_budget, 0.5 * time_budget / sweep_points(max_batch))
+def point_window(time_budget: float, seconds_left: float, batch: int, max_batch: int) -> float:
+    """Timed seconds for the point at `batch`: the measuring time left shared over the points the sweep can still
+    reach from it, plus one share kept for a noisy point's second window; at least 5% of the budget and 0.5 s.
+    Time a point leaves unused (it reached its step cap) goes to the points after it, the larger batches, whose
+    steps are fewer per second.
+
+    Why not less: a point's shape times are medians of its steps, and a step on a GPU swings by 20-30% from one to
+    the next on variable rows (M LoRA on an H100: 0.06-0.19 s for one shape); the fixed half of the budget used
+    before timed 5-7 steps a shape there, and two calibrations of one cell disagreed by 25% (0.130 vs 0.145 s).
+    A 0.3 s window gave single points 25% off on a busy machine; the old `max(0.5 s, 5%)` timed 3 steps of a
+    0.25 s step, whose median moved 10% between calibrations."""
+    points_left = sweep_points(max_batch) - sweep_points(batch) + 1
+    return max(0.5, 0.05 * time_budget, seconds_left / (points_left + 1))
 
 
 Shape = tuple[tuple[int, ...], ...]  # the shapes of one batch's input arrays: what a compiled step is keyed on
@@ -804,10 +811,11 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     of the run), grouped by batch shape. Each timed shape (`choose_shapes`) gets one warm-up step, smallest first
     (the one-time allowance: each compiles, and a larger one measures the step's working set again, as in the run),
     then timed steps on the measuring allowance, shape after shape on its own sampled batches: at least
-    MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps (or MAX_STEPS); a noisy point
+    MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps (or MAX_STEPS a shape); a noisy point
     (`pooled_spread`) gets one more window. A step expected to end past the measuring allowance is not started
     (the point is cut short: truncated); the first timed step always runs, since a compiling warm-up says nothing
-    of a step's real length (the watchdog bounds it). Each shape's time is the median of its steps (`shape_seconds`:
+    of a step's real length (the watchdog bounds it). At most MAX_STEPS steps a shape (each shape's median is a
+    prediction of its own). Each shape's time is the median of its steps (`shape_seconds`:
     the run's statistic); `predict_point` turns them into the run's mean step and median rate."""
     mx, budget = trainer.mx, state.budget
     budget.enter(ONE_TIME)
@@ -851,7 +859,7 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     times: list[float] = []
     truncated, extra = False, False
     each = MIN_STEPS if len(shapes) == 1 else 2
-    limit, until = MAX_STEPS, window
+    limit, until = MAX_STEPS * len(shapes), window
 
     def more() -> bool:
         return any(len(ts) < each for ts in timed.values()) or (len(times) < limit and sum(times) < until)
@@ -868,7 +876,7 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         if batch == 1:
             state.step_s = elapsed
         if not more() and not extra and pooled_spread(timed) > NOISY_SPREAD:
-            extra, limit, until = True, limit + MAX_STEPS, sum(times) + window  # measure it once more
+            extra, limit, until = True, 2 * limit, sum(times) + window  # measure it once more
     budget.enter(ONE_TIME)
     if state.lockstep is not None:
         # Keep loading the machine with this batch until every member has timed it: the others' steps are timed
@@ -1067,7 +1075,6 @@ def gradient_elements(model: Any) -> dict[str, int]:
 
 def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     budget = state.budget
-    window = point_window(float(args.time_budget), args.max_batch)
     # The per-block mode times many calls per repetition (worker.parallel.pipeline.measure): its window is the
     # floor, as before.
     block_window = max(0.5, 0.05 * float(args.time_budget))
@@ -1091,6 +1098,7 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
     def measure(batch: int) -> tuple[Point | None, bool]:
         state.phase = f"measuring batch {batch}"
         try:
+            window = point_window(float(args.time_budget), budget.left(MEASURE), batch, args.max_batch)
             return _measure(trainer, batch, state, window)
         except (RuntimeError, MemoryError) as exc:
             # The memory prediction should have stopped us first; if it did not, what was measured still stands.

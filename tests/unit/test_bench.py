@@ -465,10 +465,14 @@ def test_a_point_times_its_share_of_the_budget() -> None:
     from worker.bench import point_window, sweep_points
 
     assert [sweep_points(m) for m in (1, 2, 4, 16, 24, 64)] == [1, 2, 3, 5, 6, 7]
-    assert point_window(10.0, 4) == pytest.approx(10 / 6)  # 3 points: half of 10 s shared, not 0.5 s
-    assert point_window(60.0, 64) == pytest.approx(30 / 7)
-    assert point_window(60.0, 4096) == 3.0  # 13 points: 5% of the budget is more
-    assert point_window(2.0, 64) == 0.5
+    # The time left shared over the points left and one share for a noisy point's second window.
+    assert point_window(10.0, 10.0, 1, 4) == pytest.approx(10 / 4)  # 3 points to go: batch 1, 2, 4
+    assert point_window(10.0, 6.0, 4, 4) == pytest.approx(6 / 2)  # the last point gets what the others left
+    assert point_window(60.0, 60.0, 1, 64) == pytest.approx(60 / 8)
+    assert point_window(60.0, 30.0, 16, 24) == pytest.approx(30 / 3)  # 16 and 24 left
+    assert point_window(60.0, 60.0, 1, 4096) == pytest.approx(60 / 14)
+    assert point_window(60.0, 1.0, 2, 64) == 3.0  # 5% of the budget at least
+    assert point_window(2.0, 1.0, 1, 64) == 0.5
 
 
 def test_the_bench_readies_its_optimizer_as_the_run_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
