@@ -85,7 +85,9 @@ def _run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """`python -m coordinator ARGS` with this interpreter (the .venv's), never raising on the exit code.
     `env` is added to (and overrides) the current environment; output is plain and 200 columns wide unless
-    `env` says otherwise. A timeout fails the test with whatever the CLI printed so far."""
+    `env` says otherwise. A timeout fails the test with whatever the CLI printed so far, so keep it below the
+    suite's own per-test timeout (600 s, pyproject.toml): a CLI that hangs past that is killed by pytest-timeout
+    with nothing of its output (CI12: a pipeline launch hung for 600 s and left no evidence)."""
     full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "TERM": "dumb", **(env or {})}
     argv = [sys.executable, "-m", "coordinator", *args]
     try:

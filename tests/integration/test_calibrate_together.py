@@ -29,7 +29,7 @@ def test_two_entries_of_one_host_are_calibrated_together(testbed: TestBed, run_c
         "calibration": {"time_budget": 8, "max_batch": 2},
     }, sort_keys=False))
     cp = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
-                 timeout=600)
+                 timeout=480)
     assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-4000:]
     doc = json.loads(cp.stdout)
     validate_output("calibrate", doc)

@@ -54,7 +54,7 @@ def test_slow_link_grows_the_predicted_step_by_the_measured_exchange(testbed: Te
     }, sort_keys=False))
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
 
-    fast = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env=env, timeout=600)
+    fast = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env=env, timeout=480)
     assert fast.returncode == 0, fast.stdout[-2000:] + fast.stderr[-4000:]
     doc = json.loads(fast.stdout)
     validate_output("calibrate", doc)

@@ -74,7 +74,7 @@ def test_capped_bed_trains_a_pipeline_that_matches_one_process(testbed: TestBed,
         refused = run_cli("launch", "-i", str(inv), str(_playbook(tmp_path / "dp.yaml", "dp")), "--run-dir",
                           str(runs), env=env, timeout=300)
         proc = run_cli("launch", "-i", str(inv), str(_playbook(tmp_path / "auto.yaml", "auto")), "--json",
-                       "--run-dir", str(runs), env=env, timeout=600)
+                       "--run-dir", str(runs), env=env, timeout=480)
     out = refused.stdout + refused.stderr
     assert refused.returncode == 1 and "train.strategy dp: dp does not fit" in out, out[-3000:]
     for name, cap in caps.items():
@@ -153,7 +153,7 @@ def test_a_stage_that_dies_or_stops_is_blamed_alone_and_the_run_finishes_on_a_re
     summaries = {}
     for kind in ("kill", "hang", "stall"):
         proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs),
-                       "--chaos", f"{kind}:rank=1,step=3", env=env, timeout=600)
+                       "--chaos", f"{kind}:rank=1,step=3", env=env, timeout=480)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         summary = summaries[kind] = json.loads(proc.stdout)
         validate_output("launch", summary)

@@ -48,7 +48,7 @@ def test_status_report_and_the_dashboard_show_a_pipelines_stages(run_cli: RunCli
     runs = tmp_path / "runs"
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "300", "TERM": "dumb", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "XDG_STATE_HOME": str(tmp_path / "state")}
-    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs), env=env, timeout=600)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(runs), env=env, timeout=480)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads(proc.stdout)
     validate_output("launch", summary)

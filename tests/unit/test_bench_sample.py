@@ -18,6 +18,8 @@ from worker.bench import (
     SampledStep,
     Shape,
     choose_shapes,
+    compiling_steps,
+    horizon_steps,
     plan_sample,
     pooled_spread,
     predict_point,
@@ -69,6 +71,40 @@ def test_plan_sample_of_a_short_run_is_its_own_steps() -> None:
     assert plan_sample(256, 8, 16, 1, horizon=20) == [(16 * j,) for j in range(10)]
     with pytest.raises(ValueError):
         plan_sample(256, 8, 8, 1, horizon=-1)
+
+
+def test_a_sample_of_horizon_steps_steps_is_the_whole_run() -> None:
+    assert horizon_steps(256, 8, 8, 1, horizon=20) == len(plan_sample(256, 8, 8, 1, horizon=20)) == 20
+    assert horizon_steps(256, 8, 8, 1) == len(plan_sample(256, 8, 8, 1)) == 32
+    # A big data set: the sample is a spread of the epoch's steps, not all of them.
+    assert horizon_steps(100_000, 8, 8, 1) == 12_500 > len(plan_sample(100_000, 8, 8, 1))
+
+
+def test_a_step_compiles_where_some_rank_meets_a_new_shape() -> None:
+    steps = [SampledStep((packed(1), packed(2)), 1), SampledStep((packed(1), packed(2)), 1),
+             SampledStep((packed(2), packed(2)), 1), SampledStep((packed(2), packed(1)), 1),
+             SampledStep((packed(1), packed(1)), 1)]
+    # Rank 0 meets packed(2) on the third step, rank 1 packed(1) on the fourth; each rank compiles its own.
+    assert compiling_steps(steps) == [True, False, True, True, False]
+    assert compiling_steps([]) == []
+
+
+def test_a_whole_runs_compiling_steps_count_in_its_median_rate_not_in_its_mean_step() -> None:
+    # 10 steps of 1,000 tokens: 0.1 s each, 0.2 s for the 4-sequence shape; the first step of each shape compiles
+    # (1 s). Without them the median rate is 10,000; the run's own median counts the two slow steps.
+    shapes = [packed(1)] * 6 + [packed(4)] * 4
+    steps = [SampledStep((s,), 1000) for s in [packed(1), packed(4), *shapes[1:6], *shapes[7:]]]
+    timed, first = {packed(1): 0.1, packed(4): 0.2}, {packed(1): 1.0, packed(4): 1.5}
+    steady = predict_point(steps, timed, 8)
+    whole = predict_point(steps, timed, 8, first=first)
+    assert whole.mean_step_s == steady.mean_step_s == pytest.approx((6 * 0.1 + 4 * 0.2) / 10)
+    rates = [1000 / 1.0, 1000 / 1.5, *[1000 / 0.1] * 5, *[1000 / 0.2] * 3]
+    assert whole.median_tokens_per_s == pytest.approx(statistics.median(rates))
+    assert whole.median_tokens_per_s < steady.median_tokens_per_s == pytest.approx(10_000)
+    assert whole.durations[:2] == (1.0, 1.5) and steady.durations[:2] == (0.1, 0.2)
+    # A shape the point did not time compiles for as long as its neighbours in positions say.
+    assert predict_point([SampledStep((packed(2),), 1000)], timed, 8, first=first).durations == (
+        pytest.approx(1.0 + 0.5 / 3),)
 
 
 def test_plan_sample_gives_every_rank_its_slice_of_a_step() -> None:
