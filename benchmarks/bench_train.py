@@ -10,6 +10,7 @@ data is generated as mlx-lm's data dir layout (train.jsonl, valid.jsonl of {"tex
     .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short,variable,bimodal]
         [--methods lora,full] [--ranks 1,2] [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16]
         [--calibration-budget 10] [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
+    .venv/bin/python benchmarks/bench_train.py --sizes M --shapes long --build-only --keep DIR   # models and data only
 
 Sizes (vocab 32,000 words for S and M, tied embeddings, worker.tinymodel's llama layout):
     tiny  hidden 64, 2 layers, 4 heads (2 kv), ffn 128, ~1,000-token vocab; batch 4, max_seq_length 128
