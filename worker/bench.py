@@ -844,7 +844,7 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
     of the run), grouped by batch shape. Each timed shape (`choose_shapes`) gets one warm-up step, smallest first
     (the one-time allowance: each compiles, and a larger one measures the step's working set again, as in the run),
     then timed steps on the measuring allowance, shape after shape on its own sampled batches: at least
-    MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps (or MAX_STEPS a shape); a noisy point
+    MIN_STEPS (2 per shape with several), more until `window` seconds of timed steps; a noisy point
     (`pooled_spread`) gets one more window. A step expected to end past the measuring allowance is not started
     (the point is cut short: truncated); the first timed step always runs, since a compiling warm-up says nothing
     of a step's real length (the watchdog bounds it). At most MAX_STEPS steps a shape (each shape's median is a
