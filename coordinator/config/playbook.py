@@ -283,6 +283,9 @@ class FaultsConfig(_Strict):
     # A step that has not ended after stall_factor x the rank's median step time (and stall_min_s) is stalled.
     stall_factor: Annotated[float, BeforeValidator(to_number), Field(gt=1)] = 10.0
     stall_min_s: Annotated[float, BeforeValidator(to_number), Field(ge=0)] = 60.0
+    # A rank that has ended no step this long after an attempt started (loading, the ring's start, the first,
+    # compiling step) is stalled (seconds, or 30m / 2h): the stall window above needs a first step to measure by.
+    first_step_s: Annotated[float, BeforeValidator(to_duration), Field(gt=0)] = 3600.0
     # Each rank stops itself after 3x that window (for a partitioned node or a lost coordinator); false: never.
     fence: bool = True
     max_restarts: Annotated[int, BeforeValidator(to_integer), Field(ge=0)] = 2

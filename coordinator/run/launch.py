@@ -277,7 +277,8 @@ class Launch:
         f = playbook.faults
         self.policy = FaultPolicy(heartbeat_timeout=playbook.heartbeat_timeout, straggler_fraction=f.straggler_fraction,
                                   straggler_window=f.straggler_window, straggler_min_s=f.straggler_min_s,
-                                  outlier_steps=f.outlier_steps, stall_factor=f.stall_factor, stall_min_s=f.stall_min_s)
+                                  outlier_steps=f.outlier_steps, stall_factor=f.stall_factor, stall_min_s=f.stall_min_s,
+                                  first_step_s=f.first_step_s)
         self.nodes = list(dict.fromkeys(r.node.name for r in ranks))
         self.node_by_name = {r.node.name: r.node for r in ranks}
         self.remote_run_dirs: dict[str, str] = {}

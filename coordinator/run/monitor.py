@@ -193,6 +193,10 @@ class FaultPolicy:
     # stall_min_s) is stalled: alive and heartbeating, but its collective never completes.
     stall_factor: float = 10.0
     stall_min_s: float = 60.0
+    # A rank that has ended no step this long after the attempt started (loading, the ring's start, its first,
+    # compiling step), while heartbeating, is stalled too: the stall window has no yardstick before a first step,
+    # and without this bound a ring that never forms waited forever with every heartbeat on time.
+    first_step_s: float = 3600.0
 
 
 class Verdict(StrEnum):
@@ -1065,6 +1069,7 @@ class Monitor:
         found: list[Incident] = []
         if self.first_fatal_at is not None:
             return found
+        found += self._first_step_stalls(now)
         # A pipeline moves inside a step too: while any stage's compute thread begins actions, it is not stalled.
         moved = max((v.action_since for v in self.ranks.values()
                      if v.state is WorkerState.RUNNING and v.action_since is not None), default=0.0)
@@ -1080,6 +1085,24 @@ class Monitor:
                     evidence={"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
                               "median_step_s": round(view.steps.median() or 0.0, 3), "phase": view.phase},
                     action=Action.STOP, t=now))
+        return found
+
+    def _first_step_stalls(self, now: float) -> list[Incident]:
+        """Ranks that ended no step `first_step_s` after the attempt started (`FaultPolicy.first_step_s`), pending
+        or running, with their channel alive (a silent one is found by its silence first). Like a stall, no culprit:
+        a ring that never forms waits on any of its links."""
+        found: list[Incident] = []
+        waited = now - self.started_at
+        if waited <= self.policy.first_step_s:
+            return found
+        for view in self.ranks.values():
+            if view.rank in self.first_step_at or view.state not in (WorkerState.PENDING, WorkerState.RUNNING):
+                continue
+            found += self._add(Incident(
+                kind=IncidentKind.STALL, node=view.node, rank=view.rank, step=view.step, detected_after_s=waited,
+                evidence={"no_first_step_for_s": round(waited, 3), "first_step_s": self.policy.first_step_s,
+                          "state": str(view.state), "phase": view.phase},
+                action=Action.STOP, t=now))
         return found
 
     # -- results ----------------------------------------------------------------------------------------------

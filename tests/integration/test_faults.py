@@ -449,6 +449,27 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
     no_rank_left(summary["run_id"])
 
 
+def test_a_first_step_that_never_ends_is_a_stall_after_first_step_s(testbed: TestBed, run_cli: RunCli,
+                                                                    tmp_path: Path) -> None:
+    # The same stall on step 1: no step has ended, so the stall window has nothing to measure by and only
+    # faults.first_step_s bounds the attempt (before it, such a ring waited forever, heartbeats on time).
+    hosts, inv = setup(testbed, tmp_path, 2)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
+    faults = {"consistency_every": 5, "max_restarts": 1, "min_nodes": 1, "first_step_s": 40}
+    pb = write_playbook(tmp_path / "pb.yaml", iters=3, faults=faults)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
+                   "--chaos", "stall:rank=1,step=1", env=env, timeout=400)
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stalls = [i for i in summary["incidents"] if i["kind"] == "stall"]
+    assert stalls and {i["action"] for i in stalls} == {"stop"}, json.dumps(summary["incidents"], indent=1)[:3000]
+    assert all(i["evidence"]["no_first_step_for_s"] > i["evidence"]["first_step_s"] == 40 for i in stalls)
+    # No culprit: the same two nodes start again and finish.
+    assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 3
+    assert summary["quarantined"] == [] and sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
+    no_rank_left(summary["run_id"])
+
+
 def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbed: TestBed, run_cli: RunCli,
                                                                           tmp_path: Path) -> None:
     """An undecodable line fails every rank the same way: launched anyway (--skip-preflight) the run stops as

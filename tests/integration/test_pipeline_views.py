@@ -36,7 +36,9 @@ def write_files(tmp: Path) -> tuple[Path, Path]:
         "train": {"method": "full", "strategy": "pipeline", "iters": ITERS, "batch_size": 4, "micro_batches": 2,
                   "max_seq_length": 64, "learning_rate": 1e-3, "save_every": ITERS, "steps_per_eval": 100,
                   "val_batches": 1},
-        "split": "equal", "heartbeat_timeout": 60, "faults": {"max_restarts": 0}}, sort_keys=False))
+        # first_step_s: a first step that never ends fails the run (with its evidence) inside the CLI's timeout.
+        "split": "equal", "heartbeat_timeout": 60, "faults": {"max_restarts": 0, "first_step_s": 300}},
+        sort_keys=False))
     return inv, pb
 
 

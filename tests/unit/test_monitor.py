@@ -168,6 +168,37 @@ def test_the_stall_window_has_a_floor_and_needs_a_first_step() -> None:
     assert found == []
 
 
+def test_a_rank_that_ends_no_first_step_is_a_stall_after_first_step_s() -> None:
+    """Heartbeating, pending (its ring never formed: no `started`) or running (its first collective never
+    completes): neither has a stall window, so `first_step_s` after the attempt started bounds them."""
+    policy = FaultPolicy(heartbeat_timeout=2.0, stall_min_s=5.0, first_step_s=120.0)
+    mon = Monitor.create(PLAN, iters=10, now=0.0, policy=policy)
+    mon.observe(ev("a", 0, 0.5, event="started", pid=10))  # rank 1 never says `started`
+    found: list[tuple[float, list[tuple[str, int | None]]]] = []
+    t = 0.5
+    while t < 200.0:
+        t += 0.5
+        mon.observe(Observation("tick", "a", t))
+        mon.observe(Observation("tick", "b", t))
+        mon.observe(ev("a", 0, t, event="heartbeat", step=0, phase="step"))
+        mon.observe(ev("b", 1, t, event="heartbeat", step=0, phase="load"))
+        if incidents := mon.check(t):
+            found.append((t, [(i.kind, i.rank) for i in incidents]))
+    assert found == [(120.5, [("stall", 0), ("stall", 1)])]
+    inc = mon.incidents[1]
+    assert inc.action == "stop" and mon.culprits() == []  # any link of the ring may be the one
+    assert inc.evidence["first_step_s"] == 120.0 and inc.evidence["phase"] == "load"
+    assert inc.evidence["no_first_step_for_s"] == 120.5
+    assert rank_verdict(mon.ranks[1], policy, {"stall"}, now=t) is Verdict.STALLED
+
+
+def test_a_first_step_ends_the_first_step_bound() -> None:
+    # A first step at 1 s, then none: the stall window (10 x 1 s, at least 5 s) decides, 10.5 s after that step,
+    # not first_step_s (3 s after the start).
+    _, found = stalled_after([1.0], FaultPolicy(heartbeat_timeout=2.0, stall_min_s=5.0, first_step_s=3.0))
+    assert [f[0] for f in found] == [10.5]
+
+
 def test_long_eval_or_checkpoint_phases_are_not_stalls() -> None:
     policy = FaultPolicy(heartbeat_timeout=2.0, stall_factor=10.0, stall_min_s=5.0)
     for phase in ("eval", "checkpoint", "digest", "idle"):
