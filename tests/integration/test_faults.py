@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -427,47 +428,43 @@ def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, 
     assert [(i["node"], i["action"]) for i in stragglers] == [(hosts[1].name, "warn")]
 
 
-def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbed: TestBed, run_cli: RunCli,
-                                                                           tmp_path: Path) -> None:
-    # A rank that stays alive and heartbeating but never ends step 6 (as every rank of a ring whose data-plane
-    # link went down while SSH still works): no heartbeat is missed, so only the stall rule can see it.
-    hosts, inv = setup(testbed, tmp_path, 2)
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    faults = {"consistency_every": 5, "max_restarts": 2, "min_nodes": 1, "stall_min_s": 4, "stall_factor": 10}
-    pb = write_playbook(tmp_path / "pb.yaml", iters=12, faults=faults)
-    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
-                   "--chaos", "stall:rank=1,step=6", env=env, timeout=400)
+def stalled_run(testbed: TestBed, run_cli: RunCli, tmp: Path, *, iters: int, chaos: str,
+                faults: dict[str, object]) -> list[dict[str, Any]]:
+    """A 2-node run with `chaos` (a stall) and `faults`: it must be stopped by `stall` incidents (no culprit) and
+    finish on the same two nodes in a second attempt. Returns the stall incidents."""
+    hosts, inv = setup(testbed, tmp, 2)
+    env = {"XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
+    pb = write_playbook(tmp / "pb.yaml", iters=iters, faults={"consistency_every": 5, "min_nodes": 1, **faults})
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp / "runs"), "--chaos", chaos,
+                   env=env, timeout=400)
     summary = json.loads(proc.stdout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stalls = [i for i in summary["incidents"] if i["kind"] == "stall"]
     assert stalls and {i["action"] for i in stalls} == {"stop"}, json.dumps(summary["incidents"], indent=1)[:3000]
-    assert {i["rank"] for i in stalls} <= {0, 1} and all(i["step"] == 5 for i in stalls)
-    assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
-    # No culprit: the same two nodes carry on from the last checkpoint and finish.
-    assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 12
+    # No culprit: the same two nodes carry on from the last checkpoint (or the start) and finish.
+    assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == iters
     assert summary["quarantined"] == [] and sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
     no_rank_left(summary["run_id"])
+    return stalls
+
+
+def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbed: TestBed, run_cli: RunCli,
+                                                                           tmp_path: Path) -> None:
+    # A rank that stays alive and heartbeating but never ends step 6 (as every rank of a ring whose data-plane
+    # link went down while SSH still works): no heartbeat is missed, so only the stall rule can see it.
+    stalls = stalled_run(testbed, run_cli, tmp_path, iters=12, chaos="stall:rank=1,step=6",
+                         faults={"max_restarts": 2, "stall_min_s": 4, "stall_factor": 10})
+    assert {i["rank"] for i in stalls} <= {0, 1} and all(i["step"] == 5 for i in stalls)
+    assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
 
 
 def test_a_first_step_that_never_ends_is_a_stall_after_first_step_s(testbed: TestBed, run_cli: RunCli,
                                                                     tmp_path: Path) -> None:
     # The same stall on step 1: no step has ended, so the stall window has nothing to measure by and only
     # faults.first_step_s bounds the attempt (before it, such a ring waited forever, heartbeats on time).
-    hosts, inv = setup(testbed, tmp_path, 2)
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
-    faults = {"consistency_every": 5, "max_restarts": 1, "min_nodes": 1, "first_step_s": 40}
-    pb = write_playbook(tmp_path / "pb.yaml", iters=3, faults=faults)
-    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp_path / "runs"),
-                   "--chaos", "stall:rank=1,step=1", env=env, timeout=400)
-    summary = json.loads(proc.stdout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stalls = [i for i in summary["incidents"] if i["kind"] == "stall"]
-    assert stalls and {i["action"] for i in stalls} == {"stop"}, json.dumps(summary["incidents"], indent=1)[:3000]
+    stalls = stalled_run(testbed, run_cli, tmp_path, iters=3, chaos="stall:rank=1,step=1",
+                         faults={"max_restarts": 1, "first_step_s": 40})
     assert all(i["evidence"]["no_first_step_for_s"] > i["evidence"]["first_step_s"] == 40 for i in stalls)
-    # No culprit: the same two nodes start again and finish.
-    assert summary["state"] == "succeeded" and summary["attempts"] == 2 and summary["steps"] == 3
-    assert summary["quarantined"] == [] and sorted(n["node"] for n in summary["nodes"]) == sorted(h.name for h in hosts)
-    no_rank_left(summary["run_id"])
 
 
 def test_a_data_error_on_every_rank_is_a_job_error_and_preflight_names_it(testbed: TestBed, run_cli: RunCli,
