@@ -112,6 +112,7 @@ from typing import IO, Any, TextIO, cast
 from worker import kernelcache
 from worker.cpus import describe_share, take_share
 from worker.runconfig import DEFAULT_HEADROOM
+from worker.shapes import meets_new_shape
 
 FALL_RATIO = 0.97  # a rate below this fraction of the best so far is past the knee, not noise
 MIN_STEPS = 3  # timed steps per point, at least: the median of 3 survives one outlier
@@ -282,19 +283,6 @@ def horizon_steps(rows: int, global_batch: int, batch: int, world: int, horizon:
     return max(1, read // stride)
 
 
-def compiling_steps(steps: Sequence[SampledStep]) -> list[bool]:
-    """For each step, in order, whether some rank meets a batch shape it has not met before: that rank's step
-    compiles (mx.compile traces once per input shapes) and the step waits for it. Pure."""
-    seen: list[set[Shape]] = []
-    flags = []
-    for step in steps:
-        seen.extend(set() for _ in range(len(step.shapes) - len(seen)))
-        flags.append(any(shape not in seen[r] for r, shape in enumerate(step.shapes)))
-        for r, shape in enumerate(step.shapes):
-            seen[r].add(shape)
-    return flags
-
-
 def choose_shapes(counts: Mapping[Shape, int], limit: int = MAX_SHAPES) -> list[Shape]:
     """The shapes a point times, smallest first: all when at most `limit`; else the smallest and the largest (so
     every other shape lies between two timed ones) and then the most frequent. Pure."""
@@ -334,7 +322,7 @@ def predict_point(steps: Sequence[SampledStep], timed: Mapping[Shape, float], ro
     rate the run reports (`Monitor.run_tokens_per_s`). `rows_per_step`: all slices' rows.
 
     `first` (when the sample is every step of the run, in its order): each shape's compiling first step; a step on
-    which some rank meets a new shape (`compiling_steps`) lasts that long, as the run's does, and counts in the
+    which some rank meets a new shape (`worker.shapes.meets_new_shape`) lasts that long, as the run's does, and counts in the
     median rate as the run counts it: 2 of a 20-step run's steps on variable rows compile, and leaving them out
     predicted S and M LoRA 16-18% above the runs' medians on an H100. The mean step leaves them out (a one-time
     cost: the sweep's stop rules and rows/s are of the steady step). Pure."""
@@ -343,7 +331,7 @@ def predict_point(steps: Sequence[SampledStep], timed: Mapping[Shape, float], ro
     steady = [max(shape_time(s, timed) for s in step.shapes) for step in steps]
     durations = list(steady)
     if first:
-        for k, (step, compiles) in enumerate(zip(steps, compiling_steps(steps))):
+        for k, (step, compiles) in enumerate(zip(steps, meets_new_shape(s.shapes for s in steps))):
             if compiles:
                 durations[k] = max(steady[k], max(shape_time(s, first) for s in step.shapes))
     rates = [step.tokens / d for step, d in zip(steps, durations)]

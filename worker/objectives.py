@@ -14,6 +14,7 @@ import mlx.core as mx
 from worker.data import build_batch, rank_slice, sequence_logps, stream_rows
 from worker.dpo import STATS as DPO_STATS
 from worker.dpo import build_pair_batch, dpo_loss_sum
+from worker.shapes import meets_new_shape
 from worker.step import (
     pack_rows,
     packed_loss_sum,
@@ -153,10 +154,9 @@ def step_census(objective: Any, dataset: Any, steps: int, global_batch: int, acc
     steps = min(steps, max(1, len(dataset) // max(1, per_step)))
     picks = range(steps) if steps <= CENSUS_STEPS else [k * steps // CENSUS_STEPS for k in range(CENSUS_STEPS)]
     shaped = hasattr(objective, "batch_shape")
-    seen: list[set[Any]] = [set() for _ in slices]
     tokens: list[int] = []
-    new: list[int] = []
-    for index, k in enumerate(picks):
+    shapes: list[tuple[Any, ...]] = []  # each counted step's shape of every rank
+    for k in picks:
         count = objective.rows_tokens(dataset, k * per_step, per_step, seed)
         if count is None:
             return None
@@ -164,15 +164,10 @@ def step_census(objective: Any, dataset: Any, steps: int, global_batch: int, acc
         # Each micro-batch's rows read once; every rank's shape is its slice of them.
         micros = [_items(dataset, k * per_step + m * global_batch, global_batch, seed)
                   for m in range(accumulation)] if shaped else []
-        fresh = False
-        for rank, (offset, size) in enumerate(slices):
-            shape = tuple(objective.batch_shape(rank_slice(rows, offset, size)) for rows in micros)
-            if shape not in seen[rank]:
-                seen[rank].add(shape)
-                fresh = True
-        if fresh:
-            new.append(index)
-    return StepCensus(tuple(tokens), tuple(new)) if tokens else None
+        shapes.append(tuple(tuple(objective.batch_shape(rank_slice(rows, offset, size)) for rows in micros)
+                            for offset, size in slices))
+    new = tuple(index for index, fresh in enumerate(meets_new_shape(shapes)) if fresh)
+    return StepCensus(tuple(tokens), new) if tokens else None
 
 
 def stats_fields(names: Sequence[str], sums: Sequence[float], weight: float, prefix: str = "") -> dict[str, float]:

@@ -18,7 +18,6 @@ from worker.bench import (
     SampledStep,
     Shape,
     choose_shapes,
-    compiling_steps,
     horizon_steps,
     plan_sample,
     pooled_spread,
@@ -26,6 +25,7 @@ from worker.bench import (
     shape_time,
     spread_indices,
 )
+from worker.shapes import meets_new_shape
 from worker.step import input_positions, pack_rows
 
 
@@ -85,8 +85,8 @@ def test_a_step_compiles_where_some_rank_meets_a_new_shape() -> None:
              SampledStep((packed(2), packed(2)), 1), SampledStep((packed(2), packed(1)), 1),
              SampledStep((packed(1), packed(1)), 1)]
     # Rank 0 meets packed(2) on the third step, rank 1 packed(1) on the fourth; each rank compiles its own.
-    assert compiling_steps(steps) == [True, False, True, True, False]
-    assert compiling_steps([]) == []
+    assert meets_new_shape(s.shapes for s in steps) == [True, False, True, True, False]
+    assert meets_new_shape([]) == []
 
 
 def test_a_whole_runs_compiling_steps_count_in_its_median_rate_not_in_its_mean_step() -> None:
