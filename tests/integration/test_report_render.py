@@ -119,13 +119,17 @@ def test_every_view_of_the_real_run_agrees(real_run: tuple[Path, str], run_cli: 
     summary = json.loads((root / run_id / "summary.json").read_text())
     truth = {n["node"]: (n["tokens_per_s"], n["verdict"]) for n in summary["nodes"]}
     assert all(rate and verdict in ("ok", "slow") for rate, verdict in truth.values()), truth
-    predicted = round(summary["predicted_tokens_per_s"], 1)
+    stored = summary["predicted_tokens_per_s"]
+    # status and the dashboard show the prediction to 1 decimal, summary.json stores it to 2: both round the one
+    # number, so they are at most 0.05 + 0.005 apart. Rounding summary's value again to 1 decimal is not that:
+    # 2488.6451 is 2488.6 to 1 decimal but 2488.65 -> 2488.7 to 2 then 1 (CI saw it once).
+    shown = pytest.approx(stored, abs=0.0551)
 
     report = build_report(read_run_files(root, run_id))
     assert {n.name: (round(n.tokens_per_s or 0, 1), n.verdict) for n in report.nodes} == truth
     # summary.json stores the prediction to 2 decimals, the report reads plan.json's: equal to that precision
     # (rounding both to 1 decimal once told 3998.6 from 3998.7 for 3998.649 and its stored 3998.65)
-    assert report.predicted_tokens_per_s == pytest.approx(summary["predicted_tokens_per_s"], abs=0.006)
+    assert report.predicted_tokens_per_s == pytest.approx(stored, abs=0.006)
     assert len(report.attempts) == 1 and summary["attempts"] == 1
     assert len({c.step for c in report.checkpoints}) == len(report.checkpoints) <= summary["steps"]
 
@@ -135,11 +139,11 @@ def test_every_view_of_the_real_run_agrees(real_run: tuple[Path, str], run_cli: 
     status = json.loads(proc.stdout)
     validate_output("status", status)
     assert {n["node"]: (n["run"]["tokens_per_s"], n["run"]["verdict"]) for n in status["nodes"]} == truth
-    assert all(n["run"]["predicted_tokens_per_s"] == pytest.approx(predicted, abs=0.06) for n in status["nodes"])
+    assert all(n["run"]["predicted_tokens_per_s"] == shown for n in status["nodes"])
 
     tracked = open_run(root / run_id)
     assert tracked is not None
     tracked.poll()
     page = tracked.view(time.time(), full=True)
     assert {r["node"]: (r["tokens_per_s"], r["verdict"]) for r in page["ranks"]} == truth
-    assert page["predicted_tokens_per_s"] == pytest.approx(predicted, abs=0.06)
+    assert page["predicted_tokens_per_s"] == shown
