@@ -152,16 +152,22 @@ def test_after_attach_a_rank_crash_is_quarantined_and_relaunched_as_in_launch(te
     job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml"))
     jobs.append(job)
     job.rank_pid_at_step(0, 3)
+    victim = job.rank_pid_at_step(1, 3)
     run_id = job.run_dir().name
     os.killpg(job.proc.pid, signal.SIGKILL)  # the coordinator dies; mlx.launch and the ranks go on
     job.proc.wait()
+    # Rank 1 is held while attach starts, so the ring waits for it: the 40 steps of this tiny model once ended in
+    # the ~8 s attach took to start on a loaded machine (CI20), and the kill then hit a rank that had finished.
+    # attach watches no process state before it holds the run's lock, and the kill follows the lock at once, so
+    # the stopped rank is never seen stopped (stopped_grace_s): what attach meets is a crash, as before.
+    os.kill(victim, signal.SIGSTOP)
     # From here on the job's process is `attach` (Job's helpers watch whatever `proc` is).
     job.proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator", "attach", run_id, "--run-dir", str(job.runs), "--json"], cwd=REPO,
         env=job.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lock = job.runs / run_id / "lock"
     job.wait_for(lambda _: lock.exists() and f'"pid": {job.proc.pid}' in lock.read_text())
-    os.kill(job.rank_pid_at_step(1, 5), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     rc, summary = job.finish()
     crash = culprit_incident(summary, "crash")
     assert crash["node"] == hosts[1].name and crash["rank"] == 1
