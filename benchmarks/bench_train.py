@@ -9,7 +9,7 @@ data is generated as mlx-lm's data dir layout (train.jsonl, valid.jsonl of {"tex
 
     .venv/bin/python benchmarks/bench_train.py [--sizes tiny,S,M] [--shapes long,short,variable,bimodal]
         [--methods lora,full] [--ranks 1,2] [--iters 40] [--rounds 2] [--warmup 5] [--dtype float32|bfloat16]
-        [--calibration-budget 10] [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
+        [--calibration-budget SECONDS] [--recalibrate] [--skip-preflight] [--json results.json] [--keep DIR] [--ci]
     .venv/bin/python benchmarks/bench_train.py --sizes M --shapes long --build-only --keep DIR   # models and data only
 
 Sizes (vocab 32,000 words for S and M, tied embeddings, worker.tinymodel's llama layout):
@@ -51,6 +51,14 @@ outside the timed steps). Same environment: TOKENIZERS_PARALLELISM as each tool 
 XDG_STATE_HOME in the benchmark's temp dir (the calibration cache and any kernel cache start empty and are shared
 by all the runs of this benchmark; calibration is measured once per cell unless --recalibrate).
 
+Calibration's time budget is the playbook's default (`calibration.time_budget`, 60 s of timed steps), as a user's
+run has it, unless --calibration-budget says otherwise. A shorter one saves device time but measures a different
+calibration: on an H100 at 10 s, the batch-8 points (the batch a 1-node run trains at) were cut short, 4 timed
+steps for M long LoRA after a noisy batch-4 point took a second window, 18-24 for the variable-row cells (a few
+steps a batch shape), and 4 of 8 cells missed the +-15% goal (-30% to +23%); at 60 s those points got 20 and
+60-120 steps (calibration used 7-29 s of the budget) and the same four cells were within -11% to +3%
+(docs/benchmarks-history.md, session 9).
+
 Goals (issues 15, 25): ours >= 1.0x mlx-lm's tokens/s on long and variable rows and >= 1.3x on short rows; peak
 memory <= 1.05x mlx-lm's; the calibration's prediction within +-15% of the run's median (summary.json), on every
 cell, the 2-rank one included. The table says
@@ -90,6 +98,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the coordinator's playbook defaults are the product's
+
+from coordinator.config.playbook import CalibrationConfig  # noqa: E402 - after the path
+
 DRIVER = ROOT / "benchmarks" / "mlx_lm_driver.py"
 TAIL_CHARS = 2000
 
@@ -97,6 +109,8 @@ TAIL_CHARS = 2000
 GOAL_TOKENS_RATIO = {"long": 1.0, "short": 1.3, "variable": 1.0, "bimodal": 1.0}
 GOAL_MEMORY_RATIO = 1.05
 GOAL_PREDICTION = 0.15
+# What a user's calibration measures for: the playbook's default, not a cheaper one (see the docstring).
+DEFAULT_CALIBRATION_BUDGET: float = CalibrationConfig.model_fields["time_budget"].default
 
 
 @dataclass(frozen=True)
@@ -662,7 +676,9 @@ def parse_args(argv: Sequence[str]) -> Options:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the steady medians")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the models' weight dtype")
-    p.add_argument("--calibration-budget", type=float, default=10.0, help="seconds of calibration steps")
+    p.add_argument("--calibration-budget", type=float, default=DEFAULT_CALIBRATION_BUDGET,
+                   help="seconds of calibration steps (default: the playbook's calibration.time_budget, "
+                        f"{DEFAULT_CALIBRATION_BUDGET:g})")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again for every run of ours")
     p.add_argument("--clear-cache", action="store_true",
                    help="ours with train.clear_cache (mx.clear_cache() after every step, as mlx-lm's trainer does)")

@@ -28,7 +28,7 @@
 #   import without PYTHONPATH; and libmlx.so finds the CUDA libraries through its RPATH
 #   ($ORIGIN/../../nvidia/{cu13,cublas,cudnn,nccl,...}/lib), i.e. in the same site-packages as the image's
 #   nvidia-* wheels. A machine is bare at every start, so this changes nothing beyond the lease.
-# - Limits: 10 minutes a command, 30 minutes of device time for a session (a one-chip machine counts 67% of its
+# - Limits: 10 minutes a command, 30 minutes of device time for a session (a one-chip machine counts part or all of its
 #   held time), a machine goes back after 30 minutes held, 2,000 characters a command, files back from $OUT: at most
 #   8, 16 MiB each. bench_train.py rewrites its --json after every run, so a command stopped at its limit still
 #   returns what it measured; keep each call's work well inside 10 minutes (S in one call, M in one or two).
@@ -50,12 +50,15 @@
 #   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods full --iters 30 --rounds 2 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
 #   (then M the same way with --iters 20, one method per call; `--memory-headroom none` gives ours unbounded)
-# Issue 25 item 1 (the prediction on variable-length rows), after call 1, one call per size (each ~6-8 of its 10
-# minutes, from the S and M process times in docs/benchmarks-history.md; M's long rows were within -3%..0% and take
-# one shape, so M's call leaves them out to fit):
-#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora,full --iters 20 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
-#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --shapes variable --methods lora,full --iters 20 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
-#   (`--shapes bimodal` is the length set calibration was not tuned on: add it where a call has time left)
+# Issue 25 (the prediction on long and variable rows, at the playbook's calibration budget of 60 s, bench_train.py's
+# default since session 9; process times from that session's H100 lease), after call 1, one call per line:
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods lora --iters 40 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run S --shapes long,variable --methods full --iters 40 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --shapes long,variable --methods lora --iters 40 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh run M --shapes long,variable --methods full --iters 40 --rounds 1 --dtype bfloat16 --keep /tmp/bench-keep --skip-preflight
+#   (M LoRA's call took 404 s with the model built in it; an S cell ~60 s of ours + ~25 s of mlx-lm; M variable full
+#   98 s + 54 s. `--calibration-budget 10` fits S and M in two calls but measured a different calibration: 4 of 8
+#   cells missed the +-15% goal there. `--shapes bimodal` is a length set calibration was not tuned on.)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
