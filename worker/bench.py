@@ -105,7 +105,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
@@ -127,6 +127,7 @@ MIN_SAMPLE_STEPS = 8
 MAX_SHAPES = 6  # distinct batch shapes timed per point (each compiles once); the others are interpolated
 FILL_ROWS = 1024  # rows of the run's order whose mean real tokens is the data's fill (decide_packing samples as many)
 NOISY_SPREAD = 0.25  # (q3 - q1) / median of a point's per-token step times above which it is measured again
+IMPLAUSIBLE = 2.0  # a step of fewer rows this many times as long as one of more rows: a disturbed point (`disturbed`)
 STOP_REASONS = ("throughput_fell", "memory", "max_batch", "time_budget", "one_time_budget")
 ONE_TIME, MEASURE = "one_time", "measure"  # the two clocks of a `Budget`
 WATCHDOG_POLL_S = 0.1
@@ -420,6 +421,56 @@ def sweep(
         if reason is not None:
             return curve, reason
         batch = next_batch(batch, max_batch)
+
+
+def disturbed(curve: Sequence[Point]) -> list[int]:
+    """The batches whose point is implausible against a larger batch of the same sweep: its step took more than
+    IMPLAUSIBLE times as long as a step of more rows. A step of more rows does at least the work of a step of fewer;
+    on variable rows a shape's kernels can make it somewhat shorter (up to 1.5x on an H100's launch-bound steps,
+    docs/benchmarks-history.md, session 9), never half. Such a point was slowed for as long as it was measured, by
+    something that shared the machine then (the suite's other worker held a test node's core through its whole
+    batch-1 point: 3.3x the batch-2 step), so its steps agree with each other and it is not NOISY. The split pools it
+    away (the planner's isotonic fit), but the point's own rate is what a rank trained at that batch is predicted
+    and judged by: a straggler slowed 8x was not one against a batch-1 rate measured 8.7x low."""
+    out = []
+    for i, point in enumerate(curve):
+        larger = [q.step_time_s for q in curve[i + 1:] if q.batch > point.batch]
+        if larger and point.step_time_s > IMPLAUSIBLE * min(larger):
+            out.append(point.batch)
+    return out
+
+
+def look_again(
+    curve: list[Point],
+    measure: Callable[[int], tuple[Point | None, bool]],
+    *,
+    seconds_left: Callable[[], float],
+    log: Callable[[str], None] = lambda line: None,
+) -> list[Point]:
+    """The curve after a second look at each `disturbed` point: that batch measured once more while the measuring
+    time lasts, and the faster of its two points kept (interference only ever slows a step, so the faster is the
+    closer to the node's speed; its first, compiling step's time stays the first look's). In a lockstep group the
+    second look waits with the others as any point does: the barrier pairs waits in order and a member that has
+    finished keeps loading the machine, so the point is timed beside the load the run will have."""
+    out = list(curve)
+    for batch in disturbed(curve):
+        i = next(k for k, p in enumerate(out) if p.batch == batch)
+        first = out[i]
+        quickest = min(p.step_time_s for p in out[i + 1:] if p.batch > batch)
+        what = (f"bench batch={batch} step_s={first.step_time_s:.4f} is more than {IMPLAUSIBLE:g}x the "
+                f"{quickest:.4f}s of a larger batch's step: disturbed while measured")
+        if seconds_left() < MIN_STEPS * quickest:
+            log(f"{what}; no measuring time left for a second look (raise calibration.time_budget)")
+            continue
+        again, _ = measure(batch)
+        if again is None or again.steps < MIN_STEPS:
+            # A look cut short by the budget is a step or two: too few to stand for the batch in place of a point.
+            log(f"{what}; its second look timed {again.steps if again else 0} step(s), too few to replace it")
+            continue
+        kept = replace(again, warmup_s=first.warmup_s) if again.step_time_s < first.step_time_s else first
+        log(f"{what}; second look step_s={again.step_time_s:.4f}, kept {kept.step_time_s:.4f}")
+        out[i] = kept
+    return out
 
 
 def build_result(
@@ -868,7 +919,8 @@ def _measure(trainer: _Trainer, batch: int, state: _State, window: float) -> tup
         first[shape] = ticking(ticker, lambda: trainer.step(batch, where[shape][0]))[0]  # noqa: B023 - called at once
         warmup += first[shape]
         state.cold_kernels = False  # the cache holds the step's kernels now: later shapes compile less
-    state.one_time.setdefault("first_steps", {})[batch] = warmup
+    # A batch's first steps compile its shapes; a second look (`look_again`) runs them warm: the first is kept.
+    state.one_time.setdefault("first_steps", {}).setdefault(batch, warmup)
     if state.step_s is None:
         state.step_s = warmup / len(shapes)
     _log(f"bench batch={batch} first steps {warmup:.2f}s for {len(shapes)} of {len(where)} shape(s) in "
@@ -1132,14 +1184,18 @@ def _run(args: argparse.Namespace, state: _State) -> dict[str, Any]:
                 raise _OutOfMemory(str(exc)) from exc
             raise
 
+    failed_allocation = False
     try:
         curve, reason = sweep(measure, max_batch=args.max_batch, memory_limit=memory_limit,
                               seconds_left=lambda: budget.left(MEASURE), on_point=on_point)
     except _OutOfMemory:
-        curve, reason = list(state.curve), "memory"
+        curve, reason, failed_allocation = list(state.curve), "memory", True
     if not curve:
         raise BenchError(advise_no_point(MEASURE, limit=budget.limits[MEASURE], phase=state.phase,
                                          step_s=state.step_s, one_time={}))
+    if not failed_allocation:  # after a failed allocation the device's state is not the run's: no second look
+        curve = look_again(curve, measure, seconds_left=lambda: budget.left(MEASURE), log=_log)
+        state.curve[:] = curve
     _log(f"bench stopped_because={reason} measuring {budget.used(MEASURE):.1f}s, one-time "
          f"{budget.used(ONE_TIME):.1f}s")
     lockstep = state.lockstep

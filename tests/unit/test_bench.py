@@ -28,6 +28,8 @@ from worker.bench import (
     Point,
     advise_no_point,
     decide_stop,
+    disturbed,
+    look_again,
     next_batch,
     predict_peak_memory,
     predict_point_cost,
@@ -150,6 +152,68 @@ def test_sweep(label: str, rates: dict[int, float], kwargs: dict[str, Any], batc
     curve, stopped = sweep(fake_measure(rates, clock, deadline), seconds_left=lambda: deadline - clock[0], **args)
     assert [p.batch for p in curve] == batches
     assert stopped == reason
+
+
+@pytest.mark.parametrize(("label", "steps", "expected"), [
+    ("a curve that rises", {1: 0.05, 2: 0.09, 4: 0.17}, []),
+    # An H100's launch-bound LoRA steps (session 9): batch 1 1.4x batch 2's step, timing noise, not a disturbed point.
+    ("a flat GPU curve", {1: 0.100, 2: 0.072, 4: 0.124, 8: 0.186}, []),
+    # CI19's h2: its batch-1 point measured while the suite's other worker held its core.
+    ("batch 1 three times batch 2", {1: 0.167, 2: 0.051, 4: 0.10}, [1]),
+    ("against any larger batch", {1: 0.30, 2: 0.35, 4: 0.14, 8: 0.26}, [1, 2]),
+    ("the largest is never judged", {1: 0.05, 2: 0.09, 4: 0.90}, []),
+])
+def test_disturbed(label: str, steps: dict[int, float], expected: list[int]) -> None:
+    assert disturbed([pt(b, 100, step=s) for b, s in steps.items()]) == expected
+
+
+def looks(seconds: list[float], again: dict[int, Point | None]) -> tuple[list[int], Callable[[int], tuple[Point | None, bool]]]:
+    """A measure() for `look_again`: each call spends 1 s of `seconds` and returns `again[batch]`."""
+    asked: list[int] = []
+
+    def measure(batch: int) -> tuple[Point | None, bool]:
+        asked.append(batch)
+        seconds[0] -= 1.0
+        return again[batch], False
+    return asked, measure
+
+
+def test_a_second_look_keeps_the_faster_point_and_the_first_looks_compile_time() -> None:
+    curve = [pt(1, 100, step=0.167, warmup=9.0), pt(2, 100, step=0.051), pt(4, 100, step=0.10)]
+    left, lines = [10.0], []
+    asked, measure = looks(left, {1: pt(1, 100, step=0.030, warmup=0.03)})
+    out = look_again(curve, measure, seconds_left=lambda: left[0], log=lines.append)
+    assert asked == [1]
+    assert [p.step_time_s for p in out] == [0.030, 0.051, 0.10]
+    assert out[0].warmup_s == 9.0  # the compiling first step is the first look's
+    assert "disturbed while measured" in lines[0] and "kept 0.0300" in lines[0]
+
+
+def test_a_second_look_no_faster_keeps_the_first() -> None:
+    curve = [pt(1, 100, step=0.167), pt(2, 100, step=0.051)]
+    left = [10.0]
+    _, measure = looks(left, {1: pt(1, 100, step=0.2)})
+    assert look_again(curve, measure, seconds_left=lambda: left[0])[0].step_time_s == 0.167
+
+
+@pytest.mark.parametrize(("label", "left", "again"), [
+    ("no measuring time left", 0.1, None),
+    ("the second look timed no step", 10.0, None),
+    ("the second look was cut short", 10.0, Point(1, 100, 0, 0.03, 2, 0.03)),
+])
+def test_without_a_second_look_the_curve_stands(label: str, left: float, again: Point | None) -> None:
+    curve = [pt(1, 100, step=0.167), pt(2, 100, step=0.051)]
+    seconds, lines = [left], []
+    asked, measure = looks(seconds, {1: again})
+    assert look_again(curve, measure, seconds_left=lambda: seconds[0], log=lines.append) == curve
+    assert asked == ([] if left < 1 else [1])
+    assert ("raise calibration.time_budget" in lines[0]) == (left < 1)
+
+
+def test_an_undisturbed_curve_is_not_measured_again() -> None:
+    curve = [pt(1, 100, step=0.05), pt(2, 100, step=0.09)]
+    asked, measure = looks([10.0], {})
+    assert look_again(curve, measure, seconds_left=lambda: 10.0) == curve and asked == []
 
 
 # --- real runs on a tiny model -----------------------------------------------------------------------------------
