@@ -431,7 +431,7 @@ def disturbed(curve: Sequence[Point]) -> list[int]:
     something that shared the machine then (the suite's other worker held a test node's core through its whole
     batch-1 point: 3.3x the batch-2 step), so its steps agree with each other and it is not NOISY. The split pools it
     away (the planner's isotonic fit), but the point's own rate is what a rank trained at that batch is predicted
-    and judged by: a straggler slowed 8x was not one against a batch-1 rate measured 8.7x low."""
+    and judged by: a straggler slowed 8x was not one against a batch-1 rate measured 8.7x below its twin node's."""
     out = []
     for i, point in enumerate(curve):
         larger = [q.step_time_s for q in curve[i + 1:] if q.batch > point.batch]
