@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/probe_disturbed_point.py [--hogs 4] [--budget 30] [--core 1] [--quiet]
 
-Runs `worker.bench` (LoRA, a random 2-layer llama, seq 128, batches 1..8) pinned to one core, and starts --hogs
+Runs `worker.bench` (LoRA, worker.tinymodel's random 2-layer llama, seq 128, batches 1..8) pinned to one core, and starts --hogs
 busy processes on that core from batch 1's first step until its point is reported, so every timed step of batch 1
 shares the core and the point's steps agree with each other (not NOISY). The second look (`worker.bench.look_again`)
 runs with the core free. Prints the bench's point lines, its second-look line and the curve it returned
@@ -20,18 +20,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def build_model(path: Path) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
-              "tie_word_embeddings": True}
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(Model(ModelArgs(**config)).parameters())))
-    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+from worker.tinymodel import build_tiny_model  # noqa: E402 - after the path
 
 
 def main() -> int:
@@ -45,7 +36,7 @@ def main() -> int:
     hogs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="probe-disturbed-") as tmp:
         model = Path(tmp)
-        build_model(model)
+        build_tiny_model(model)  # a random 2-layer llama, hidden 64
         bench = subprocess.Popen(
             [*pin, sys.executable, "-m", "worker.bench", "--model", str(model), "--seq-len", "128", "--method",
              "lora", "--num-layers", "-1", "--max-batch", "8", "--time-budget", str(args.budget)],
