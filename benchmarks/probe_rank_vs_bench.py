@@ -13,12 +13,15 @@ same steps, one after the other, `--rounds` times, each in its own process:
   the same with what the rank does and the bench did not before its first step: the model's parameters and the
   optimizer state evaluated (`eval`; the bench does it since 360603f), `mx.distributed.init()` called (`dist`),
   MLX's kernel cache isolated (`kc`, `worker.kernelcache.isolate`); or with calibration's sweep before it (`hist`:
-  `--hist-steps` steps at each batch 1, 2, 4, ... below `--batch`).
+  `--hist-steps` steps at each batch 1, 2, 4, ... below `--batch`), or in calibration's order until session 10
+  (`rr`: the batch shapes in turn, smallest first, each on its own batches; since then calibration times the run's
+  order).
 - `calib`: `python -m worker.bench` itself with the arguments calibration gives it (`--max-batch` the batch, a
-  `--time-budget` of 10 s); its point at `--batch`: each timed shape's median step time.
+  `--time-budget` of `--calib-budget`, 10 s by default); its point at `--batch`: each timed shape's median step time.
 
-Prints one JSON line per process: its kind, round, the median of its steps after the first (calib: the shapes'
-times), and every step time.
+Prints one JSON line per process: its kind, round, the median of its steps after the first, for the bench kinds
+each batch shape's median step (size in input positions: median, steps; each shape's first step left out), and
+every step time (calib: the shapes' times).
 
     PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model DIR --data DIR [--method full] [--batch 8]
         [--steps 20] [--rounds 2] [--kinds rank,bench,calib]
@@ -38,7 +41,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RANK_LIKE = ("eval", "dist", "kc")
-OTHER = ("hist",)
+OTHER = ("hist", "rr")
 
 
 def variants(kind: str) -> set[str]:
@@ -59,8 +62,20 @@ def bench_argv(a: argparse.Namespace, batch: int) -> list[str]:
             "--memory-headroom", a.headroom, "--max-batch", str(batch)]
 
 
-def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[float]:
-    """Time `steps` steps of the bench's trainer on the run's rows in the run's order (in this process)."""
+def round_robin(labelled: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(shape size, position) pairs reordered as calibration timed them until session 10: the shapes in turn,
+    smallest first, each on its own positions in turn; as many as given. Pure."""
+    own: dict[int, list[int]] = {}
+    for size, position in labelled:
+        own.setdefault(size, []).append(position)
+    sizes = sorted(own)
+    return [(sizes[k % len(sizes)], own[sizes[k % len(sizes)]][(k // len(sizes)) % len(own[sizes[k % len(sizes)]])])
+            for k in range(len(labelled))]
+
+
+def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[tuple[int, float]]:
+    """Time `steps` steps of the bench's trainer on the run's rows in the run's order (in this process), or with
+    `rr` in calibration's old order (`round_robin`); each step's (shape size, seconds)."""
     import mlx.core as mx
 
     from worker import bench
@@ -80,7 +95,12 @@ def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[float]:
             for k in range(a.hist_steps):
                 trainer.step(smaller, k * smaller)
             smaller *= 2
-    return [trainer.step(a.batch, k * a.batch)[0] for k in range(a.steps)]
+    from worker.bench import shape_size
+
+    labelled = [(shape_size(trainer.slice_of(a.batch, k * a.batch)[0]), k * a.batch) for k in range(a.steps)]
+    if "rr" in like_rank:
+        labelled = round_robin(labelled)
+    return [(size, trainer.step(a.batch, position)[0]) for size, position in labelled]
 
 
 def rank_steps(a: argparse.Namespace) -> list[float]:
@@ -107,7 +127,7 @@ def rank_steps(a: argparse.Namespace) -> list[float]:
 
 def calib_point(a: argparse.Namespace) -> dict[str, Any]:
     """worker.bench as calibration runs it; its point at --batch."""
-    argv = [sys.executable, "-m", "worker.bench", *bench_argv(a, a.batch), "--time-budget", "10",
+    argv = [sys.executable, "-m", "worker.bench", *bench_argv(a, a.batch), "--time-budget", str(a.calib_budget),
             "--one-time-budget", "600"]
     proc = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           check=False)
@@ -117,10 +137,21 @@ def calib_point(a: argparse.Namespace) -> dict[str, Any]:
     return next(p for p in result["curve"] if p["batch"] == a.batch)
 
 
-def report(kind: str, round_: int, times: list[float]) -> None:
+def report(kind: str, round_: int, times: list[float], sizes: list[int] | None = None) -> None:
+    """One JSON line: the median of the steps after the first, and with `sizes` each shape's (size: median of its
+    steps after each shape's first, steps)."""
     rest = times[1:] or times
-    print(json.dumps({"kind": kind, "round": round_, "median_s": round(statistics.median(rest), 4),
-                      "times": [round(t, 4) for t in times]}), flush=True)
+    line: dict[str, Any] = {"kind": kind, "round": round_, "median_s": round(statistics.median(rest), 4)}
+    if sizes is not None:
+        by: dict[int, list[float]] = {}
+        seen: set[int] = set()
+        for size, t in zip(sizes, times):
+            if size in seen:
+                by.setdefault(size, []).append(t)
+            seen.add(size)
+        line["shapes"] = {size: [round(statistics.median(ts), 4), len(ts)] for size, ts in sorted(by.items())}
+    line["times"] = [round(t, 4) for t in times]
+    print(json.dumps(line), flush=True)
 
 
 def main() -> int:
@@ -133,6 +164,7 @@ def main() -> int:
     p.add_argument("--headroom", default="0.1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--hist-steps", type=int, default=10)
+    p.add_argument("--calib-budget", type=float, default=10.0, help="calib's --time-budget (the playbook's: 60)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kinds", default="rank,bench,calib")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: one bench process of that kind
@@ -160,7 +192,8 @@ def main() -> int:
                                       check=False)
                 if proc.returncode != 0:
                     raise RuntimeError(f"{kind} exited {proc.returncode}: {proc.stderr[-2000:]}")
-                report(kind, round_, json.loads(proc.stdout.strip().splitlines()[-1]))
+                stepped = json.loads(proc.stdout.strip().splitlines()[-1])
+                report(kind, round_, [t for _, t in stepped], [size for size, _ in stepped])
     return 0
 
 
