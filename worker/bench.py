@@ -306,11 +306,12 @@ def next_slice(order: Sequence[tuple[Shape, int]], taken: int, counts: Mapping[S
     switch shapes as often as the run's do. After it: a slice of the smallest shape still timed fewer than `each`
     times, on its own slices in turn; None when every shape has its minimum.
 
-    Why the run's order and not shape after shape: under the step's memory bound (`worker.memory`) the buffer cache
-    holds about one step's working set, so a step whose shape differs from the step before allocates afresh. The run
-    mostly takes the same shape again (packed rows at batch 8: the largest shape on most steps); cycling through
-    the shapes made every timed step a switch, and on an H100 the largest shape then took 0.039 s against the run's
-    0.025-0.031 s (S full, variable rows: the plan 18-29% below two runs). Pure."""
+    Why the run's order and not shape after shape, as before: the steps go to the shapes as the run's do, so the
+    shapes that make up the run's median get the most of them (packed rows at batch 8: the largest shape on most
+    steps; shape after shape gave a shape met once in 40 steps as many as it), and each step follows the shape the
+    run's would. Whether a shape switch itself costs was measured on an H100 (S full, variable rows,
+    `benchmarks/probe_rank_vs_bench.py` kinds `bench` and `bench+rr`): no; the same steps' median moved more
+    between two processes of one order (0.024 vs 0.036 s) than between the orders. Pure."""
     if room:
         return order[taken % len(order)] if order else None
     shapes = dict.fromkeys(shape for shape, _ in order)

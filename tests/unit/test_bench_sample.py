@@ -19,6 +19,7 @@ from worker.bench import (
     Shape,
     choose_shapes,
     horizon_steps,
+    next_slice,
     plan_sample,
     pooled_spread,
     predict_point,
@@ -273,3 +274,17 @@ def test_a_sample_of_steps_predicts_a_bimodal_sets_epoch(packing: bool) -> None:
     assert len(sample) == 64 and (packing or len(counts) > len(timed))
     assert predicted.median_tokens_per_s == pytest.approx(run_median, rel=0.08)
     assert predicted.mean_step_s == pytest.approx(run_mean, rel=0.08)
+
+
+def test_a_point_times_the_runs_slices_in_the_runs_order_then_tops_up_a_rare_shape() -> None:
+    big, small = packed(4), packed(1)
+    order = [(big, 0), (big, 8), (small, 16), (big, 24)]
+    # While the window has room: the run's order, cycled; a frequent shape gets most of the steps.
+    taken = [next_slice(order, k, {}, 2, room=True) for k in range(6)]
+    assert taken == [(big, 0), (big, 8), (small, 16), (big, 24), (big, 0), (big, 8)]
+    # The window spent: a shape timed fewer than `each` times gets its own slices in turn, the smallest first.
+    assert next_slice(order, 6, {big: 5, small: 1}, 2, room=False) == (small, 16)
+    assert next_slice(order, 6, {big: 1, small: 0}, 2, room=False) == (small, 16)
+    assert next_slice(order, 6, {big: 1, small: 2}, 2, room=False) == (big, 8)  # its second slice
+    assert next_slice(order, 6, {big: 2, small: 2}, 2, room=False) is None
+    assert next_slice([], 0, {}, 2, room=True) is None
