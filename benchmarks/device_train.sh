@@ -59,6 +59,9 @@
 #   (M LoRA's call took 404 s with the model built in it; an S cell ~60 s of ours + ~25 s of mlx-lm; M variable full
 #   98 s + 54 s. `--calibration-budget 10` fits S and M in two calls but measured a different calibration: 4 of 8
 #   cells missed the +-15% goal there. `--shapes bimodal` is a length set calibration was not tuned on.)
+# Issue 25 (S variable full: calibration's processes against the rank's; session 10), after call 1, one call:
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh install && python3 benchmarks/bench_train.py --sizes S --shapes variable --methods full --iters 40 --dtype bfloat16 --keep /tmp/bk --build-only && PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model /tmp/bk/model-S --data /tmp/bk/data-S-variable --method full --batch 8 --steps 40 --rounds 2 --calib-budget 60 --kinds calib,bench+rr,bench,rank
+#   (about 200 s; docs/benchmarks-history.md, session 10, says what it found and what to try next)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
