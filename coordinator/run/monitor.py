@@ -852,6 +852,10 @@ class Monitor:
 
     def _votes(self, kind: IncidentKind, step: int, values: dict[int, Any], at: float, what: str) -> list[Incident]:
         """One vote per replica group (`replica_groups`); a group of one rank has nothing to compare."""
+        if not values:
+            # Every rank failed before this step's last digest or manifest was read (a stop, Ctrl-C, a crash of
+            # all): no live replica is left to vote, and no step is shown consistent by nobody.
+            return []
         if self.replica_groups is None:
             return self._vote(kind, step, values, at, what)
         found: list[Incident] = []

@@ -850,3 +850,20 @@ def test_start_up_races_are_relaunched_beside_the_restart_budget_up_to_a_few() -
     # max_restarts 0 (give up once spent >= 0): the first two races are still retried, the third ends the run.
     assert [restarts_spent(n, n + 1) >= 0 for n in range(3)] == [False, False, True]
     assert restarts_spent(2, 0) == 2 and restarts_spent(3, 1) == 2
+
+
+def test_a_digest_or_manifest_read_after_every_rank_failed_compares_nothing() -> None:
+    """A rank's last digest and checkpoint events can be read after every rank is FAILED (a `stop` or Ctrl-C ends
+    them all while the reader is behind): no live replica is left to vote, so nothing is compared and nobody is
+    blamed (this raised IndexError in `_vote` once, in test_supervision's SIGINT drill)."""
+    mon = Monitor.create(PLAN, iters=9, now=0.0)
+    started(mon)
+    for rank, node in ((0, "a"), (1, "b")):
+        mon.observe(ev(node, rank, 1.0, event="step", step=1, loss=2.0, tok_s=100.0))
+    mon.observe(Observation("proc", "a", 2.0, 0, {"alive": False, "pid": 10, "state": "gone"}))
+    mon.observe(Observation("proc", "b", 2.1, 1, {"alive": False, "pid": 11, "state": "gone"}))
+    assert all(view.state is WorkerState.FAILED for view in mon.ranks.values())
+    before = list(mon.incidents)
+    assert mon.observe(ev("a", 0, 2.2, event="digest", step=1, params_sha256="p", optimizer_sha256="o")) == []
+    assert mon.observe(ev("b", 1, 2.3, event="checkpoint", step=1, sha256="m", path="x")) == []
+    assert mon.incidents == before and mon.last_consistent_step is None
