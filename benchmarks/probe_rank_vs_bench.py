@@ -145,7 +145,7 @@ def report(kind: str, round_: int, times: list[float], sizes: list[int] | None =
     if sizes is not None:
         by: dict[int, list[float]] = {}
         seen: set[int] = set()
-        for size, t in zip(sizes, times):
+        for size, t in zip(sizes, times, strict=True):
             if size in seen:
                 by.setdefault(size, []).append(t)
             seen.add(size)
