@@ -27,6 +27,7 @@ import bench_preflight  # noqa: E402
 import bench_scale  # noqa: E402
 import bench_split  # noqa: E402
 import bench_sync  # noqa: E402
+import probe_rank_vs_bench  # noqa: E402
 from cliout import by_node, cli_json  # noqa: E402
 
 # Scripts that take arguments (the others are libraries of the benchmarks or a shell script; mlx_lm_driver.py is
@@ -125,3 +126,10 @@ def test_the_benchmarks_without_a_test_bed_run_ci_sized(argv: list[str], tmp_pat
     else:
         doc = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
         assert doc["steps_written"] == 4 and "steps_seen" in doc and "latency_median_s" in doc
+
+
+def test_the_probes_old_order_takes_the_shapes_in_turn_each_on_its_own_positions() -> None:
+    """probe_rank_vs_bench's `rr` kind: calibration's order until session 10, as many steps as given."""
+    steps = [(4, 0), (4, 8), (2, 16), (4, 24), (1, 32), (4, 40)]
+    assert probe_rank_vs_bench.round_robin(steps) == [(1, 32), (2, 16), (4, 0), (1, 32), (2, 16), (4, 8)]
+    assert probe_rank_vs_bench.round_robin([]) == []
