@@ -854,7 +854,7 @@ class Monitor:
         """One vote per replica group (`replica_groups`); a group of one rank has nothing to compare."""
         if not values:
             # Every rank failed before this step's last digest or manifest was read (a stop, Ctrl-C, a crash of
-            # all): no live replica is left to vote, and no step is shown consistent by nobody.
+            # all): no live replica is left to vote, and no step is marked consistent on nobody's word.
             return []
         if self.replica_groups is None:
             return self._vote(kind, step, values, at, what)
