@@ -69,8 +69,12 @@ def round_robin(labelled: list[tuple[int, int]]) -> list[tuple[int, int]]:
     for size, position in labelled:
         own.setdefault(size, []).append(position)
     sizes = sorted(own)
-    return [(sizes[k % len(sizes)], own[sizes[k % len(sizes)]][(k // len(sizes)) % len(own[sizes[k % len(sizes)]])])
-            for k in range(len(labelled))]
+    ordered: list[tuple[int, int]] = []
+    for k in range(len(labelled)):
+        size = sizes[k % len(sizes)]  # the shapes in turn
+        positions = own[size]
+        ordered.append((size, positions[(k // len(sizes)) % len(positions)]))  # each on its own positions in turn
+    return ordered
 
 
 def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[tuple[int, float]]:
@@ -95,9 +99,7 @@ def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[tuple[int, f
             for k in range(a.hist_steps):
                 trainer.step(smaller, k * smaller)
             smaller *= 2
-    from worker.bench import shape_size
-
-    labelled = [(shape_size(trainer.slice_of(a.batch, k * a.batch)[0]), k * a.batch) for k in range(a.steps)]
+    labelled = [(bench.shape_size(trainer.slice_of(a.batch, k * a.batch)[0]), k * a.batch) for k in range(a.steps)]
     if "rr" in like_rank:
         labelled = round_robin(labelled)
     return [(size, trainer.step(a.batch, position)[0]) for size, position in labelled]
