@@ -460,7 +460,11 @@ def _check_inputs(calibrations: Sequence[NodeCalibration], global_batch: int, se
 
 def _greedy(models: Sequence[_NodeModel], caps: Sequence[int], global_batch: int) -> list[int]:
     """Minimise the largest step time: one row each, then every further row to the node whose step time after
-    taking it is smallest (ties: earlier node), among nodes below their memory cap.
+    taking it is smallest (ties: the node with fewer rows, then the earlier one), among nodes below their memory
+    cap. The tie on rows matters where the fit is flat: a launch-bound step measured as fast at batch 2 as at 1
+    fits one step time for both, and "earlier node first" gave two interchangeable ranks of one machine 3 and 1 of
+    4 rows (CI26) where 2 and 2 predict the same makespan; a rank with fewer rows is also the one whose prediction
+    leans least on the fit's extrapolation.
 
     Optimal for non-decreasing step times: the rows beyond the first form, per node, a sorted list of step times
     s_i(2) <= s_i(3) <= ...; any allocation with >= 1 row each uses a prefix of every list, so its makespan is at
@@ -468,14 +472,14 @@ def _greedy(models: Sequence[_NodeModel], caps: Sequence[int], global_batch: int
     smallest values (the heap always offers the smallest remaining head) and so reaches that bound.
     """
     counts = [1] * len(models)
-    heap = [(m.step_s(2), i) for i, m in enumerate(models) if caps[i] >= 2]
+    heap = [(m.step_s(2), 2, i) for i, m in enumerate(models) if caps[i] >= 2]
     heapq.heapify(heap)
     for _ in range(global_batch - len(models)):
         # Feasibility (sum of caps >= global batch) was checked, so the heap cannot run dry here.
-        _, i = heapq.heappop(heap)
+        _, _, i = heapq.heappop(heap)
         counts[i] += 1
         if counts[i] < caps[i]:
-            heapq.heappush(heap, (models[i].step_s(counts[i] + 1), i))
+            heapq.heappush(heap, (models[i].step_s(counts[i] + 1), counts[i] + 1, i))
     return counts
 
 

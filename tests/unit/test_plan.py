@@ -198,6 +198,16 @@ def test_one_slow_small_batch_point_does_not_set_the_large_batch_prediction() ->
     assert isotonic([1.0, 2.0], [1.0, 5.0]) == [1.0, 2.0]
 
 
+def test_interchangeable_nodes_on_a_flat_fit_get_an_even_split() -> None:
+    # CI26's pooled curve of two ranks of one machine (seq_len 64): batch 1 timed slower than batch 2, so the
+    # isotonic fit gives batches 1, 2 and 3 one step time. Ties went to the earlier node: 3 and 1 rows.
+    pooled = [(1, 277.0, 665_954), (2, 1492.0, 657_585)]
+    plan = compute_plan([cal("r0", pooled, seq_len=64), cal("r1", pooled, seq_len=64)], 4, seq_len=64)
+    assert plan.batch == {"r0": 2, "r1": 2}
+    three = [cal(n, [(1, 1000.0, GB), (2, 1000.0, GB), (4, 4000.0, GB)]) for n in "abc"]
+    assert compute_plan(three, 9, seq_len=L).batch == {"a": 3, "b": 3, "c": 3}
+
+
 def test_calibrated_is_optimal_and_never_worse_than_equal_on_random_curves() -> None:
     rng = random.Random(20240531)
     checked = compared = 0
