@@ -26,6 +26,8 @@ from worker.bench import (
     STOP_REASONS,
     Budget,
     Point,
+    _measure,
+    _State,
     advise_no_point,
     decide_stop,
     disturbed,
@@ -563,3 +565,43 @@ def test_the_bench_readies_its_optimizer_as_the_run_does(tmp_path: Path, monkeyp
     assert readied == [trainer.model]
     assert trainer.step(4, 0)[0] > 0
     assert dp.ready_optimizer is real  # the run's data-parallel strategy imports the same function
+
+
+# --- one point against a scripted trainer ------------------------------------------------------------------------
+
+class ScriptedTrainer:
+    """What `_measure` asks of a trainer, with every slice one packed shape (as short rows fold into one row at
+    batches 1 and 2) and a step that compiles (5 s) the first time this process meets a shape, 0.01 s after."""
+
+    def __init__(self, clock: list[float], rows: int, global_batch: int, steps: int) -> None:
+        self.clock, self.dataset, self.global_batch, self.horizon = clock, list(range(rows)), global_batch, steps
+        self.world = 1
+        self.mx = self  # the point asks mx for its cache and peak memory
+        self.compiled: set[Any] = set()
+
+    def clear_cache(self) -> None: ...
+    def reset_peak_memory(self) -> None: ...
+    def get_peak_memory(self) -> int: return 1 << 20
+
+    def slice_of(self, rows: int, position: int) -> tuple[Any, int]:
+        return ((1, 32),), 10 * rows
+
+    def step(self, rows: int, position: int) -> tuple[float, int]:
+        shape = self.slice_of(rows, position)[0]
+        elapsed = 0.01 if shape in self.compiled else 5.0
+        self.compiled.add(shape)
+        self.clock[0] += elapsed
+        return elapsed, 10 * rows
+
+
+def test_a_shape_an_earlier_point_compiled_still_costs_the_runs_first_step() -> None:
+    clock = [0.0]
+    state = _State(started=0.0, curve=[], budget=Budget(one_time_s=100, measure_s=100, clock=lambda: clock[0]))
+    trainer = ScriptedTrainer(clock, rows=8, global_batch=2, steps=2)  # a 2-step run: its first step compiles
+    one, _ = _measure(trainer, 1, state, window=0.1)  # type: ignore[arg-type]
+    two, _ = _measure(trainer, 2, state, window=0.1)  # type: ignore[arg-type]
+    assert one is not None and two is not None
+    # The run at either batch is a fresh process: its first step compiles, its second does not.
+    assert [d for _, _, d in one.sample] == [5.0, 0.01]
+    assert [d for _, _, d in two.sample] == [5.0, 0.01]
+    assert two.warmup_s == 0.01  # what this process paid: the one-time accounting stays true
