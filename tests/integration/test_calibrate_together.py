@@ -25,10 +25,7 @@ def test_two_entries_of_one_host_are_calibrated_together(testbed: TestBed, run_c
         "name": "together", "kind": "train", "model": "/srv/model", "data": "/srv/data", "backend": "ring",
         "assets": {"data_from": str(REPO / "playbooks" / "data" / "smoke"),
                    "tiny_model": {"layers": 2, "hidden": 32, "seed": 0}},
-        # dp pinned: this test is about calibrating together, not about the strategy's choice. Under `auto` one CI
-        # run (CI24, a loaded machine) planned a single node from two good curves; its output was not kept, so why
-        # auto chose so is not known (here dp predicts 2x solo, with no exchange priced for two ranks of one host).
-        "train": {"method": "lora", "iters": 2, "batch_size": 4, "max_seq_length": 64, "strategy": "dp"},
+        "train": {"method": "lora", "iters": 2, "batch_size": 4, "max_seq_length": 64},
         "calibration": {"time_budget": 8, "max_batch": 2},
     }, sort_keys=False))
     cp = run_cli("calibrate", "-i", str(inv), "-p", str(pb), "--json", env={"XDG_CACHE_HOME": str(tmp_path / "cache")},

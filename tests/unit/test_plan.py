@@ -204,6 +204,10 @@ def test_interchangeable_nodes_on_a_flat_fit_get_an_even_split() -> None:
     pooled = [(1, 277.0, 665_954), (2, 1492.0, 657_585)]
     plan = compute_plan([cal("r0", pooled, seq_len=64), cal("r1", pooled, seq_len=64)], 4, seq_len=64)
     assert plan.batch == {"r0": 2, "r1": 2}
+    # 3 and 1 rows predicted the step of the 1-row rank's measured batch-1 point (1,108 tokens/s), below one node
+    # alone at batch 4 (1,492): `auto` then planned a single node (CI24). The even split predicts batch 2's point.
+    solo = compute_plan([cal("r0", pooled, seq_len=64)], 4, seq_len=64)
+    assert plan.predicted_tokens_per_s > 1.5 * solo.predicted_tokens_per_s
     three = [cal(n, [(1, 1000.0, GB), (2, 1000.0, GB), (4, 4000.0, GB)]) for n in "abc"]
     assert compute_plan(three, 9, seq_len=L).batch == {"a": 3, "b": 3, "c": 3}
 
