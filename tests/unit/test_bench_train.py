@@ -142,8 +142,8 @@ def test_cells_cross_every_setting_and_ci_keeps_one_two_rank_cell() -> None:
     full = bt.plan_cells(["tiny"], ["long", "variable"], ["lora", "full"], [1, 2])
     assert len(full) == 8 and {c[3] for c in full} == {1, 2}
     ci = bt.plan_cells(["tiny"], list(bt.CI_SHAPES), ["lora", "full"], [1, 2], ci=True)
-    assert ci == [("tiny", "long", "lora", 1), ("tiny", "long", "full", 1), ("tiny", "short", "lora", 1),
-                  ("tiny", "variable", "lora", 1), ("tiny", "variable", "lora", 2)]
+    assert ci == [("tiny", "long", "lora", 1), ("tiny", "long", "full", 1), ("tiny", "variable", "lora", 1),
+                  ("tiny", "variable", "lora", 2)]
 
 
 def test_two_rank_inventory_has_one_local_node_per_rank(tmp_path: Path) -> None:
