@@ -712,8 +712,8 @@ class _State:
     cpus: tuple[int, ...] | None = None  # --cpu-share: the CPUs this bench was pinned to (None: not pinned)
     # Each batch shape's first step in this process, whichever point met it first: what the run's fresh process
     # pays for it. A later point whose shape an earlier one compiled (packed rows: batches 1 and 2 fold into one
-    # 32-position row) runs it warm, and predicting the run's first step from that warm step made batch 2 of a
-    # 2-step run look 5x faster than batch 1 (CI26).
+    # 32-position row) runs it warm, and predicting the run's first step from that warm step gave batch 2 of a
+    # 2-step run 4.9x batch 1's tokens/s, where its twice the rows explain 2x (CI26).
     first_met: dict[Shape, float] = field(default_factory=dict)
 
     def extra(self) -> dict[str, Any]:
