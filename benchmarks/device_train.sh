@@ -62,6 +62,9 @@
 # Issue 25 (S variable full: calibration's processes against the rank's; session 10), after call 1, one call:
 #   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh install && python3 benchmarks/bench_train.py --sizes S --shapes variable --methods full --iters 40 --dtype bfloat16 --keep /tmp/bk --build-only && PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model /tmp/bk/model-S --data /tmp/bk/data-S-variable --method full --batch 8 --steps 40 --rounds 2 --calib-budget 60 --kinds calib,bench+rr,bench,rank
 #   (about 200 s; docs/benchmarks-history.md, session 10, says what it found and what to try next)
+# Issue 25 (S variable full, session 12: placement, GPU clocks, 300-step processes), after call 1, one call:
+#   carry ["benchmarks/out/whl-b"]  command: see docs/benchmarks-history.md, session 12 (the probe's kinds may end in
+#   `@gpu`/`@far`/`@CPUS`; an `nvidia-smi --query-gpu=... -lms 250` beside it logs the GPU's clocks)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)

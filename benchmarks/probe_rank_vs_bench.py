@@ -19,7 +19,12 @@ same steps, one after the other, `--rounds` times, each in its own process:
 - `calib`: `python -m worker.bench` itself with the arguments calibration gives it (`--max-batch` the batch, a
   `--time-budget` of `--calib-budget`, 10 s by default); its point at `--batch`: each timed shape's median step time.
 
-Prints one JSON line per process: its kind, round, the median of its steps after the first, for the bench kinds
+Any kind may end in `@CPUS`: its process (and every thread it starts) runs on those CPUs only, to tell the host
+thread's placement from the rest. CPUS is a list (`0-7,16`), `gpu` (the CPUs local to the GPU, its PCI device's
+`local_cpulist`) or `far` (every other CPU; none on a machine of one NUMA node, and then the kind is refused).
+
+Prints one JSON line per process: its kind, round, its start and end (`time.time()`, to line it up with a GPU
+clock log), the median of its steps after the first, for the bench kinds
 each batch shape's median step (size in input positions: median, steps; each shape's first step left out), and
 every step time (calib: the shapes' times).
 
@@ -36,12 +41,53 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RANK_LIKE = ("eval", "dist", "kc")
 OTHER = ("hist", "rr")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """`0-3,8` -> {0, 1, 2, 3, 8}. Pure."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_cpus() -> set[int]:
+    """The CPUs local to GPU 0: its PCI device's `local_cpulist` (nvidia-smi names the device)."""
+    bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True, check=True).stdout.strip().lower()
+    # nvidia-smi says 00000000:1B:00.0, sysfs names it 0000:1b:00.0
+    return parse_cpus(Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text())
+
+
+def placement(kind: str) -> tuple[str, set[int] | None]:
+    """`rank@gpu` -> ("rank", the GPU's CPUs); `bench+` -> ("bench+", None)."""
+    base, _, where = kind.partition("@")
+    if not where:
+        return base, None
+    allowed = os.sched_getaffinity(0)
+    if where == "gpu":
+        cpus = gpu_cpus() & allowed
+    elif where == "far":
+        cpus = allowed - gpu_cpus()
+    else:
+        cpus = parse_cpus(where) & allowed
+    if not cpus:
+        raise SystemExit(f"kind {kind!r}: no CPU of this machine is {where!r} (allowed: {sorted(allowed)})")
+    return base, cpus
+
+
+def pinned(cpus: set[int] | None) -> Any:
+    """A preexec_fn for subprocess: the child and all it starts run on `cpus` (None: as the parent)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
 
 def variants(kind: str) -> set[str]:
@@ -54,10 +100,11 @@ def variants(kind: str) -> set[str]:
     return set(parts[1:])
 
 
-def bench_argv(a: argparse.Namespace, batch: int) -> list[str]:
-    """worker.bench's arguments for this probe's run, as coordinator.run.calibrate.build_bench_argv gives them."""
+def bench_argv(a: argparse.Namespace, batch: int, steps: int | None = None) -> list[str]:
+    """worker.bench's arguments for this probe's run of `steps` (--steps) iterations, as
+    coordinator.run.calibrate.build_bench_argv gives them."""
     return ["--model", a.model, "--seq-len", str(a.seq_len), "--method", a.method, "--num-layers", "-1",
-            "--data", a.data, "--packing", "auto", "--global-batch", str(a.batch), "--steps", str(a.steps),
+            "--data", a.data, "--packing", "auto", "--global-batch", str(a.batch), "--steps", str(steps or a.steps),
             "--seed", "0", "--world-size", "1", "--optimizer", "adam", "--learning-rate", "1e-05",
             "--memory-headroom", a.headroom, "--max-batch", str(batch)]
 
@@ -105,7 +152,7 @@ def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[tuple[int, f
     return [(size, trainer.step(a.batch, position)[0]) for size, position in labelled]
 
 
-def rank_steps(a: argparse.Namespace) -> list[float]:
+def rank_steps(a: argparse.Namespace, cpus: set[int] | None = None) -> list[float]:
     """Run `worker.train` on a one-rank config of this probe's run; its step events' times."""
     with tempfile.TemporaryDirectory(prefix="probe-rank-") as tmp:
         run_dir = Path(tmp) / "run"
@@ -119,7 +166,7 @@ def rank_steps(a: argparse.Namespace) -> list[float]:
         env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
         env["PYTHONPATH"] = str(REPO)
         proc = subprocess.run([sys.executable, "-m", "worker.train", "--config", str(path)], env=env,
-                              capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False, preexec_fn=pinned(cpus))
         if proc.returncode != 0:
             raise RuntimeError(f"worker.train exited {proc.returncode}: {proc.stderr[-2000:]}")
         return [float(event["step_time_s"])
@@ -127,23 +174,26 @@ def rank_steps(a: argparse.Namespace) -> list[float]:
                 for event in map(json.loads, events.read_text().splitlines()) if event.get("event") == "step"]
 
 
-def calib_point(a: argparse.Namespace) -> dict[str, Any]:
+def calib_point(a: argparse.Namespace, cpus: set[int] | None = None) -> dict[str, Any]:
     """worker.bench as calibration runs it; its point at --batch."""
-    argv = [sys.executable, "-m", "worker.bench", *bench_argv(a, a.batch), "--time-budget", str(a.calib_budget),
+    argv = [sys.executable, "-m", "worker.bench", *bench_argv(a, a.batch, a.calib_steps or a.steps),
+            "--time-budget", str(a.calib_budget),
             "--one-time-budget", "600"]
     proc = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          check=False)
+                          check=False, preexec_fn=pinned(cpus))
     if proc.returncode != 0:
         raise RuntimeError(f"worker.bench exited {proc.returncode}: {proc.stderr[-2000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return next(p for p in result["curve"] if p["batch"] == a.batch)
 
 
-def report(kind: str, round_: int, times: list[float], sizes: list[int] | None = None) -> None:
-    """One JSON line: the median of the steps after the first, and with `sizes` each shape's (size: median of its
-    steps after each shape's first, steps)."""
+def report(kind: str, round_: int, span: tuple[float, float], times: list[float],
+           sizes: list[int] | None = None) -> None:
+    """One JSON line: the process's span, the median of the steps after the first, and with `sizes` each shape's
+    (size: median of its steps after each shape's first, steps)."""
     rest = times[1:] or times
-    line: dict[str, Any] = {"kind": kind, "round": round_, "median_s": round(statistics.median(rest), 4)}
+    line: dict[str, Any] = {"kind": kind, "round": round_, "t0": round(span[0], 2), "t1": round(span[1], 2),
+                            "median_s": round(statistics.median(rest), 4)}
     if sizes is not None:
         by: dict[int, list[float]] = {}
         seen: set[int] = set()
@@ -166,6 +216,8 @@ def main() -> int:
     p.add_argument("--headroom", default="0.1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--hist-steps", type=int, default=10)
+    p.add_argument("--calib-steps", type=int, help="the run length calib is told (default --steps): calibration "
+                   "samples a run of at most 64 steps whole, a longer one by its stride")
     p.add_argument("--calib-budget", type=float, default=10.0, help="calib's --time-budget (the playbook's: 60)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kinds", default="rank,bench,calib")
@@ -176,26 +228,31 @@ def main() -> int:
         print(json.dumps(bench_steps(a, variants(a.one))), flush=True)
         return 0
     kinds = a.kinds.split(",")
-    for kind in kinds:
-        if kind not in ("rank", "calib"):
-            variants(kind)
+    places = {kind: placement(kind) for kind in kinds}
+    for base, _ in places.values():
+        if base not in ("rank", "calib"):
+            variants(base)
     for round_ in range(1, a.rounds + 1):
         for kind in kinds:
-            if kind == "rank":
-                report(kind, round_, rank_steps(a))
-            elif kind == "calib":
-                point = calib_point(a)
-                print(json.dumps({"kind": kind, "round": round_, "shape_times": point["shape_times"],
-                                  "step_time_s": point["step_time_s"], "steps": point["steps"]}), flush=True)
+            base, cpus = places[kind]
+            t0 = time.time()
+            if base == "rank":
+                times = rank_steps(a, cpus)
+                report(kind, round_, (t0, time.time()), times)
+            elif base == "calib":
+                point = calib_point(a, cpus)
+                print(json.dumps({"kind": kind, "round": round_, "t0": round(t0, 2), "t1": round(time.time(), 2),
+                                  "shape_times": point["shape_times"], "step_time_s": point["step_time_s"],
+                                  "steps": point["steps"]}), flush=True)
             else:
                 # Each bench in its own process: nothing of the one before it (buffers, compiled graphs) is shared.
-                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", kind],
+                proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", base],
                                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                                      check=False)
+                                      check=False, preexec_fn=pinned(cpus))
                 if proc.returncode != 0:
                     raise RuntimeError(f"{kind} exited {proc.returncode}: {proc.stderr[-2000:]}")
                 stepped = json.loads(proc.stdout.strip().splitlines()[-1])
-                report(kind, round_, [t for _, t in stepped], [size for size, _ in stepped])
+                report(kind, round_, (t0, time.time()), [t for _, t in stepped], [size for size, _ in stepped])
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,15 @@ def test_the_probes_old_order_takes_the_shapes_in_turn_each_on_its_own_positions
     steps = [(4, 0), (4, 8), (2, 16), (4, 24), (1, 32), (4, 40)]
     assert probe_rank_vs_bench.round_robin(steps) == [(1, 32), (2, 16), (4, 0), (1, 32), (2, 16), (4, 8)]
     assert probe_rank_vs_bench.round_robin([]) == []
+
+
+def test_probe_cpu_lists_and_placements() -> None:
+    """probe_rank_vs_bench's `@CPUS` suffix: sysfs's list syntax, and a kind pinned to no CPU of this machine is
+    refused before any process starts."""
+    assert probe_rank_vs_bench.parse_cpus("0-3,8\n") == {0, 1, 2, 3, 8}
+    assert probe_rank_vs_bench.parse_cpus("5") == {5}
+    assert probe_rank_vs_bench.placement("bench+") == ("bench+", None)
+    mine = min(os.sched_getaffinity(0))
+    assert probe_rank_vs_bench.placement(f"rank@{mine}") == ("rank", {mine})
+    with pytest.raises(SystemExit, match="no CPU"):
+        probe_rank_vs_bench.placement("rank@100000")
