@@ -24,7 +24,7 @@ thread's placement from the rest. CPUS is a list (`0-7,16`), `gpu` (the CPUs loc
 `local_cpulist`) or `far` (every other CPU; none on a machine of one NUMA node, and then the kind is refused).
 
 Prints one JSON line per process: its kind, round, its start and end (`time.time()`, to line it up with a GPU
-clock log), the median of its steps after the first, for the bench kinds
+clock log), for `rank` its digests' seconds (`digest_s`), the median of its steps after the first, for the bench kinds
 each batch shape's median step (size in input positions: median, steps; each shape's first step left out), and
 every step time (calib: the shapes' times).
 
@@ -152,8 +152,9 @@ def bench_steps(a: argparse.Namespace, like_rank: set[str]) -> list[tuple[int, f
     return [(size, trainer.step(a.batch, position)[0]) for size, position in labelled]
 
 
-def rank_steps(a: argparse.Namespace, cpus: set[int] | None = None) -> list[float]:
-    """Run `worker.train` on a one-rank config of this probe's run; its step events' times."""
+def rank_steps(a: argparse.Namespace, cpus: set[int] | None = None) -> tuple[list[float], list[float]]:
+    """Run `worker.train` on a one-rank config of this probe's run; its step events' times, and its digest events'
+    seconds (every 50 steps and the last: outside the steps' times)."""
     with tempfile.TemporaryDirectory(prefix="probe-rank-") as tmp:
         run_dir = Path(tmp) / "run"
         config = {"run_id": "probe", "model": a.model, "data": a.data, "method": a.method, "iters": a.steps,
@@ -169,9 +170,10 @@ def rank_steps(a: argparse.Namespace, cpus: set[int] | None = None) -> list[floa
                               capture_output=True, text=True, check=False, preexec_fn=pinned(cpus))
         if proc.returncode != 0:
             raise RuntimeError(f"worker.train exited {proc.returncode}: {proc.stderr[-2000:]}")
-        return [float(event["step_time_s"])
-                for events in sorted(run_dir.glob("events/rank*.jsonl"))
-                for event in map(json.loads, events.read_text().splitlines()) if event.get("event") == "step"]
+        events = [event for path in sorted(run_dir.glob("events/rank*.jsonl"))
+                  for event in map(json.loads, path.read_text().splitlines())]
+        return ([float(e["step_time_s"]) for e in events if e.get("event") == "step"],
+                [float(e["digest_s"]) for e in events if e.get("event") == "digest" and "digest_s" in e])
 
 
 def calib_point(a: argparse.Namespace, cpus: set[int] | None = None) -> dict[str, Any]:
@@ -188,7 +190,7 @@ def calib_point(a: argparse.Namespace, cpus: set[int] | None = None) -> dict[str
 
 
 def report(kind: str, round_: int, span: tuple[float, float], times: list[float],
-           sizes: list[int] | None = None) -> None:
+           sizes: list[int] | None = None, digests: list[float] | None = None) -> None:
     """One JSON line: the process's span, the median of the steps after the first, and with `sizes` each shape's
     (size: median of its steps after each shape's first, steps)."""
     rest = times[1:] or times
@@ -202,6 +204,8 @@ def report(kind: str, round_: int, span: tuple[float, float], times: list[float]
                 by.setdefault(size, []).append(t)
             seen.add(size)
         line["shapes"] = {size: [round(statistics.median(ts), 4), len(ts)] for size, ts in sorted(by.items())}
+    if digests is not None:
+        line["digest_s"] = [round(t, 4) for t in digests]
     line["times"] = [round(t, 4) for t in times]
     print(json.dumps(line), flush=True)
 
@@ -237,8 +241,8 @@ def main() -> int:
             base, cpus = places[kind]
             t0 = time.time()
             if base == "rank":
-                times = rank_steps(a, cpus)
-                report(kind, round_, (t0, time.time()), times)
+                times, digests = rank_steps(a, cpus)
+                report(kind, round_, (t0, time.time()), times, digests=digests)
             elif base == "calib":
                 point = calib_point(a, cpus)
                 print(json.dumps({"kind": kind, "round": round_, "t0": round(t0, 2), "t1": round(time.time(), 2),

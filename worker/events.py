@@ -64,8 +64,9 @@ class EventKind(_StrEnum):
     #                non-finite value there was one it computed from finite inputs: activations, gradients, its
     #                loss) or "received" (a neighbour sent it), with nonfinite_at (which, in words).
     DIGEST = "digest"  # step, params_sha256 (all parameters, frozen ones too), optimizer_sha256 (optimizer
-    #                    state); every `consistency_every` steps and at the last step, after the update.
-    #                    Identical on honest data-parallel replicas (see worker.chaos.arrays_sha256)
+    #                    state), digest_s (the seconds hashing took: outside every step's step_time_s); every
+    #                    `consistency_every` steps and at the last step, after the update. Identical on honest
+    #                    data-parallel replicas (see worker.chaos.arrays_sha256)
     EVAL = "eval"  # step, val_loss, val_tokens, eval_time_s
     CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256; a sharded checkpoint, fsdp or pipeline:
     #                            of the whole checkpoint's manifest, the same on every rank), writer (rank that wrote
@@ -294,6 +295,7 @@ class DigestEvent(Event):
     step: int | None = None
     params_sha256: str | None = None
     optimizer_sha256: str | None = None
+    digest_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ FULL: dict[EventKind, Event] = {
                               busy_s=1.2, wait_s=0.3, nonfinite="produced",
                               nonfinite_at="computed its activations of micro-batch 0 (for stage 2)",
                               extra={"pairs": 4, "total_pairs": 8}),
-    EventKind.DIGEST: DigestEvent(**BASE, step=5, params_sha256="a" * 64, optimizer_sha256="b" * 64),
+    EventKind.DIGEST: DigestEvent(**BASE, step=5, params_sha256="a" * 64, optimizer_sha256="b" * 64, digest_s=0.41),
     EventKind.EVAL: EvalEvent(**BASE, step=5, val_loss=2.1, val_tokens=900, eval_time_s=0.4),
     EventKind.CHECKPOINT: CheckpointEvent(**BASE, step=5, path="/ckpt/step-5", sha256="c" * 64, writer=0),
     EventKind.CHECKPOINT_INVALID: CheckpointInvalidEvent(**BASE, step=5, path="/ckpt/step-5", reason="torn manifest"),

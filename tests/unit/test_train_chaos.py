@@ -216,6 +216,8 @@ def test_local_values_and_digests_in_one_rank(tiny: Path, tmp_path: Path) -> Non
     # diverge at 2 moves the weights after the update: the optimizer state of step 2 is still the same
     assert d[0]["params_sha256"] != a[0]["params_sha256"] and d[0]["optimizer_sha256"] == a[0]["optimizer_sha256"]
     assert len({e["params_sha256"] for e in a}) == 2
+    # What each digest cost, which no step's time holds: the hashing's own seconds.
+    assert all(isinstance(e["digest_s"], float) and e["digest_s"] > 0 for e in a + b + d)
 
 
 def test_no_digests_when_consistency_is_off_and_lie_in_one_rank(tiny: Path, tmp_path: Path) -> None:
