@@ -64,7 +64,12 @@
 #   (about 200 s; docs/benchmarks-history.md, session 10, says what it found and what to try next)
 # Issue 25 (S variable full, session 12: placement, GPU clocks, 300-step processes), after call 1, one call:
 #   carry ["benchmarks/out/whl-b"]  command: see docs/benchmarks-history.md, session 12 (the probe's kinds may end in
-#   `@gpu`/`@far`/`@CPUS`; an `nvidia-smi --query-gpu=... -lms 250` beside it logs the GPU's clocks)
+#   `@gpu`/`@far`/`@CPUS`; an `nvidia-smi --query-gpu=... -lms 250` beside it logs the GPU's clocks). The H200 lent
+#   then was one NUMA node (16 vCPUs): `@far` is refused there, `@gpu` is every CPU.
+# What a replica digest costs on the GPU (every 50 steps; outside the steps' times; the step after one took 0.12-0.19 s
+# against 0.027 s in session 12), after call 1 and the `--build-only` of the line above, one call:
+#   PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model /tmp/bk/model-S --data /tmp/bk/data-S-variable --method full --batch 8 --steps 300 --rounds 2 --kinds rank
+#   (each line's `digest_s`: the seconds of each digest; then the same with model-M)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)
