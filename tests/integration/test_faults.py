@@ -26,6 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "playbooks" / "data" / "smoke"
 HEARTBEAT_TIMEOUT = 6.0
 ITERS = 40
+# Both ranks of a 2-rank run sleep 14x their compute time per step (chaos `slow`), for a run that only has to
+# last while the test acts on it: unpaced, its tiny steps took both cores from the CLIs the test waits on. Both,
+# not one: MLX's ring all_sum busy-waits, so a lone slowed rank's peer would spin a core instead. A --chaos run is
+# a drill (its culprits are left out of that run only, never quarantined): not for a test about the quarantine.
+PACE = ("--chaos", "slow:rank=0,factor=15", "--chaos", "slow:rank=1,factor=15")
 
 
 def write_playbook(path: Path, *, iters: int = ITERS, **extra: object) -> Path:
@@ -357,7 +362,8 @@ def test_coordinator_killed_then_attach_resumes_monitoring(testbed: TestBed, run
 def test_after_a_kill_9_of_the_coordinator_a_launch_refuses_its_orphans_and_stop_ends_them_with_their_steps(
         testbed: TestBed, run_cli: RunCli, tmp_path: Path, jobs: list[Job]) -> None:
     hosts, inv = setup(testbed, tmp_path, 2)
-    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400))
+    # Both ranks paced (PACE): the orphans only have to live through a refused launch and a stop.
+    job = Job(tmp_path, inv, write_playbook(tmp_path / "pb.yaml", iters=400), *PACE)
     jobs.append(job)
     job.rank_pid_at_step(0, 3)
     run_id = job.run_dir().name

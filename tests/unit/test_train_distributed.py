@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from coordinator.run.launchfiles import MLX_LAUNCH
 from worker.checkpoint import MANIFEST, WEIGHTS, find_valid_checkpoint, verify_checkpoint
 from worker.comm import scalar
 from worker.tinymodel import build_tiny_model
@@ -34,8 +35,10 @@ from worker.tinymodel import build_tiny_model
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "playbooks" / "data" / "smoke"
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
-LAUNCH = [PYTHON, "-c", "import sys; from mlx._distributed_utils.launch import main; "
-          "sys.argv[0] = 'mlx.launch'; sys.exit(main())"]
+# mlx.launch as the coordinator runs it (run.launchfiles.MLX_LAUNCH): its stock `main()` selects each rank's
+# stdin pipe for writing, always writable, so its relay threads spin a whole core for as long as the ranks run,
+# taken from the ranks themselves on a 2-core machine.
+LAUNCH = [PYTHON, "-c", MLX_LAUNCH]
 RUN_TIMEOUT = 600  # a hang guard only: cold CPU-JIT compiles of the step's kernels take long on a loaded machine
 
 KNOWN_PHASES = {"load", "step", "eval", "checkpoint", "sync", "digest", "idle"}
