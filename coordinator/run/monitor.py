@@ -16,6 +16,7 @@ the same error as a culprit of an earlier attempt on another node (it followed t
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Collection, Mapping, Sequence
@@ -1086,7 +1087,7 @@ class Monitor:
                 found += self._add(Incident(
                     kind=IncidentKind.STALL, node=view.node, rank=view.rank, step=view.step,
                     detected_after_s=now - since,
-                    evidence={"no_step_for_s": round(now - since, 3), "window_s": round(window, 3),
+                    evidence={"no_step_for_s": ms_above(now - since), "window_s": ms_below(window),
                               "median_step_s": round(view.steps.median() or 0.0, 3), "phase": view.phase},
                     action=Action.STOP, t=now))
         return found
@@ -1104,7 +1105,7 @@ class Monitor:
                 continue
             found += self._add(Incident(
                 kind=IncidentKind.STALL, node=view.node, rank=view.rank, step=view.step, detected_after_s=waited,
-                evidence={"no_first_step_for_s": round(waited, 3), "first_step_s": self.policy.first_step_s,
+                evidence={"no_first_step_for_s": ms_above(waited), "first_step_s": self.policy.first_step_s,
                           "state": str(view.state), "phase": view.phase},
                 action=Action.STOP, t=now))
         return found
@@ -1326,6 +1327,18 @@ class Monitor:
         base = min((v.resumed_from or 0) for v in running)
         rate = (done - base) / max(1e-9, now - start)
         return None if rate <= 0 else (self.iters - done) / rate
+
+
+def ms_above(seconds: float) -> float:
+    """A wait that passed a bound, in evidence: rounded UP to the millisecond, so that a wait just past the bound
+    (40.0004 s past 40) never reads as the bound itself (40.0), which the strict rule did not fire on. Pure."""
+    return math.ceil(seconds * 1000.0) / 1000.0
+
+
+def ms_below(seconds: float) -> float:
+    """A bound, in evidence beside an `ms_above` wait: rounded DOWN to the millisecond, so that the wait always
+    reads as more than the bound it passed. Pure."""
+    return math.floor(seconds * 1000.0) / 1000.0
 
 
 # Errors a rank reports because of ANOTHER rank or of mlx.launch: the ring's lost-peer error, a reset socket,

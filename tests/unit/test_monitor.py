@@ -26,6 +26,8 @@ from coordinator.run.monitor import (
     describe_incident,
     describe_recovery,
     last_error_line,
+    ms_above,
+    ms_below,
     rank_rate,
     rank_verdict,
 )
@@ -190,6 +192,22 @@ def test_a_rank_that_ends_no_first_step_is_a_stall_after_first_step_s() -> None:
     assert inc.evidence["first_step_s"] == 120.0 and inc.evidence["phase"] == "load"
     assert inc.evidence["no_first_step_for_s"] == 120.5
     assert rank_verdict(mon.ranks[1], policy, {"stall"}, now=t) is Verdict.STALLED
+
+
+def test_a_wait_just_past_its_bound_reads_as_more_than_the_bound() -> None:
+    """The rules fire on a wait strictly past the bound; their evidence, rounded to the millisecond, must say so
+    (a drill saw `no_first_step_for_s` 40.0 beside `first_step_s` 40: 40.0004 s rounded to the nearest)."""
+    policy = FaultPolicy(heartbeat_timeout=2.0, stall_min_s=5.0, first_step_s=40.0)
+    mon = Monitor.create(PLAN, iters=10, now=0.0, policy=policy)
+    for node, rank in (("a", 0), ("b", 1)):
+        mon.observe(ev(node, rank, 0.5, event="started", pid=10 + rank))
+        mon.observe(Observation("tick", node, 40.0004))
+        mon.observe(ev(node, rank, 40.0004, event="heartbeat", step=0, phase="step"))
+    incidents = mon.check(40.0004)
+    assert [i.kind for i in incidents] == ["stall", "stall"]
+    assert all(i.evidence["no_first_step_for_s"] == 40.001 > i.evidence["first_step_s"] for i in incidents)
+    assert ms_above(40.0) == 40.0 and ms_above(40.0000001) == 40.001
+    assert ms_below(4.0009) == 4.0 and ms_below(4.0) == 4.0
 
 
 def test_a_first_step_ends_the_first_step_bound() -> None:
