@@ -439,15 +439,15 @@ def test_chaos_slow_rank_is_a_straggler_warning_not_a_restart(testbed: TestBed, 
     assert [(i["node"], i["action"]) for i in stragglers] == [(hosts[1].name, "warn")]
 
 
-def stalled_run(testbed: TestBed, run_cli: RunCli, tmp: Path, *, iters: int, chaos: str,
+def stalled_run(testbed: TestBed, run_cli: RunCli, tmp: Path, *, iters: int, chaos: tuple[str, ...],
                 faults: dict[str, object]) -> list[dict[str, Any]]:
-    """A 2-node run with `chaos` (a stall) and `faults`: it must be stopped by `stall` incidents (no culprit) and
+    """A 2-node run with `chaos` (stalls) and `faults`: it must be stopped by `stall` incidents (no culprit) and
     finish on the same two nodes in a second attempt. Returns the stall incidents."""
     hosts, inv = setup(testbed, tmp, 2)
     env = {"XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
     pb = write_playbook(tmp / "pb.yaml", iters=iters, faults={"consistency_every": 5, "min_nodes": 1, **faults})
-    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp / "runs"), "--chaos", chaos,
-                   env=env, timeout=400)
+    proc = run_cli("launch", "-i", str(inv), str(pb), "--json", "--run-dir", str(tmp / "runs"),
+                   *(arg for one in chaos for arg in ("--chaos", one)), env=env, timeout=400)
     summary = json.loads(proc.stdout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stalls = [i for i in summary["incidents"] if i["kind"] == "stall"]
@@ -463,7 +463,7 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
                                                                            tmp_path: Path) -> None:
     # A rank that stays alive and heartbeating but never ends step 6 (as every rank of a ring whose data-plane
     # link went down while SSH still works): no heartbeat is missed, so only the stall rule can see it.
-    stalls = stalled_run(testbed, run_cli, tmp_path, iters=12, chaos="stall:rank=1,step=6",
+    stalls = stalled_run(testbed, run_cli, tmp_path, iters=12, chaos=("stall:rank=1,step=6",),
                          faults={"max_restarts": 2, "stall_min_s": 4, "stall_factor": 10})
     assert {i["rank"] for i in stalls} <= {0, 1} and all(i["step"] == 5 for i in stalls)
     assert all(i["detected_after_s"] >= i["evidence"]["window_s"] >= 4 for i in stalls)
@@ -472,9 +472,11 @@ def test_chaos_stall_is_detected_and_the_run_relaunches_on_the_same_nodes(testbe
 def test_a_first_step_that_never_ends_is_a_stall_after_first_step_s(testbed: TestBed, run_cli: RunCli,
                                                                     tmp_path: Path) -> None:
     # The same stall on step 1: no step has ended, so the stall window has nothing to measure by and only
-    # faults.first_step_s bounds the attempt (before it, such a ring waited forever, heartbeats on time).
-    stalls = stalled_run(testbed, run_cli, tmp_path, iters=3, chaos="stall:rank=1,step=1",
+    # faults.first_step_s bounds the attempt (before it, such a ring waited forever, heartbeats on time). Both
+    # ranks stall (a ring that never forms: nobody reaches the all_sum), so neither spins a core in it for 40 s.
+    stalls = stalled_run(testbed, run_cli, tmp_path, iters=3, chaos=("stall:rank=0,step=1", "stall:rank=1,step=1"),
                          faults={"max_restarts": 1, "first_step_s": 40})
+    assert sorted(i["rank"] for i in stalls) == [0, 1]
     assert all(i["evidence"]["no_first_step_for_s"] > i["evidence"]["first_step_s"] == 40 for i in stalls)
 
 
