@@ -64,6 +64,11 @@ class LayoutRank:
                 "predicted_s": self.predicted_s, "predicted_busy_s": self.predicted_busy_s}
 
 
+# The digits a share (busy, wait, the bubble: 0-1) keeps in the record (summary.json, the dashboard's JSON). Every
+# view that shows it as a percentage starts from that recorded value (`coordinator.views.stagetable.pct`).
+SHARE_DIGITS = 4
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """meta.json's `layout`: what an attempt runs (see the module docstring)."""
@@ -247,7 +252,7 @@ class RankStage:
         return {"rank": self.rank, "node": self.node, "stage": self.stage, "first_layer": self.first_layer,
                 "last_layer": self.last_layer, "step_time_s": _round(self.step_time_s, 4),
                 "busy_s": _round(self.busy_s, 4), "wait_s": _round(self.wait_s, 4),
-                "busy_share": _round(self.busy_share, 4), "wait_share": _round(self.wait_share, 4),
+                "busy_share": _round(self.busy_share, SHARE_DIGITS), "wait_share": _round(self.wait_share, SHARE_DIGITS),
                 "predicted_busy_s": _round(self.predicted_busy_s, 4), "peak_memory_bytes": self.peak_memory_bytes,
                 "predicted_memory_bytes": self.predicted_memory_bytes, "budget_bytes": self.budget_bytes}
 
@@ -277,7 +282,7 @@ class StageView:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "micro_batches": self.micro_batches, "schedule": self.schedule,
-                "bubble": _round(self.bubble, 4), "predicted_bubble": _round(self.predicted_bubble, 4),
+                "bubble": _round(self.bubble, SHARE_DIGITS), "predicted_bubble": _round(self.predicted_bubble, SHARE_DIGITS),
                 "bottleneck": self.bottleneck, "ranks": [r.to_json() for r in self.ranks]}
 
 

@@ -4,12 +4,19 @@ the same words. The report and the dashboard render the same `StageView` as HTML
 
 from __future__ import annotations
 
-from coordinator.run.stages import RankStage, StageView
+import math
+
+from coordinator.run.stages import SHARE_DIGITS, RankStage, StageView
 from coordinator.units import format_bytes
 
 
 def pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.0f}%"
+    """A share (0-1) as a whole percentage, the one rule of every view: from the value the record keeps
+    (`SHARE_DIGITS`), a half rounded up. The dashboard's `pct` (static/app.js) computes the same
+    `Math.floor(100 * v + 0.5)` on the same JSON value. Before, the terminal and the report formatted the unrounded
+    share and the dashboard the recorded one, each with its language's own rounding: a bubble of 0.35496 (recorded
+    0.355) read 35% in the report and 36% on the dashboard."""
+    return "-" if value is None else f"{math.floor(100 * round(value, SHARE_DIGITS) + 0.5)}%"
 
 
 def stage_cell(row: RankStage | None) -> str:

@@ -23,15 +23,18 @@ from coordinator.run.rundir import MetaRank, PlanRecord, RunMeta, parse_event_li
 from coordinator.run.stages import (
     RunLayout,
     StageFold,
+    StageView,
     build_run_layout,
     build_stage_view,
     parse_run_layout,
     recorded_layout,
 )
+from coordinator.views import dashboard
 from coordinator.views.dashboard.server import open_run
 from coordinator.views.jsonout import validate_output
 from coordinator.views.liveview import build_table, plain_progress_line
 from coordinator.views.report import build_page, build_report, read_run_files
+from coordinator.views.stagetable import pct, stage_summary
 from coordinator.views.status import build_report as build_status
 from coordinator.views.statusview import render_run_table, render_status_table
 from coordinator.views.statuswatch import RunWatcher
@@ -181,6 +184,18 @@ def write_run(tmp_path: Path, *, ended: bool) -> tuple[Path, dict[str, Any] | No
     validate_output("launch", summary)
     (run / "summary.json").write_text(json.dumps(summary))
     return run, summary
+
+
+def test_a_share_on_a_half_percent_reads_alike_in_every_view() -> None:
+    """A CI run's bubble of 0.35496 (recorded 0.355) read 35% in the report (its unrounded share, Python's
+    rounding) and 36% on the dashboard (the recorded one, JavaScript's). One rule now, from the recorded value, a half
+    up; app.js's `pct` is the same expression, checked here against its source."""
+    assert [pct(v) for v in (0.35496, 0.355, 0.345, 0.3449, 0.0, 1.0, None)] == \
+        ["36%", "36%", "35%", "34%", "0%", "100%", "-"]
+    assert stage_summary(StageView(kind="pipeline", ranks=(), bubble=0.35496, predicted_bubble=1 / 3)) == \
+        "pipeline of 0 stages: bubble 36% (plan 33%)"
+    app = (Path(dashboard.__file__).parent / "static" / "app.js").read_text()
+    assert 'const pct = (v) => v == null ? "-" : `${Math.floor(100 * v + 0.5)}%`;' in app
 
 
 def test_every_view_shows_the_same_stages(tmp_path: Path) -> None:

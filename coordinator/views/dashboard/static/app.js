@@ -134,7 +134,8 @@ function renderRunHead(r) {
 }
 
 // A pipeline's stages and every rank's memory against the plan: the server's stage view, as status and the report.
-const pct = (v) => v == null ? "-" : `${(v * 100).toFixed(0)}%`;
+// A share as a whole percentage: coordinator.views.stagetable.pct's rule (a half rounded up) on the same value.
+const pct = (v) => v == null ? "-" : `${Math.floor(100 * v + 0.5)}%`;
 const bytes = (n) => n == null ? "-" : n >= 1024 ** 3 ? `${(n / 1024 ** 3).toFixed(1)} GiB` : n >= 1024 ** 2 ? `${(n / 1024 ** 2).toFixed(1)} MiB` : `${(n / 1024).toFixed(1)} KiB`;
 function renderStages(r) {
   const t = $("#stages"), head = $("#stage-summary"), v = r.stages;
