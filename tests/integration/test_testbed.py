@@ -216,11 +216,16 @@ def test_close_removes_every_namespace_link_and_process(tmp_path: Path) -> None:
     bed = TestBed(tmp=tmp_path / "bed")
     hosts = bed.add_hosts(3, mac_profile="_testbed_mini")
     # a session that would outlive its sshd listener
-    session = subprocess.Popen(bed.ssh_argv(hosts[0], "sleep 300"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    session = subprocess.Popen(
+        bed.ssh_argv(hosts[0], "echo up; exec sleep 300", connect_timeout=60),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 10
-        while len(_netns_pids([hosts[0].ns])[hosts[0].ns]) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)  # listener + session sshd + sleep
+        # Wait for the remote command itself, not a fixed time: on a loaded 2-core machine the key exchange alone
+        # has taken over 10 s, and the count below was then taken before the session's shell existed.
+        assert session.stdout is not None and session.stdout.readline() == "up\n"
         pids = [p for ps in _netns_pids([h.ns for h in hosts]).values() for p in ps]
         assert len(pids) >= 5 and run_leftovers(bed.tag)
         bed.close()
