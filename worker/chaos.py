@@ -20,10 +20,26 @@ Fault contract (each entry acts on its `rank` only; `worker.train` calls these h
              beating: alive, heartbeating and making no progress, as every rank of a ring whose data-plane
              link went down while SSH still works (its peers spin in the collective).
 
-Digest contract (`arrays_sha256`): SHA256 over the arrays in sorted name order, each encoded as
+Replica digest contract (`replica_digest`: what every `digest` event carries): SHA256 over the arrays in sorted
+name order, each encoded as
+    name (UTF-8) NUL dtype name NUL shape NUL word count n (8 bytes, little-endian) then its sum (4 bytes,
+    little-endian).
+An array's words u_0 .. u_{n-1} are its elements in row-major order, each read as an unsigned little-endian
+integer of its own size (1, 2 or 4 bytes) widened to 32 bits; an 8-byte element is two words (low, high).
+Its sum is  sum over j of fmix32(u_j XOR (j * GOLDEN + SEED))  modulo 2^32 (j modulo 2^32 too; fmix32 is
+MurmurHash3's finaliser). Sums modulo 2^32 do not depend on the order of their terms, so the sums are computed
+where the arrays live with the same value: by MLX on a GPU, where only the sums reach the host (reading
+a model's state on the host took seconds a digest, and on CUDA's managed memory it also moved the state to the
+host for the next step to move back), and by numpy on the host when MLX runs on the CPU. One differing word
+always changes its array's sum (fmix32 is a bijection); any other difference escapes an array's sum with a chance
+of about 2^-32, and drift reaches many arrays. It finds replicas that drifted, not a rank that lies: that one can
+report anything.
+
+Weights digest contract (`arrays_sha256`: checkpoint shards' manifests, whose files are read on the host anyway):
+SHA256 over the arrays in sorted name order, each encoded as
     name (UTF-8) NUL dtype name ("float32", "bfloat16", ...) NUL shape ("3,4"; "" for a scalar) NUL
     byte length (8 bytes, little-endian) then the array's bytes in C (row-major) order.
-Bit-identical replicas give identical digests on any machine with the same byte order.
+Bit-identical arrays give identical digests of either kind on any machine with the same byte order.
 """
 
 from __future__ import annotations
@@ -31,11 +47,13 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from worker.runconfig import ChaosSpec
 
@@ -44,6 +62,11 @@ LIE_FACTOR = 10
 LIED_FIELDS = ("tokens", "tok_s", "compute_tok_s")
 DIVERGE_SCALE = 1e-2
 DIVERGE_SEED = 0x0D1CE
+GOLDEN = 0x9E3779B1  # 2^32 / the golden ratio: spreads consecutive word indices over the 32 bits
+SEED = 0x7F4A7C15
+FMIX_MULS = (0x85EBCA6B, 0xC2B2AE35)  # MurmurHash3's finaliser constants
+WORD_MASK = 0xFFFFFFFF
+CHUNK_WORDS = 1 << 22  # words hashed per pass: bounds the temporaries (a few x 16 MiB) whatever an array's size
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,105 @@ def perturb(params: Mapping[str, mx.array], seed: int = DIVERGE_SEED,
 def dtype_name(dtype: Any) -> str:
     """'float32' for mx.float32 (mlx prints 'mlx.core.float32')."""
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def replica_digest(arrays: Mapping[str, mx.array], *, on_device: bool | None = None) -> str:
+    """The replica digest of `arrays` (module docstring): the same value wherever it is computed.
+
+    `on_device` None sums with MLX when the default device is a GPU and with numpy on the host otherwise (MLX's
+    CPU kernels were slower than numpy at this); True or False forces one (tests compare them)."""
+    if on_device is None:
+        on_device = mx.default_device().type == mx.DeviceType.gpu
+    mx.eval(list(arrays.values()))
+    names = sorted(arrays)
+    sums = None
+    if on_device:
+        try:
+            sums = _sums_mx([arrays[n] for n in names])
+        except (RuntimeError, ValueError) as exc:  # an op this backend lacks: the host gives the same value
+            warnings.warn(f"replica digest: summing on {mx.default_device()} failed ({exc}); summed on the host",
+                          RuntimeWarning, stacklevel=2)
+    if sums is None:
+        sums = [_sum_np(_words_np(arrays[n])) for n in names]
+    h = hashlib.sha256()
+    for name, (n, total) in zip(names, sums, strict=True):
+        arr = arrays[name]
+        shape = ",".join(str(int(d)) for d in arr.shape)
+        h.update(f"{name}\0{dtype_name(arr.dtype)}\0{shape}\0".encode())
+        h.update(n.to_bytes(8, "little"))
+        h.update(total.to_bytes(4, "little"))
+    return h.hexdigest()
+
+
+def _words_np(arr: mx.array) -> np.ndarray:
+    """The array's words (module docstring), not yet widened, as a numpy view of its buffer: no copy unless it is
+    a strided view."""
+    if arr.size == 0:
+        return np.zeros(0, np.uint32)
+    view = memoryview(cast(Any, arr))
+    if not view.c_contiguous:
+        arr = mx.contiguous(arr)
+        mx.eval(arr)
+        view = memoryview(cast(Any, arr))
+    return np.frombuffer(view.cast("B"), dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[arr.dtype.size])
+
+
+def _sum_np(words: np.ndarray) -> tuple[int, int]:
+    """(word count, sum) of one array's words, on the host; numpy's uint32 arithmetic wraps modulo 2^32."""
+    total = 0
+    # (start + i) * GOLDEN + SEED = (i * GOLDEN + SEED) + start * GOLDEN: one index array serves every chunk.
+    base = np.arange(min(words.size, CHUNK_WORDS), dtype=np.uint32) * np.uint32(GOLDEN) + np.uint32(SEED)
+    for start in range(0, words.size, CHUNK_WORDS):
+        u = words[start:start + CHUNK_WORDS]
+        x = base[:u.size] + np.uint32((start * GOLDEN) & WORD_MASK)
+        x ^= u  # widened to 32 bits by the ufunc, chunk by chunk
+        x ^= x >> 16
+        x *= np.uint32(FMIX_MULS[0])
+        x ^= x >> 13
+        x *= np.uint32(FMIX_MULS[1])
+        x ^= x >> 16
+        total = (total + int(x.sum(dtype=np.uint32))) & WORD_MASK
+    return int(words.size), total
+
+
+def _words_mx(arr: mx.array) -> mx.array:
+    """The array's words (module docstring) as a flat MLX array of unsigned integers of the element's size, not
+    yet widened (each chunk is, so no whole-array copy is made); reshape follows the logical row-major order
+    whatever the strides."""
+    return mx.view(arr.reshape(-1), {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint32}[arr.dtype.size])
+
+
+def _sums_mx(arrays: Sequence[mx.array]) -> list[tuple[int, int]]:
+    """(word count, sum) of each array, computed by MLX on the default device; only the sums are read back.
+    Evaluated every CHUNK_WORDS words, so the temporaries stay a few chunks whatever the model's size."""
+    u32 = mx.uint32
+    parts: list[list[mx.array]] = []  # per array: its chunks' sums
+    counts: list[int] = []
+    pending: list[mx.array] = []
+    pending_words = 0
+    for arr in arrays:
+        words = _words_mx(arr) if arr.size else mx.zeros((0,), u32)
+        n = int(words.size)  # elements, or twice that for 8-byte ones
+        counts.append(n)
+        chunks: list[mx.array] = []
+        for start in range(0, n, CHUNK_WORDS):
+            u = words[start:start + CHUNK_WORDS].astype(u32)
+            x = mx.arange(0, int(u.size), dtype=u32) * mx.array(GOLDEN, u32)
+            x = (x + mx.array((SEED + start * GOLDEN) & WORD_MASK, u32)) ^ u
+            x = x ^ (x >> 16)
+            x = x * mx.array(FMIX_MULS[0], u32)
+            x = x ^ (x >> 13)
+            x = x * mx.array(FMIX_MULS[1], u32)
+            chunks.append(mx.sum(x ^ (x >> 16)))  # a uint32 sum: it wraps modulo 2^32, as the contract says
+            pending.append(chunks[-1])
+            pending_words += int(u.size)
+            if pending_words >= CHUNK_WORDS:
+                mx.eval(pending)
+                pending, pending_words = [], 0
+        parts.append(chunks)
+    every = [c for chunks in parts for c in chunks]
+    values = iter(cast(list[int], mx.stack(every).tolist()) if every else [])  # one read-back, 4 bytes a chunk
+    return [(n, sum(next(values) for _ in chunks) & WORD_MASK) for n, chunks in zip(counts, parts, strict=True)]
 
 
 def arrays_sha256(arrays: Mapping[str, mx.array]) -> str:

@@ -66,7 +66,7 @@ class EventKind(_StrEnum):
     DIGEST = "digest"  # step, params_sha256 (all parameters, frozen ones too), optimizer_sha256 (optimizer
     #                    state), digest_s (the seconds hashing took: outside every step's step_time_s); every
     #                    `consistency_every` steps and at the last step, after the update. Identical on honest
-    #                    data-parallel replicas (see worker.chaos.arrays_sha256)
+    #                    data-parallel replicas (SHA256 of the arrays' sums: see worker.chaos.replica_digest)
     EVAL = "eval"  # step, val_loss, val_tokens, eval_time_s
     CHECKPOINT = "checkpoint"  # step, path, sha256 (of manifest.sha256; a sharded checkpoint, fsdp or pipeline:
     #                            of the whole checkpoint's manifest, the same on every rank), writer (rank that wrote

@@ -57,8 +57,8 @@ parentheses; unknown keys are rejected so a typo cannot silently change a run):
     restart_from_scratch  (false): on resume, when checkpoints exist but none is valid on any rank, set them
                       aside and start at step 0 (without it every rank refuses: worker.train.ResumeRefused)
     consistency_every replica-consistency digests every N steps and at the last step, 0 = off (50): every rank
-                      emits a `digest` event (SHA256 of all its parameters and of its optimizer state, see
-                      `worker.chaos.arrays_sha256`); honest data-parallel replicas give identical digests
+                      emits a `digest` event (digests of all its parameters and of its optimizer state, see
+                      `worker.chaos.replica_digest`); honest data-parallel replicas give identical digests
     fence             {"factor": F, "min_s": S} or null (null): a rank that has been inside one step for F x its
                       median step time and at least S seconds of its own running time stops itself (an `error`
                       event with `fenced`, exit 75), so a stalled ring whose coordinator cannot reach it does not

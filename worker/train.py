@@ -22,8 +22,9 @@ Contract
   this rank's own pre-reduction values too (local_loss, local_loss_finite, local_grad_norm, compute_s,
   compute_tok_s), so a NaN or an outlier can be attributed to the rank that produced it.
 * Consistency: every `consistency_every` steps and at the last step, after the update, every rank emits a
-  `digest` event (SHA256 of all its parameters, frozen ones included, and of its optimizer state); data-parallel
-  replicas are bit-identical, so honest ranks report identical digests (`Strategy.digest_peers`: who must agree).
+  `digest` event (`worker.chaos.replica_digest` of all its parameters, frozen ones included, and of its optimizer
+  state, summed on the device that holds them); data-parallel replicas are bit-identical, so honest ranks report
+  identical digests (`Strategy.digest_peers`: who must agree).
 * Chaos (tests and drills): the `chaos` faults planned for this rank are applied at fixed points of the step
   (see `worker.chaos` for what each does and where).
 * Layout (`config.layout`): how the ranks share the model is the run's strategy (`worker.parallel`): `dp` (every

@@ -39,7 +39,7 @@ SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py")
 
 def test_the_script_list_is_what_is_there() -> None:
     assert {"bench_split.py", "bench_map.py", "bench_preflight.py", "bench_scale.py", "bench_sync.py",
-            "bench_train.py", "bench_hash.py"} <= set(SCRIPTS)
+            "bench_train.py", "bench_hash.py", "bench_digest.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -114,7 +114,8 @@ def test_a_renamed_key_is_a_one_line_error_naming_it() -> None:
 @pytest.mark.parametrize("argv", [
     ["bench_hash.py", "--big-mib", "1", "--small-mib", "1", "--small-count", "2", "--runs", "1"],
     ["bench_dashboard.py", "--ranks", "2", "--seconds", "2", "--step-s", "0.5"],
-], ids=["hash", "dashboard"])
+    ["bench_digest.py", "--sizes", "tiny", "--rounds", "1", "--steps", "2"],
+], ids=["hash", "dashboard", "digest"])
 def test_the_benchmarks_without_a_test_bed_run_ci_sized(argv: list[str], tmp_path: Path) -> None:
     """The benchmarks that need no root, namespaces or GPU, run for real at the smallest size: they finish and
     print their report (no figures judged: they depend on the machine)."""
@@ -124,6 +125,8 @@ def test_the_benchmarks_without_a_test_bed_run_ci_sized(argv: list[str], tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     if argv[0] == "bench_hash.py":
         assert "| probe, warm hash cache" in proc.stdout
+    elif argv[0] == "bench_digest.py":  # it also checks that both ways of summing agree
+        assert proc.stdout.count("tiny ") == 2 and "sums-device" in proc.stdout and "after" in proc.stdout
     else:
         doc = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
         assert doc["steps_written"] == 4 and "steps_seen" in doc and "latency_median_s" in doc

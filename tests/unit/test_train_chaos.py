@@ -45,6 +45,7 @@ from tests.unit.test_train_distributed import (
     write_config,
 )
 from tests.unit.test_train_unit import EXAMPLE, load_tiny, run_in_process
+from worker import chaos
 from worker.chaos import (
     LIE_FACTOR,
     LIE_STEP_OFFSET,
@@ -52,6 +53,7 @@ from worker.chaos import (
     arrays_sha256,
     lie_about,
     perturb,
+    replica_digest,
 )
 from worker.comm import scalar
 from worker.events import EventLog, Heartbeat
@@ -147,6 +149,77 @@ def test_digest_encoding_is_canonical() -> None:
     assert arrays_sha256({**tree, "x": x.view(mx.int32)}) != base  # so is dtype (same bytes)
     assert arrays_sha256({**tree, "y": tree.pop("x")}) != base  # and the name
     assert arrays_sha256({**tree, "x": x.at[1, 2].add(1e-6)}) != base  # one element, a tiny change
+
+
+def _fmix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_replica_digest_encoding_is_the_documented_one() -> None:
+    """Written from the module docstring alone, in plain integers: pins the contract both sums must keep."""
+    words = [1, 0xFFFFFFFE, 7]  # int32 [1, -2, 7]
+    total = sum(_fmix32(u ^ ((j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF)) for j, u in enumerate(words)) & 0xFFFFFFFF
+    want = hashlib.sha256(b"a\0int32\x003\0" + (3).to_bytes(8, "little") + total.to_bytes(4, "little")).hexdigest()
+    a = mx.array([1, -2, 7], mx.int32)
+    assert replica_digest({"a": a}, on_device=False) == want
+    assert replica_digest({"a": a}, on_device=True) == want
+    # an 8-byte element is two words, low then high
+    w = [7, 0, 0, 256]  # int64 [7, 2**40]
+    total = sum(_fmix32(u ^ ((j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF)) for j, u in enumerate(w)) & 0xFFFFFFFF
+    want = hashlib.sha256(b"b\0int64\x002\0" + (4).to_bytes(8, "little") + total.to_bytes(4, "little")).hexdigest()
+    assert replica_digest({"b": mx.array([7, 2**40], mx.int64)}, on_device=False) == want
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 22])
+def test_replica_digest_is_the_same_summed_by_mlx_or_by_numpy(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dtype a model or optimizer holds, strided and broadcast views, scalars and empty arrays, and arrays
+    across chunk boundaries: the device's sums (MLX, here on the CPU) equal the host's (numpy)."""
+    monkeypatch.setattr(chaos, "CHUNK_WORDS", chunk)
+    key = mx.random.key(3)
+    tree = {
+        "f32": mx.random.normal((37, 11), key=key), "bf16": mx.random.normal((101,), key=key).astype(mx.bfloat16),
+        "f16": mx.random.normal((13,), key=key).astype(mx.float16), "i8": mx.array([1, -2, 3], mx.int8),
+        "u8": mx.array([0, 255], mx.uint8), "bool": mx.array([True, False, True]),
+        "i64": mx.array([7, -(2**40)], mx.int64), "u64": mx.array(5, mx.uint64), "u32": mx.array([2**32 - 1], mx.uint32),
+        "scalar": mx.array(2.5), "empty": mx.zeros((0, 3)), "t": mx.random.normal((5, 7), key=key).T,
+        "bcast": mx.broadcast_to(mx.array([1.0, 2.0]), (3, 2)),
+    }
+    assert replica_digest(tree, on_device=True) == replica_digest(tree, on_device=False) == replica_digest(tree)
+
+
+def test_a_device_that_cannot_sum_falls_back_to_the_same_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = {"w": mx.arange(10, dtype=mx.float32)}
+    want = replica_digest(tree, on_device=False)
+
+    def unsupported(arrays: object) -> object:
+        raise ValueError("[right_shift] not supported on this backend")
+
+    monkeypatch.setattr(chaos, "_sums_mx", unsupported)
+    with pytest.warns(RuntimeWarning, match="summed on the host"):
+        assert replica_digest(tree, on_device=True) == want
+
+
+def test_replica_digest_sees_what_a_replica_drift_changes() -> None:
+    x = mx.arange(6, dtype=mx.float32).reshape(2, 3)
+    tree = {"x": x, "s": mx.array(2.0, mx.bfloat16), "e": mx.zeros((0, 4))}
+    for on_device in (False, True):
+        def digest(t: dict[str, mx.array], on_device: bool = on_device) -> str:
+            return replica_digest(t, on_device=on_device)
+
+        base = digest(tree)
+        assert digest(dict(reversed(list(tree.items())))) == base  # insertion order does not matter
+        assert digest({**tree, "x": mx.contiguous(x.T).T}) == base  # nor the layout
+        assert digest({**tree, "x": x.reshape(3, 2)}) != base  # shape is part of it
+        assert digest({**tree, "x": x.view(mx.int32)}) != base  # so is dtype (same bytes)
+        assert digest({("y" if k == "x" else k): v for k, v in tree.items()}) != base  # and the name
+        assert digest({**tree, "x": x.at[1, 2].add(1e-6)}) != base  # one element, a tiny change
+        assert digest({**tree, "x": -x}) != base  # sign bits only (a plain sum of odd multiples misses pairs)
+        assert digest({**tree, "x": mx.array([[0.0, 1, 2], [3, 5, 4]])}) != base  # two elements swapped
+        assert digest({**tree, "x": x.at[0, 1].add(1.0).at[0, 2].add(-1.0)}) != base  # changes summing to 0
 
 
 def test_perturb_is_seeded_leaves_ints_and_the_global_rng_alone() -> None:

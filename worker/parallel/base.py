@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from worker.chaos import arrays_sha256
+from worker.chaos import replica_digest
 from worker.checkpoint import MANIFEST, OPTIMIZER, STATE, WEIGHTS
 from worker.comm import Comm
 from worker.errors import TrainingError
@@ -169,9 +169,9 @@ class Strategy(ABC):
 
     def digests(self) -> dict[str, str]:
         """The `digest` event's hashes: every parameter this rank holds (trainable and frozen: a corrupted frozen
-        weight must show too) and its optimizer state, canonically encoded (`worker.chaos.arrays_sha256`)."""
-        return {"params_sha256": arrays_sha256(flatten(self.model.parameters())),
-                "optimizer_sha256": arrays_sha256(flatten(self.optimizer.state))}
+        weight must show too) and its optimizer state (`worker.chaos.replica_digest`, summed where they live)."""
+        return {"params_sha256": replica_digest(flatten(self.model.parameters())),
+                "optimizer_sha256": replica_digest(flatten(self.optimizer.state))}
 
     @abstractmethod
     def digest_peers(self) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as _nn
 from mlx.utils import tree_map_with_path, tree_unflatten
 
-from worker.chaos import arrays_sha256
+from worker.chaos import arrays_sha256, replica_digest
 from worker.checkpoint import (
     STATE,
     checkpoints_dir,
@@ -238,8 +238,8 @@ class FullyShardedDataParallel(DataParallel):
 
     def digests(self) -> dict[str, str]:
         """One hash over every rank's shard hashes (module docstring): equal on honest ranks."""
-        mine = {"params": arrays_sha256(flatten(self.model.parameters())),
-                "optimizer": arrays_sha256(flatten(self.optimizer.state))}
+        mine = {"params": replica_digest(flatten(self.model.parameters())),
+                "optimizer": replica_digest(flatten(self.optimizer.state))}
         out = {}
         for key, name in (("params", "params_sha256"), ("optimizer", "optimizer_sha256")):
             rows = self.comm.gather_ints(list(bytes.fromhex(mine[key])))
