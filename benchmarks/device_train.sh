@@ -67,9 +67,12 @@
 #   `@gpu`/`@far`/`@CPUS`; an `nvidia-smi --query-gpu=... -lms 250` beside it logs the GPU's clocks). The H200 lent
 #   then was one NUMA node (16 vCPUs): `@far` is refused there, `@gpu` is every CPU.
 # What a replica digest costs on the GPU (every 50 steps; outside the steps' times; the step after one took 0.12-0.19 s
-# against 0.027 s in session 12), after call 1 and the `--build-only` of the line above, one call:
+# against 0.027 s in session 12, when it was a SHA256 of every byte read on the host), after call 1, one call:
+#   carry ["benchmarks/out/whl-b"]  command: bash benchmarks/device_train.sh install && PYTHONPATH=. python3 benchmarks/bench_digest.py --sizes S,M --methods lora,full --rounds 3 --steps 12 --json $OUT/digest.json
+#   (sha256 = the old digest, sums-device = the new one on the GPU, each with the step after it against a step with
+#   none; the bench stops if the host's and the device's sums differ. Then the rank's own `digest_s`:
 #   PYTHONPATH=. python3 benchmarks/probe_rank_vs_bench.py --model /tmp/bk/model-S --data /tmp/bk/data-S-variable --method full --batch 8 --steps 300 --rounds 2 --kinds rank
-#   (each line's `digest_s`: the seconds of each digest; then the same with model-M)
+#   after the `--build-only` of the line above)
 # (whl-b is carried again so that a call landing on a fresh machine fails with a clear "make call 1 again" instead
 # of a missing-file error; `run` installs only when mlx is not importable yet. --keep lets call 4 reuse call 3's
 # M model, about a minute to build; checkpoints and adapters are deleted after every run whatever --keep says.)

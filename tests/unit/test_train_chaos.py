@@ -179,6 +179,7 @@ def test_replica_digest_is_the_same_summed_by_mlx_or_by_numpy(chunk: int, monkey
     """Every dtype a model or optimizer holds, strided and broadcast views, scalars and empty arrays, and arrays
     across chunk boundaries: the device's sums (MLX, here on the CPU) equal the host's (numpy)."""
     monkeypatch.setattr(chaos, "CHUNK_WORDS", chunk)
+    monkeypatch.setattr(chaos, "HOST_CHUNK_WORDS", chunk)
     key = mx.random.key(3)
     tree = {
         "f32": mx.random.normal((37, 11), key=key), "bf16": mx.random.normal((101,), key=key).astype(mx.bfloat16),
