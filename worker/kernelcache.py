@@ -15,6 +15,9 @@ So each worker process compiles into a directory of its own and shares only whol
 - At exit, what it compiled is published into the shared cache by link and rename (atomic: a reader sees the old
   file or the whole new one), and a truncated file found there is replaced. A process that dies without exiting
   (SIGKILL) leaves its directory; the next `isolate()` on the machine publishes its complete files and removes it.
+  Whether its process lives is the lock it holds on `<dir>/.alive` (flock, released by the kernel when the process
+  dies), not its PID: a process in another PID namespace sharing this /tmp (a container) has a PID that means
+  nothing here, and a dead process's PID can be reused. Dirs of workers from before the lock fall back to the PID.
 
 "Complete" is read from the file itself: an ELF or Mach-O library whose headers and segments all lie inside it.
 Python's own `tempfile` keeps the real temp dir (pinned before TMPDIR changes); child processes inherit the private
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -41,6 +45,7 @@ LIBRARY_SUFFIXES = (".so", ".dylib")
 # The kernels' sources: written by MLX just before it compiles them and never read back (the CPU backend looks for
 # the library, the CUDA one for .ptx and .txt), so neither seeded nor shared: half the files each process links.
 SOURCE_SUFFIXES = (".cpp", ".cu")
+ALIVE = ".alive"  # the lock file a process holds for as long as it lives (module docstring)
 
 Read = Callable[[int, int], bytes]  # (offset, length) -> the bytes there
 
@@ -206,12 +211,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owner_gone(entry: Path) -> bool:
+    """Whether the process whose private dir `entry` is has died: its lock on `.alive` can be taken (then it is
+    let go at once), or, with no lock file (a worker from before it, or one killed before it made it), its PID
+    (the name's first field, after the dot of a dir not yet renamed) names no process."""
+    try:
+        fd = os.open(entry / ALIVE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        pid = entry.name.lstrip(".").split("-", 1)[0]
+        return pid.isdigit() and not _alive(int(pid))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # held: its process lives, in whatever PID namespace
+    finally:
+        os.close(fd)
+    return True
+
+
 def _reap(root: Path, shared: Path) -> None:
-    """Publish and remove the dirs of processes that died without exiting (the name starts with their PID)."""
+    """Publish and remove the dirs of processes that died without exiting."""
     with contextlib.suppress(OSError):
         for entry in root.iterdir():
-            pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if entry.name.lstrip(".")[:1].isdigit() and _owner_gone(entry):
                 publish(entry / "mlx", shared)
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -240,8 +262,14 @@ def isolate() -> KernelCache | None:
         if not _own_dir(root):
             return None
         _reap(root, shared)
-        private = root / f"{os.getpid()}-{secrets.token_hex(4)}"
-        private.mkdir(mode=0o700)
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        # Made under a dot name and renamed once its lock is held, so no reaper ever sees it unlocked.
+        staging = root / f".{name}"
+        staging.mkdir(mode=0o700)
+        lock = os.open(staging / ALIVE, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # never closed: the kernel lets it go when this process dies
+        private = root / name
+        staging.rename(private)
         _seed(shared, private / "mlx")
     except OSError:
         return None

@@ -118,6 +118,40 @@ def test_a_dead_process_dir_is_published_and_removed(kernel: tuple[Path, bytes, 
     assert not (tmp_path / "mlx" / "v" / "cpu" / "libshort.so").exists()
 
 
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_dir_whose_process_holds_its_lock_is_kept_whatever_its_pid(kernel: tuple[Path, bytes, str],
+                                                                   tmp_path: Path) -> None:
+    """A process in another PID namespace sharing /tmp (a container) has a PID that names no process here, or
+    another one: its dir is kept while it holds `.alive`, and published and removed once it is gone."""
+    _, data, _ = kernel
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    theirs = tmp_path / f"mlxc-kernels-{os.geteuid()}" / f"{int(gone.stdout)}-container"
+    (theirs / "mlx" / "v" / "cpu").mkdir(parents=True)
+    (theirs / "mlx" / "v" / "cpu" / "libtheirs.so").write_bytes(data)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(theirs / ".alive")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        done = compile_kernel(tmp_path, "isolate")
+        assert done.returncode == 0, done.stderr
+        assert (theirs / "mlx" / "v" / "cpu" / "libtheirs.so").read_bytes() == data  # kept: its process lives
+    finally:
+        holder.communicate("", timeout=30)
+    done = compile_kernel(tmp_path, "isolate")
+    assert done.returncode == 0, done.stderr
+    assert not theirs.exists()
+    assert (tmp_path / "mlx" / "v" / "cpu" / "libtheirs.so").read_bytes() == data
+
+
 def test_publish_never_replaces_a_whole_file_and_leaves_no_temp_files(kernel: tuple[Path, bytes, str],
                                                                      tmp_path: Path) -> None:
     _, data, _ = kernel
