@@ -102,14 +102,20 @@ def test_a_warm_cache_is_used_as_it_is(kernel: tuple[Path, bytes, str]) -> None:
     assert libraries(tmp / "mlx") == [lib]
 
 
+def dir_of_a_gone_pid(tmp: Path, tag: str, library: str, data: bytes) -> Path:
+    """A private kernel dir named for a PID that no process has any more, holding one compiled library."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    path = tmp / f"mlxc-kernels-{os.geteuid()}" / f"{int(gone.stdout)}-{tag}"
+    (path / "mlx" / "v" / "cpu").mkdir(parents=True)
+    (path / "mlx" / "v" / "cpu" / library).write_bytes(data)
+    return path
+
+
 def test_a_dead_process_dir_is_published_and_removed(kernel: tuple[Path, bytes, str], tmp_path: Path) -> None:
     """A rank killed by SIGKILL runs no exit handler: the next isolated process on the machine finishes its job."""
     _, data, _ = kernel
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    dead = tmp_path / f"mlxc-kernels-{os.geteuid()}" / f"{int(gone.stdout)}-dead"
-    (dead / "mlx" / "v" / "cpu").mkdir(parents=True)
-    (dead / "mlx" / "v" / "cpu" / "libwhole.so").write_bytes(data)
+    dead = dir_of_a_gone_pid(tmp_path, "dead", "libwhole.so", data)
     (dead / "mlx" / "v" / "cpu" / "libshort.so").write_bytes(data[:100])  # killed mid-compile: never shared
     done = compile_kernel(tmp_path, "isolate")
     assert done.returncode == 0, done.stderr
@@ -132,11 +138,7 @@ def test_a_dir_whose_process_holds_its_lock_is_kept_whatever_its_pid(kernel: tup
     """A process in another PID namespace sharing /tmp (a container) has a PID that names no process here, or
     another one: its dir is kept while it holds `.alive`, and published and removed once it is gone."""
     _, data, _ = kernel
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    theirs = tmp_path / f"mlxc-kernels-{os.geteuid()}" / f"{int(gone.stdout)}-container"
-    (theirs / "mlx" / "v" / "cpu").mkdir(parents=True)
-    (theirs / "mlx" / "v" / "cpu" / "libtheirs.so").write_bytes(data)
+    theirs = dir_of_a_gone_pid(tmp_path, "container", "libtheirs.so", data)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(theirs / ".alive")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
