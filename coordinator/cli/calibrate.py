@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from coordinator.cli.common import DEFAULT_PLAYBOOK, handle_errors, job_options, load, run_async, with_common
+from coordinator.units import format_share
 
 
 @with_common
@@ -44,7 +45,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
             table.add_column(col)
         for row in result["nodes"]:
             table.add_row(row["node"], f"{row['examples_per_s']:,.2f}", f"[{row['shard'][0]}, {row['shard'][1]})",
-                          str(row["rows"]), f"{100 * row['share']:.1f}%")
+                          str(row["rows"]), format_share(row["share"]))
         console.print(table)
         return
     plan, cals, choice = run_async(calibrate_fleet(inv, pb, opts, RichUI(console, show_preflight=False)))
@@ -61,7 +62,7 @@ def calibrate(inventory: str, limit: str | None, accept_new_host_keys: bool, con
             continue  # a pipeline's stage: the plan below says which blocks it holds
         cal = cals[name]
         table.add_row(name, f"{cal.best.tokens_per_s:,.0f}", str(cal.best.batch), str(plan.batch[name]),
-                      f"{100 * plan.split[name]:.1f}%", f"{plan.node_tokens_per_s(name) or 0:,.0f}",
+                      format_share(plan.split[name]), f"{plan.node_tokens_per_s(name) or 0:,.0f}",
                       "yes" if cal.cached else "no")
     if plan.mode != "pipeline":
         console.print(table)

@@ -42,7 +42,7 @@ from typing import Any
 from coordinator.errors import CoordinatorError
 from coordinator.planning.collective import CollectiveCost, GradientSize
 from coordinator.planning.shards import largest_remainder
-from coordinator.units import format_bytes
+from coordinator.units import format_bytes, format_share
 
 # Same knee criterion as worker.bench: a rate below this fraction of the best is a real fall, not noise.
 PLATEAU_RATIO = 0.97
@@ -680,4 +680,4 @@ def describe_step(plan: Plan) -> str:
 
 def format_split(plan: Plan) -> str:
     """`m4max 65.5% / ultra 34.5%` in rank order."""
-    return " / ".join(f"{name} {share * 100:.1f}%" for name, share in plan.split.items())
+    return " / ".join(f"{name} {format_share(share)}" for name, share in plan.split.items())

@@ -68,6 +68,7 @@ from coordinator.run.rundir import (
     SummaryBase,
     parse_output_row,
 )
+from coordinator.units import format_share
 from worker.events import MapErrorEvent, MapFinishedEvent, MapProgressEvent, parse_map_event
 
 MAP_CACHE_SCHEMA = 1
@@ -502,7 +503,7 @@ async def _run_map(inv: Inventory, pb: Playbook, opts: JobOptions, ui: JobUI, st
         (run_dir / MAP_PLAN).write_text(json.dumps(plan, indent=2) + "\n", encoding="utf-8")
         (run_dir / PLAYBOOK).write_text(Path(pb.path).read_text(encoding="utf-8") if pb.path else "",
                                                encoding="utf-8")
-        ui.message("shards: " + ", ".join(f"{n} {sum(b - a for a, b in rs)} rows ({100 * split[n]:.1f}%)"
+        ui.message("shards: " + ", ".join(f"{n} {sum(b - a for a, b in rs)} rows ({format_share(split[n])})"
                                           for n, rs in given.items()))
         runner = MapRun(fleet, pb, run_dir, work, ui=ui, store=store, run_id=run_id, debug=debug,
                         inventory=inventory_key(inv.path))

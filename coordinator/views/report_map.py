@@ -27,6 +27,7 @@ from coordinator.run.rundir import (
     read_json_object,
     read_manifest,
 )
+from coordinator.units import format_share
 from coordinator.views.report.files import RunFiles, read_run_files
 from coordinator.views.report.page import CSS, build_page, esc, fmt, footer, table, when
 from coordinator.views.report.plots import palette_color
@@ -138,7 +139,7 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
     finished = [n.finished_after_s for n in r.nodes if n.finished_after_s is not None]
     cards = [("rows", f"{r.rows_done} / {r.rows}"), ("task", r.task or "–"), ("nodes", str(len(r.nodes))),
              ("incidents", str(len(r.incidents))),
-             ("finish spread", "–" if r.finish_spread is None else f"{100 * r.finish_spread:.1f}%"),
+             ("finish spread", "–" if r.finish_spread is None else format_share(r.finish_spread)),
              ("makespan", f"{max(finished):,.1f} s" if finished else "–")]
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -159,7 +160,7 @@ def render_map_page(report: MapReport, *, generated_at: float | None = None) -> 
                    f'{base64.b64encode(png).decode()}"></figure>')
     out.append("<h2>Nodes and shards</h2>")
     rows = [[esc(n.name), esc(n.state), f"{n.rows_done} / {n.rows}",
-             esc(", ".join(f"[{a}, {b})" for a, b in n.ranges) or "–"), f"{100 * r.split.get(n.name, 0.0):.1f}%",
+             esc(", ".join(f"[{a}, {b})" for a, b in n.ranges) or "–"), format_share(r.split.get(n.name, 0.0)),
              fmt(n.calibrated, ",.1f"), fmt(n.measured, ",.1f"), fmt(n.finished_after_s, ",.1f")] for n in r.nodes]
     out.append(table(["node", "state", "rows", "ranges", "share", "calibrated ex/s", "measured rows/s", "finished (s)"],
                       rows, numeric=(4, 5, 6, 7)))

@@ -3,9 +3,12 @@ parameters, `7 files (0.00 GB)` and `peak mem 0.00 GiB`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from coordinator.units import format_bytes, format_count
+from coordinator.units import format_bytes, format_count, format_share
+from coordinator.views import dashboard
 
 
 @pytest.mark.parametrize(("n", "text"), [
@@ -29,3 +32,19 @@ def test_nothing_real_rounds_to_zero() -> None:
         assert not format_bytes(n).startswith("0")
     for n in (1, 92_736, 1_000_001):
         assert format_count(n) != "0"
+
+
+@pytest.mark.parametrize(("share", "text"), [
+    (1 / 16, "6.3%"), (5 / 16, "31.3%"), (0.5, "50.0%"), (1 / 3, "33.3%"), (2 / 3, "66.7%"), (0.0, "0.0%"),
+    (1.0, "100.0%"), (0.0004, "0.0%"), (0.0005, "0.1%"), (0.655, "65.5%"), (0.345, "34.5%"),
+])
+def test_a_share_reads_alike_in_every_view(share: float, text: str) -> None:
+    """A half tenth rounds up: Python's own format gave 6.2% for a node with 1 row of 16, JavaScript's 6.3%."""
+    assert format_share(share) == text
+
+
+def test_the_dashboard_words_a_share_by_the_same_expression() -> None:
+    app = (Path(dashboard.__file__).parent / "static" / "app.js").read_text()
+    assert "const share1 = (v) => { const t = Math.floor(1000 * v + 0.5); return `${Math.floor(t / 10)}.${t % 10}%`; };" in app
+    assert ".toFixed(1) + \"%\"" not in app  # no share is worded another way there
+

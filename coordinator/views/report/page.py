@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 from coordinator.run.monitor import describe_recovery
+from coordinator.units import format_share
 from coordinator.views.report.files import RunFiles
 from coordinator.views.report.model import CheckpointRow, Report, build_report
 from coordinator.views.report.plots import Plot, render_plots
@@ -140,7 +141,7 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
                      if n.tokens_per_s and n.calibrated_tokens_per_s else None)
             share = ("–" if n.share is None else
                      f'<div class="bar"><div style="width:{max(0.0, min(1.0, n.share)) * 100:.1f}%"></div></div>'
-                     f"{n.share * 100:.1f}%")
+                     + format_share(n.share))
             state = f'<span class="{"bad" if n.state == "failed" else ""}">{esc(n.state)}</span>'
             verdict = f'<span class="{"" if n.verdict in ("ok", None) else "bad"}">{esc(n.verdict or "–")}</span>'
             rows.append([f'<span class="nw">{esc(n.name)}</span>',
@@ -162,7 +163,7 @@ def render_html(report: Report, plots: Sequence[Plot], *, generated_at: float | 
     split_only = [k for k in r.split if k not in {n.name for n in r.nodes}]
     if split_only:
         out.append("<p>Planned share of nodes not in the final attempt: "
-                   + ", ".join(f"{esc(k)} {r.split[k] * 100:.1f}%" for k in split_only) + "</p>")
+                   + ", ".join(f"{esc(k)} {format_share(r.split[k])}" for k in split_only) + "</p>")
 
     out.extend(_stages_section(r))
 

@@ -10,6 +10,8 @@ const esc = (v) => String(v ?? "-").replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<
 const gib = (n) => n == null ? "-" : (n / 1024 ** 3).toFixed(1) + "G";
 const num = (n, d = 0) => n == null ? "-" : Number(n).toLocaleString(undefined, {maximumFractionDigits: d});
 const dur = (s) => s == null ? "-" : s < 90 ? `${s.toFixed(0)}s` : s < 5400 ? `${(s / 60).toFixed(0)}m` : `${(s / 3600).toFixed(1)}h`;
+// A share with one decimal, a half up, in integers: coordinator/units.py's format_share, the same digits.
+const share1 = (v) => { const t = Math.floor(1000 * v + 0.5); return `${Math.floor(t / 10)}.${t % 10}%`; };
 const VERDICT = {ok: "ok", finished: "ok", pending: "dim", running: "ok", slow: "warn", straggler: "warn"};
 const cls = (v) => VERDICT[v] || "bad";
 const dash = window.dash = {updates: 0, lossPoints: 0, page: null, run: null, skew: 0};
@@ -114,7 +116,7 @@ function rankRows(r, nowLocal) {
       `<td>${esc(k.phase)}</td><td>${k.step}</td><td>${r.active ? dur(beat) + " ago" : "-"}</td><td>${r.active && stepAge != null ? dur(stepAge) + " ago" : "-"}</td>` +
       `<td>${num(k.tokens_per_s)} <span class="dim">/ ${num(k.calibrated_tokens_per_s)}${slow ? ` (${(slow * 100).toFixed(0)}%)` : ""}</span></td>` +
       `<td>${st ? `${st.min.toFixed(3)} / ${st.median.toFixed(3)} / ${st.max.toFixed(3)}` : "-"}</td>` +
-      `<td>${r.split[k.node] != null ? (r.split[k.node] * 100).toFixed(1) + "%" : "-"}</td><td>${k.loss == null ? "-" : k.loss.toFixed(4)}</td></tr>`;
+      `<td>${r.split[k.node] != null ? share1(r.split[k.node]) : "-"}</td><td>${k.loss == null ? "-" : k.loss.toFixed(4)}</td></tr>`;
   }).join("");
 }
 
