@@ -43,4 +43,3 @@ def format_share(value: float) -> str:
     the report and 6.3% on the dashboard."""
     tenths = math.floor(1000 * value + 0.5)
     return f"{tenths // 10}.{tenths % 10}%"
-

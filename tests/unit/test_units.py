@@ -47,4 +47,3 @@ def test_the_dashboard_words_a_share_by_the_same_expression() -> None:
     app = (Path(dashboard.__file__).parent / "static" / "app.js").read_text()
     assert "const share1 = (v) => { const t = Math.floor(1000 * v + 0.5); return `${Math.floor(t / 10)}.${t % 10}%`; };" in app
     assert ".toFixed(1) + \"%\"" not in app  # no share is worded another way there
-
