@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="training steps per kind (alternating: digest, none)")
     ap.add_argument("--json", type=Path)
     opts = ap.parse_args(argv)
+    unknown = [n for n in opts.sizes.split(",") if n not in bt.SIZES] + \
+        [m for m in opts.methods.split(",") if m not in ("lora", "full")]
+    if unknown or opts.rounds < 1 or opts.steps < 0:
+        ap.error(f"--sizes from {', '.join(bt.SIZES)}, --methods from lora, full, --rounds >= 1, --steps >= 0"
+                 + (f" (not: {', '.join(unknown)})" if unknown else ""))
     rows = []
     for name in opts.sizes.split(","):
         for method in opts.methods.split(","):
