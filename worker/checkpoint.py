@@ -236,8 +236,12 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Final-named checkpoint dirs under `root`, newest step first (unverified; tmp dirs never listed)."""
     if not root.is_dir():
         return []
+    try:
+        children = list(root.iterdir())
+    except FileNotFoundError:  # removed since: a second rank on this node pruned the same emptied copy dir
+        return []
     found = []
-    for child in root.iterdir():
+    for child in children:
         step = parse_step_dir(child.name)
         if step is not None and child.is_dir() and not child.is_symlink():
             found.append((step, child))

@@ -286,3 +286,14 @@ def test_command_line_scan_and_set_aside(tmp_path: Path, capsys: pytest.CaptureF
         assert main(["set-aside", str(root), "step-000020:x"]) == 1
     assert "lock held" in capsys.readouterr().err and (root / "step-000020").is_dir()
     assert main(["set-aside", str(root), "latest:x"]) == 1
+
+
+def test_a_checkpoint_dir_removed_while_it_is_listed_lists_nothing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second pipeline rank on the node removes an emptied copy dir between this rank's check and its listing
+    (a CI run's rank died of the FileNotFoundError)."""
+    gone = tmp_path / "stage-1-from-n-b"
+    real_is_dir = Path.is_dir
+    monkeypatch.setattr(Path, "is_dir", lambda self: True if self == gone else real_is_dir(self))
+    assert list_checkpoints(gone) == []
+
